@@ -1,0 +1,3 @@
+"""kvpool: disaggregated KV-cache serving for hybrid KDA + MLA models."""
+
+__version__ = "0.1.0"
