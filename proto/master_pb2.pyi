@@ -1,0 +1,243 @@
+from kvpool.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node", "dram_capacity_bytes", "ssd_capacity_bytes", "inventory")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DRAM_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SSD_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    node: _common_pb2.NodeEndpoint
+    dram_capacity_bytes: int
+    ssd_capacity_bytes: int
+    inventory: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectMeta]
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.ObjectMeta, _Mapping]]] = ...) -> None: ...
+
+class RegisterNodeReply(_message.Message):
+    __slots__ = ("heartbeat_interval_ms", "node_timeout_ms", "adopted_objects")
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    NODE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    node_timeout_ms: int
+    adopted_objects: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., node_timeout_ms: _Optional[int] = ..., adopted_objects: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "dram_used_bytes", "ssd_used_bytes", "fragmentation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SSD_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    dram_used_bytes: int
+    ssd_used_bytes: int
+    fragmentation: float
+    def __init__(self, node_id: _Optional[str] = ..., dram_used_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("reregister",)
+    REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    reregister: bool
+    def __init__(self, reregister: _Optional[bool] = ...) -> None: ...
+
+class PutStartRequest(_message.Message):
+    __slots__ = ("meta", "replace_if_corrupt")
+    META_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_IF_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    meta: _common_pb2.ObjectMeta
+    replace_if_corrupt: bool
+    def __init__(self, meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., replace_if_corrupt: _Optional[bool] = ...) -> None: ...
+
+class PutStartReply(_message.Message):
+    __slots__ = ("status", "put_id", "node", "deadline_ms")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[PutStartReply.Status]
+        STARTED: _ClassVar[PutStartReply.Status]
+        EXISTS: _ClassVar[PutStartReply.Status]
+        IN_PROGRESS: _ClassVar[PutStartReply.Status]
+    STATUS_UNSPECIFIED: PutStartReply.Status
+    STARTED: PutStartReply.Status
+    EXISTS: PutStartReply.Status
+    IN_PROGRESS: PutStartReply.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    status: PutStartReply.Status
+    put_id: str
+    node: _common_pb2.NodeEndpoint
+    deadline_ms: int
+    def __init__(self, status: _Optional[_Union[PutStartReply.Status, str]] = ..., put_id: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class PutCommitRequest(_message.Message):
+    __slots__ = ("put_id",)
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    put_id: str
+    def __init__(self, put_id: _Optional[str] = ...) -> None: ...
+
+class PutCommitReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PutAbortRequest(_message.Message):
+    __slots__ = ("put_id", "reason")
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    put_id: str
+    reason: str
+    def __init__(self, put_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PutAbortReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    tenant: str
+    require_checkpoint: bool
+    acquire: bool
+    lease_ms: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class MatchPrefixReply(_message.Message):
+    __slots__ = ("usable_blocks", "mla_run_blocks", "mla", "checkpoint", "lease_id", "checkpoint_blocks")
+    USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MLA_RUN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MLA_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    usable_blocks: int
+    mla_run_blocks: int
+    mla: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectLocation]
+    checkpoint: _common_pb2.ObjectLocation
+    lease_id: str
+    checkpoint_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, usable_blocks: _Optional[int] = ..., mla_run_blocks: _Optional[int] = ..., mla: _Optional[_Iterable[_Union[_common_pb2.ObjectLocation, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.ObjectLocation, _Mapping]] = ..., lease_id: _Optional[str] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys", "acquire", "lease_ms")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    acquire: bool
+    lease_ms: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("found", "missing", "lease_id")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    found: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectLocation]
+    missing: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_id: str
+    def __init__(self, found: _Optional[_Iterable[_Union[_common_pb2.ObjectLocation, _Mapping]]] = ..., missing: _Optional[_Iterable[bytes]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RemoveReply(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("keys", "ttl_ms")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_ms: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class PinReply(_message.Message):
+    __slots__ = ("pinned",)
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    pinned: int
+    def __init__(self, pinned: _Optional[int] = ...) -> None: ...
+
+class SetQuotaRequest(_message.Message):
+    __slots__ = ("tenant", "max_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    max_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class SetQuotaReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy")
+    class BytesPerTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class BytesPerTenantEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TIER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    objects: int
+    bytes: int
+    capacity_bytes: int
+    evictions: int
+    evicted_bytes: int
+    nodes: int
+    active_leases: int
+    pending_puts: int
+    bytes_per_tier: _containers.ScalarMap[str, int]
+    bytes_per_tenant: _containers.ScalarMap[str, int]
+    policy: str
+    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ...) -> None: ...
