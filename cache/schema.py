@@ -1,0 +1,44 @@
+"""What a model's cache objects must look like: the contract between the model and the cache-unit codec.
+
+The model builds a ``CacheSchema`` from its config (``HybridModel.cache_schema()``); the codec in
+``kvpool.cache.units`` checks every header against it, so a block written by another model, another
+layout or another dtype is rejected as a miss instead of being silently misread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CacheSchema:
+    """Shapes and dtypes of one model's cache units (per request, no batch dimension)."""
+
+    fingerprint: bytes  # 32-byte model fingerprint (config + weights); part of every hash root and header
+    mla_layers: tuple[int, ...]  # layer ids of MLA layers, ascending
+    latent_dim: int  # kv_lora_rank + qk_rope_head_dim: one row [c_kv | k_pe] per token
+    mla_dtype: str  # torch dtype name of latents, e.g. "float32", "bfloat16"
+    kda_layers: tuple[int, ...]  # layer ids of KDA layers, ascending
+    state_shape: tuple[int, int, int]  # (H, dk, dv) of the recurrent state, fp32, layout HKV
+    conv_shape: tuple[int, int]  # (W-1, Dq+Dk+Dv) pre-conv rows carried across a boundary
+    conv_dtype: str  # activation dtype of the conv state
+    block_size: int  # tokens per hash block (multiple of 64)
+
+    def mla_block_bytes(self, n_tokens: int | None = None) -> int:
+        """Payload bytes of one MLA block (all MLA layers) holding ``n_tokens`` (default: a full block)."""
+        import torch
+
+        n = self.block_size if n_tokens is None else n_tokens
+        item = torch.empty((), dtype=getattr(torch, self.mla_dtype)).element_size()
+        return n * self.latent_dim * item * len(self.mla_layers)
+
+    def kda_checkpoint_bytes(self) -> int:
+        """Payload bytes of one KDA checkpoint (all KDA layers)."""
+        import torch
+
+        h, dk, dv = self.state_shape
+        conv_item = torch.empty((), dtype=getattr(torch, self.conv_dtype)).element_size()
+        per_layer = h * dk * dv * 4 + self.conv_shape[0] * self.conv_shape[1] * conv_item
+        return per_layer * len(self.kda_layers)
