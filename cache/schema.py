@@ -25,6 +25,12 @@ class CacheSchema:
     conv_shape: tuple[int, int]  # (W-1, Dq+Dk+Dv) pre-conv rows carried across a boundary
     conv_dtype: str  # activation dtype of the conv state
     block_size: int  # tokens per hash block (multiple of 64)
+    state_layout: str = "HKV"  # axis order of S; fla's V-first layout would be "HVK" and must not be misread
+
+    @property
+    def conv_taps(self) -> int:
+        """Pre-conv rows carried across a boundary (W - 1 = 3 for Kimi); a 4-slot layout would say 4."""
+        return self.conv_shape[0]
 
     def mla_block_bytes(self, n_tokens: int | None = None) -> int:
         """Payload bytes of one MLA block (all MLA layers) holding ``n_tokens`` (default: a full block)."""
