@@ -1,0 +1,107 @@
+"""Typed errors of the store data plane and client library.
+
+Callers branch on the type, never on message text: a missing object (``ObjectNotFoundError``) is not an
+empty object, a corrupt one (``CorruptObjectError``) is a miss to recompute, and a dead or slow peer
+(``StoreUnavailableError`` / ``TransportTimeoutError``) is retryable. Each error carries a short wire ``code``
+so the tcp / ucx frames and gRPC statuses map back to the same class on the other side.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base of every store error."""
+
+    code = 255  # wire status code (see ``error_for_code``)
+
+
+class ObjectNotFoundError(StoreError, KeyError):
+    """The key is not stored (or not on the node the index pointed at). Missing is never empty bytes."""
+
+    code = 1
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class CorruptObjectError(StoreError):
+    """Stored bytes do not match their checksum (treat as a miss and recompute)."""
+
+    code = 2
+
+
+class ChecksumMismatchError(CorruptObjectError):
+    """A put's payload does not hash to the checksum it declared; the put is rejected."""
+
+    code = 3
+
+
+class CapacityExceededError(StoreError):
+    """The node's pool (or SSD tier) has no extent large enough for the object."""
+
+    code = 4
+
+
+class ObjectTooLargeError(CapacityExceededError):
+    """The object can never fit (larger than the node's max object size or total capacity)."""
+
+    code = 5
+
+
+class BadRequestError(StoreError, ValueError):
+    """Malformed request: bad key, bad sizes, bad frame."""
+
+    code = 6
+
+
+class ProtocolError(BadRequestError):
+    """Garbage or truncated data on a data-plane connection; the connection is closed."""
+
+    code = 7
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The master or a storage node cannot be reached or died mid-operation."""
+
+    code = 8
+
+
+class TransportTimeoutError(StoreUnavailableError, TimeoutError):
+    """A network wait passed its deadline."""
+
+    code = 9
+
+
+class TransportUnavailableError(StoreError):
+    """An explicitly chosen transport cannot reach this peer (no silent fallback)."""
+
+    code = 10
+
+
+class ObjectExistsError(StoreError):
+    """The node already holds a different object under this key (objects are immutable)."""
+
+    code = 11
+
+
+_BY_CODE: dict[int, type[StoreError]] = {
+    cls.code: cls
+    for cls in (
+        ObjectNotFoundError,
+        CorruptObjectError,
+        ChecksumMismatchError,
+        CapacityExceededError,
+        ObjectTooLargeError,
+        BadRequestError,
+        ProtocolError,
+        StoreUnavailableError,
+        TransportTimeoutError,
+        TransportUnavailableError,
+        ObjectExistsError,
+    )
+}
+
+
+def error_for_code(code: int, message: str) -> StoreError:
+    """Rebuild the typed error a peer reported in a wire frame (unknown codes become ``StoreError``)."""
+    return _BY_CODE.get(code, StoreError)(message)
