@@ -32,7 +32,7 @@ def check_block_size(block_size: int) -> int:
     return block_size
 
 
-def _canonical_tokens(tokens: Iterable[int]) -> list[int]:
+def canonical_tokens(tokens: Iterable[int]) -> list[int]:
     """Tokens as plain Python ints (numpy / torch ints accepted), rejecting bools, negatives and non-ints."""
     if hasattr(tokens, "tolist"):  # numpy array / torch tensor: one C-level conversion
         tokens = tokens.tolist()
@@ -78,7 +78,7 @@ def hash_block(parent: bytes, tokens: Sequence[int], extra: object = None) -> Bl
 
     The low-level step: use it directly when ``extra`` differs per block. Does not check the token count.
     """
-    payload = _cbor([_check_parent(parent), _canonical_tokens(tokens), extra])
+    payload = _cbor([_check_parent(parent), canonical_tokens(tokens), extra])
     return BlockHash(hashlib.sha256(payload).digest())
 
 
@@ -132,7 +132,7 @@ class BlockHasher:
 
         Validates all tokens before changing state, so a bad token leaves the hasher untouched.
         """
-        self._pending.extend(_canonical_tokens(tokens))
+        self._pending.extend(canonical_tokens(tokens))
         closed: list[BlockHash] = []
         b = self.block_size
         start = 0
