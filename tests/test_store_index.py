@@ -1,0 +1,360 @@
+"""PrefixIndex rules: joint prefix match, dependencies, eviction by bytes, pins, leases, TTL, quotas."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+from kvpool.cache.keys import kda_key, mla_key
+from kvpool.kvstore.eviction import UnknownPolicyError
+from kvpool.kvstore.index import (
+    BadObjectError,
+    CapacityError,
+    DuplicateKeyError,
+    ObjectKind,
+    PrefixIndex,
+    QuotaExceededError,
+    Tier,
+    UnknownKeyError,
+)
+
+MLA, KDA, TAIL, BLOB = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL, ObjectKind.BLOB
+
+
+class Clock:
+    """Manual clock: tests move time explicitly, so every run is identical."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def chain(n: int, seed: str = "a") -> list[bytes]:
+    out, prev = [], seed.encode()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev)
+    return out
+
+
+def put_chain(
+    idx: PrefixIndex,
+    hashes: list[bytes],
+    *,
+    checkpoints: tuple[int, ...] = (),
+    size: int = 10,
+    ck_size: int = 10,
+    tenant: str = "",
+    node: str | None = "n0",
+) -> None:
+    """Insert MLA blocks of a chain in order, plus checkpoints closing block c-1 for each c."""
+    parent = b""
+    for i, h in enumerate(hashes):
+        idx.insert(mla_key(h), MLA, size, parent=parent, tenant=tenant, node_id=node)
+        parent = mla_key(h)
+        if i + 1 in checkpoints:
+            idx.insert(kda_key(h), KDA, ck_size, tenant=tenant, node_id=node)
+
+
+def make(clock: Clock | None = None, cap: int = 10_000, **kw: object) -> PrefixIndex:
+    idx = PrefixIndex(clock=clock or Clock(), **kw)  # type: ignore[arg-type]
+    idx.add_node("n0", cap)
+    return idx
+
+
+def assert_prefix_closed(idx: PrefixIndex) -> None:
+    """Every committed MLA block's parent and every checkpoint's MLA block is committed.
+
+    Reads the index's key table directly so it can run after every single insert (eviction round)."""
+    for key in idx._slot:
+        if key[:1] == b"M":
+            parent = idx._anchors[idx._slot[key]]
+            assert parent is None or parent in idx, "an MLA block outlived its parent"
+        elif key[:1] == b"K":
+            assert mla_key(key[1:]) in idx, "a checkpoint outlived its MLA block"
+
+
+# ---------------------------------------------------------------- joint prefix rule
+
+
+def test_joint_rule_picks_largest_checkpointed_prefix() -> None:
+    idx = make()
+    hs = chain(10)
+    put_chain(idx, hs[:8], checkpoints=(2, 5))
+    m = idx.match_prefix(hs)
+    assert (m.usable_blocks, m.mla_run_blocks, m.checkpoint_blocks) == (5, 8, (2, 5))
+    assert m.mla_keys == tuple(mla_key(h) for h in hs[:5])
+    assert m.checkpoint_key == kda_key(hs[4])
+    assert m.blocks_lost_to_checkpoint == 3
+    plain = idx.match_prefix(hs, require_checkpoint=False)
+    assert (plain.usable_blocks, plain.checkpoint_key) == (8, None)
+    assert len(plain.mla_keys) == 8
+
+
+def test_p_zero_and_gap_and_checkpoint_past_run() -> None:
+    idx = make()
+    hs = chain(6)
+    assert idx.match_prefix(hs).usable_blocks == 0
+    put_chain(idx, hs[:2])
+    idx.insert(mla_key(hs[3]), MLA, 10, parent=mla_key(hs[2]), node_id="n0")  # orphan past a gap
+    idx.insert(kda_key(hs[3]), KDA, 10, node_id="n0")  # checkpoint past the run is useless
+    m = idx.match_prefix(hs)
+    assert (m.usable_blocks, m.mla_run_blocks, m.checkpoint_key) == (0, 2, None)
+    idx.insert(mla_key(hs[2]), MLA, 10, parent=mla_key(hs[1]), node_id="n0")  # gap filled: re-linked
+    assert idx.match_prefix(hs).usable_blocks == 4
+    assert_prefix_closed(idx)
+
+
+def test_pending_objects_are_invisible_until_commit() -> None:
+    idx = make()
+    hs = chain(1)
+    idx.insert(mla_key(hs[0]), MLA, 10, node_id="n0", pending=True)
+    idx.insert(kda_key(hs[0]), KDA, 10, node_id="n0", pending=True)
+    assert idx.match_prefix(hs).mla_run_blocks == 0
+    assert idx.lookup([mla_key(hs[0])]) == [None]
+    with pytest.raises(DuplicateKeyError) as err:
+        idx.insert(mla_key(hs[0]), MLA, 10, node_id="n0")
+    assert err.value.pending
+    idx.commit(mla_key(hs[0]))
+    idx.commit(kda_key(hs[0]))
+    assert idx.match_prefix(hs).usable_blocks == 1
+    with pytest.raises(UnknownKeyError):
+        idx.commit(mla_key(hs[0]))
+
+
+def test_bad_input_raises_typed_errors() -> None:
+    idx = make()
+    with pytest.raises(BadObjectError):
+        idx.insert(b"M" + b"x" * 5, MLA, 10, node_id="n0")
+    with pytest.raises(BadObjectError):
+        idx.insert(b"blob", BLOB, 0, node_id="n0")
+    with pytest.raises(BadObjectError):
+        idx.insert(b"Ttail", TAIL, 10, node_id="n0")  # no TTL
+    with pytest.raises(BadObjectError):
+        idx.match_prefix([b"short"])
+    with pytest.raises(CapacityError):
+        idx.insert(b"big", BLOB, 10_001, node_id="n0")
+    with pytest.raises(UnknownPolicyError):
+        PrefixIndex(policy="nope")
+
+
+# ---------------------------------------------------------------- recency: probes never keep objects alive
+
+
+def test_lookup_storm_does_not_prevent_eviction() -> None:
+    clock = Clock()
+    idx = make(clock, cap=100, high_watermark=0.9, low_watermark=0.5)
+    old, new = chain(1, "old"), chain(4, "new")
+    put_chain(idx, old)
+    clock.advance(1)
+    put_chain(idx, new[:3])
+    for _ in range(1000):  # a storm of probes on the oldest object
+        clock.advance(0.001)
+        assert idx.match_prefix(old, require_checkpoint=False).usable_blocks == 1
+        assert idx.lookup([mla_key(old[0])])[0] is not None
+    for i in range(3, 4):
+        idx.insert(mla_key(new[i]), MLA, 60, parent=mla_key(new[i - 1]), node_id="n0")
+    assert mla_key(old[0]) not in idx, "probes kept the oldest object alive"
+
+
+def test_touch_true_counts_as_use() -> None:
+    clock = Clock()
+    idx = make(clock, cap=100, high_watermark=0.9, low_watermark=0.85)
+    a, b = chain(1, "a"), chain(1, "b")
+    put_chain(idx, a)
+    clock.advance(1)
+    put_chain(idx, b)
+    clock.advance(1)
+    idx.match_prefix(a, require_checkpoint=False, touch=True)
+    idx.insert(b"blob", BLOB, 75, node_id="n0")
+    assert mla_key(a[0]) in idx and mla_key(b[0]) not in idx
+
+
+# ---------------------------------------------------------------- eviction by bytes, leaf-first
+
+
+def test_watermarks_by_bytes() -> None:
+    idx = make(cap=1000, high_watermark=0.9, low_watermark=0.6)
+    for i in range(9):
+        idx.insert(f"b{i}".encode(), BLOB, 100, node_id="n0")
+    assert idx.stats().bytes == 900  # at the high watermark, not above: nothing evicted
+    idx.insert(b"b9", BLOB, 50, node_id="n0")  # 950 > 900 -> drain to <= 600
+    st = idx.stats()
+    assert st.bytes <= 600 and st.evictions == 4 and st.evicted_bytes == 400
+    assert [e.key for e in idx.drain_events()] == [b"b0", b"b1", b"b2", b"b3"]
+
+
+def test_suffix_evicted_before_prefix_even_when_prefix_is_older() -> None:
+    clock = Clock()
+    idx = make(clock, cap=100, high_watermark=0.9, low_watermark=0.3)
+    hs = chain(5)
+    put_chain(idx, hs, checkpoints=(5,))
+    clock.advance(10)
+    idx.touch([mla_key(hs[4])])  # the leaf is hot, its prefix cold: still the suffix must go first
+    idx.insert(b"x", BLOB, 50, node_id="n0")
+    gone = [e.key for e in idx.drain_events()]
+    assert gone[0] == kda_key(hs[4]), "the checkpoint is a leaf and goes before its MLA block"
+    assert gone[1:] == [mla_key(h) for h in reversed(hs)][: len(gone) - 1]
+    assert_prefix_closed(idx)
+
+
+def test_checkpoint_evicted_alone_keeps_mla_chain() -> None:
+    clock = Clock()
+    idx = make(clock, cap=100, high_watermark=0.95, low_watermark=0.9)
+    hs = chain(3)
+    put_chain(idx, hs[:2], ck_size=40, checkpoints=(2,))
+    clock.advance(1)
+    idx.touch([mla_key(hs[0]), mla_key(hs[1])])
+    idx.insert(b"x", BLOB, 45, node_id="n0")  # 105 > 95 -> the cold checkpoint alone is enough
+    assert kda_key(hs[1]) not in idx
+    m = idx.match_prefix(hs)
+    assert (m.usable_blocks, m.mla_run_blocks) == (0, 2)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "cost"])
+def test_prefix_closed_under_heavy_eviction_pressure(policy: str) -> None:
+    """Randomised: after every insert (and so every eviction round) the cache is prefix-closed."""
+    rng = random.Random(7)
+    clock = Clock()
+    idx = make(clock, cap=3_000, policy=policy, high_watermark=0.9, low_watermark=0.6)
+    roots = [chain(40, f"root{r}") for r in range(6)]
+    for step in range(400):
+        clock.advance(rng.random())
+        base = rng.choice(roots)
+        n = rng.randint(1, 40)
+        hs = base[:n]
+        m = idx.match_prefix(hs, require_checkpoint=False, touch=rng.random() < 0.5)
+        parent = mla_key(hs[m.mla_run_blocks - 1]) if m.mla_run_blocks else b""
+        for i in range(m.mla_run_blocks, n):
+            idx.insert(mla_key(hs[i]), MLA, rng.randint(5, 40), parent=parent, node_id="n0")
+            parent = mla_key(hs[i])
+            if rng.random() < 0.2 and kda_key(hs[i]) not in idx:
+                idx.insert(kda_key(hs[i]), KDA, rng.randint(20, 200), node_id="n0")
+            assert idx.node_usage("n0")[Tier.DRAM][0] <= 3_000
+            assert_prefix_closed(idx)
+        if step % 50 == 0 and len(idx):
+            idx.evict()
+            assert_prefix_closed(idx)
+    assert idx.stats().evictions > 100
+
+
+# ---------------------------------------------------------------- pins, leases, TTL
+
+
+def test_leased_and_pinned_objects_survive_pressure() -> None:
+    clock = Clock()
+    idx = make(clock, cap=100, high_watermark=0.9, low_watermark=0.1)
+    hs = chain(2)
+    put_chain(idx, hs[:1])
+    idx.insert(b"pinned", BLOB, 10, node_id="n0")
+    lease = idx.acquire([mla_key(hs[0]), b"absent"])
+    assert lease is not None and lease.keys == (mla_key(hs[0]),)
+    assert idx.pin([b"pinned"], ttl_ms=60_000) == 1
+    clock.advance(1)
+    idx.insert(b"fill", BLOB, 75, node_id="n0")
+    assert mla_key(hs[0]) in idx and b"pinned" in idx
+    assert idx.stats().bytes == 95, "nothing evictable: leased, pinned and the new object stay"
+    # lease deadline passes -> the read pin goes away by itself
+    clock.advance(idx.lease_ms / 1000 + 0.001)
+    idx.expire()
+    assert idx.stats().active_leases == 0
+    idx.insert(b"more", BLOB, 10, node_id="n0")
+    assert mla_key(hs[0]) not in idx and b"pinned" in idx
+    clock.advance(61)
+    idx.insert(b"more2", BLOB, 80, node_id="n0")
+    assert b"pinned" not in idx, "the soft pin expired, the object must be evictable again"
+
+
+def test_release_and_slot_reuse_after_forced_removal() -> None:
+    idx = make()
+    idx.insert(b"a", BLOB, 10, node_id="n0")
+    lease = idx.acquire([b"a"])
+    assert lease is not None
+    assert idx.remove(b"a")
+    idx.insert(b"b", BLOB, 10, node_id="n0")  # must not reuse a's slot while the lease holds it
+    assert idx.release(lease.lease_id) and not idx.release(lease.lease_id)
+    info = idx.get(b"b")
+    assert info is not None and info.leases == 0
+    idx.insert(b"c", BLOB, 10, node_id="n0")
+    assert idx.get(b"c") is not None and idx.get(b"b") is not None
+
+
+def test_tail_ttl_expiry() -> None:
+    clock = Clock()
+    idx = make(clock)
+    idx.insert(b"Treq1", TAIL, 10, ttl_ms=500, node_id="n0")
+    idx.insert(b"Treq2", TAIL, 10, ttl_ms=2000, node_id="n0")
+    clock.advance(0.4)
+    assert idx.expire() == [] and b"Treq1" in idx
+    info = idx.get(b"Treq1")
+    assert info is not None and 0 < info.ttl_ms <= 100
+    clock.advance(0.2)
+    assert [r.key for r in idx.expire()] == [b"Treq1"]
+    lease = idx.acquire([b"Treq2"])
+    clock.advance(1.5)
+    assert idx.expire() == [] and b"Treq2" in idx, "a tail being read outlives its TTL until released"
+    assert lease is not None
+    idx.release(lease.lease_id)
+    clock.advance(0.1)
+    assert [r.key for r in idx.expire()] == [b"Treq2"]
+
+
+# ---------------------------------------------------------------- quotas, nodes, tiers
+
+
+def test_quota_evicts_own_objects_first_then_refuses() -> None:
+    clock = Clock()
+    idx = make(clock)
+    idx.set_quota("t1", 100)
+    for i in range(5):
+        idx.insert(f"t1-{i}".encode(), BLOB, 20, tenant="t1", node_id="n0")
+        idx.insert(f"t2-{i}".encode(), BLOB, 20, tenant="t2", node_id="n0")
+        clock.advance(1)
+    idx.insert(b"t1-new", BLOB, 30, tenant="t1", node_id="n0")
+    assert b"t1-0" not in idx and b"t1-1" not in idx and b"t1-2" in idx
+    assert all(f"t2-{i}".encode() in idx for i in range(5)), "another tenant paid for t1's quota"
+    assert idx.stats().bytes_per_tenant["t1"] == 90
+    idx.pin([k for k in idx._slot if k.startswith(b"t1")], ttl_ms=60_000)
+    with pytest.raises(QuotaExceededError):
+        idx.insert(b"t1-x", BLOB, 20, tenant="t1", node_id="n0")
+    with pytest.raises(QuotaExceededError):
+        idx.insert(b"t1-y", BLOB, 101, tenant="t1", node_id="n0")
+
+
+def test_placement_by_free_space_and_node_loss() -> None:
+    idx = PrefixIndex(clock=Clock())
+    idx.add_node("a", 100)
+    idx.add_node("b", 300)
+    placed = [idx.insert(f"o{i}".encode(), BLOB, 50) for i in range(6)]
+    assert placed.count("b") > placed.count("a") >= 1
+    lost = idx.remove_node("b")
+    assert {r.key for r in lost} == {f"o{i}".encode() for i, n in enumerate(placed) if n == "b"}
+    assert len(idx) == placed.count("a") and idx.drain_events() == []
+    with pytest.raises(CapacityError):
+        idx.insert(b"huge", BLOB, 101)
+
+
+def test_ssd_tier_demotes_then_drops_leaves() -> None:
+    clock = Clock()
+    idx = PrefixIndex(clock=clock, high_watermark=0.9, low_watermark=0.5)
+    idx.add_node("n0", 100, ssd_bytes=100)
+    hs = chain(4)
+    put_chain(idx, hs, size=30)  # 120 > 90 on DRAM -> oldest demoted to SSD
+    events = idx.drain_events()
+    assert events and all(e.demoted for e in events)
+    m = idx.match_prefix(hs, require_checkpoint=False)
+    assert m.usable_blocks == 4, "demoted objects stay indexed"
+    tiers = [info.tier for info in idx.lookup(m.mla_keys) if info]
+    assert Tier.SSD in tiers and Tier.DRAM in tiers
+    for i in range(6):
+        clock.advance(1)
+        idx.insert(f"x{i}".encode(), BLOB, 30, node_id="n0")
+    used = idx.node_usage("n0")
+    assert used[Tier.DRAM][0] <= 100 and used[Tier.SSD][0] <= 100
+    assert_prefix_closed(idx)
