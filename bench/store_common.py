@@ -13,6 +13,7 @@ project imports so it also loads under ``python bench/store_bench.py`` from a ba
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,27 @@ def time_reps(op: Callable[[int], object], verify: Callable[[int], None], warmup
         op(i)
         dt = time.perf_counter() - t0
         verify(i)
+        if i >= warmup:
+            times.append(dt)
+    return statistics.median(times)
+
+
+async def atime_reps(op: Callable[[int], Awaitable[object]], verify: Callable[[int], object], warmup: int,
+                     reps: int, prepare: Callable[[int], None] | None = None) -> float:
+    """:func:`time_reps` for coroutine ops (the store's async client), with the same untimed verification.
+
+    ``verify`` may be sync or async; its await happens outside the timed window.
+    """
+    times: list[float] = []
+    for i in range(warmup + reps):
+        if prepare is not None:
+            prepare(i)
+        t0 = time.perf_counter()
+        await op(i)
+        dt = time.perf_counter() - t0
+        res = verify(i)
+        if inspect.isawaitable(res):
+            await res
         if i >= warmup:
             times.append(dt)
     return statistics.median(times)
