@@ -1,0 +1,95 @@
+"""Block hash chains of requests, as the simulator feeds them to the master's index.
+
+Two sources, one shape (a list of 32-byte hashes h_0..h_{n-1} plus tokens per block):
+
+- **Token records** (generators, converted traces): the production chain of ``kvpool.cache.hashing``
+  (``hash_blocks`` over full blocks from ``root_hash(fingerprint, tenant)``), so a simulated key is the
+  key the gateway would compute. Only full blocks are hashed; the partial tail is request-scoped.
+- **Hash-id records** (Mooncake traces, no tokens): block i of a request is the trace's ``hash_ids[i]``
+  (512 tokens, the last one possibly partial, exactly as the published hit-rate numbers count it), and
+  ``h_i = SHA-256(h_{i-1} || tenant-root || le64(hash_ids[i]))``. Trace ids are already chained (equal id
+  => equal prefix), so h_i depends only on (tenant, id) and is memoised per id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from kvpool.cache.hashing import hash_blocks, root_hash
+from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.trace import Request
+
+_TRACE_ROOT = b"kvpool-sim-trace-ids/1|"
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """The cacheable blocks of one request: prompt blocks, then (optionally) blocks closed by the output."""
+
+    hashes: list[bytes]  # prompt blocks first, then output blocks
+    block_tokens: list[int]  # tokens in each block (all == block size except a trace's partial last)
+    prompt_blocks: int  # how many of ``hashes`` belong to the prompt
+    full_prompt_blocks: int  # prompt blocks that are full (where an end-of-prompt checkpoint may sit)
+
+
+def model_fingerprint(spec_name: str) -> bytes:
+    """A stand-in 32-byte fingerprint per spec so chains of different simulated models never meet."""
+    return hashlib.sha256(b"kvpool-sim-model|" + spec_name.encode()).digest()
+
+
+class ChainBuilder:
+    """Computes chains for requests of one simulated model; memoises what repeats across requests."""
+
+    def __init__(self, spec_name: str, block_size: int) -> None:
+        self.fingerprint = model_fingerprint(spec_name)
+        self.block_size = block_size
+        self._roots: dict[str, bytes] = {}
+        self._id_hash: dict[tuple[str, int], bytes] = {}
+
+    def _root(self, tenant: str) -> bytes:
+        root = self._roots.get(tenant)
+        if root is None:
+            root = self._roots[tenant] = root_hash(self.fingerprint, tenant)
+        return root
+
+    def chain(self, req: Request, with_output: bool = False) -> Chain:
+        """The chain of ``req``; ``with_output`` appends the blocks its reply closes (token records with
+        ``output_tokens`` only: a trace does not know its reply's ids)."""
+        if req.tokens is not None:
+            return self._token_chain(req, with_output)
+        if req.hash_ids is not None:
+            return self._id_chain(req)
+        raise ReplayError(f"request {req.request_id} has neither tokens nor hash_ids")
+
+    def _token_chain(self, req: Request, with_output: bool) -> Chain:
+        b = self.block_size
+        assert req.tokens is not None
+        toks = req.tokens
+        full = len(toks) // b
+        if with_output and req.output_tokens:
+            toks = toks + req.output_tokens
+        hashes = [bytes(h) for h in hash_blocks(toks, b, self._root(req.tenant))]
+        return Chain(hashes, [b] * len(hashes), full, full)
+
+    def _id_chain(self, req: Request) -> Chain:
+        assert req.hash_ids is not None
+        root = self._root(req.tenant)
+        memo = self._id_hash
+        tenant = req.tenant
+        hashes: list[bytes] = []
+        parent = root
+        for hid in req.hash_ids:
+            h = memo.get((tenant, hid))
+            if h is None:
+                h = hashlib.sha256(parent + _TRACE_ROOT + hid.to_bytes(8, "little")).digest()
+                memo[(tenant, hid)] = h
+            hashes.append(h)
+            parent = h
+        n = len(hashes)
+        bs = req.block_size
+        sizes = [bs] * n
+        if n and req.input_length % bs:
+            sizes[-1] = req.input_length % bs
+        full = req.input_length // bs
+        return Chain(hashes, sizes, n, full)

@@ -1,0 +1,353 @@
+"""Seeded synthetic workloads with the reuse structure of real LLM traffic, emitted as token-level records.
+
+Each generator builds *sessions* (a conversation, an agent run, a coding session, a RAG user) whose
+requests share prefixes the way the real workload does, then places them in time: sessions start as a
+Poisson process, turns follow after exponential think times; or arrivals are taken from a trace. Every
+record carries its prompt token ids (so a live replay can send them) and the reply the next turn quotes.
+
+Lengths are lognormal with the given mean (sigma ``LENGTH_SIGMA``): heavy-tailed like real prompts, but
+with a mean a test can check. Same parameters + same seed => byte-identical output.
+
+Workloads (parameters in the dataclasses below):
+
+- ``chat``: multi-turn chat; one of a few shared system prompts, then user/assistant turns.
+- ``agent``: tool-calling agent; long system prompt + tool schemas shared per toolset, then a history
+  that grows by a tool call and its (long) result per step.
+- ``coding``: coding agent; a large repository context shared by the sessions on that repo, small
+  increments per turn, so >= 90 % of each prompt was seen before.
+- ``rag``: long-document QA; a system prompt + one document from a Zipf-popular pool + a fresh question.
+- ``oneshot``: unique prompts, no reuse at all (the floor every cache should leave alone).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+from kvpool.workloads.errors import GeneratorParamError
+from kvpool.workloads.trace import Request
+
+LENGTH_SIGMA = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ChatParams:
+    system_prompts: int = 4
+    system_tokens: int = 1024
+    turns: float = 6.0  # mean turns per conversation (geometric, >= 1)
+    user_tokens: int = 300
+    output_tokens: int = 350
+    think_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentParams:
+    toolsets: int = 3
+    system_tokens: int = 3000
+    tool_schema_tokens: int = 6000
+    steps: float = 8.0  # mean tool-calling steps per run
+    task_tokens: int = 400
+    call_tokens: int = 120  # model output per step: the tool call
+    result_tokens: int = 900  # tool result appended to the history
+    think_s: float = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class CodingParams:
+    repos: int = 6
+    repo_tokens: int = 40_000
+    turns: float = 10.0
+    user_tokens: int = 250
+    output_tokens: int = 600
+    file_tokens: int = 1500  # fresh file contents read in per turn
+    think_s: float = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class RagParams:
+    documents: int = 200
+    document_tokens: int = 8000
+    zipf_s: float = 1.1
+    system_tokens: int = 500
+    question_tokens: int = 120
+    output_tokens: int = 250
+    questions: float = 3.0  # mean questions per user session
+    think_s: float = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class OneshotParams:
+    input_tokens: int = 2000
+    output_tokens: int = 200
+
+
+PARAMS: dict[str, type] = {
+    "chat": ChatParams,
+    "agent": AgentParams,
+    "coding": CodingParams,
+    "rag": RagParams,
+    "oneshot": OneshotParams,
+}
+
+
+def make_params(workload: str, overrides: dict[str, Any] | None = None) -> Any:
+    """Parameters for ``workload`` with ``overrides`` (strings from the CLI are converted) applied."""
+    try:
+        cls = PARAMS[workload]
+    except KeyError:
+        raise GeneratorParamError(f"unknown workload {workload!r}; choose one of {sorted(PARAMS)}") from None
+    names = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        if key not in names:
+            raise GeneratorParamError(f"{workload} has no parameter {key!r}; known: {sorted(names)}")
+        default = getattr(cls(), key)
+        try:
+            kwargs[key] = type(default)(value)
+        except (TypeError, ValueError):
+            raise GeneratorParamError(f"{workload}.{key} must be a {type(default).__name__}") from None
+    params = cls(**kwargs)
+    for f in fields(params):
+        v = getattr(params, f.name)
+        if not math.isfinite(v) or v < 0 or (v == 0 and f.name not in ("think_s",)):
+            raise GeneratorParamError(f"{workload}.{f.name} must be > 0 (think_s >= 0), got {v!r}")
+    if isinstance(params, ChatParams | CodingParams) and params.turns < 1:
+        raise GeneratorParamError(f"{workload}.turns must be >= 1")
+    if isinstance(params, AgentParams) and params.steps < 1:
+        raise GeneratorParamError("agent.steps must be >= 1")
+    if isinstance(params, RagParams) and params.questions < 1:
+        raise GeneratorParamError("rag.questions must be >= 1")
+    return params
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+class _Builder:
+    """Draws lengths and token blocks from one seeded generator."""
+
+    def __init__(self, seed: int, vocab: int) -> None:
+        if vocab < 2:
+            raise GeneratorParamError("vocab must be >= 2")
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+
+    def length(self, mean: float) -> int:
+        mu = math.log(mean) - LENGTH_SIGMA**2 / 2
+        return max(1, round(float(self.rng.lognormal(mu, LENGTH_SIGMA))))
+
+    def tokens(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.vocab, size=n).tolist()
+
+    def count(self, mean: float) -> int:
+        """A count >= 1 with the given mean (geometric)."""
+        return int(self.rng.geometric(1.0 / mean)) if mean > 1 else 1
+
+    def think_ms(self, mean_s: float) -> float:
+        return float(self.rng.exponential(mean_s * 1000.0)) if mean_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class _Turn:
+    offset_ms: float
+    prompt: list[int]
+    output: list[int]
+
+
+Session = list[_Turn]
+
+
+def _chat(b: _Builder, p: ChatParams, shared: dict[str, Any]) -> Session:
+    if "systems" not in shared:
+        shared["systems"] = [b.tokens(b.length(p.system_tokens)) for _ in range(p.system_prompts)]
+    history = list(shared["systems"][int(b.rng.integers(p.system_prompts))])
+    turns, t = [], 0.0
+    for _ in range(b.count(p.turns)):
+        prompt = history + b.tokens(b.length(p.user_tokens))
+        out = b.tokens(b.length(p.output_tokens))
+        turns.append(_Turn(t, prompt, out))
+        history = prompt + out
+        t += b.think_ms(p.think_s)
+    return turns
+
+
+def _agent(b: _Builder, p: AgentParams, shared: dict[str, Any]) -> Session:
+    if "toolsets" not in shared:
+        system = b.tokens(b.length(p.system_tokens))
+        shared["toolsets"] = [system + b.tokens(b.length(p.tool_schema_tokens)) for _ in range(p.toolsets)]
+    history = list(shared["toolsets"][int(b.rng.integers(p.toolsets))]) + b.tokens(b.length(p.task_tokens))
+    turns, t = [], 0.0
+    for _ in range(b.count(p.steps)):
+        call = b.tokens(b.length(p.call_tokens))
+        turns.append(_Turn(t, history, call))
+        history = history + call + b.tokens(b.length(p.result_tokens))
+        t += b.think_ms(p.think_s)
+    return turns
+
+
+def _coding(b: _Builder, p: CodingParams, shared: dict[str, Any]) -> Session:
+    repos = shared.setdefault("repos", [b.tokens(b.length(p.repo_tokens)) for _ in range(p.repos)])
+    history = list(repos[int(b.rng.integers(p.repos))])
+    turns, t = [], 0.0
+    for _ in range(b.count(p.turns)):
+        prompt = history + b.tokens(b.length(p.file_tokens)) + b.tokens(b.length(p.user_tokens))
+        out = b.tokens(b.length(p.output_tokens))
+        turns.append(_Turn(t, prompt, out))
+        history = prompt + out
+        t += b.think_ms(p.think_s)
+    return turns
+
+
+def _rag(b: _Builder, p: RagParams, shared: dict[str, Any]) -> Session:
+    if "docs" not in shared:
+        shared["system"] = b.tokens(b.length(p.system_tokens))
+        shared["docs"] = [b.tokens(b.length(p.document_tokens)) for _ in range(p.documents)]
+        weights = 1.0 / np.arange(1, p.documents + 1) ** p.zipf_s
+        shared["popularity"] = weights / weights.sum()
+    turns, t = [], 0.0
+    for _ in range(b.count(p.questions)):
+        doc = shared["docs"][int(b.rng.choice(p.documents, p=shared["popularity"]))]
+        prompt = shared["system"] + doc + b.tokens(b.length(p.question_tokens))
+        turns.append(_Turn(t, prompt, b.tokens(b.length(p.output_tokens))))
+        t += b.think_ms(p.think_s)
+    return turns
+
+
+def _oneshot(b: _Builder, p: OneshotParams, shared: dict[str, Any]) -> Session:
+    return [_Turn(0.0, b.tokens(b.length(p.input_tokens)), b.tokens(b.length(p.output_tokens)))]
+
+
+_SESSION: dict[str, Callable[[_Builder, Any, dict[str, Any]], Session]] = {
+    "chat": _chat,
+    "agent": _agent,
+    "coding": _coding,
+    "rag": _rag,
+    "oneshot": _oneshot,
+}
+
+
+# ------------------------------------------------------------------------------------------- public
+
+
+def generate(
+    workload: str,
+    requests: int,
+    rate: float,
+    seed: int = 0,
+    vocab: int = 32_000,
+    params: Any = None,
+    tenants: int = 1,
+    arrivals_ms: Sequence[float] | None = None,
+) -> list[Request]:
+    """``requests`` records of ``workload`` at ``rate`` requests/s on average, sorted by arrival.
+
+    Sessions start as a Poisson process at ``rate / mean requests per session`` and are added until no
+    new session could arrive among the first ``requests`` (so the first minutes ramp up while sessions
+    accumulate, as after a restart); ``arrivals_ms`` (e.g.
+    a trace's timestamps) replaces the times in order, keeping each session's turn order. Tenants are
+    assigned per session round-robin as ``t0, t1, ...``.
+    """
+    if type(requests) is not int or requests <= 0:
+        raise GeneratorParamError(f"requests must be a positive integer, got {requests!r}")
+    if not math.isfinite(rate) or rate <= 0:
+        raise GeneratorParamError(f"rate must be > 0 requests/s, got {rate!r}")
+    if type(tenants) is not int or tenants <= 0:
+        raise GeneratorParamError("tenants must be a positive integer")
+    params = params if params is not None else make_params(workload)
+    if type(params) is not PARAMS.get(workload):
+        got = type(params).__name__
+        raise GeneratorParamError(f"parameters {got} do not belong to workload {workload!r}")
+    b = _Builder(seed, vocab)
+    make_session = _SESSION[workload]
+    shared: dict[str, Any] = {}
+    pending: list[tuple[float, int, int, _Turn]] = []
+    start_ms, session = 0.0, 0
+    per_session = _mean_requests(params)
+    while len(pending) < requests or start_ms <= _nth_time(pending, requests):
+        for turn_no, turn in enumerate(make_session(b, params, shared)):
+            pending.append((start_ms + turn.offset_ms, session, turn_no, turn))
+        session += 1
+        start_ms += float(b.rng.exponential(1000.0 * per_session / rate))
+    pending.sort(key=lambda x: (x[0], x[1], x[2]))
+    pending = pending[:requests]
+    if arrivals_ms is not None:
+        if len(arrivals_ms) < requests:
+            raise GeneratorParamError(f"{len(arrivals_ms)} arrival times for {requests} requests")
+        times = sorted(float(a) - float(arrivals_ms[0]) for a in arrivals_ms[:requests])
+    else:
+        times = [x[0] for x in pending]
+    out = []
+    for t, (_, s, turn_no, turn) in zip(times, pending, strict=True):
+        out.append(
+            Request(
+                request_id=f"{workload}-{seed}-{s}-{turn_no}",
+                arrival_ms=round(t, 3),
+                input_length=len(turn.prompt),
+                output_length=len(turn.output),
+                tokens=turn.prompt,
+                output_tokens=turn.output,
+                tenant=f"t{s % tenants}",
+                workload=workload,
+                conversation_id=f"{workload}-{seed}-{s}",
+                turn=turn_no,
+            )
+        )
+    return out
+
+
+def _nth_time(pending: list[tuple[float, int, int, _Turn]], n: int) -> float:
+    """Arrival of the n-th earliest request: sessions starting later cannot enter the first n."""
+    times = np.fromiter((x[0] for x in pending), dtype=np.float64, count=len(pending))
+    return float(np.partition(times, n - 1)[n - 1])
+
+
+def _mean_requests(params: Any) -> float:
+    for name in ("turns", "steps", "questions"):
+        if hasattr(params, name):
+            return float(getattr(params, name))
+    return 1.0
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """``"chat=0.5,rag=0.3,oneshot=0.2"`` -> weights normalised to sum 1."""
+    mix: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, weight = part.partition("=")
+        if name not in PARAMS:
+            raise GeneratorParamError(f"unknown workload {name!r} in mix; choose from {sorted(PARAMS)}")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise GeneratorParamError(f"bad weight {weight!r} for {name}") from None
+        if not math.isfinite(w) or w <= 0:
+            raise GeneratorParamError(f"weight of {name} must be > 0")
+        mix[name] = mix.get(name, 0.0) + w
+    if not mix:
+        raise GeneratorParamError("empty workload mix")
+    total = sum(mix.values())
+    return {k: v / total for k, v in mix.items()}
+
+
+def generate_mix(
+    mix: dict[str, float],
+    requests: int,
+    rate: float,
+    seed: int = 0,
+    vocab: int = 32_000,
+    params: dict[str, Any] | None = None,
+    tenants: int = 1,
+) -> list[Request]:
+    """Several workloads interleaved: each gets its share of requests and of the rate, its own derived
+    seed, and the union is sorted by arrival (ties by request id)."""
+    out: list[Request] = []
+    names = sorted(mix)
+    counts = [max(1, round(requests * mix[n])) for n in names]
+    counts[-1] = max(1, requests - sum(counts[:-1]))
+    for i, (name, n) in enumerate(zip(names, counts, strict=True)):
+        p = (params or {}).get(name)
+        out.extend(generate(name, n, rate * mix[name], seed * 1000 + i, vocab, p, tenants))
+    out.sort(key=lambda r: (r.arrival_ms, r.request_id))
+    return out

@@ -1,0 +1,361 @@
+"""Trace records and their two on-disk forms: Mooncake FAST'25 JSONL and kvpool's richer JSONL.
+
+Mooncake lines are ``{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`` with one id
+per 512-token block, chained (equal id => equal block *and* equal prefix). They carry no tokens, tenants
+or conversations, so they can drive the simulator but not a live model. kvpool lines add what a live
+replay and per-workload reporting need (see :class:`Request`); either tokens or hash ids may be present.
+
+Conversion (documented loss, docs/design/workloads.md):
+
+- Mooncake -> kvpool loses nothing; tokens can be *synthesised* from the ids (:func:`synthesize_tokens`)
+  so a live gateway sees prompts with exactly the trace's sharing structure.
+- kvpool -> Mooncake loses tokens, tenant (folded into the ids), workload, conversation/turn, request ids,
+  output tokens and sub-millisecond arrival; ids are recomputed per ``block_size`` chunk (last one partial)
+  from a chained SHA-256 and renumbered 0, 1, 2... in first-seen order, as the published traces are.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from kvpool.workloads.errors import TraceFormatError
+
+MOONCAKE_BLOCK = 512  # tokens per hash id in the FAST'25 traces
+DATA_DIR = Path(__file__).resolve().parent / "data"
+BUNDLED_TRACES = {"conversation": "conversation_trace.jsonl.gz", "synthetic": "synthetic_trace.jsonl.gz"}
+KVPOOL_FORMAT = "kvpool-trace/1"
+
+
+@dataclass(slots=True)
+class Request:
+    """One request of a workload, in arrival order.
+
+    ``tokens`` are the prompt ids (what a live replay sends); ``output_tokens`` the reply a later turn
+    quotes (generators only, so the simulator can store output blocks as decode would). ``hash_ids`` are
+    Mooncake-style block ids of ``block_size`` tokens, the last block possibly partial.
+    """
+
+    request_id: str
+    arrival_ms: float
+    input_length: int
+    output_length: int
+    tokens: list[int] | None = None
+    output_tokens: list[int] | None = None
+    hash_ids: list[int] | None = None
+    block_size: int = MOONCAKE_BLOCK
+    tenant: str = "default"
+    workload: str = "trace"
+    conversation_id: str | None = None
+    turn: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> Request:
+        """Raise ``TraceFormatError`` (no location) if the record is inconsistent; return self."""
+        for name in ("input_length", "output_length", "turn", "block_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise TraceFormatError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.block_size == 0:
+            raise TraceFormatError("block_size must be positive")
+        if not isinstance(self.arrival_ms, int | float) or isinstance(self.arrival_ms, bool):
+            raise TraceFormatError(f"arrival time must be a number, got {self.arrival_ms!r}")
+        if not math.isfinite(self.arrival_ms) or self.arrival_ms < 0:
+            raise TraceFormatError(f"arrival time must be finite and >= 0, got {self.arrival_ms!r}")
+        if self.tokens is None and self.hash_ids is None:
+            raise TraceFormatError("a record needs 'tokens' or 'hash_ids'")
+        if self.tokens is not None:
+            _check_int_list("tokens", self.tokens)
+            if len(self.tokens) != self.input_length:
+                raise TraceFormatError(
+                    f"input_length {self.input_length} != number of tokens {len(self.tokens)}"
+                )
+        if self.output_tokens is not None:
+            _check_int_list("output_tokens", self.output_tokens)
+            if len(self.output_tokens) != self.output_length:
+                raise TraceFormatError(
+                    f"output_length {self.output_length} != number of output tokens {len(self.output_tokens)}"
+                )
+        if self.hash_ids is not None:
+            _check_int_list("hash_ids", self.hash_ids)
+            want = -(-self.input_length // self.block_size)
+            if len(self.hash_ids) != want:
+                raise TraceFormatError(
+                    f"{len(self.hash_ids)} hash_ids for input_length {self.input_length}: expected "
+                    f"ceil({self.input_length}/{self.block_size}) = {want}"
+                )
+        if not isinstance(self.tenant, str) or not isinstance(self.workload, str):
+            raise TraceFormatError("tenant and workload must be strings")
+        return self
+
+
+def _check_int_list(name: str, values: object) -> None:
+    if not isinstance(values, list):
+        raise TraceFormatError(f"{name} must be a list of integers")
+    for v in values:
+        if type(v) is not int or v < 0:
+            raise TraceFormatError(f"{name} must hold non-negative integers, found {v!r}")
+
+
+# ----------------------------------------------------------------------------------------------- files
+
+
+def bundled_trace(name: str) -> Path:
+    """Path of a trace shipped in ``workloads/data`` (``conversation`` or ``synthetic``)."""
+    try:
+        return DATA_DIR / BUNDLED_TRACES[name]
+    except KeyError:
+        raise TraceFormatError(f"no bundled trace {name!r}; choose one of {sorted(BUNDLED_TRACES)}") from None
+
+
+def resolve_trace(spec: str) -> Path:
+    """A bundled trace name or a file path, checked to exist."""
+    if spec in BUNDLED_TRACES:
+        return bundled_trace(spec)
+    path = Path(spec)
+    if not path.is_file():
+        names = sorted(BUNDLED_TRACES)
+        raise TraceFormatError(f"trace file not found (and not a bundled name {names})", spec)
+    return path
+
+
+def _open_text(path: str | Path, mode: str) -> IO[str]:
+    p = str(path)
+    if p.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(p, mode + "b"), encoding="utf-8")
+    return open(p, mode, encoding="utf-8")
+
+
+def _json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        fh = _open_text(path, "r")
+    except OSError as e:
+        raise TraceFormatError(f"cannot open: {e.strerror or e}", str(path)) from None
+    with fh:
+        try:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TraceFormatError(f"not valid JSON ({e.msg})", str(path), lineno) from None
+                if not isinstance(obj, dict):
+                    raise TraceFormatError("each line must be a JSON object", str(path), lineno)
+                yield lineno, obj
+        except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
+            raise TraceFormatError(f"unreadable file ({e})", str(path)) from None
+
+
+def _located(path: str | Path, lineno: int, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except TraceFormatError as e:
+        raise TraceFormatError(str(e), str(path), lineno) from None
+
+
+def mooncake_record(obj: dict[str, Any], index: int, workload: str = "trace") -> Request:
+    """A Mooncake line (already parsed) as a :class:`Request`."""
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj]
+    if missing:
+        raise TraceFormatError(f"missing Mooncake field(s) {missing}")
+    return Request(
+        request_id=f"{workload}-{index}",
+        arrival_ms=obj["timestamp"],
+        input_length=obj["input_length"],
+        output_length=obj["output_length"],
+        hash_ids=obj["hash_ids"],
+        block_size=MOONCAKE_BLOCK,
+        workload=workload,
+    ).validate()
+
+
+def kvpool_record(obj: dict[str, Any]) -> Request:
+    """A kvpool line (already parsed) as a :class:`Request`."""
+    fmt = obj.get("format", KVPOOL_FORMAT)
+    if fmt != KVPOOL_FORMAT:
+        raise TraceFormatError(f"unsupported format {fmt!r}; expected {KVPOOL_FORMAT!r}")
+    for k in ("request_id", "arrival_ms", "input_length", "output_length"):
+        if k not in obj:
+            raise TraceFormatError(f"missing field {k!r}")
+    known = {
+        "format", "request_id", "arrival_ms", "input_length", "output_length", "tokens", "output_tokens",
+        "hash_ids", "block_size", "tenant", "workload", "conversation_id", "turn",
+    }  # fmt: skip
+    req = Request(
+        request_id=str(obj["request_id"]),
+        arrival_ms=obj["arrival_ms"],
+        input_length=obj["input_length"],
+        output_length=obj["output_length"],
+        tokens=obj.get("tokens"),
+        output_tokens=obj.get("output_tokens"),
+        hash_ids=obj.get("hash_ids"),
+        block_size=obj.get("block_size", MOONCAKE_BLOCK),
+        tenant=obj.get("tenant", "default"),
+        workload=obj.get("workload", "trace"),
+        conversation_id=obj.get("conversation_id"),
+        turn=obj.get("turn", 0),
+        extra={k: v for k, v in obj.items() if k not in known},
+    )
+    return req.validate()
+
+
+def read_mooncake(path: str | Path, workload: str | None = None) -> list[Request]:
+    """All records of a Mooncake JSONL file (``.gz`` allowed); errors name the line."""
+    name = workload or _stem(path)
+    return [_located(path, n, mooncake_record, obj, i, name) for i, (n, obj) in enumerate(_json_lines(path))]
+
+
+def read_kvpool(path: str | Path) -> list[Request]:
+    """All records of a kvpool JSONL file (``.gz`` allowed); errors name the line."""
+    return [_located(path, n, kvpool_record, obj) for n, obj in _json_lines(path)]
+
+
+def read_trace(path: str | Path, workload: str | None = None) -> list[Request]:
+    """Either format, decided per line: a line with ``timestamp`` and no ``arrival_ms`` is Mooncake."""
+    name = workload or _stem(path)
+    out: list[Request] = []
+    for i, (n, obj) in enumerate(_json_lines(path)):
+        if "timestamp" in obj and "arrival_ms" not in obj:
+            out.append(_located(path, n, mooncake_record, obj, i, name))
+        else:
+            out.append(_located(path, n, kvpool_record, obj))
+    return out
+
+
+def _stem(path: str | Path) -> str:
+    name = Path(path).name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name.removesuffix("_trace") or "trace"
+
+
+def to_kvpool_dict(req: Request) -> dict[str, Any]:
+    """The JSON object written for ``req`` (absent optional fields are omitted)."""
+    out: dict[str, Any] = {
+        "format": KVPOOL_FORMAT,
+        "request_id": req.request_id,
+        "arrival_ms": req.arrival_ms,
+        "tenant": req.tenant,
+        "workload": req.workload,
+        "input_length": req.input_length,
+        "output_length": req.output_length,
+    }
+    if req.conversation_id is not None:
+        out["conversation_id"] = req.conversation_id
+        out["turn"] = req.turn
+    if req.hash_ids is not None:
+        out["block_size"] = req.block_size
+        out["hash_ids"] = req.hash_ids
+    if req.tokens is not None:
+        out["tokens"] = req.tokens
+    if req.output_tokens is not None:
+        out["output_tokens"] = req.output_tokens
+    out.update(req.extra)
+    return out
+
+
+def write_kvpool(requests: Iterable[Request], path: str | Path) -> int:
+    """Write kvpool JSONL (gzip if ``path`` ends in .gz); returns the number of records."""
+    n = 0
+    with _open_text(path, "w") as fh:
+        for req in requests:
+            fh.write(json.dumps(to_kvpool_dict(req), separators=(",", ":")) + "\n")
+            n += 1
+    return n
+
+
+class MooncakeIdMapper:
+    """Chained block ids for requests that have tokens: SHA-256 over (parent, tenant, block tokens), then
+    renumbered in first-seen order so the output looks like a published trace."""
+
+    def __init__(self, block_size: int = MOONCAKE_BLOCK) -> None:
+        if block_size <= 0:
+            raise TraceFormatError("block size must be positive")
+        self.block_size = block_size
+        self._ids: dict[bytes, int] = {}
+
+    def ids_for(self, req: Request) -> list[int]:
+        if req.hash_ids is not None and req.block_size == self.block_size and req.tokens is None:
+            return list(req.hash_ids)
+        if req.tokens is None:
+            raise TraceFormatError(
+                f"request {req.request_id}: hash ids of block size {req.block_size} cannot be re-blocked "
+                f"to {self.block_size} without tokens"
+            )
+        parent = hashlib.sha256(b"kvpool-mooncake-ids/1|" + req.tenant.encode()).digest()
+        toks = np.asarray(req.tokens, dtype=np.uint64)
+        out = []
+        for start in range(0, len(toks), self.block_size):
+            parent = hashlib.sha256(parent + toks[start : start + self.block_size].tobytes()).digest()
+            out.append(self._ids.setdefault(parent, len(self._ids)))
+        return out
+
+
+def to_mooncake_dict(req: Request, mapper: MooncakeIdMapper) -> dict[str, Any]:
+    """The Mooncake JSON object for ``req`` (arrival rounded to whole ms)."""
+    return {
+        "timestamp": round(req.arrival_ms),
+        "input_length": req.input_length,
+        "output_length": req.output_length,
+        "hash_ids": mapper.ids_for(req),
+    }
+
+
+def write_mooncake(requests: Iterable[Request], path: str | Path, block_size: int = MOONCAKE_BLOCK) -> int:
+    """Write Mooncake JSONL; see the module docstring for what is lost. Returns the number of records."""
+    mapper = MooncakeIdMapper(block_size)
+    n = 0
+    with _open_text(path, "w") as fh:
+        for req in requests:
+            fh.write(json.dumps(to_mooncake_dict(req, mapper)) + "\n")
+            n += 1
+    return n
+
+
+# ------------------------------------------------------------------------------------ synthetic tokens
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser, vectorised: a fixed, seedable stream independent of numpy's RNG versions."""
+    with np.errstate(over="ignore"):
+        z = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        return z ^ (z >> np.uint64(31))
+
+
+def synthesize_tokens(
+    hash_ids: list[int], input_length: int, vocab: int, block_size: int = MOONCAKE_BLOCK, seed: int = 0
+) -> list[int]:
+    """Deterministic token ids for a hash-id-only request: block ``k`` always expands to the same
+    ``block_size`` tokens (the last block truncated), so equal id prefixes give equal token prefixes
+    and a live replay reproduces the trace's sharing. Tokens are drawn from ``[0, vocab)``."""
+    if vocab <= 0:
+        raise TraceFormatError("vocab must be positive")
+    if not hash_ids:
+        return []
+    ids = np.asarray(hash_ids, dtype=np.uint64)
+    pos = np.arange(block_size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        base = (ids[:, None] * np.uint64(block_size) + pos[None, :]) ^ (np.uint64(seed) << np.uint64(40))
+    toks = (_splitmix64(base) % np.uint64(vocab)).reshape(-1)[:input_length]
+    return toks.astype(np.int64).tolist()
+
+
+def with_synthetic_tokens(requests: Iterable[Request], vocab: int, seed: int = 0) -> Iterator[Request]:
+    """Requests with ``tokens`` filled from their hash ids (those that already have tokens pass as is)."""
+    for req in requests:
+        if req.tokens is None and req.hash_ids is not None:
+            req.tokens = synthesize_tokens(req.hash_ids, req.input_length, vocab, req.block_size, seed)
+        yield req
