@@ -1,0 +1,21 @@
+"""Shared pytest fixtures. Kept minimal: only what several owners' tests need."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def torch_deterministic():
+    """2 threads, deterministic algorithms, seed 0: bitwise comparisons assume the same kernels on both sides
+    (reference model.md §5 rule 3). Restores the previous settings afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    was_det = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(2)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    yield torch
+    torch.use_deterministic_algorithms(was_det)
+    torch.set_num_threads(threads)
