@@ -377,11 +377,15 @@ class PrefixIndex:
         checksum: int = 0,
         ttl_ms: int = 0,
         pending: bool = False,
+        evict: bool = True,
     ) -> str:
         """Index an object on a node (placed by free space if ``node_id`` is None); returns the node id.
 
         Makes room first (quota, then pool capacity) and runs the watermark pass after, so the index never
         holds more than a pool's capacity. ``pending=True`` reserves the bytes for a two-phase put.
+        ``evict=False`` (adopting a node's inventory) skips quotas and eviction until the caller runs
+        :meth:`evict` once the whole inventory is in, so no block is judged a leaf before its children
+        have arrived; it still refuses to overfill a pool.
         """
         kind = self._check_object(key, kind, size, ttl_ms, checksum)
         if key in self._slot or key in self._pending:
@@ -389,7 +393,7 @@ class PrefixIndex:
         now = self._clock()
         self._retire_due(now)
         tid = self._tenant_id(tenant)
-        quota = self._quota.get(tid, 0)
+        quota = self._quota.get(tid, 0) if evict else 0
         if quota:
             if size > quota:
                 raise QuotaExceededError(f"object of {size} bytes exceeds tenant {tenant!r} quota {quota}")
@@ -406,7 +410,8 @@ class PrefixIndex:
         nid = self._node_ids[node_id]
         if size > node.capacity[tier]:
             raise CapacityError(f"object of {size} bytes exceeds {tier.name} capacity of node {node_id!r}")
-        if not self._make_room(nid, tier, size, now):
+        cap = node.capacity[tier]
+        if not (self._make_room(nid, tier, size, now) if evict else node.used[tier] + size <= cap):
             raise CapacityError(
                 f"node {node_id!r} {tier.name}: {node.used[tier]} of {node.capacity[tier]} bytes held by "
                 f"pinned/leased/pending objects; cannot fit {size}"
@@ -432,7 +437,8 @@ class PrefixIndex:
         if ttl_ms:
             self._set_ttl(slot, key, now + ttl_ms / 1000.0)
         self.policy.touch(c, np.array([slot]), now)
-        self._evict_pool(nid, tier, now, protect=slot)
+        if evict:
+            self._evict_pool(nid, tier, now, protect=slot)
         return node_id
 
     def commit(self, key: bytes) -> None:
@@ -457,14 +463,44 @@ class PrefixIndex:
         return True
 
     def set_quota(self, tenant: str, max_bytes: int) -> None:
-        """Cap a tenant's indexed bytes (all tiers, pending included); 0 removes the cap."""
+        """Cap a tenant's indexed bytes (all tiers, pending included); 0 removes the cap.
+
+        A tenant already above the new cap loses its own evictable objects now (as far as they go)."""
         if max_bytes < 0:
             raise BadObjectError("quota must be >= 0")
         tid = self._tenant_id(tenant)
         if max_bytes:
             self._quota[tid] = max_bytes
+            if self._tenant_bytes.get(tid, 0) > max_bytes:
+                now = self._clock()
+                self._retire_due(now)
+                self._evict_tenant(tid, max_bytes, now)
         else:
             self._quota.pop(tid, None)
+
+    def promote(self, key: bytes) -> bool:
+        """Move a committed SSD object back to DRAM on its node (promotion on a real hit), demoting or
+        dropping colder DRAM objects to make room. False if it is not on SSD or DRAM cannot take it."""
+        slot = self._slot.get(key)
+        c = self._cols
+        if slot is None or c.tier[slot] != Tier.SSD:
+            return False
+        nid = int(c.node[slot])
+        node = self._nodes[nid]
+        size = int(c.size[slot])
+        if size > node.capacity[Tier.DRAM]:
+            return False
+        now = self._clock()
+        c.tier[slot] = Tier.DRAM
+        node.used[Tier.SSD] -= size
+        node.used[Tier.DRAM] += size
+        self._evict_pool(nid, Tier.DRAM, now, protect=slot)
+        if node.used[Tier.DRAM] > node.capacity[Tier.DRAM]:  # everything else pinned: undo
+            c.tier[slot] = Tier.SSD
+            node.used[Tier.DRAM] -= size
+            node.used[Tier.SSD] += size
+            return False
+        return True
 
     # ------------------------------------------------------------------ reads
 

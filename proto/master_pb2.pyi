@@ -203,7 +203,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy")
+    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired")
     class BytesPerTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,13 @@ class StatsReply(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class BytesPerTenantEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +236,9 @@ class StatsReply(_message.Message):
     BYTES_PER_TIER_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TENANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
     objects: int
     bytes: int
     capacity_bytes: int
@@ -240,4 +250,7 @@ class StatsReply(_message.Message):
     bytes_per_tier: _containers.ScalarMap[str, int]
     bytes_per_tenant: _containers.ScalarMap[str, int]
     policy: str
-    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ...) -> None: ...
+    counters: _containers.ScalarMap[str, int]
+    demotions: int
+    expired: int
+    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
