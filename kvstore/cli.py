@@ -1,0 +1,75 @@
+"""``kvpool store ...``: the store's command group (``node`` here, ``master`` from the master's module)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvpool.kvstore.node import TRANSPORTS, NodeConfig, parse_size
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``store`` with its subcommands to the top-level ``kvpool`` parser."""
+    store = subparsers.add_parser("store", help="shared KV store: master and storage nodes")
+    store_sub = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND")
+    _add_node_parser(store_sub)
+    try:
+        from kvpool.kvstore.master_cli import add_master_parser
+    except ModuleNotFoundError as exc:  # master not in this tree yet; its own import errors still surface
+        if exc.name != "kvpool.kvstore.master_cli":
+            raise
+    else:
+        add_master_parser(store_sub)
+
+
+def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
+    p = store_sub.add_parser("node", help="run a storage node (shm pool, tcp/shm/ucx data planes, gRPC)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--master", metavar="HOST:PORT", help="master to register with")
+    where.add_argument(
+        "--no-master", action="store_true", help="standalone node (transport tests, benchmarks)"
+    )
+    p.add_argument("--capacity", default="1GiB", type=parse_size, help="DRAM pool size (default 1GiB)")
+    p.add_argument(
+        "--transport",
+        default="tcp,shm,ucx",
+        help=f"comma list of data planes among {','.join(TRANSPORTS)} (tcp is always on)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
+    p.add_argument("--port", type=int, default=0, help="gRPC control port (0 = any)")
+    p.add_argument("--tcp-port", type=int, default=0, help="tcp data-plane port (0 = any)")
+    p.add_argument("--ucx-port", type=int, default=0, help="ucx listener port (0 = any)")
+    p.add_argument("--ssd-path", type=Path, default=None, help="directory of the SSD tier (off if unset)")
+    p.add_argument("--ssd-capacity", type=parse_size, default=0, help="SSD tier size")
+    p.add_argument("--node-id", default=None, help="stable node id (default hostname-grpcport)")
+    p.add_argument("--max-object", type=parse_size, default=None, help="largest object (default: capacity)")
+    p.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a started data-plane frame may take (plus size at 100 MB/s)",
+    )
+    p.set_defaults(func=_run_node)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from kvpool.kvstore.node import run
+
+    transports = tuple(t.strip() for t in args.transport.split(",") if t.strip())
+    if "tcp" not in transports:
+        transports = ("tcp", *transports)
+    config = NodeConfig(
+        capacity=args.capacity,
+        master=None if args.no_master else args.master,
+        host=args.host,
+        grpc_port=args.port,
+        tcp_port=args.tcp_port,
+        ucx_port=args.ucx_port,
+        transports=transports,
+        ssd_path=args.ssd_path,
+        ssd_capacity=args.ssd_capacity if args.ssd_path else 0,
+        node_id=args.node_id,
+        max_object=args.max_object,
+        frame_timeout_s=args.frame_timeout,
+    )
+    return run(config)

@@ -1,0 +1,51 @@
+"""gRPC failures → the store's typed errors, for every gRPC call the client and transports make.
+
+The node (and, by convention, the master) put the error class name first in the status details
+(``"ObjectTooLargeError: ..."``); when that name is one of ours the exact class comes back, otherwise the
+status code decides. UNAVAILABLE → ``StoreUnavailableError``, DEADLINE_EXCEEDED → ``TransportTimeoutError``.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+from kvpool.kvstore import errors
+from kvpool.kvstore.errors import (
+    BadRequestError,
+    CapacityExceededError,
+    CorruptObjectError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+    StoreUnavailableError,
+    TransportTimeoutError,
+)
+
+_BY_STATUS: dict[grpc.StatusCode, type[StoreError]] = {
+    grpc.StatusCode.NOT_FOUND: ObjectNotFoundError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExceededError,
+    grpc.StatusCode.DATA_LOSS: CorruptObjectError,
+    grpc.StatusCode.INVALID_ARGUMENT: BadRequestError,
+    grpc.StatusCode.OUT_OF_RANGE: BadRequestError,
+    grpc.StatusCode.ALREADY_EXISTS: ObjectExistsError,
+    grpc.StatusCode.UNAVAILABLE: StoreUnavailableError,
+    grpc.StatusCode.CANCELLED: StoreUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TransportTimeoutError,
+}
+
+
+def typed_error(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str = "") -> StoreError:
+    """The typed store error for a failed gRPC call."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    name = details.split(":", 1)[0].strip()
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, StoreError)):
+        cls = _BY_STATUS.get(code, StoreError)
+    prefix = f"{where}: " if where else ""
+    return cls(f"{prefix}{code.name}: {details}")
+
+
+def raise_typed(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str = "") -> NoReturn:
+    raise typed_error(exc, where) from exc

@@ -1,0 +1,317 @@
+"""What a storage node holds: object table over the shared-memory pool plus the optional SSD tier.
+
+All methods run on the node's single asyncio loop, so the table needs no locks. Reads take a reader count on
+the object; a Delete or Demote arriving mid-read defers freeing the extent until the last reader leaves, so a
+transfer never streams bytes that were reallocated under it (the master's read-pin lease is the cross-process
+guarantee; this is the in-process one). Checksums (xxh3-64) are checked when a put lands and on every read.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+from kvpool.kvstore.errors import (
+    BadRequestError,
+    CapacityExceededError,
+    ChecksumMismatchError,
+    CorruptObjectError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+)
+from kvpool.kvstore.pool import Extent, SharedPool
+from kvpool.kvstore.transport_frame import MAX_KEY
+from kvpool.proto import common_pb2
+
+checksum_of = xxhash.xxh3_64_intdigest
+
+
+@dataclass
+class StoredObject:
+    """One object: its meta and where its bytes are (DRAM extent and/or SSD file)."""
+
+    meta: common_pb2.ObjectMeta
+    extent: Extent | None = None
+    ssd_file: Path | None = None
+    readers: int = 0
+    doomed: bool = False  # deleted while being read: free when the last reader leaves
+    demoted: bool = False  # moved to SSD while being read: free the extent when the last reader leaves
+
+
+@dataclass
+class PendingPut:
+    """An extent reserved for a put whose bytes are still arriving."""
+
+    put_id: str
+    meta: common_pb2.ObjectMeta
+    extent: Extent
+    deadline: float = field(default=0.0)
+
+
+class ObjectStore:
+    """Object table of one node. ``max_object`` caps a single object (default: the pool capacity)."""
+
+    def __init__(
+        self,
+        pool: SharedPool,
+        ssd_path: Path | None = None,
+        ssd_capacity: int = 0,
+        max_object: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.objects: dict[bytes, StoredObject] = {}
+        self.pending: dict[str, PendingPut] = {}
+        self.max_object = max_object or pool.capacity
+        self.ssd_path = ssd_path
+        self.ssd_capacity = ssd_capacity if ssd_path else 0
+        self.ssd_used = 0
+        self.counters: dict[str, int] = {}
+        if ssd_path is not None:
+            ssd_path.mkdir(parents=True, exist_ok=True)
+            self._load_ssd()
+
+    # --- bookkeeping -------------------------------------------------------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    @property
+    def dram_used(self) -> int:
+        return self.pool.allocator.used_bytes
+
+    def inventory(self) -> list[common_pb2.ObjectMeta]:
+        return [obj.meta for obj in self.objects.values() if not obj.doomed]
+
+    # --- puts --------------------------------------------------------------------------------------------
+    def begin_put(self, put_id: str, meta: common_pb2.ObjectMeta) -> PendingPut | None:
+        """Reserve space for ``meta``; None when the same object is already here (duplicate put = no-op)."""
+        if not meta.key or len(meta.key) > MAX_KEY:
+            raise BadRequestError(f"key must be 1..{MAX_KEY} bytes, got {len(meta.key)}")
+        if meta.size > self.max_object:
+            raise ObjectTooLargeError(
+                f"object of {meta.size} B exceeds the node's limit of {self.max_object} B"
+            )
+        existing = self.objects.get(meta.key)
+        if existing is not None and not existing.doomed:
+            if existing.meta.checksum == meta.checksum and existing.meta.size == meta.size:
+                self.count("puts_duplicate")
+                return None
+            raise ObjectExistsError(f"key {meta.key[:8].hex()}… already holds a different object")
+        extent = self.pool.allocator.allocate(meta.size)
+        pending = PendingPut(put_id, common_pb2.ObjectMeta(), extent)
+        pending.meta.CopyFrom(meta)
+        pending.meta.tier = common_pb2.DRAM
+        return pending
+
+    def finish_put(self, pending: PendingPut) -> None:
+        """Verify the landed bytes against the declared checksum and publish the object."""
+        got = checksum_of(self.pool.view(pending.extent))
+        if got != pending.meta.checksum:
+            self.pool.allocator.free(pending.extent)
+            self.count("puts_checksum_rejected")
+            raise ChecksumMismatchError(
+                f"payload hashes to {got:#x}, the put declared {pending.meta.checksum:#x}"
+            )
+        existing = self.objects.get(pending.meta.key)
+        if existing is not None and not existing.doomed:  # a concurrent duplicate won the race
+            self.pool.allocator.free(pending.extent)
+            self.count("puts_duplicate")
+            return
+        self.objects[pending.meta.key] = StoredObject(pending.meta, pending.extent)
+        self.count("puts")
+        self.count("bytes_in", pending.meta.size)
+
+    def abort_put(self, pending: PendingPut) -> None:
+        self.pool.allocator.free(pending.extent)
+        self.count("puts_aborted")
+
+    # --- reads -------------------------------------------------------------------------------------------
+    def acquire(self, key: bytes) -> StoredObject:
+        """Take a reader reference; promotes an SSD-only object back to DRAM when space allows."""
+        obj = self.objects.get(key)
+        if obj is None or obj.doomed:
+            raise ObjectNotFoundError(f"key {key[:8].hex()}… not on this node")
+        if obj.extent is None:
+            self._promote(obj, required=False)
+        obj.readers += 1
+        return obj
+
+    def release(self, obj: StoredObject) -> None:
+        obj.readers -= 1
+        if obj.readers == 0:
+            if obj.doomed:
+                self._drop(obj)
+            elif obj.demoted and obj.extent is not None:
+                self.pool.allocator.free(obj.extent)
+                obj.extent = None
+                obj.demoted = False
+
+    def read_view(self, obj: StoredObject) -> memoryview | bytes:
+        """The object's bytes, verified (DRAM view, or the SSD file's bytes when it could not be promoted)."""
+        if obj.extent is not None:
+            data: memoryview | bytes = self.pool.view(obj.extent)
+        else:
+            assert obj.ssd_file is not None
+            data = obj.ssd_file.read_bytes()
+        if checksum_of(data) != obj.meta.checksum:
+            self.count("reads_corrupt")
+            raise CorruptObjectError(f"key {obj.meta.key[:8].hex()}… failed its checksum on the node")
+        self.count("gets")
+        self.count("bytes_out", obj.meta.size)
+        return data
+
+    # --- lifecycle (master-driven) -----------------------------------------------------------------------
+    def delete(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+        done, missing = 0, []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or obj.doomed:
+                missing.append(key)
+                continue
+            done += 1
+            if obj.readers:
+                obj.doomed = True
+            else:
+                self._drop(obj)
+        self.count("deletes", done)
+        return done, missing
+
+    def _drop(self, obj: StoredObject) -> None:
+        if self.objects.get(obj.meta.key) is obj:
+            del self.objects[obj.meta.key]
+        if obj.extent is not None:
+            self.pool.allocator.free(obj.extent)
+            obj.extent = None
+        if obj.ssd_file is not None:
+            self._remove_ssd_file(obj)
+
+    def demote(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+        """Move DRAM objects to the SSD tier and free their extents (keys not moved are reported missing)."""
+        done, missing = 0, []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or obj.doomed or self.ssd_path is None:
+                missing.append(key)
+                continue
+            if obj.ssd_file is None:
+                if self.ssd_used + obj.meta.size > self.ssd_capacity or obj.extent is None:
+                    missing.append(key)
+                    continue
+                self._write_ssd(obj)
+            if obj.extent is not None:
+                if obj.readers:
+                    obj.demoted = True
+                else:
+                    self.pool.allocator.free(obj.extent)
+                    obj.extent = None
+            obj.meta.tier = common_pb2.SSD
+            done += 1
+        self.count("demotes", done)
+        return done, missing
+
+    def promote(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+        done, missing = 0, []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or obj.doomed:
+                missing.append(key)
+                continue
+            try:
+                self._promote(obj, required=True)
+            except CapacityExceededError:
+                missing.append(key)
+                continue
+            done += 1
+        return done, missing
+
+    def _promote(self, obj: StoredObject, required: bool) -> None:
+        if obj.extent is not None:
+            obj.demoted = False
+            obj.meta.tier = common_pb2.DRAM
+            return
+        try:
+            extent = self.pool.allocator.allocate(obj.meta.size)
+        except CapacityExceededError:
+            if required:
+                raise
+            return  # served from SSD this time
+        assert obj.ssd_file is not None
+        view = self.pool.view(extent)
+        with obj.ssd_file.open("rb") as f:
+            n = f.readinto(view)
+        if n != obj.meta.size or checksum_of(view) != obj.meta.checksum:
+            self.pool.allocator.free(extent)
+            self.count("reads_corrupt")
+            raise CorruptObjectError(f"SSD copy of {obj.meta.key[:8].hex()}… is damaged")
+        obj.extent = extent
+        obj.meta.tier = common_pb2.DRAM
+        self._remove_ssd_file(obj)
+        self.count("promotes")
+
+    # --- SSD files: <hex key>.bin + <hex key>.meta (so a restarted node re-adopts its SSD tier) ------------
+    def _write_ssd(self, obj: StoredObject) -> None:
+        assert self.ssd_path is not None and obj.extent is not None
+        base = self.ssd_path / obj.meta.key.hex()
+        data_file = base.with_suffix(".bin")
+        with data_file.open("wb") as f:
+            f.write(self.pool.view(obj.extent))
+        meta = common_pb2.ObjectMeta()
+        meta.CopyFrom(obj.meta)
+        meta.tier = common_pb2.SSD
+        tmp = base.with_suffix(".meta.tmp")
+        tmp.write_bytes(meta.SerializeToString())
+        os.replace(tmp, base.with_suffix(".meta"))  # the meta appears only once the data is complete
+        obj.ssd_file = data_file
+        self.ssd_used += obj.meta.size
+
+    def _remove_ssd_file(self, obj: StoredObject) -> None:
+        assert obj.ssd_file is not None
+        for suffix in (".meta", ".bin"):
+            obj.ssd_file.with_suffix(suffix).unlink(missing_ok=True)
+        self.ssd_used -= obj.meta.size
+        obj.ssd_file = None
+
+    def _load_ssd(self) -> None:
+        assert self.ssd_path is not None
+        for meta_file in sorted(self.ssd_path.glob("*.meta")):
+            data_file = meta_file.with_suffix(".bin")
+            meta = common_pb2.ObjectMeta()
+            try:
+                meta.ParseFromString(meta_file.read_bytes())
+            except Exception:  # a torn meta file: the object is simply not adopted
+                continue
+            if not data_file.exists() or data_file.stat().st_size != meta.size:
+                continue
+            meta.tier = common_pb2.SSD
+            self.objects[meta.key] = StoredObject(meta, None, data_file)
+            self.ssd_used += meta.size
+        self.count("ssd_adopted", len(self.objects))
+
+    # --- shm puts: reservations live until sealed or their deadline ----------------------------------------
+    def reserve(self, put_id: str, meta: common_pb2.ObjectMeta, ttl_s: float) -> PendingPut | None:
+        if put_id in self.pending:
+            raise BadRequestError(f"put {put_id} already reserved")
+        pending = self.begin_put(put_id, meta)
+        if pending is not None:
+            pending.deadline = time.monotonic() + ttl_s
+            self.pending[put_id] = pending
+        return pending
+
+    def seal(self, put_id: str, abort: bool) -> None:
+        pending = self.pending.pop(put_id, None)
+        if pending is None:
+            raise ObjectNotFoundError(f"no reservation {put_id} (expired or never made)")
+        if abort:
+            self.abort_put(pending)
+        else:
+            self.finish_put(pending)
+
+    def reap_reservations(self) -> int:
+        now = time.monotonic()
+        stale = [pid for pid, p in self.pending.items() if p.deadline < now]
+        for pid in stale:
+            self.abort_put(self.pending.pop(pid))
+        return len(stale)

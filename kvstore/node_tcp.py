@@ -1,0 +1,235 @@
+"""The node's tcp data plane: raw non-blocking asyncio sockets, frames from ``transport_frame``.
+
+Payloads land straight in the shared-memory extent (``sock_recv_into`` on a view of the pool) and leave
+straight from it (``sock_sendall`` of the view): no intermediate copies, never ``readexactly``.
+Requests on one connection are served in order, so clients pipeline a batch and read the responses back
+in order.
+
+Robustness: a bad header (magic, op, lengths) gets an error frame and the connection is closed; a frame that
+stops arriving mid-way (truncated) is cut off after ``frame_timeout_s`` + size at the floor rate. A payload
+the node refuses (no space, duplicate, too large) is drained when small enough to keep the connection in sync,
+otherwise the connection is closed after the error frame. Other connections are never affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+from kvpool.kvstore.errors import (
+    BadRequestError,
+    ProtocolError,
+    StoreError,
+    TransportTimeoutError,
+)
+from kvpool.kvstore.node_store import ObjectStore
+from kvpool.kvstore.transport_base import recv_exactly_into
+from kvpool.kvstore.transport_frame import (
+    HEADER_SIZE,
+    OP_GET,
+    OP_PING,
+    OP_PUT,
+    RESPONSE,
+    Frame,
+    FrameError,
+    decode_header,
+    encode,
+    error_frame,
+)
+from kvpool.proto import node_pb2
+
+log = logging.getLogger(__name__)
+DRAIN_LIMIT = 64 << 20  # refused payloads up to this size are read and dropped to keep the stream in sync
+SMALL_SEND = 64 << 10  # below this, header and payload go out in one send
+
+
+class _CloseConnection(Exception):
+    """Stop serving this connection (after an error frame was sent where possible)."""
+
+
+class TcpDataServer:
+    """Accept loop plus one task per connection."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        host: str,
+        port: int,
+        frame_timeout_s: float = 5.0,
+        floor_rate: float = 100e6,
+    ) -> None:
+        self.store = store
+        self.frame_timeout_s = frame_timeout_s
+        self.floor_rate = floor_rate
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(256)
+        self._sock.setblocking(False)
+        self.port: int = self._sock.getsockname()[1]
+        self._tasks: set[asyncio.Task] = set()
+        self._accept_task: asyncio.Task | None = None
+        self._scratch = bytearray(1 << 20)
+
+    def start(self) -> None:
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def close(self) -> None:
+        if self._accept_task:
+            self._accept_task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _addr = await loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._serve(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _deadline(self, size: int) -> float:
+        return self.frame_timeout_s + size / self.floor_rate
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        header = bytearray(HEADER_SIZE)
+        hview = memoryview(header)
+        try:
+            while True:
+                # idle wait for the first byte has no deadline (pooled connections sit idle); the rest of
+                # the frame must follow within the frame deadline
+                n = await loop.sock_recv_into(conn, hview)
+                if n == 0:
+                    return
+                try:
+                    async with asyncio.timeout(self.frame_timeout_s):
+                        await recv_exactly_into(loop, conn, hview[n:])
+                except TimeoutError:
+                    await self._send_error(conn, 0, TransportTimeoutError("truncated frame header"))
+                    return
+                try:
+                    frame, key_len, aux_len = decode_header(header)
+                    if frame.op & RESPONSE:
+                        raise FrameError("response frame sent to the node")
+                except FrameError as exc:
+                    self.store.count("frames_rejected")
+                    await self._send_error(conn, 0, ProtocolError(str(exc)))
+                    return
+                try:
+                    async with asyncio.timeout(self._deadline(frame.payload_len)):
+                        var = bytearray(key_len + aux_len)
+                        await recv_exactly_into(loop, conn, memoryview(var))
+                        frame.key, frame.aux = bytes(var[:key_len]), bytes(var[key_len:])
+                        await self._dispatch(loop, conn, frame)
+                except TimeoutError:
+                    self.store.count("frames_timed_out")
+                    await self._send_error(
+                        conn, frame.op, TransportTimeoutError("frame did not complete in time")
+                    )
+                    return
+        except (_CloseConnection, ProtocolError, ConnectionError, OSError):
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must cost one connection, never the node
+            log.exception("tcp connection failed")
+        finally:
+            conn.close()
+
+    async def _send_error(self, conn: socket.socket, op: int, exc: StoreError, request_id: int = 0) -> None:
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(1.0):
+                await asyncio.get_running_loop().sock_sendall(
+                    conn, encode(error_frame(op or OP_PING, exc.code, str(exc), request_id))
+                )
+
+    async def _dispatch(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame) -> None:
+        if frame.op == OP_PING:
+            await loop.sock_sendall(conn, encode(Frame(OP_PING | RESPONSE, request_id=frame.request_id)))
+        elif frame.op == OP_PUT:
+            await self._put(loop, conn, frame)
+        elif frame.op == OP_GET:
+            await self._get(loop, conn, frame)
+
+    async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame) -> None:
+        header = node_pb2.PutHeader()
+        try:
+            header.ParseFromString(frame.aux)
+            if header.meta.size != frame.payload_len or header.meta.checksum != frame.checksum:
+                raise BadRequestError("frame and PutHeader disagree on size or checksum")
+            pending = self.store.begin_put(header.put_id, header.meta)
+        except StoreError as exc:
+            await self._refuse_payload(loop, conn, frame, exc)
+            return
+        except Exception as exc:  # protobuf DecodeError
+            await self._refuse_payload(loop, conn, frame, BadRequestError(f"bad PutHeader: {exc}"))
+            return
+        if pending is None:  # duplicate of an object already here
+            await self._drain(loop, conn, frame.payload_len)
+            await loop.sock_sendall(conn, encode(Frame(OP_PUT | RESPONSE, request_id=frame.request_id)))
+            return
+        try:
+            await recv_exactly_into(loop, conn, self.store.pool.view(pending.extent))
+        except BaseException:
+            self.store.abort_put(pending)
+            raise
+        try:
+            self.store.finish_put(pending)
+        except StoreError as exc:
+            await self._send_error(conn, OP_PUT, exc, frame.request_id)
+            return
+        await loop.sock_sendall(conn, encode(Frame(OP_PUT | RESPONSE, request_id=frame.request_id)))
+
+    async def _refuse_payload(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame, exc: StoreError
+    ) -> None:
+        if frame.payload_len > DRAIN_LIMIT:
+            await self._send_error(conn, OP_PUT, exc, frame.request_id)
+            raise _CloseConnection
+        await self._drain(loop, conn, frame.payload_len)
+        await self._send_error(conn, OP_PUT, exc, frame.request_id)
+
+    async def _drain(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> None:
+        scratch = memoryview(self._scratch)
+        while n > 0:
+            got = await loop.sock_recv_into(conn, scratch[: min(n, len(scratch))])
+            if got == 0:
+                raise ProtocolError("connection closed inside a payload")
+            n -= got
+
+    async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame) -> None:
+        try:
+            obj = self.store.acquire(frame.key)
+        except StoreError as exc:
+            await self._send_error(conn, OP_GET, exc, frame.request_id)
+            return
+        try:
+            if obj.meta.size > frame.payload_len:
+                raise BadRequestError(
+                    f"object is {obj.meta.size} B, the reader's buffer {frame.payload_len} B"
+                )
+            data = self.store.read_view(obj)
+            head = encode(
+                Frame(
+                    OP_GET | RESPONSE,
+                    request_id=frame.request_id,
+                    payload_len=len(data),
+                    checksum=obj.meta.checksum,
+                )
+            )
+            if len(data) <= SMALL_SEND:
+                await loop.sock_sendall(conn, head + bytes(data))
+            else:
+                await loop.sock_sendall(conn, head)
+                await loop.sock_sendall(conn, data)
+        except StoreError as exc:
+            await self._send_error(conn, OP_GET, exc, frame.request_id)
+        finally:
+            self.store.release(obj)

@@ -1,0 +1,131 @@
+"""The transport interface every data-plane backend implements, plus shared deadline and socket helpers.
+
+A transport moves object bytes between a client and a storage node; the master never sees them. The client
+picks one per peer (``transport_select``). Every wait has a deadline: ``deadline_for(size)`` = a fixed
+connect/latency allowance plus the size at a floor rate, so a dead or stalled peer surfaces as
+``TransportTimeoutError`` instead of a hang, and a large object is not cut off on a slow link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+from kvpool.kvstore.errors import CorruptObjectError, ProtocolError, StoreError, TransportTimeoutError
+from kvpool.proto import common_pb2
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Deadline policy: ``base_s`` + size / ``floor_rate`` bytes per second; ``connect_s`` for connecting."""
+
+    connect_s: float = 5.0
+    base_s: float = 2.0
+    floor_rate: float = 100e6
+
+    def for_size(self, size: int) -> float:
+        return self.base_s + size / self.floor_rate
+
+
+DEFAULT_DEADLINES = Deadlines()
+
+
+def as_bytes_view(buf: object) -> memoryview:
+    """A flat, byte-typed memoryview of bytes / bytearray / numpy / torch (CPU, contiguous) buffers."""
+    if hasattr(buf, "numpy") and hasattr(buf, "is_contiguous"):  # torch.Tensor without importing torch
+        if not buf.is_contiguous():  # type: ignore[attr-defined]
+            raise ValueError("tensor must be contiguous")
+        buf = buf.numpy()  # type: ignore[attr-defined]  # shares memory for CPU tensors
+    view = memoryview(buf)  # type: ignore[arg-type]
+    if not view.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def verify_checksum(view: Buffer, expected: int, key: bytes) -> None:
+    if xxhash.xxh3_64_intdigest(view) != expected:
+        raise CorruptObjectError(f"key {key[:8].hex()}… failed its checksum after transfer")
+
+
+class Transport(ABC):
+    """One data-plane backend. Implementations own their connection pools; ``close`` releases them."""
+
+    name: str = "?"
+
+    def __init__(self, deadlines: Deadlines = DEFAULT_DEADLINES) -> None:
+        self.deadlines = deadlines
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    @abstractmethod
+    async def put(
+        self, node: common_pb2.NodeEndpoint, put_id: str, meta: common_pb2.ObjectMeta, data: Buffer
+    ) -> None:
+        """Store ``data`` (``meta.size`` bytes, ``meta.checksum``) on ``node`` under ``put_id``."""
+
+    @abstractmethod
+    async def _get_into(self, location: common_pb2.ObjectLocation, out: memoryview) -> int:
+        """Copy the object into ``out`` without verifying; returns its size."""
+
+    async def get_into(self, location: common_pb2.ObjectLocation, out: Buffer) -> int:
+        """Copy the object at ``location`` into ``out`` and verify its checksum; returns the size."""
+        view = as_bytes_view(out)
+        if len(view) < location.meta.size:
+            raise ValueError(f"buffer of {len(view)} B is smaller than the object ({location.meta.size} B)")
+        n = await self._get_into(location, view)
+        verify_checksum(view[:n], location.meta.checksum, location.meta.key)
+        self.bytes_in += n
+        return n
+
+    async def batch_put(
+        self, node: common_pb2.NodeEndpoint, items: Sequence[tuple[str, common_pb2.ObjectMeta, Buffer]]
+    ) -> list[StoreError | None]:
+        """Per-item result: None on success or the typed error. Backends may pipeline."""
+        results = await asyncio.gather(*(self.put(node, *item) for item in items), return_exceptions=True)
+        return [_as_store_error(r) for r in results]
+
+    async def batch_get_into(
+        self, items: Sequence[tuple[common_pb2.ObjectLocation, Buffer]]
+    ) -> list[int | StoreError]:
+        results = await asyncio.gather(
+            *(self.get_into(loc, out) for loc, out in items), return_exceptions=True
+        )
+        return [r if isinstance(r, int) else _as_store_error(r) for r in results]  # type: ignore[misc]
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release pooled connections."""
+
+
+def _as_store_error(result: object) -> StoreError | None:
+    if result is None:
+        return None
+    if isinstance(result, StoreError):
+        return result
+    if isinstance(result, BaseException) and not isinstance(result, Exception):
+        raise result
+    return StoreError(f"{type(result).__name__}: {result}")
+
+
+async def recv_exactly_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (``sock_recv_into``, no intermediate copies); EOF → ``ProtocolError``."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise ProtocolError(f"connection closed after {got} of {total} bytes")
+        got += n
+
+
+async def with_deadline(coro, seconds: float, what: str):  # type: ignore[no-untyped-def]
+    """Await ``coro`` within ``seconds`` or raise ``TransportTimeoutError`` naming ``what``."""
+    try:
+        return await asyncio.wait_for(coro, seconds)
+    except TimeoutError:
+        raise TransportTimeoutError(f"{what}: no progress within {seconds:.1f} s") from None
