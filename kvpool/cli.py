@@ -15,6 +15,9 @@ COMMAND_MODULES = (
     "kvpool.model.cli",  # generate
     "kvpool.kvstore.cli",  # store master|node|...
     "kvpool.workloads.cli",  # replay, price, report, trace
+    "kvpool.prefill.cli",  # prefill (worker)
+    "kvpool.decode.cli",  # decode (worker)
+    "kvpool.verify",  # verify
     "kvpool.demo",  # demo
 )
 
