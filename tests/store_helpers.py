@@ -143,3 +143,20 @@ def start_node(
 
 def location(node: NodeProc, meta: common_pb2.ObjectMeta) -> common_pb2.ObjectLocation:
     return common_pb2.ObjectLocation(meta=meta, node=node.endpoint)
+
+
+@dataclass
+class MasterProc(Proc):
+    @property
+    def address(self) -> str:
+        return f"{self.ready.get('host', '127.0.0.1')}:{self.ready['port']}"
+
+
+def start_master(log_dir: Path, *extra: str, port: int = 0) -> MasterProc:
+    """``kvpool store master`` as a child (``port`` fixed when a restarted master must keep its address)."""
+    return _spawn(
+        MasterProc,
+        ["store", "master", "--port", str(port), "--log-level", "WARNING", *extra],
+        log_dir,
+        "master",
+    )

@@ -1,0 +1,418 @@
+"""Store client library: ``AsyncStoreClient`` (asyncio) and ``StoreClient`` (sync, own loop thread).
+
+Puts are two-phase through the master (PutStart → bytes to the chosen node over a transport → PutCommit;
+PutAbort on any failure), so nobody ever reads a half-written object; a duplicate put (EXISTS / IN_PROGRESS)
+is a successful no-op. Gets read-pin under a lease (Lookup / MatchPrefix with acquire=true), move the bytes,
+verify the xxh3-64 checksum, and Release the lease in ``finally``. Data never passes through the master.
+
+Errors are typed (``kvpool.kvstore.errors``): a missing key is ``ObjectNotFoundError`` (never ``b""``),
+damaged bytes ``CorruptObjectError``, a dead master or node ``StoreUnavailableError``, a stalled one
+``TransportTimeoutError``. Batch calls return one result per key (value or error) instead of failing whole.
+
+Quick start::
+
+    with StoreClient("127.0.0.1:50051", transport="auto") as c:
+        c.put(b"Bkey", b"payload")
+        assert c.get(b"Bkey") == b"payload"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import xxhash
+from kvpool.kvstore.client_rpc import raise_typed
+from kvpool.kvstore.errors import ObjectNotFoundError, StoreError, StoreUnavailableError
+from kvpool.kvstore.transport_base import DEFAULT_DEADLINES, Buffer, Deadlines, Transport, as_bytes_view
+from kvpool.kvstore.transport_select import TransportSelector
+from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
+
+T = TypeVar("T")
+ObjectKind = common_pb2.ObjectKind
+
+
+@dataclass
+class PutItem:
+    """One object of a ``batch_put``."""
+
+    key: bytes
+    data: Buffer
+    kind: int = common_pb2.BLOB
+    tenant: str | None = None
+    parent: bytes = b""
+    ttl_ms: int = 0
+
+
+class AsyncStoreClient:
+    """Talks to one master; picks a transport per storage node (``auto`` | ``tcp`` | ``shm`` | ``ucx``).
+
+    Must be used from one event loop (gRPC aio channels and pooled sockets belong to it).
+    """
+
+    def __init__(
+        self,
+        master: str,
+        transport: str = "auto",
+        *,
+        tenant: str = "",
+        lease_ms: int = 10_000,
+        rpc_timeout_s: float = 5.0,
+        deadlines: Deadlines = DEFAULT_DEADLINES,
+    ) -> None:
+        self.master_address = master
+        self.tenant = tenant
+        self.lease_ms = lease_ms
+        self.rpc_timeout_s = rpc_timeout_s
+        self.transports = TransportSelector(transport, deadlines)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: master_pb2_grpc.MasterStub | None = None
+        self._counters: dict[str, float] = {}
+
+    # --- plumbing ----------------------------------------------------------------------------------------
+    @property
+    def master(self) -> master_pb2_grpc.MasterStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.master_address)
+            self._stub = master_pb2_grpc.MasterStub(self._channel)
+        return self._stub
+
+    async def _rpc(self, name: str, request: Any) -> Any:
+        try:
+            return await getattr(self.master, name)(request, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise_typed(exc, f"master {name}")
+
+    def _count(self, name: str, n: float = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def metrics(self) -> dict[str, float]:
+        """Counters: ops.*, failures.*, latency_s.* (sums), bytes_in.<transport>, bytes_out.<transport>."""
+        return {**self._counters, **self.transports.metrics()}
+
+    def _meta(
+        self, key: bytes, view: memoryview, kind: int, tenant: str | None, parent: bytes, ttl_ms: int
+    ) -> common_pb2.ObjectMeta:
+        return common_pb2.ObjectMeta(
+            key=bytes(key),
+            kind=kind,
+            size=len(view),
+            checksum=xxhash.xxh3_64_intdigest(view),
+            tenant=self.tenant if tenant is None else tenant,
+            parent=parent,
+            ttl_ms=ttl_ms,
+        )
+
+    async def _timed(self, op: str, coro: Coroutine[Any, Any, T]) -> T:
+        t0 = time.perf_counter()
+        self._count(f"ops.{op}")
+        try:
+            return await coro
+        except BaseException:
+            self._count(f"failures.{op}")
+            raise
+        finally:
+            self._count(f"latency_s.{op}", time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        await self.transports.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def __aenter__(self) -> AsyncStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- writes ------------------------------------------------------------------------------------------
+    async def put(
+        self,
+        key: bytes,
+        data: Buffer,
+        *,
+        kind: int = common_pb2.BLOB,
+        tenant: str | None = None,
+        parent: bytes = b"",
+        ttl_ms: int = 0,
+    ) -> bool:
+        """Store ``data`` under ``key``; True if written now, False if it already existed (no-op success)."""
+        return await self._timed("put", self._put(PutItem(key, data, kind, tenant, parent, ttl_ms)))
+
+    async def _put(self, item: PutItem) -> bool:
+        view = as_bytes_view(item.data)
+        meta = self._meta(item.key, view, item.kind, item.tenant, item.parent, item.ttl_ms)
+        start = await self._rpc("PutStart", master_pb2.PutStartRequest(meta=meta))
+        if start.status != master_pb2.PutStartReply.STARTED:
+            return False  # EXISTS / IN_PROGRESS: someone else stored (or is storing) the same object
+        try:
+            transport = self.transports.for_node(start.node)
+            await transport.put(start.node, start.put_id, meta, view)
+        except BaseException as exc:
+            await self._abort(start.put_id, exc)
+            raise
+        await self._rpc("PutCommit", master_pb2.PutCommitRequest(put_id=start.put_id))
+        return True
+
+    async def _abort(self, put_id: str, exc: BaseException) -> None:
+        with contextlib.suppress(StoreError):  # the master aborts it at its deadline anyway
+            await self._rpc("PutAbort", master_pb2.PutAbortRequest(put_id=put_id, reason=repr(exc)[:500]))
+
+    async def batch_put(self, items: Sequence[PutItem | tuple[bytes, Buffer]]) -> list[StoreError | None]:
+        """Per item: None on success (duplicates included) or the typed error; pipelined per node."""
+        return await self._timed(
+            "batch_put", self._batch_put([i if isinstance(i, PutItem) else PutItem(*i) for i in items])
+        )
+
+    async def _batch_put(self, items: list[PutItem]) -> list[StoreError | None]:
+        results: list[StoreError | None] = [None] * len(items)
+        views = [as_bytes_view(i.data) for i in items]
+        metas = [
+            self._meta(i.key, v, i.kind, i.tenant, i.parent, i.ttl_ms)
+            for i, v in zip(items, views, strict=True)
+        ]
+        starts = await asyncio.gather(
+            *(self._rpc("PutStart", master_pb2.PutStartRequest(meta=m)) for m in metas),
+            return_exceptions=True,
+        )
+        groups: dict[tuple[int, str], tuple[Transport, Any, list[int]]] = {}
+        for i, start in enumerate(starts):
+            if isinstance(start, BaseException):
+                results[i] = _store_error(start)
+                continue
+            if start.status != master_pb2.PutStartReply.STARTED:
+                continue
+            try:
+                transport = self.transports.for_node(start.node)
+            except StoreError as exc:
+                results[i] = exc
+                await self._abort(start.put_id, exc)
+                continue
+            key = (id(transport), start.node.node_id)
+            groups.setdefault(key, (transport, start.node, []))[2].append(i)
+
+        async def run(transport: Transport, node: Any, idx: list[int]) -> None:
+            got = await transport.batch_put(node, [(starts[i].put_id, metas[i], views[i]) for i in idx])
+            finals = await asyncio.gather(
+                *(
+                    self._rpc("PutCommit", master_pb2.PutCommitRequest(put_id=starts[i].put_id))
+                    if err is None
+                    else self._abort(starts[i].put_id, err)
+                    for i, err in zip(idx, got, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            for i, err, fin in zip(idx, got, finals, strict=True):
+                results[i] = (
+                    err
+                    if err is not None
+                    else (_store_error(fin) if isinstance(fin, BaseException) else None)
+                )
+
+        await asyncio.gather(*(run(*group) for group in groups.values()))
+        return results
+
+    # --- reads -------------------------------------------------------------------------------------------
+    async def _lookup(self, keys: Sequence[bytes], acquire: bool) -> master_pb2.LookupReply:
+        return await self._rpc(
+            "Lookup",
+            master_pb2.LookupRequest(keys=[bytes(k) for k in keys], acquire=acquire, lease_ms=self.lease_ms),
+        )
+
+    async def release(self, lease_id: str) -> None:
+        """Drop a read-pin lease (e.g. from ``match_prefix(acquire=True)``); failures are only counted."""
+        if lease_id:
+            try:
+                await self._rpc("Release", master_pb2.ReleaseRequest(lease_id=lease_id))
+            except StoreError:
+                self._count("failures.release")
+
+    async def get(self, key: bytes) -> bytes:
+        """The object's bytes (one copy more than ``get_into``); ``ObjectNotFoundError`` if absent."""
+
+        async def body() -> bytes:
+            reply = await self._lookup([key], acquire=True)
+            try:
+                loc = self._found_one(reply, key)
+                out = bytearray(loc.meta.size)
+                await self._fetch(loc, out)
+                return bytes(out)
+            finally:
+                await self.release(reply.lease_id)
+
+        return await self._timed("get", body())
+
+    async def get_into(self, key: bytes, out: Buffer) -> int:
+        """Copy the object into ``out`` (bytearray / numpy / contiguous CPU tensor); returns its size."""
+
+        async def body() -> int:
+            reply = await self._lookup([key], acquire=True)
+            try:
+                return await self._fetch(self._found_one(reply, key), out)
+            finally:
+                await self.release(reply.lease_id)
+
+        return await self._timed("get", body())
+
+    @staticmethod
+    def _found_one(reply: master_pb2.LookupReply, key: bytes) -> common_pb2.ObjectLocation:
+        if not reply.found:
+            raise ObjectNotFoundError(f"key {bytes(key)[:8].hex()}… is not in the store")
+        return reply.found[0]
+
+    async def _fetch(self, loc: common_pb2.ObjectLocation, out: Buffer) -> int:
+        return await self.transports.for_node(loc.node).get_into(loc, out)
+
+    async def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
+    ) -> list[int | StoreError]:
+        """Move located (and pinned) objects into ``outs``: per-item size or error, pipelined per node."""
+        results: list[int | StoreError] = [StoreError("not run")] * len(locations)
+        groups: dict[int, tuple[Transport, list[int]]] = {}
+        for i, loc in enumerate(locations):
+            try:
+                transport = self.transports.for_node(loc.node)
+            except StoreError as exc:
+                results[i] = exc
+                continue
+            groups.setdefault(id(transport), (transport, []))[1].append(i)
+
+        async def run(transport: Transport, idx: list[int]) -> None:
+            got = await transport.batch_get_into([(locations[i], outs[i]) for i in idx])
+            for i, r in zip(idx, got, strict=True):
+                results[i] = r
+
+        await asyncio.gather(*(run(t, idx) for t, idx in groups.values()))
+        return results
+
+    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+        """Per key: its bytes or the typed error (``ObjectNotFoundError`` for missing keys)."""
+
+        async def body() -> list[bytes | StoreError]:
+            reply = await self._lookup(keys, acquire=True)
+            try:
+                by_key = {loc.meta.key: loc for loc in reply.found}
+                locs = [by_key[k] for k in keys if k in by_key]
+                outs = [bytearray(loc.meta.size) for loc in locs]
+                got = dict(
+                    zip(
+                        (loc.meta.key for loc in locs),
+                        zip(outs, await self.fetch_into(locs, outs), strict=True),
+                        strict=True,
+                    )
+                )
+            finally:
+                await self.release(reply.lease_id)
+            results: list[bytes | StoreError] = []
+            for k in keys:
+                if k not in got:
+                    results.append(ObjectNotFoundError(f"key {bytes(k)[:8].hex()}… is not in the store"))
+                else:
+                    buf, r = got[k]
+                    results.append(bytes(buf) if isinstance(r, int) else r)
+            return results
+
+        return await self._timed("batch_get", body())
+
+    async def exists(self, key: bytes) -> bool:
+        """Whether ``key`` is stored (does not pin, so probing never blocks eviction)."""
+        reply = await self._timed("exists", self._lookup([key], acquire=False))
+        return bool(reply.found)
+
+    async def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
+        reply = await self._timed("exists", self._lookup(keys, acquire=False))
+        found = {loc.meta.key for loc in reply.found}
+        return [bytes(k) in found for k in keys]
+
+    async def match_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        tenant: str | None = None,
+        require_checkpoint: bool = True,
+        acquire: bool = False,
+        lease_ms: int | None = None,
+    ) -> master_pb2.MatchPrefixReply:
+        """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``."""
+        req = master_pb2.MatchPrefixRequest(
+            block_hashes=list(block_hashes),
+            tenant=self.tenant if tenant is None else tenant,
+            require_checkpoint=require_checkpoint,
+            acquire=acquire,
+            lease_ms=lease_ms or self.lease_ms,
+        )
+        return await self._timed("match_prefix", self._rpc("MatchPrefix", req))
+
+    # --- management --------------------------------------------------------------------------------------
+    async def remove(self, keys: bytes | Sequence[bytes]) -> int:
+        keys = [keys] if isinstance(keys, bytes | bytearray) else list(keys)
+        reply = await self._timed("remove", self._rpc("Remove", master_pb2.RemoveRequest(keys=keys)))
+        return reply.removed
+
+    async def pin(self, keys: Sequence[bytes], ttl_ms: int) -> int:
+        """Soft-pin ``keys`` for ``ttl_ms`` (0 removes the pin); returns how many were pinned."""
+        reply = await self._timed(
+            "pin", self._rpc("Pin", master_pb2.PinRequest(keys=list(keys), ttl_ms=ttl_ms))
+        )
+        return reply.pinned
+
+    async def stats(self) -> master_pb2.StatsReply:
+        return await self._rpc("Stats", master_pb2.StatsRequest())
+
+
+def _store_error(exc: BaseException) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    if not isinstance(exc, Exception):
+        raise exc
+    return StoreUnavailableError(f"{type(exc).__name__}: {exc}")
+
+
+class StoreClient:
+    """Synchronous facade: runs an ``AsyncStoreClient`` on a private event-loop thread.
+
+    Same methods and arguments as the async client; safe to call from several threads (calls are serialised
+    onto the loop, transfers still overlap there).
+    """
+
+    def __init__(self, master: str, transport: str = "auto", **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvpool-store-client", daemon=True
+        )
+        self._thread.start()
+        self._async: AsyncStoreClient = self._call(_make_async(master, transport, kwargs))
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if not self._thread.is_alive():
+            coro.close()
+            raise StoreUnavailableError("client is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._async, name)
+        if not asyncio.iscoroutinefunction(attr):
+            return attr
+        return lambda *args, **kwargs: self._call(attr(*args, **kwargs))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._call(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _make_async(master: str, transport: str, kwargs: dict[str, Any]) -> AsyncStoreClient:
+    return AsyncStoreClient(master, transport, **kwargs)
