@@ -1,0 +1,168 @@
+"""Client library against a real cluster (master + storage node processes), for every transport."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+
+import numpy as np
+import pytest
+from kvpool.cache.keys import kda_key, mla_key
+from kvpool.kvstore.client import AsyncStoreClient, PutItem, StoreClient
+from kvpool.kvstore.errors import CapacityExceededError, CorruptObjectError, ObjectNotFoundError
+from kvpool.kvstore.pool import attach_segment
+from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
+from store_helpers import start_master, start_node
+
+TRANSPORTS = ["tcp", "shm", "ucx"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("cluster")
+    master = start_master(logs, "--heartbeat-ms", "200", "--node-timeout-ms", "1500")
+    node = start_node(logs, master.address, "128MiB")
+    yield master, node
+    assert node.stop() == 0, node.stderr()
+    master.stop()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def client(request, cluster):
+    with StoreClient(cluster[0].address, request.param) as c:
+        yield c
+
+
+def rkey() -> bytes:
+    return b"B" + os.urandom(16)
+
+
+def test_integrity_1k_to_16m(client):
+    rng = np.random.default_rng(7)
+    sizes = (1000, 1024, 333_333, 1 << 20, 4 << 20, 16 << 20)
+    for size in sizes:
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        key = rkey()
+        assert client.put(key, data) is True
+        assert client.get(key) == data
+        out = np.empty(size, np.uint8)
+        assert client.get_into(key, out) == size
+        assert out.tobytes() == data
+    metrics = client.metrics()
+    name = client.transports.choice
+    assert metrics[f"bytes_out.{name}"] >= sum(sizes) and metrics[f"bytes_in.{name}"] >= 2 * sum(sizes)
+
+
+def test_missing_is_not_empty(client):
+    key = rkey()
+    assert client.exists(key) is False
+    with pytest.raises(ObjectNotFoundError):
+        client.get(key)
+    with pytest.raises(ObjectNotFoundError):
+        client.get_into(key, bytearray(10))
+    assert client.metrics()["failures.get"] >= 2
+
+
+def test_concurrent_duplicate_puts_are_noop_successes(client):
+    data = os.urandom(2 << 20)
+    key = rkey()
+    results: list = []
+
+    def worker() -> None:
+        results.append(client.put(key, data))
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(True) >= 1 and len(results) == 6
+    assert client.get(key) == data
+
+
+def test_concurrent_duplicates_async(cluster):
+    """Many coroutines racing on one key through one async client: all succeed, one object stored."""
+
+    async def main() -> None:
+        async with AsyncStoreClient(cluster[0].address, "tcp") as c:
+            data = os.urandom(1 << 20)
+            key = rkey()
+            results = await asyncio.gather(*(c.put(key, data) for _ in range(8)))
+            assert results.count(True) >= 1
+            assert await c.get(key) == data
+
+    asyncio.run(main())
+
+
+def test_batches_per_key_results(client):
+    items = [PutItem(rkey(), os.urandom(n)) for n in (10, 70_000, 1 << 20, 5)]
+    assert client.batch_put(items) == [None] * 4
+    assert client.batch_put(items) == [None] * 4  # duplicates: success no-ops
+    missing = rkey()
+    got = client.batch_get([items[0].key, missing, items[2].key])
+    assert got[0] == items[0].data and got[2] == items[2].data
+    assert isinstance(got[1], ObjectNotFoundError)
+    assert client.batch_exists([items[1].key, missing]) == [True, False]
+
+
+def test_oversized_object_is_refused(client):
+    with pytest.raises(CapacityExceededError):
+        client.put(rkey(), bytearray(200 << 20))
+    key = rkey()
+    client.put(key, b"still serving")
+    assert client.get(key) == b"still serving"
+
+
+def test_corrupted_pool_bytes_give_checksum_error(client, cluster):
+    import grpc
+
+    node = cluster[1]
+    data = os.urandom(50_000)
+    key = rkey()
+    client.put(key, data)
+    with grpc.insecure_channel(node.grpc_target) as ch:
+        reply = node_pb2_grpc.StorageNodeStub(ch).Locate(node_pb2.KeysRequest(keys=[key]), timeout=5)
+    shm = attach_segment(reply.shm_name)
+    try:
+        shm.buf[reply.extents[0].offset + 7] ^= 0x55
+    finally:
+        shm.close()
+    with pytest.raises(CorruptObjectError):
+        client.get(key)
+    key2 = rkey()
+    client.put(key2, data)
+    assert client.get(key2) == data
+
+
+def test_match_prefix_fetch_and_release(client):
+    hashes = [hashlib.sha256(os.urandom(8)).digest() for _ in range(4)]
+    blocks = [os.urandom(30_000 + i) for i in range(4)]
+    parent = b""
+    for h, blob in zip(hashes, blocks, strict=True):
+        client.put(mla_key(h), blob, kind=common_pb2.MLA_BLOCK, parent=parent)
+        parent = mla_key(h)
+    ckpt = os.urandom(100_000)
+    client.put(kda_key(hashes[1]), ckpt, kind=common_pb2.KDA_CHECKPOINT)
+    probe = client.match_prefix(hashes)
+    assert (probe.usable_blocks, probe.mla_run_blocks, probe.lease_id) == (2, 4, "")
+    assert client.match_prefix(hashes, require_checkpoint=False).usable_blocks == 4
+    m = client.match_prefix(hashes, acquire=True)
+    try:
+        locs = [*m.mla, m.checkpoint]
+        outs = [bytearray(loc.meta.size) for loc in locs]
+        assert client.fetch_into(locs, outs) == [len(b) for b in (*blocks[:2], ckpt)]
+        assert [bytes(o) for o in outs] == [*blocks[:2], ckpt]
+    finally:
+        client.release(m.lease_id)
+
+
+def test_remove_and_pin(client):
+    key = rkey()
+    client.put(key, b"abc")
+    assert client.pin([key], 10_000) == 1
+    assert client.remove(key) == 1
+    assert not client.exists(key)
+    with pytest.raises(ObjectNotFoundError):
+        client.get(key)
