@@ -73,3 +73,21 @@ def _run_node(args: argparse.Namespace) -> int:
         frame_timeout_s=args.frame_timeout,
     )
     return run(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvpool.kvstore.cli node|master ...``: the store commands without loading every feature
+    (the full ``kvpool`` CLI imports torch for the model commands; launchers and tests skip that second)."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="kvpool")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["store", *(sys.argv[1:] if argv is None else argv)])
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -29,12 +29,19 @@ from typing import Any, TypeVar
 import grpc
 import xxhash
 from kvpool.kvstore.client_rpc import raise_typed
-from kvpool.kvstore.errors import ObjectNotFoundError, StoreError, StoreUnavailableError
+from kvpool.kvstore.errors import (
+    CapacityExceededError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StoreError,
+    StoreUnavailableError,
+)
 from kvpool.kvstore.transport_base import DEFAULT_DEADLINES, Buffer, Deadlines, Transport, as_bytes_view
 from kvpool.kvstore.transport_select import TransportSelector
 from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
 
 T = TypeVar("T")
+CAPACITY_RETRIES = 4  # 50+100+200+400 ms: covers a master->node Delete in flight
 ObjectKind = common_pb2.ObjectKind
 
 
@@ -154,12 +161,31 @@ class AsyncStoreClient:
             return False  # EXISTS / IN_PROGRESS: someone else stored (or is storing) the same object
         try:
             transport = self.transports.for_node(start.node)
-            await transport.put(start.node, start.put_id, meta, view)
+            await self._transfer(transport, start, meta, view)
         except BaseException as exc:
             await self._abort(start.put_id, exc)
             raise
         await self._rpc("PutCommit", master_pb2.PutCommitRequest(put_id=start.put_id))
         return True
+
+    async def _transfer(
+        self, transport: Transport, start: Any, meta: common_pb2.ObjectMeta, view: memoryview
+    ) -> None:
+        """Send the bytes; a node that is momentarily full (the master's evictions reach it asynchronously,
+        as Delete/Demote calls) is retried with a short backoff before the put fails."""
+        delay = 0.05
+        for attempt in range(CAPACITY_RETRIES + 1):
+            try:
+                await transport.put(start.node, start.put_id, meta, view)
+                return
+            except ObjectTooLargeError:
+                raise
+            except CapacityExceededError:
+                if attempt == CAPACITY_RETRIES:
+                    raise
+                self._count("retries.node_full")
+                await asyncio.sleep(delay)
+                delay *= 2
 
     async def _abort(self, put_id: str, exc: BaseException) -> None:
         with contextlib.suppress(StoreError):  # the master aborts it at its deadline anyway
@@ -200,6 +226,13 @@ class AsyncStoreClient:
 
         async def run(transport: Transport, node: Any, idx: list[int]) -> None:
             got = await transport.batch_put(node, [(starts[i].put_id, metas[i], views[i]) for i in idx])
+            for j, (i, err) in enumerate(zip(idx, got, strict=True)):
+                if isinstance(err, CapacityExceededError) and not isinstance(err, ObjectTooLargeError):
+                    try:  # node momentarily full: the single-put path retries with backoff
+                        await self._transfer(transport, starts[i], metas[i], views[i])
+                        got[j] = None
+                    except StoreError as exc:
+                        got[j] = exc
             finals = await asyncio.gather(
                 *(
                     self._rpc("PutCommit", master_pb2.PutCommitRequest(put_id=starts[i].put_id))

@@ -91,7 +91,7 @@ def _spawn(
     env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
     with stderr_path.open("wb") as err:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli", *args],
+            [sys.executable, "-m", "kvpool.kvstore.cli", *args],
             stdout=subprocess.PIPE,
             stderr=err,
             env=env,
@@ -137,7 +137,7 @@ def start_node(
 ) -> NodeProc:
     """``kvpool store node`` as a child; ``master=None`` starts it standalone (``--no-master``)."""
     where = ["--master", master] if master else ["--no-master"]
-    args = ["store", "node", *where, "--capacity", capacity, "--transport", transports, *extra]
+    args = ["node", *where, "--capacity", capacity, "--transport", transports, *extra]
     return _spawn(NodeProc, args, log_dir, "node")
 
 
@@ -156,7 +156,7 @@ def start_master(log_dir: Path, *extra: str, port: int = 0) -> MasterProc:
     """``kvpool store master`` as a child (``port`` fixed when a restarted master must keep its address)."""
     return _spawn(
         MasterProc,
-        ["store", "master", "--port", str(port), "--log-level", "WARNING", *extra],
+        ["master", "--port", str(port), "--log-level", "WARNING", *extra],
         log_dir,
         "master",
     )

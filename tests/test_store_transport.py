@@ -50,8 +50,11 @@ def meta_for(data: bytes, key: bytes | None = None) -> common_pb2.ObjectMeta:
     )
 
 
+_LOOP = asyncio.new_event_loop()  # one loop for the module: ucxx binds its progress task to a loop
+
+
 def run(coro):
-    return asyncio.run(coro)
+    return _LOOP.run_until_complete(coro)
 
 
 async def _with(choice: str, body):
