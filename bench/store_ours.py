@@ -1,0 +1,309 @@
+"""kvpool's own paths for the store bench: put/get per transport, ``match_prefix`` latency, master memory.
+
+Everything runs against real processes started through the project's CLIs (``kvpool store master`` and
+``kvpool store node``), waiting on their JSON readiness lines, with the bench process as the client
+(``kvpool.kvstore.client.AsyncStoreClient`` with the transport forced, so an unusable transport is an
+error, not a silent fallback to another one). Timing and verification follow ``store_common``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from store_common import (
+    HOST,
+    MB,
+    Plan,
+    Row,
+    VerifyError,
+    atime_reps,
+    check_equal,
+    children,
+    gbps,
+    make_payload,
+    read_json_line,
+    rss_bytes,
+    stamp,
+)
+
+READY_TIMEOUT_S = 60.0
+CHAIN_BLOCKS = 2000
+BLOCK_PAYLOAD = 256  # bytes per chain object: the latency test is about the index, not the data
+MEMORY_CHUNK = 50_000  # objects per RegisterNode when filling the master (small messages, little garbage)
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def _drain(stream: IO[str], sink: IO[str]) -> None:
+    """Keep reading a child's stdout after its readiness line so it never blocks on a full pipe."""
+    with contextlib.suppress(ValueError, OSError):
+        for line in stream:
+            sink.write(line)
+
+
+def _spawn(procs: list[subprocess.Popen[Any]], args: list[str], log_dir: Path, name: str) -> dict[str, Any]:
+    """Start ``python -m kvpool.cli ARGS`` and return its readiness record (stderr goes to a log file)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
+    err_path = log_dir / f"{name}.stderr"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", *args], stdout=subprocess.PIPE,
+                                stderr=err, env=env, text=True, bufsize=1)
+    procs.append(proc)
+    try:
+        ready = read_json_line(proc, READY_TIMEOUT_S, "ready")
+    except (RuntimeError, TimeoutError) as exc:
+        tail = " | ".join(err_path.read_text(errors="replace").strip().splitlines()[-3:])
+        raise RuntimeError(f"{name} not ready: {exc}; stderr: {tail}") from None
+    assert proc.stdout is not None
+    sink = (log_dir / f"{name}.stdout").open("w")
+    threading.Thread(target=_drain, args=(proc.stdout, sink), daemon=True).start()
+    ready["pid"] = proc.pid
+    return ready
+
+
+def start_master(procs: list[subprocess.Popen[Any]], log_dir: Path, *extra: str) -> tuple[str, int]:
+    """A ``kvpool store master`` on a free port; returns (address, pid)."""
+    args = ["store", "master", "--host", HOST, "--port", "0", "--log-level", "WARNING", *extra]
+    ready = _spawn(procs, args, log_dir, "master")
+    return f"{ready.get('host', HOST)}:{ready['port']}", int(ready["pid"])
+
+
+def start_node(procs: list[subprocess.Popen[Any]], log_dir: Path, master: str, capacity: int,
+               transports: str) -> dict[str, Any]:
+    """A ``kvpool store node`` registered with ``master`` (its readiness line comes after registration)."""
+    return _spawn(procs, ["store", "node", "--master", master, "--host", HOST, "--capacity", str(capacity),
+                          "--transport", transports], log_dir, "node")
+
+
+# ------------------------------------------------------------------------------------ put/get per transport
+
+
+def _capacity_for(plan: Plan) -> int:
+    """Pool big enough for every object of the largest size at once (each size is removed afterwards)."""
+    largest = max(s * MB * (plan.reps_for(s) + plan.warmup) for s in plan.sizes_mb)
+    return max(256 * MB, int(largest * 1.5) + 64 * MB)
+
+
+async def _measure_transport(plan: Plan, master: str, transport: str) -> Row:
+    from kvpool.kvstore.client import AsyncStoreClient
+
+    row = Row(transport, f"kvpool {transport}", note="master + storage node processes, AsyncStoreClient")
+    async with AsyncStoreClient(master, transport=transport) as client:
+        for size in plan.sizes_mb:
+            n = size * MB
+            reps = plan.reps_for(size)
+            src = make_payload(n)
+            back = np.zeros(n, dtype=np.uint8)
+            keys = [f"bench/{transport}/{size}/{i}".encode() for i in range(plan.warmup + reps)]
+
+            def put_prep(i: int, src: np.ndarray = src) -> None:
+                stamp(src, i)
+
+            async def put_op(i: int, src: np.ndarray = src, keys: list[bytes] = keys) -> None:
+                if not await client.put(keys[i], src):
+                    raise VerifyError(f"put of fresh key {keys[i]!r} reported an existing object")
+
+            async def put_verify(i: int, n: int = n, src: np.ndarray = src, back: np.ndarray = back,
+                                 keys: list[bytes] = keys) -> None:
+                back[:8] = 0
+                if await client.get_into(keys[i], back) != n:
+                    raise VerifyError("read-back size mismatch")
+                check_equal(back, src, f"{transport} put")
+
+            row.put[size] = gbps(n, await atime_reps(put_op, put_verify, plan.warmup, reps, put_prep))
+
+            dst = np.zeros(n, dtype=np.uint8)
+
+            def get_prep(i: int, dst: np.ndarray = dst) -> None:
+                dst[:8] = 0
+                dst[-8:] = 0
+
+            async def get_op(i: int, n: int = n, dst: np.ndarray = dst, keys: list[bytes] = keys) -> None:
+                if await client.get_into(keys[i], dst) != n:
+                    raise VerifyError("get size mismatch")
+
+            def get_verify(i: int, src: np.ndarray = src, dst: np.ndarray = dst) -> None:
+                stamp(src, i)
+                check_equal(dst, src, f"{transport} get")
+
+            row.get[size] = gbps(n, await atime_reps(get_op, get_verify, plan.warmup, reps, get_prep))
+            await client.remove(keys)
+            await asyncio.sleep(0.2)  # let the master's delete orders reach the node before the next size
+    return row
+
+
+def _transport_section(plan: Plan, transport: str) -> dict[str, Any]:
+    with children() as procs, tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
+        log_dir = Path(tmp)
+        master, _ = start_master(procs, log_dir)
+        planes = "tcp,shm,ucx" if transport == "ucx" else "tcp,shm"  # ucxx only where it is measured
+        start_node(procs, log_dir, master, _capacity_for(plan), planes)
+        row = asyncio.run(_measure_transport(plan, master, transport))
+    return {"rows": [row.to_json()]}
+
+
+def section_tcp(plan: Plan) -> dict[str, Any]:
+    """kvpool over its asyncio TCP data plane."""
+    return _transport_section(plan, "tcp")
+
+
+def section_shm(plan: Plan) -> dict[str, Any]:
+    """kvpool's same-host path straight into/out of the node's shared-memory pool."""
+    return _transport_section(plan, "shm")
+
+
+def section_ucx(plan: Plan) -> dict[str, Any]:
+    """kvpool over ucxx (tcp/sm on this host: no RDMA in pip's UCX)."""
+    return _transport_section(plan, "ucx")
+
+
+# ---------------------------------------------------------------------------------------- match_prefix
+
+
+def hash_chain(n: int, seed: bytes = b"store-bench") -> list[bytes]:
+    """``n`` chained 32-byte block hashes (each depends on the one before, as in design §3)."""
+    out: list[bytes] = []
+    h = hashlib.sha256(seed).digest()
+    for i in range(n):
+        h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
+        out.append(h)
+    return out
+
+
+async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
+    from kvpool.cache.keys import kda_key, mla_key
+    from kvpool.kvstore.client import AsyncStoreClient, PutItem
+    from kvpool.proto import common_pb2
+
+    hashes = hash_chain(CHAIN_BLOCKS)
+    payload = bytes(BLOCK_PAYLOAD)
+    items: list[PutItem] = []
+    parent = b""
+    for h in hashes:
+        key = mla_key(h)
+        items.append(PutItem(key, payload, kind=common_pb2.MLA_BLOCK, parent=parent))
+        parent = key
+    items.append(PutItem(kda_key(hashes[-1]), payload, kind=common_pb2.KDA_CHECKPOINT, parent=parent))
+    calls = 50 if plan.quick else 500
+    async with AsyncStoreClient(master, transport="tcp", rpc_timeout_s=30) as client:
+        for lo in range(0, len(items), 250):
+            errors = [e for e in await client.batch_put(items[lo:lo + 250]) if e is not None]
+            if errors:
+                raise RuntimeError(f"inserting the chain failed: {errors[0]}")
+        times: list[float] = []
+        for i in range(10 + calls):
+            t0 = time.perf_counter()
+            reply = await client.match_prefix(hashes, require_checkpoint=True)
+            dt = time.perf_counter() - t0
+            if reply.usable_blocks != CHAIN_BLOCKS or reply.mla_run_blocks != CHAIN_BLOCKS:
+                raise VerifyError(f"match_prefix returned usable={reply.usable_blocks} "
+                                  f"run={reply.mla_run_blocks}, expected {CHAIN_BLOCKS}")
+            if i >= 10:
+                times.append(dt)
+    times.sort()
+    return {"chain_blocks": CHAIN_BLOCKS, "calls": calls, "usable_blocks": CHAIN_BLOCKS,
+            "p50_ms": round(statistics.median(times) * 1e3, 3),
+            "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),
+            "min_ms": round(times[0] * 1e3, 3), "require_checkpoint": True}
+
+
+def section_match_prefix(plan: Plan) -> dict[str, Any]:
+    """``MatchPrefix`` over gRPC on a committed 2,000-block chain (+ checkpoint at its end)."""
+    with children() as procs, tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
+        log_dir = Path(tmp)
+        master, _ = start_master(procs, log_dir)
+        start_node(procs, log_dir, master, 64 * MB, "tcp")
+        res = asyncio.run(_measure_match_prefix(plan, master))
+    return {"rows": [], "match_prefix": res}
+
+
+# --------------------------------------------------------------------------------------- master memory
+
+
+def _fake_inventory(start: int, count: int) -> list[Any]:
+    """``count`` MLA-block metas in chains of 1,000 (realistic 33-byte keys with parent links)."""
+    from kvpool.cache.keys import mla_key
+    from kvpool.proto import common_pb2
+
+    metas = []
+    parent = b""
+    for i in range(start, start + count):
+        key = mla_key(hashlib.sha256(i.to_bytes(8, "little")).digest())
+        if i % 1000 == 0:
+            parent = b""
+        metas.append(common_pb2.ObjectMeta(key=key, kind=common_pb2.MLA_BLOCK, size=1 << 20,
+                                           checksum=i, parent=parent))
+        parent = key
+    return metas
+
+
+def _settled_rss(pid: int, stub: Any, master_pb2: Any) -> int:
+    """RSS once it stops moving (the master frees request garbage asynchronously)."""
+    stub.Stats(master_pb2.StatsRequest(), timeout=30)
+    last = rss_bytes(pid)
+    for _ in range(20):
+        time.sleep(0.25)
+        now = rss_bytes(pid)
+        if abs(now - last) < 256 * 1024:
+            return now
+        last = now
+    return last
+
+
+def _measure_master_memory(objects: int, master: str, pid: int) -> dict[str, Any]:
+    """Fill the master through RegisterNode inventories (the recovery path) and read its RSS delta.
+
+    Fake nodes never heartbeat, so the master runs with a long node timeout; they offer far more
+    capacity than the objects take, so nothing is evicted while measuring.
+    """
+    import grpc
+    from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
+
+    with grpc.insecure_channel(master, options=[("grpc.max_send_message_length", 1 << 30)]) as ch:
+        stub = master_pb2_grpc.MasterStub(ch)
+        before = _settled_rss(pid, stub, master_pb2)
+        done = 0
+        node = 0
+        while done < objects:
+            count = min(MEMORY_CHUNK, objects - done)
+            inventory = _fake_inventory(done, count)
+            ep = common_pb2.NodeEndpoint(node_id=f"bench-fake-{node}", host=HOST, grpc_port=1, tcp_port=1,
+                                         host_id="bench-fake")
+            reply = stub.RegisterNode(master_pb2.RegisterNodeRequest(node=ep, dram_capacity_bytes=1 << 50,
+                                                                     inventory=inventory), timeout=300)
+            if reply.adopted_objects != count:
+                raise VerifyError(f"master adopted {reply.adopted_objects} of {count} objects")
+            del inventory
+            done += count
+            node += 1
+        gc.collect()
+        stats = stub.Stats(master_pb2.StatsRequest(), timeout=30)
+        if stats.objects < objects:
+            raise VerifyError(f"master indexes {stats.objects} objects, expected {objects}")
+        after = _settled_rss(pid, stub, master_pb2)
+    return {"objects": objects, "fake_nodes": node, "method": "RegisterNode inventories, RSS delta",
+            "rss_before_mb": round(before / MB, 1), "rss_after_mb": round(after / MB, 1),
+            "bytes_per_object": round((after - before) / objects, 1)}
+
+
+def section_master_memory(plan: Plan) -> dict[str, Any]:
+    """Master resident memory per indexed object with ``plan.objects`` objects (default 1 M)."""
+    with children() as procs, tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
+        master, pid = start_master(procs, Path(tmp), "--node-timeout-ms", "3600000",
+                                   "--heartbeat-ms", "600000")
+        res = _measure_master_memory(plan.objects, master, pid)
+    return {"rows": [], "master_memory": res}
