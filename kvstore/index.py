@@ -450,7 +450,8 @@ class PrefixIndex:
         self._slot[key] = slot
         now = self._clock()
         self.policy.touch(self._cols, np.array([slot]), now)
-        self._evict_pool(int(self._cols.node[slot]), Tier(int(self._cols.tier[slot])), now)
+        # never evict what was just written: the writer has not even been told it succeeded
+        self._evict_pool(int(self._cols.node[slot]), Tier(int(self._cols.tier[slot])), now, protect=slot)
 
     def remove(self, key: bytes, reason: str = "removed") -> bool:
         """Drop an object (committed or pending) regardless of pins; False if it was not indexed."""

@@ -1,0 +1,551 @@
+"""The master's service logic: node membership, two-phase puts, prefix matching with read leases, pins,
+quotas and recovery, over one :class:`~kvpool.kvstore.index.PrefixIndex`.
+
+Transport-free on purpose: every RPC is a plain method taking and returning the proto messages and raising
+a typed :class:`MasterError` (which carries its gRPC status name), so ``master_server`` is a thin adapter
+and the logic can be driven with a fake clock. Not thread-safe: the server calls it from one event loop.
+
+What the nodes must do as a consequence of a call (delete evicted/expired/aborted objects, demote to SSD,
+promote on a hit) is queued per node and collected by :meth:`MasterCore.take_actions`; the server sends
+it with deadlines and never waits for it while answering clients. A queued delete is cancelled if the same
+key is put again on the same node before it was sent, so a quick re-put cannot be deleted by a stale order.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvpool.kvstore.index import (
+    MAX_KEY_BYTES,
+    BadObjectError,
+    CapacityError,
+    DuplicateKeyError,
+    ObjectInfo,
+    ObjectKind,
+    PrefixIndex,
+    QuotaExceededError,
+    Removal,
+    StoreIndexError,
+    Tier,
+    UnknownNodeError,
+)
+from kvpool.proto import common_pb2, master_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS_PER_CALL = 100_000
+MAX_BLOCKS_PER_MATCH = 1 << 20
+MAX_TENANT_CHARS = 256
+MAX_PIN_MS = 24 * 3600 * 1000
+
+
+class MasterError(Exception):
+    """A request the master refuses; ``code`` is the grpc.StatusCode name the server answers with."""
+
+    code = "INTERNAL"
+
+
+class InvalidRequest(MasterError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(MasterError):
+    code = "NOT_FOUND"
+
+
+class ResourceExhausted(MasterError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class FailedPrecondition(MasterError):
+    code = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True, slots=True)
+class MasterConfig:
+    """Tunables; the CLI flags map one to one."""
+
+    policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    heartbeat_ms: int = 1000
+    node_timeout_ms: int = 5000
+    lease_ms: int = 5000
+    max_lease_ms: int = 60_000
+    put_deadline_ms: int = 30_000
+    node_call_timeout_ms: int = 2000
+
+    def validate(self) -> None:
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
+        for name in ("heartbeat_ms", "node_timeout_ms", "lease_ms", "max_lease_ms", "put_deadline_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.node_timeout_ms <= self.heartbeat_ms:
+            raise ValueError("node_timeout_ms must exceed heartbeat_ms")
+
+
+class NodeAction(StrEnum):
+    DELETE = "delete"
+    DEMOTE = "demote"
+    PROMOTE = "promote"
+
+
+@dataclass(slots=True)
+class _NodeRecord:
+    endpoint: common_pb2.NodeEndpoint
+    last_heartbeat: float
+    dram_reported: int = 0
+    ssd_reported: int = 0
+
+
+@dataclass(slots=True)
+class _Put:
+    put_id: str
+    key: bytes
+    node_id: str
+    deadline: float
+
+
+@dataclass(slots=True)
+class PendingActions:
+    """Keys a node must act on, per action, in the order they were decided."""
+
+    node: common_pb2.NodeEndpoint
+    keys: dict[NodeAction, list[bytes]] = field(default_factory=dict)
+
+
+class MasterCore:
+    """All master state and RPC semantics. See the module docstring."""
+
+    def __init__(
+        self, config: MasterConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config or MasterConfig()
+        self.config.validate()
+        self._clock = clock
+        self.index = PrefixIndex(
+            self.config.policy,
+            high_watermark=self.config.high_watermark,
+            low_watermark=self.config.low_watermark,
+            lease_ms=self.config.lease_ms,
+            clock=clock,
+        )
+        self.instance = secrets.token_hex(4)  # lease/put ids of an earlier master life never match
+        self._nodes: dict[str, _NodeRecord] = {}
+        self._puts: dict[str, _Put] = {}
+        self._put_of_key: dict[bytes, str] = {}
+        self._put_seq = 0
+        self._outbox: dict[str, dict[bytes, NodeAction]] = {}
+        self.counters: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ storage nodes
+
+    def register_node(self, req: master_pb2.RegisterNodeRequest) -> master_pb2.RegisterNodeReply:
+        """(Re)join a node and adopt its inventory: how a restarted master rebuilds its index, and how a
+        restarted node's surviving (SSD) objects become visible again. Whatever the index believed about
+        this node before is replaced by what the node says it holds."""
+        ep = req.node
+        if not ep.node_id or not ep.host or not 0 < ep.grpc_port < 65536:
+            raise InvalidRequest("node needs node_id, host and a grpc_port in 1..65535")
+        if req.dram_capacity_bytes == 0 and req.ssd_capacity_bytes == 0:
+            raise InvalidRequest("node must offer DRAM or SSD capacity")
+        if ep.node_id in self._nodes:
+            self._forget_node(ep.node_id, reason="reregistered")
+        self.index.add_node(ep.node_id, req.dram_capacity_bytes, req.ssd_capacity_bytes)
+        self._nodes[ep.node_id] = _NodeRecord(_copy(ep), self._clock())
+        adopted = 0
+        for meta in req.inventory:
+            if self._adopt(ep.node_id, meta):
+                adopted += 1
+        self.index.evict()  # once everything is linked: leaf-first is only meaningful on a complete forest
+        self._absorb_index_events()
+        self._count("nodes_registered")
+        self._count("objects_adopted", adopted)
+        log.info("node %s registered: %d objects adopted of %d", ep.node_id, adopted, len(req.inventory))
+        return master_pb2.RegisterNodeReply(
+            heartbeat_interval_ms=self.config.heartbeat_ms,
+            node_timeout_ms=self.config.node_timeout_ms,
+            adopted_objects=adopted,
+        )
+
+    def _adopt(self, node_id: str, meta: common_pb2.ObjectMeta) -> bool:
+        tier = Tier.SSD if meta.tier == common_pb2.SSD else Tier.DRAM
+        try:
+            self.index.insert(
+                meta.key,
+                ObjectKind(meta.kind) if meta.kind in ObjectKind._value2member_map_ else ObjectKind.BLOB,
+                meta.size,
+                node_id=node_id,
+                tier=tier,
+                tenant=meta.tenant,
+                parent=meta.parent,
+                checksum=meta.checksum,
+                ttl_ms=meta.ttl_ms,
+                evict=False,
+            )
+        except DuplicateKeyError:
+            # already indexed elsewhere (one replica is tracked): this copy is unreachable bytes on the node
+            self._count("adopt_duplicates")
+            self._queue(node_id, NodeAction.DELETE, meta.key)
+            return False
+        except StoreIndexError as exc:
+            self._count("adopt_rejected")
+            log.warning("node %s: cannot adopt %s: %s", node_id, meta.key[:9].hex(), exc)
+            self._queue(node_id, NodeAction.DELETE, meta.key)
+            return False
+        return True
+
+    def heartbeat(self, req: master_pb2.HeartbeatRequest) -> master_pb2.HeartbeatReply:
+        rec = self._nodes.get(req.node_id)
+        if rec is None:
+            self._count("heartbeats_unknown")
+            return master_pb2.HeartbeatReply(reregister=True)
+        rec.last_heartbeat = self._clock()
+        rec.dram_reported = req.dram_used_bytes
+        rec.ssd_reported = req.ssd_used_bytes
+        return master_pb2.HeartbeatReply(reregister=False)
+
+    def _forget_node(self, node_id: str, reason: str) -> int:
+        """Drop a node and everything indexed on it (dead, or about to re-adopt its inventory)."""
+        self._nodes.pop(node_id, None)
+        self._outbox.pop(node_id, None)
+        for put_id in [p.put_id for p in self._puts.values() if p.node_id == node_id]:
+            put = self._puts.pop(put_id)
+            self._put_of_key.pop(put.key, None)
+        try:
+            dropped = self.index.remove_node(node_id)
+        except UnknownNodeError:
+            return 0
+        self._count(f"objects_dropped_{reason}", len(dropped))
+        return len(dropped)
+
+    # ------------------------------------------------------------------ two-phase put
+
+    def put_start(self, req: master_pb2.PutStartRequest) -> master_pb2.PutStartReply:
+        meta = req.meta
+        _check_key(meta.key)
+        if meta.kind not in ObjectKind._value2member_map_:
+            raise InvalidRequest(f"unknown object kind {meta.kind}")
+        if meta.size == 0:
+            raise InvalidRequest("size must be > 0")
+        _check_tenant(meta.tenant)
+        Reply = master_pb2.PutStartReply
+        existing = self.index.get(meta.key)
+        if existing is not None:
+            if not existing.committed:
+                self._count("puts_in_progress")
+                return Reply(status=Reply.IN_PROGRESS, node=self._endpoint(existing.node_id))
+            if not req.replace_if_corrupt:
+                self._count("puts_exist")
+                return Reply(status=Reply.EXISTS, node=self._endpoint(existing.node_id))
+            self.index.remove(meta.key)  # the reader found it corrupt: replace it
+            self._queue(existing.node_id, NodeAction.DELETE, meta.key)
+            self._count("puts_replacing_corrupt")
+        tier = Tier.SSD if meta.tier == common_pb2.SSD else Tier.DRAM
+        try:
+            node_id = self.index.insert(
+                meta.key,
+                ObjectKind(meta.kind),
+                meta.size,
+                tier=tier,
+                tenant=meta.tenant,
+                parent=meta.parent,
+                checksum=meta.checksum,
+                ttl_ms=meta.ttl_ms,
+                pending=True,
+            )
+        except BadObjectError as exc:
+            raise InvalidRequest(str(exc)) from None
+        except (CapacityError, QuotaExceededError) as exc:
+            self._count("puts_refused")
+            raise ResourceExhausted(str(exc)) from None
+        finally:
+            self._absorb_index_events()
+        # a delete of this key still queued for this node must not land after the new bytes
+        queued = self._outbox.get(node_id)
+        if queued and queued.get(meta.key) == NodeAction.DELETE:
+            del queued[meta.key]
+        self._put_seq += 1
+        put_id = f"{self.instance}-{self._put_seq}"
+        deadline = self._clock() + self.config.put_deadline_ms / 1000.0
+        self._puts[put_id] = _Put(put_id, meta.key, node_id, deadline)
+        self._put_of_key[meta.key] = put_id
+        self._count("puts_started")
+        return Reply(
+            status=Reply.STARTED,
+            put_id=put_id,
+            node=self._endpoint(node_id),
+            deadline_ms=self.config.put_deadline_ms,
+        )
+
+    def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
+        put = self._take_put(req.put_id)
+        self.index.commit(put.key)
+        self._absorb_index_events()
+        self._count("puts_committed")
+        return master_pb2.PutCommitReply()
+
+    def put_abort(self, req: master_pb2.PutAbortRequest) -> master_pb2.PutAbortReply:
+        put = self._take_put(req.put_id)
+        self.index.remove(put.key, reason="aborted")
+        self._queue(put.node_id, NodeAction.DELETE, put.key)  # staged bytes may have landed
+        self._count("puts_aborted")
+        return master_pb2.PutAbortReply()
+
+    def _take_put(self, put_id: str) -> _Put:
+        if not put_id:
+            raise InvalidRequest("put_id is empty")
+        put = self._puts.pop(put_id, None)
+        if put is None:
+            raise NotFound(f"no pending put {put_id!r} (unknown, committed, aborted or past its deadline)")
+        self._put_of_key.pop(put.key, None)
+        return put
+
+    # ------------------------------------------------------------------ reads
+
+    def match_prefix(self, req: master_pb2.MatchPrefixRequest) -> master_pb2.MatchPrefixReply:
+        hashes = req.block_hashes
+        if len(hashes) > MAX_BLOCKS_PER_MATCH:
+            raise InvalidRequest(f"more than {MAX_BLOCKS_PER_MATCH} block hashes")
+        _check_tenant(req.tenant)
+        lease_ms = self._lease_ms(req.lease_ms)
+        try:
+            m = self.index.match_prefix(hashes, require_checkpoint=req.require_checkpoint, touch=req.acquire)
+        except BadObjectError as exc:
+            raise InvalidRequest(str(exc)) from None
+        reply = master_pb2.MatchPrefixReply(
+            usable_blocks=m.usable_blocks,
+            mla_run_blocks=m.mla_run_blocks,
+            checkpoint_blocks=m.checkpoint_blocks,
+        )
+        keys = list(m.mla_keys)
+        if m.checkpoint_key is not None:
+            keys.append(m.checkpoint_key)
+        infos = [i for i in self.index.lookup(keys) if i is not None]
+        if req.acquire and infos:
+            self._promote_on_hit(infos)
+            lease = self.index.acquire(keys, lease_ms)
+            if lease is not None:
+                reply.lease_id = f"{self.instance}:{lease.lease_id}"
+            infos = [i for i in self.index.lookup(keys) if i is not None]  # tiers may have changed
+        endpoints: dict[str, common_pb2.NodeEndpoint] = {}
+        for info in infos[: m.usable_blocks]:
+            _fill_location(reply.mla.add(), info, self._endpoint_cached(info.node_id, endpoints))
+        if m.checkpoint_key is not None and len(infos) > m.usable_blocks:
+            info = infos[m.usable_blocks]
+            _fill_location(reply.checkpoint, info, self._endpoint_cached(info.node_id, endpoints))
+        self._count("match_prefix")
+        self._count("match_blocks_asked", len(hashes))
+        self._count("match_blocks_usable", m.usable_blocks)
+        self._count("match_blocks_lost_to_checkpoint", m.blocks_lost_to_checkpoint)
+        return reply
+
+    def lookup(self, req: master_pb2.LookupRequest) -> master_pb2.LookupReply:
+        keys = _check_keys(req.keys)
+        lease_ms = self._lease_ms(req.lease_ms)
+        infos = self.index.lookup(keys, touch=req.acquire)
+        reply = master_pb2.LookupReply()
+        found = [i for i in infos if i is not None]
+        if req.acquire and found:
+            self._promote_on_hit(found)
+            lease = self.index.acquire([i.key for i in found], lease_ms)
+            if lease is not None:
+                reply.lease_id = f"{self.instance}:{lease.lease_id}"
+            infos = self.index.lookup(keys)
+        endpoints: dict[str, common_pb2.NodeEndpoint] = {}
+        for key, info in zip(keys, infos, strict=True):
+            if info is None:
+                reply.missing.append(key)
+            else:
+                _fill_location(reply.found.add(), info, self._endpoint_cached(info.node_id, endpoints))
+        self._count("lookups")
+        return reply
+
+    def release(self, req: master_pb2.ReleaseRequest) -> master_pb2.ReleaseReply:
+        instance, _, num = req.lease_id.partition(":")
+        if not num.isdigit():
+            raise InvalidRequest(f"malformed lease_id {req.lease_id!r}")
+        # an unknown or expired lease is not an error: the deadline already released it
+        if instance != self.instance or not self.index.release(int(num)):
+            self._count("releases_late")
+        return master_pb2.ReleaseReply()
+
+    def _lease_ms(self, asked: int) -> int:
+        if asked > self.config.max_lease_ms:
+            raise InvalidRequest(f"lease_ms {asked} exceeds the maximum {self.config.max_lease_ms}")
+        return asked or self.config.lease_ms
+
+    def _promote_on_hit(self, infos: list[ObjectInfo]) -> None:
+        """A fetch is coming: bring SSD objects back to DRAM in the index and tell their nodes."""
+        for info in infos:
+            if info.tier == Tier.SSD and self.index.promote(info.key):
+                self._queue(info.node_id, NodeAction.PROMOTE, info.key)
+                self._count("promotions")
+        self._absorb_index_events()
+
+    # ------------------------------------------------------------------ management
+
+    def remove(self, req: master_pb2.RemoveRequest) -> master_pb2.RemoveReply:
+        removed = 0
+        for key in _check_keys(req.keys):
+            info = self.index.get(key)
+            if info is None:
+                continue
+            put_id = self._put_of_key.pop(key, None)
+            if put_id is not None:
+                self._puts.pop(put_id, None)
+            self.index.remove(key)
+            self._queue(info.node_id, NodeAction.DELETE, key)
+            removed += 1
+        self._count("removed", removed)
+        return master_pb2.RemoveReply(removed=removed)
+
+    def pin(self, req: master_pb2.PinRequest) -> master_pb2.PinReply:
+        keys = _check_keys(req.keys)
+        if req.ttl_ms > MAX_PIN_MS:
+            raise InvalidRequest(f"ttl_ms {req.ttl_ms} exceeds the maximum {MAX_PIN_MS}")
+        return master_pb2.PinReply(pinned=self.index.pin(keys, req.ttl_ms))
+
+    def set_quota(self, req: master_pb2.SetQuotaRequest) -> master_pb2.SetQuotaReply:
+        _check_tenant(req.tenant)
+        self.index.set_quota(req.tenant, req.max_bytes)
+        self._absorb_index_events()
+        return master_pb2.SetQuotaReply()
+
+    def stats(self, req: master_pb2.StatsRequest | None = None) -> master_pb2.StatsReply:
+        st = self.index.stats()
+        return master_pb2.StatsReply(
+            objects=st.objects,
+            bytes=st.bytes,
+            capacity_bytes=st.capacity_bytes,
+            evictions=st.evictions,
+            evicted_bytes=st.evicted_bytes,
+            nodes=st.nodes,
+            active_leases=st.active_leases,
+            pending_puts=len(self._puts),
+            bytes_per_tier=st.bytes_per_tier,
+            bytes_per_tenant=st.bytes_per_tenant,
+            policy=st.policy,
+            counters=self.counters,
+            demotions=st.demotions,
+            expired=st.expired,
+        )
+
+    # ------------------------------------------------------------------ background work
+
+    def sweep(self) -> None:
+        """Periodic duties (the server calls this every few hundred ms): drop nodes whose heartbeats
+        stopped, abort puts past their deadline, retire leases/pins/TTLs."""
+        now = self._clock()
+        timeout = self.config.node_timeout_ms / 1000.0
+        for node_id in [n for n, r in self._nodes.items() if now - r.last_heartbeat > timeout]:
+            lost = self._forget_node(node_id, reason="node_lost")
+            self._count("nodes_lost")
+            log.warning("node %s silent for %.1fs: dropped with %d objects", node_id, timeout, lost)
+        for put in [p for p in self._puts.values() if p.deadline <= now]:
+            del self._puts[put.put_id]
+            self._put_of_key.pop(put.key, None)
+            self.index.remove(put.key, reason="aborted")
+            self._queue(put.node_id, NodeAction.DELETE, put.key)  # its staged bytes may have landed
+            self._count("puts_abandoned")
+        self.index.expire()
+        self._absorb_index_events()
+
+    def take_actions(self) -> list[PendingActions]:
+        """Everything queued for nodes since the last call, grouped per node and action."""
+        out: list[PendingActions] = []
+        for node_id, queued in self._outbox.items():
+            rec = self._nodes.get(node_id)
+            if rec is None or not queued:
+                continue
+            pending = PendingActions(rec.endpoint)
+            for key, action in queued.items():
+                pending.keys.setdefault(action, []).append(key)
+            out.append(pending)
+        self._outbox = {}
+        return out
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Public counter hook for the server (node call outcomes)."""
+        self._count(name, n)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def _queue(self, node_id: str, action: NodeAction, key: bytes) -> None:
+        if node_id in self._nodes:
+            self._outbox.setdefault(node_id, {})[key] = action
+
+    def _absorb_index_events(self) -> None:
+        for ev in self.index.drain_events():
+            self._on_removal(ev)
+
+    def _on_removal(self, ev: Removal) -> None:
+        if ev.reason == "node_lost":
+            return
+        self._queue(ev.node_id, NodeAction.DEMOTE if ev.demoted else NodeAction.DELETE, ev.key)
+
+    def _endpoint(self, node_id: str) -> common_pb2.NodeEndpoint:
+        rec = self._nodes.get(node_id)
+        if rec is None:
+            raise FailedPrecondition(f"node {node_id!r} is not registered")
+        return rec.endpoint
+
+    def _endpoint_cached(
+        self, node_id: str, cache: dict[str, common_pb2.NodeEndpoint]
+    ) -> common_pb2.NodeEndpoint:
+        ep = cache.get(node_id)
+        if ep is None:
+            ep = cache[node_id] = self._endpoint(node_id)
+        return ep
+
+    @property
+    def node_count(self) -> int:
+        return len(self._nodes)
+
+
+def _copy(ep: common_pb2.NodeEndpoint) -> common_pb2.NodeEndpoint:
+    out = common_pb2.NodeEndpoint()
+    out.CopyFrom(ep)
+    return out
+
+
+def _fill_location(loc: common_pb2.ObjectLocation, info: ObjectInfo, ep: common_pb2.NodeEndpoint) -> None:
+    m = loc.meta
+    m.key = info.key
+    m.kind = int(info.kind)
+    m.size = info.size
+    m.checksum = info.checksum
+    m.tenant = info.tenant
+    m.parent = info.parent
+    m.ttl_ms = info.ttl_ms
+    m.tier = int(info.tier)
+    loc.node.CopyFrom(ep)
+
+
+def _check_key(key: bytes) -> None:
+    if not key or len(key) > MAX_KEY_BYTES:
+        raise InvalidRequest(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
+    out = list(keys)
+    if len(out) > MAX_KEYS_PER_CALL:
+        raise InvalidRequest(f"more than {MAX_KEYS_PER_CALL} keys in one call")
+    for key in out:
+        _check_key(key)
+    return out
+
+
+def _check_tenant(tenant: str) -> None:
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequest(f"tenant name longer than {MAX_TENANT_CHARS} characters")

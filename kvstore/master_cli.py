@@ -1,0 +1,85 @@
+"""``kvpool store master``: run the master until SIGTERM/SIGINT.
+
+Prints exactly one JSON line ``{"ready": true, "port": N, ...}`` on stdout once it serves (``--port 0``
+picks a free port), so launchers and tests read the port instead of guessing; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from kvpool.kvstore.eviction import POLICIES
+from kvpool.kvstore.master import MasterConfig
+
+
+def add_master_parser(store_sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``master`` to the ``kvpool store`` subcommands (called by kvpool.kvstore.cli)."""
+    d = MasterConfig()
+    p = store_sub.add_parser("master", help="run the store master (metadata, prefix index, eviction)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES), help="eviction policy")
+    p.add_argument("--high-watermark", type=float, default=d.high_watermark, help="evict above this fill")
+    p.add_argument("--low-watermark", type=float, default=d.low_watermark, help="evict down to this fill")
+    p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms, help="node heartbeat interval")
+    p.add_argument("--node-timeout-ms", type=int, default=d.node_timeout_ms,
+                   help="a node silent this long is dropped with its objects")
+    p.add_argument("--lease-ms", type=int, default=d.lease_ms, help="default read-pin lease")
+    p.add_argument("--max-lease-ms", type=int, default=d.max_lease_ms, help="longest lease a client may ask")
+    p.add_argument("--put-deadline-ms", type=int, default=d.put_deadline_ms,
+                   help="a started put not committed in time is aborted")
+    p.add_argument("--node-call-timeout-ms", type=int, default=d.node_call_timeout_ms,
+                   help="deadline of Delete/Demote/Promote calls to nodes")
+    p.add_argument("--log-level", default="INFO", help="stderr log level")
+    p.set_defaults(func=run_master)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> MasterConfig:
+    return MasterConfig(
+        policy=args.policy,
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        heartbeat_ms=args.heartbeat_ms,
+        node_timeout_ms=args.node_timeout_ms,
+        lease_ms=args.lease_ms,
+        max_lease_ms=args.max_lease_ms,
+        put_deadline_ms=args.put_deadline_ms,
+        node_call_timeout_ms=args.node_call_timeout_ms,
+    )
+
+
+def run_master(args: argparse.Namespace) -> int:
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="%(asctime)s master %(levelname)s %(message)s")
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"kvpool store master: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(config, args.host, args.port))
+
+
+async def _serve(config: MasterConfig, host: str, port: int) -> int:
+    from kvpool.kvstore.master_server import MasterServer
+
+    server = MasterServer(config, host, port)
+    try:
+        bound = await server.start()
+    except OSError as exc:
+        print(f"kvpool store master: {exc}", file=sys.stderr)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"ready": True, "port": bound, "host": host, "policy": config.policy}), flush=True)
+    await stop.wait()
+    await server.stop()
+    return 0

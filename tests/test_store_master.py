@@ -1,0 +1,341 @@
+"""The master in a real subprocess over gRPC: puts, leases, node loss, recovery, bad input, health."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvpool.cache.keys import kda_key, mla_key
+from kvpool.kvstore.master_testing import DEADLINE_S, MasterProcess, ProbeNode, wait_until
+from kvpool.proto import common_pb2, master_pb2
+
+T = DEADLINE_S
+STARTED = master_pb2.PutStartReply.STARTED
+EXISTS = master_pb2.PutStartReply.EXISTS
+IN_PROGRESS = master_pb2.PutStartReply.IN_PROGRESS
+FAST = ("--heartbeat-ms", "50", "--node-timeout-ms", "400", "--lease-ms", "300", "--put-deadline-ms", "400")
+
+
+def chain(n: int, seed: str = "c") -> list[bytes]:
+    out, prev = [], seed.encode()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev)
+    return out
+
+
+def meta(key: bytes, size: int = 100, kind: int = common_pb2.BLOB, **kw: object) -> common_pb2.ObjectMeta:
+    return common_pb2.ObjectMeta(key=key, kind=kind, size=size, checksum=7, **kw)  # type: ignore[arg-type]
+
+
+def put(m: MasterProcess, md: common_pb2.ObjectMeta) -> master_pb2.PutStartReply:
+    """Two-phase put without payload (the probe node holds no bytes): start, then commit."""
+    reply = m.stub.PutStart(master_pb2.PutStartRequest(meta=md), timeout=T)
+    if reply.status == STARTED:
+        m.stub.PutCommit(master_pb2.PutCommitRequest(put_id=reply.put_id), timeout=T)
+    return reply
+
+
+def put_chain(
+    m: MasterProcess, hs: list[bytes], checkpoints: tuple[int, ...], size: int = 100
+) -> list[tuple[common_pb2.ObjectMeta, str]]:
+    """Put a hash chain's MLA blocks and checkpoints; returns each meta with the node it was placed on
+    (what that node would report as its inventory)."""
+    metas, parent = [], b""
+    for i, h in enumerate(hs):
+        metas.append(meta(mla_key(h), size, common_pb2.MLA_BLOCK, parent=parent))
+        parent = mla_key(h)
+        if i + 1 in checkpoints:
+            metas.append(meta(kda_key(h), size * 4, common_pb2.KDA_CHECKPOINT))
+    placed = []
+    for md in metas:
+        reply = put(m, md)
+        assert reply.status == STARTED
+        placed.append((md, reply.node.node_id))
+    return placed
+
+
+def match(m: MasterProcess, hs: list[bytes], **kw: object) -> master_pb2.MatchPrefixReply:
+    kw.setdefault("require_checkpoint", True)
+    req = master_pb2.MatchPrefixRequest(block_hashes=hs, **kw)  # type: ignore[arg-type]
+    return m.stub.MatchPrefix(req, timeout=T)
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MasterProcess]:
+    m = MasterProcess(tmp_path, *FAST)
+    yield m
+    m.kill()
+
+
+@pytest.fixture
+def node(master: MasterProcess) -> Iterator[ProbeNode]:
+    n = ProbeNode("n0", master, dram=100_000)
+    n.register()
+    n.start_heartbeats()
+    yield n
+    n.close()
+
+
+def test_two_phase_put_visible_only_after_commit(master: MasterProcess, node: ProbeNode) -> None:
+    hs = chain(2)
+    started = []
+    pair = (
+        meta(mla_key(hs[0]), kind=common_pb2.MLA_BLOCK),
+        meta(kda_key(hs[0]), kind=common_pb2.KDA_CHECKPOINT),
+    )
+    for md in pair:
+        reply = master.stub.PutStart(master_pb2.PutStartRequest(meta=md), timeout=T)
+        assert reply.status == STARTED and reply.node.node_id == "n0" and reply.node.grpc_port == node.port
+        assert reply.deadline_ms == 400
+        started.append(reply.put_id)
+    assert match(master, hs).mla_run_blocks == 0, "a pending put must be invisible"
+    assert list(master.stub.Lookup(master_pb2.LookupRequest(keys=[mla_key(hs[0])]), timeout=T).missing)
+    for put_id in started:
+        master.stub.PutCommit(master_pb2.PutCommitRequest(put_id=put_id), timeout=T)
+    got = match(master, hs)
+    assert (got.usable_blocks, got.mla_run_blocks, list(got.checkpoint_blocks)) == (1, 1, [1])
+    assert got.mla[0].meta.key == mla_key(hs[0]) and got.mla[0].node.node_id == "n0"
+    assert got.checkpoint.meta.key == kda_key(hs[0]) and got.checkpoint.meta.checksum == 7
+    assert put(master, meta(mla_key(hs[0]), kind=common_pb2.MLA_BLOCK)).status == EXISTS
+
+
+def test_concurrent_duplicate_puts_start_exactly_once(master: MasterProcess, node: ProbeNode) -> None:
+    key = b"dup-key"
+    barrier = threading.Barrier(16)
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def racer() -> None:
+        barrier.wait(timeout=T)
+        reply = master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(key)), timeout=T)
+        with lock:
+            statuses.append(reply.status)
+
+    threads = [threading.Thread(target=racer) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=T)
+    assert statuses.count(STARTED) == 1
+    assert len(statuses) == 16 and all(s in (STARTED, EXISTS, IN_PROGRESS) for s in statuses)
+    assert statuses.count(IN_PROGRESS) == 15, "nothing committed yet: the losers see the put in progress"
+
+
+def test_abandoned_put_is_aborted_and_node_told_to_delete(master: MasterProcess, node: ProbeNode) -> None:
+    reply = master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"abandoned")), timeout=T)
+    assert reply.status == STARTED
+    assert master.stats().pending_puts == 1
+    took = wait_until(lambda: master.stats().pending_puts == 0, timeout_s=3.0)
+    assert took < 1.5
+    wait_until(lambda: b"abandoned" in node.orders("delete"), timeout_s=3.0)
+    with pytest.raises(grpc.RpcError) as err:
+        master.stub.PutCommit(master_pb2.PutCommitRequest(put_id=reply.put_id), timeout=T)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert master.stats().counters["puts_abandoned"] == 1
+    # the key is free again
+    assert put(master, meta(b"abandoned")).status == STARTED
+
+
+def test_abort_frees_key_and_orders_delete(master: MasterProcess, node: ProbeNode) -> None:
+    reply = master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"k")), timeout=T)
+    master.stub.PutAbort(master_pb2.PutAbortRequest(put_id=reply.put_id, reason="transfer failed"), timeout=T)
+    wait_until(lambda: b"k" in node.orders("delete"), timeout_s=3.0)
+    with pytest.raises(grpc.RpcError) as err:
+        master.stub.PutAbort(master_pb2.PutAbortRequest(put_id=reply.put_id), timeout=T)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_lease_pins_until_release_or_deadline(master: MasterProcess, tmp_path: Path) -> None:
+    n = ProbeNode("small", master, dram=1000)
+    n.register()
+    n.start_heartbeats()
+    try:
+        hs = chain(2)
+        put_chain(master, hs, checkpoints=(2,), size=100)  # 100 + 100 + 400 bytes
+        got = match(master, hs, acquire=True, lease_ms=5000)
+        assert got.usable_blocks == 2 and got.lease_id
+        assert master.stats().active_leases == 1
+        put(master, meta(b"fill", 390))  # 990 > 950: evict to 850 -- the leased chain cannot go
+        assert match(master, hs).usable_blocks == 2
+        master.stub.Release(master_pb2.ReleaseRequest(lease_id=got.lease_id), timeout=T)
+        master.stub.Release(master_pb2.ReleaseRequest(lease_id=got.lease_id), timeout=T)  # idempotent
+        put(master, meta(b"fill2", 10))
+        assert match(master, hs).usable_blocks == 0, "released: the cold chain is evicted first"
+        wait_until(lambda: kda_key(hs[1]) in n.orders("delete"), timeout_s=3.0)
+        # now a lease nobody releases: the deadline (default --lease-ms 300) lets it go
+        hs2 = chain(1, "other")
+        put_chain(master, hs2, checkpoints=(1,), size=50)
+        assert match(master, hs2, acquire=True).lease_id
+        wait_until(lambda: master.stats().active_leases == 0, timeout_s=3.0)
+    finally:
+        n.close()
+
+
+def test_probes_do_not_pin_or_refresh(master: MasterProcess) -> None:
+    n = ProbeNode("small", master, dram=1000)
+    n.register()
+    n.start_heartbeats()
+    try:
+        hs = chain(1)
+        put_chain(master, hs, checkpoints=(1,), size=100)
+        put(master, meta(b"newer", 100))
+        for _ in range(200):
+            assert match(master, hs).usable_blocks == 1  # acquire=false: a probe
+        assert master.stats().active_leases == 0
+        put(master, meta(b"fill", 400))  # 1000 > 950 -> evict to 850: the probed chain is the oldest
+        assert match(master, hs).usable_blocks == 0
+    finally:
+        n.close()
+
+
+def test_dead_node_dropped_within_deadline(master: MasterProcess, node: ProbeNode) -> None:
+    put_chain(master, chain(3), checkpoints=(3,))
+    assert master.stats().objects == 4
+    node.stop_heartbeats()
+    stopped = time.monotonic()
+    wait_until(lambda: master.stats().nodes == 0, timeout_s=3.0)
+    took = time.monotonic() - stopped
+    assert took < 0.4 + 0.5, f"node dropped after {took:.2f}s, deadline 0.4s + one sweep"
+    st = master.stats()
+    assert st.objects == 0 and st.bytes == 0 and st.counters["nodes_lost"] == 1
+    assert match(master, chain(3)).mla_run_blocks == 0
+    beat = master.stub.Heartbeat(master_pb2.HeartbeatRequest(node_id="n0"), timeout=T)
+    assert beat.reregister, "an unknown node is asked to re-register with its inventory"
+    with pytest.raises(grpc.RpcError) as err:  # no node left: placement fails cleanly
+        master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"x")), timeout=T)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_restarted_master_rebuilds_from_inventories(tmp_path: Path) -> None:
+    m1 = MasterProcess(tmp_path, "--heartbeat-ms", "50", "--node-timeout-ms", "2000")
+    a = ProbeNode("a", m1, dram=1_000_000)
+    b = ProbeNode("b", m1, dram=1_000_000, ssd=1_000_000)
+    try:
+        a.register()
+        b.register()
+        hs, other = chain(40), chain(10, "other")
+        placed = put_chain(m1, hs, checkpoints=(8, 31), size=1000) + put_chain(m1, other, checkpoints=(10,))
+        assert {node for _, node in placed} == {"a", "b"}, "placement by free space uses both nodes"
+        before = [match(m1, hs), match(m1, other), match(m1, hs[:20], require_checkpoint=False)]
+        m1.kill()  # SIGKILL: no goodbye, nothing persisted
+        m2 = MasterProcess(tmp_path, "--heartbeat-ms", "50", "--node-timeout-ms", "2000")
+        try:
+            a.master = b.master = m2
+            assert m2.stats().objects == 0
+            for probe in (a, b):
+                beat = m2.stub.Heartbeat(master_pb2.HeartbeatRequest(node_id=probe.node_id), timeout=T)
+                assert beat.reregister
+            # each node reports what it holds; children before parents on purpose (order must not matter)
+            for probe in (a, b):
+                held = [md for md, node in reversed(placed) if node == probe.node_id]
+                assert probe.register(held).adopted_objects == len(held)
+            after = [match(m2, hs), match(m2, other), match(m2, hs[:20], require_checkpoint=False)]
+            for x, y in zip(before, after, strict=True):
+                assert (x.usable_blocks, x.mla_run_blocks, list(x.checkpoint_blocks)) == (
+                    y.usable_blocks, y.mla_run_blocks, list(y.checkpoint_blocks))
+                assert [loc.meta.key for loc in x.mla] == [loc.meta.key for loc in y.mla]
+                assert [loc.node.node_id for loc in x.mla] == [loc.node.node_id for loc in y.mla]
+            assert after[0].usable_blocks == 31 and after[1].usable_blocks == 10
+            # an object that both nodes claim is kept once; the other copy is deleted
+            dup, owner = placed[0]
+            other_node = b if owner == "a" else a
+            assert other_node.register([dup]).adopted_objects == 0
+            wait_until(lambda: dup.key in other_node.orders("delete"), timeout_s=3.0)
+        finally:
+            m2.kill()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bad_input_gets_clear_errors_and_server_keeps_serving(master: MasterProcess, node: ProbeNode) -> None:
+    s = master.stub
+    bad, exhausted = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
+    cases = [
+        (s.MatchPrefix, master_pb2.MatchPrefixRequest(block_hashes=[b"short"]), bad, "32 bytes"),
+        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"")), grpc.StatusCode.INVALID_ARGUMENT, "key"),
+        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"k", size=0)), grpc.StatusCode.INVALID_ARGUMENT,
+         "size"),
+        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"M" + b"x" * 3, kind=common_pb2.MLA_BLOCK)),
+         grpc.StatusCode.INVALID_ARGUMENT, "MLA"),
+        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"T1", kind=common_pb2.REQUEST_TAIL)),
+         grpc.StatusCode.INVALID_ARGUMENT, "TTL"),
+        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"huge", size=10**12)), exhausted, "capacity"),
+        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"k", kind=99)), bad, "kind"),
+        (s.PutCommit, master_pb2.PutCommitRequest(put_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+        (s.PutCommit, master_pb2.PutCommitRequest(), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        (s.Release, master_pb2.ReleaseRequest(lease_id="garbage"), grpc.StatusCode.INVALID_ARGUMENT, "lease"),
+        (s.Lookup, master_pb2.LookupRequest(keys=[b"x" * 2000]), grpc.StatusCode.INVALID_ARGUMENT, "key"),
+        (s.MatchPrefix, master_pb2.MatchPrefixRequest(lease_ms=10**7), grpc.StatusCode.INVALID_ARGUMENT,
+         "lease_ms"),
+        (s.Pin, master_pb2.PinRequest(keys=[b"k"], ttl_ms=10**9), grpc.StatusCode.INVALID_ARGUMENT, "ttl"),
+        (s.RegisterNode, master_pb2.RegisterNodeRequest(node=common_pb2.NodeEndpoint(node_id="x")),
+         grpc.StatusCode.INVALID_ARGUMENT, "host"),
+    ]
+    for method, request, code, words in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            method(request, timeout=T)
+        assert err.value.code() == code, (request, err.value.details())
+        assert words.lower() in err.value.details().lower(), err.value.details()
+    assert put(master, meta(b"still-works")).status == STARTED
+    assert master.stats().counters["rpc_invalid_argument"] >= 10
+
+
+def test_remove_pin_quota_and_eviction_orders(master: MasterProcess) -> None:
+    n = ProbeNode("small", master, dram=1000)
+    n.register()
+    n.start_heartbeats()
+    try:
+        put(master, meta(b"sys-prompt", 300, tenant="t1"))
+        assert master.stub.Pin(master_pb2.PinRequest(keys=[b"sys-prompt", b"absent"], ttl_ms=60_000),
+                               timeout=T).pinned == 1
+        for i in range(8):
+            put(master, meta(f"o{i}".encode(), 100, tenant="t2"))
+        assert master.stub.Lookup(master_pb2.LookupRequest(keys=[b"sys-prompt"]), timeout=T).found
+        wait_until(lambda: len(n.orders("delete")) >= 1, timeout_s=3.0)
+        assert b"sys-prompt" not in n.orders("delete")
+        master.stub.SetQuota(master_pb2.SetQuotaRequest(tenant="t2", max_bytes=200), timeout=T)
+        st = master.stats()
+        assert st.bytes_per_tenant["t2"] <= 200 and st.bytes_per_tenant["t1"] == 300
+        with pytest.raises(grpc.RpcError) as err:
+            master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"big", 300, tenant="t2")), timeout=T)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in err.value.details()
+        removed = master.stub.Remove(master_pb2.RemoveRequest(keys=[b"sys-prompt", b"absent"]), timeout=T)
+        assert removed.removed == 1
+        wait_until(lambda: b"sys-prompt" in n.orders("delete"), timeout_s=3.0)
+    finally:
+        n.close()
+
+
+def test_ssd_tier_demotes_and_promotes_on_fetch(master: MasterProcess) -> None:
+    n = ProbeNode("tiered", master, dram=1000, ssd=10_000)
+    n.register()
+    n.start_heartbeats()
+    try:
+        hs = chain(12)
+        put_chain(master, hs, checkpoints=(12,), size=100)  # 1600 bytes > DRAM: oldest demoted
+        wait_until(lambda: len(n.orders("demote")) > 0, timeout_s=3.0)
+        st = master.stats()
+        assert st.bytes_per_tier["SSD"] > 0 and st.demotions > 0 and st.evictions == 0
+        got = match(master, hs)
+        assert got.usable_blocks == 12 and any(loc.meta.tier == common_pb2.SSD for loc in got.mla)
+        fetched = match(master, hs[:2], require_checkpoint=False, acquire=True)
+        assert all(loc.meta.tier == common_pb2.DRAM for loc in fetched.mla)
+        wait_until(lambda: mla_key(hs[0]) in n.orders("promote"), timeout_s=3.0)
+    finally:
+        n.close()
+
+
+def test_health_and_clean_sigterm(master: MasterProcess) -> None:
+    stub = health_pb2_grpc.HealthStub(master.channel)
+    for service in ("", "kvpool.v1.Master"):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=T)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert master.terminate() == 0
