@@ -2,6 +2,8 @@
 
 Prints exactly one JSON line ``{"ready": true, "port": N, ...}`` on stdout once it serves (``--port 0``
 picks a free port), so launchers and tests read the port instead of guessing; logs go to stderr.
+``python -m kvpool.kvstore.master_cli [flags]`` is the same command without loading the other command
+groups (the model's imports take seconds), which is what tests and benchmarks spawn.
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ from kvpool.kvstore.master import MasterConfig
 
 def add_master_parser(store_sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``master`` to the ``kvpool store`` subcommands (called by kvpool.kvstore.cli)."""
-    d = MasterConfig()
     p = store_sub.add_parser("master", help="run the store master (metadata, prefix index, eviction)")
+    add_master_arguments(p)
+    p.set_defaults(func=run_master)
+    return p
+
+
+def add_master_arguments(p: argparse.ArgumentParser) -> None:
+    d = MasterConfig()
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES), help="eviction policy")
@@ -36,8 +44,6 @@ def add_master_parser(store_sub: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--node-call-timeout-ms", type=int, default=d.node_call_timeout_ms,
                    help="deadline of Delete/Demote/Promote calls to nodes")
     p.add_argument("--log-level", default="INFO", help="stderr log level")
-    p.set_defaults(func=run_master)
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> MasterConfig:
@@ -83,3 +89,13 @@ async def _serve(config: MasterConfig, host: str, port: int) -> int:
     await stop.wait()
     await server.stop()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpool store master", description=__doc__.splitlines()[0])
+    add_master_arguments(parser)
+    return run_master(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

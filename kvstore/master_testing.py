@@ -31,11 +31,13 @@ DEADLINE_S = 5.0
 class MasterProcess:
     """``kvpool store master`` in a child process; ``stub`` is a sync MasterStub."""
 
-    def __init__(self, log_dir: Path, *flags: str) -> None:
+    def __init__(self, log_dir: Path, *flags: str, via_kvpool_cli: bool = False) -> None:
         self.log_path = log_dir / f"master-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("wb")
+        # the full `kvpool` CLI also imports the model (torch): seconds per start; same code path otherwise
+        entry = ["kvpool.cli", "store", "master"] if via_kvpool_cli else ["kvpool.kvstore.master_cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli", "store", "master", "--port", "0", *flags],
+            [sys.executable, "-m", *entry, "--port", "0", *flags],
             stdout=subprocess.PIPE,
             stderr=self._log,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

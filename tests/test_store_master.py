@@ -333,7 +333,9 @@ def test_ssd_tier_demotes_and_promotes_on_fetch(master: MasterProcess) -> None:
         n.close()
 
 
-def test_health_and_clean_sigterm(master: MasterProcess) -> None:
+def test_kvpool_cli_health_and_clean_sigterm(tmp_path: Path) -> None:
+    master = MasterProcess(tmp_path, "--policy", "cost", via_kvpool_cli=True)
+    assert master.stats().policy == "cost"
     stub = health_pb2_grpc.HealthStub(master.channel)
     for service in ("", "kvpool.v1.Master"):
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=T)
