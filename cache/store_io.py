@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import xxhash
 from kvpool.cache.errors import CacheUnitError
 from kvpool.cache.keys import kda_key, mla_key, tail_key
 from kvpool.cache.schema import CacheSchema
@@ -34,6 +33,8 @@ from kvpool.cache.units import (
     encode_mla_block,
     encode_tail,
 )
+from kvpool.kvstore.client import PutItem
+from kvpool.kvstore.errors import StoreError
 from kvpool.model.state import KDACheckpoint, PrefixState
 from kvpool.proto import common_pb2, master_pb2
 
@@ -42,20 +43,18 @@ DEFAULT_LEASE_MS = 10_000
 DEFAULT_TAIL_TTL_MS = 120_000
 
 Buffer = bytes | bytearray | memoryview
-PutItem = tuple[common_pb2.ObjectMeta, Buffer]
 
 
 class CacheStore(Protocol):
-    """The store client calls the workers make (a subset of ``AsyncStoreClient``)."""
+    """The store client calls the workers make: exactly these methods of ``AsyncStoreClient``."""
 
     async def match_prefix(
         self,
         block_hashes: Sequence[bytes],
-        *,
-        tenant: str = "",
+        tenant: str | None = None,
         require_checkpoint: bool = True,
         acquire: bool = False,
-        lease_ms: int = 0,
+        lease_ms: int | None = None,
     ) -> master_pb2.MatchPrefixReply:
         """Joint-rule prefix match (design §3); ``acquire`` read-pins the usable objects under a lease."""
         ...
@@ -64,11 +63,17 @@ class CacheStore(Protocol):
         """Drop a read lease taken by ``match_prefix(acquire=True)``."""
         ...
 
-    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | Exception]:
+    async def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
+    ) -> list[int | StoreError]:
+        """Move located (already pinned) objects into ``outs``: per-item size or typed error."""
+        ...
+
+    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
         """Per-key result: the object's bytes, or the typed error for that key (missing, corrupt, ...)."""
         ...
 
-    async def batch_put(self, items: Sequence[PutItem]) -> list[Exception | None]:
+    async def batch_put(self, items: Sequence[PutItem]) -> list[StoreError | None]:
         """Two-phase put of each object; a duplicate of a committed key is a success (None)."""
         ...
 
@@ -154,6 +159,30 @@ async def _get(
     return out
 
 
+async def _fetch_located(
+    store: CacheStore, locations: list[common_pb2.ObjectLocation], timeout_s: float, stats: FetchStats
+) -> dict[bytes, bytes | Exception]:
+    """Move objects the match already located and pinned (no second master round trip)."""
+    if not locations:
+        return {}
+    outs = [bytearray(loc.meta.size) for loc in locations]
+    try:
+        async with asyncio.timeout(timeout_s):
+            results: list[int | Exception] = list(await store.fetch_into(locations, outs))
+    except Exception as exc:
+        results = [exc] * len(locations)
+    got: dict[bytes, bytes | Exception] = {}
+    for loc, out, res in zip(locations, outs, results, strict=True):
+        if isinstance(res, Exception):
+            stats.late += int(_is_timeout(res))
+            stats.missing += int(not _is_timeout(res))
+            got[bytes(loc.meta.key)] = res
+        else:
+            stats.bytes_fetched += res
+            got[bytes(loc.meta.key)] = bytes(out[:res]) if res != len(out) else out
+    return got
+
+
 def _best_checkpoint_at_most(limit: int, checkpoint_blocks: Sequence[int]) -> int:
     """The largest listed checkpoint block count <= ``limit`` (0 = from scratch)."""
     best = 0
@@ -161,25 +190,6 @@ def _best_checkpoint_at_most(limit: int, checkpoint_blocks: Sequence[int]) -> in
         if best < c <= limit:
             best = c
     return best
-
-
-def _meta(
-    key: bytes,
-    kind: int,
-    data: Buffer,
-    tenant: str,
-    parent: bytes = b"",
-    ttl_ms: int = 0,
-) -> common_pb2.ObjectMeta:
-    return common_pb2.ObjectMeta(
-        key=key,
-        kind=kind,
-        size=len(data),
-        checksum=xxhash.xxh3_64_intdigest(data),
-        tenant=tenant,
-        parent=parent,
-        ttl_ms=ttl_ms,
-    )
 
 
 async def _put(
@@ -194,10 +204,10 @@ async def _put(
             results = await store.batch_put(items)
     except Exception as exc:
         results = [exc] * len(items)
-    for (meta, _data), res in zip(items, results, strict=True):
+    for item, res in zip(items, results, strict=True):
         if res is None:
             stats.objects += 1
-            stats.bytes_pushed += meta.size
+            stats.bytes_pushed += len(item.data)
         else:
             stats.failed += 1
             stats.errors.append(f"{type(res).__name__}: {res}")
@@ -246,7 +256,8 @@ async def fetch_prefix(
         stats.matched_blocks = p
         stats.mla_run_blocks = min(int(match.mla_run_blocks), len(hashes))
         checkpoints = [c for c in match.checkpoint_blocks if 0 < c <= len(hashes)]
-        prefix = await _fetch_verified(store, schema, hashes, p, checkpoints, require, timeout_s, stats)
+        located = [*match.mla[:p], *([match.checkpoint] if require and p else [])]
+        prefix = await _fetch_verified(store, schema, hashes, p, checkpoints, located, timeout_s, stats)
     finally:
         if lease_id:
             stats.lease_released = await _release(store, lease_id, timeout_s)
@@ -270,18 +281,18 @@ async def _fetch_verified(
     hashes: Sequence[bytes],
     p: int,
     checkpoints: list[int],
-    require: bool,
+    located: list[common_pb2.ObjectLocation],
     timeout_s: float,
     stats: FetchStats,
 ) -> PrefixState | None:
     if p == 0:
         return None
+    require = bool(schema.kda_layers)
     keys = [mla_key(h) for h in hashes[:p]]
-    ck_key = kda_key(hashes[p - 1]) if require else None
-    got = await _get(store, [*keys, *([ck_key] if ck_key else [])], timeout_s, stats)
+    got = await _fetch_located(store, located, timeout_s, stats)
     blocks: list[dict[int, torch.Tensor]] = []
     for i, key in enumerate(keys):  # the intact MLA run bounds every boundary we may use
-        block = _decode_mla(got[key], schema, i, hashes[i], key, stats)
+        block = _decode_mla(got.get(key), schema, i, hashes[i], key, stats)
         if block is None:
             break
         blocks.append(block)
@@ -397,7 +408,7 @@ async def push_blocks(
         latents = {layer: rows[i * B : (i + 1) * B].contiguous() for layer, rows in mla.items()}
         data = bytes(encode_mla_block(schema, i, latents, block_hash=hashes[i]))
         parent = mla_key(hashes[i - 1]) if i else b""
-        items.append((_meta(mla_key(hashes[i]), common_pb2.MLA_BLOCK, data, tenant, parent), data))
+        items.append(PutItem(mla_key(hashes[i]), data, common_pb2.MLA_BLOCK, tenant, parent))
     return await _put(store, items, timeout_s)
 
 
@@ -418,7 +429,7 @@ async def push_checkpoints(
             raise ValueError(f"checkpoint at {ck.n_tokens} is not at a block end (B={B})")
         h = hashes[ck.n_tokens // B - 1]
         data = bytes(encode_kda_checkpoint(schema, ck, block_hash=h))
-        items.append((_meta(kda_key(h), common_pb2.KDA_CHECKPOINT, data, tenant, mla_key(h)), data))
+        items.append(PutItem(kda_key(h), data, common_pb2.KDA_CHECKPOINT, tenant, mla_key(h)))
     return await _put(store, items, timeout_s)
 
 
@@ -437,8 +448,8 @@ async def push_tail(
     data = bytes(encode_tail(schema, tail))
     n_full = tail.start // schema.block_size
     parent = mla_key(hashes[n_full - 1]) if n_full else b""
-    meta = _meta(tail_key(request_id), common_pb2.REQUEST_TAIL, data, tenant, parent, ttl_ms)
-    return await _put(store, [(meta, data)], timeout_s)
+    item = PutItem(tail_key(request_id), data, common_pb2.REQUEST_TAIL, tenant, parent, ttl_ms)
+    return await _put(store, [item], timeout_s)
 
 
 async def remove_tail(store: CacheStore, request_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:

@@ -12,8 +12,8 @@ import itertools
 from collections.abc import Sequence
 
 from kvpool.cache.keys import KDA_TAG, MLA_TAG
-from kvpool.cache.store_io import PutItem
-from kvpool.kvstore.errors import ObjectNotFoundError, StoreUnavailableError
+from kvpool.kvstore.client import PutItem
+from kvpool.kvstore.errors import ObjectNotFoundError, StoreError, StoreUnavailableError
 from kvpool.proto import common_pb2, master_pb2
 
 
@@ -55,10 +55,10 @@ class MemoryStore:
         self,
         block_hashes: Sequence[bytes],
         *,
-        tenant: str = "",
+        tenant: str | None = None,
         require_checkpoint: bool = True,
         acquire: bool = False,
-        lease_ms: int = 0,
+        lease_ms: int | None = None,
     ) -> master_pb2.MatchPrefixReply:
         self._check()
         run, checkpoints = 0, []
@@ -85,22 +85,43 @@ class MemoryStore:
         self._check()
         self.leases.pop(lease_id, None)
 
-    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | Exception]:
+    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
         await self._wait()
-        out: list[bytes | Exception] = []
+        out: list[bytes | StoreError] = []
         for key in keys:
             self.gets += 1
             data = self.objects.get(bytes(key))
             out.append(data if data else ObjectNotFoundError(f"{bytes(key)[:8].hex()} not stored"))
         return out
 
-    async def batch_put(self, items: Sequence[PutItem]) -> list[Exception | None]:
+    async def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[bytearray]
+    ) -> list[int | StoreError]:
+        got = await self.batch_get([loc.meta.key for loc in locations])
+        results: list[int | StoreError] = []
+        for data, out in zip(got, outs, strict=True):
+            if isinstance(data, StoreError):
+                results.append(data)
+            else:
+                n = min(len(data), len(out))
+                out[:n] = data[:n]
+                results.append(n)
+        return results
+
+    async def batch_put(self, items: Sequence[PutItem]) -> list[StoreError | None]:
         await self._wait()
-        for meta, data in items:
-            if meta.key not in self.meta:  # immutable: a duplicate is a no-op success
+        for item in items:
+            if item.key not in self.meta:  # immutable: a duplicate is a no-op success
                 self.puts += 1
-                self.meta[meta.key] = meta
-                self.objects[meta.key] = bytes(data)
+                self.meta[bytes(item.key)] = common_pb2.ObjectMeta(
+                    key=bytes(item.key),
+                    kind=item.kind,
+                    size=len(item.data),
+                    tenant=item.tenant or "",
+                    parent=item.parent,
+                    ttl_ms=item.ttl_ms,
+                )
+                self.objects[bytes(item.key)] = bytes(item.data)
         return [None] * len(items)
 
     async def remove(self, keys: Sequence[bytes]) -> int:
