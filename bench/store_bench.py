@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         if mp:
             print(f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain over gRPC: "
                   f"p50 {mp.get('p50_ms')} ms, "
-                  f"p99 {mp.get('p99_ms')} ms ({mp.get('calls')} calls; usable={mp.get('usable_blocks')})")
+                  f"p99 {mp.get('p99_ms')} ms ({mp.get('calls')} calls; usable={mp.get('usable_blocks')}; "
+                  f"1-block call p50 {mp.get('one_block_p50_ms')} ms)")
         if mem:
             print(f"master memory: {mem.get('bytes_per_object')} B/object over {mem.get('objects')} objects "
                   f"(RSS {mem.get('rss_before_mb')} -> {mem.get('rss_after_mb')} MB)")

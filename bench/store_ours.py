@@ -55,12 +55,24 @@ def _drain(stream: IO[str], sink: IO[str]) -> None:
             sink.write(line)
 
 
+def _entry(args: list[str]) -> list[str]:
+    """Module + argv for ``kvpool store ...``: the store-only entry when present (it skips the torch import
+    of the full CLI, which would inflate the master's baseline RSS and startup time)."""
+    try:
+        from kvpool.kvstore import cli as store_cli
+    except ImportError:
+        store_cli = None
+    if store_cli is not None and hasattr(store_cli, "main") and args[:1] == ["store"]:
+        return ["kvpool.kvstore.cli", *args[1:]]
+    return ["kvpool.cli", *args]
+
+
 def _spawn(procs: list[subprocess.Popen[Any]], args: list[str], log_dir: Path, name: str) -> dict[str, Any]:
     """Start ``python -m kvpool.cli ARGS`` and return its readiness record (stderr goes to a log file)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
     err_path = log_dir / f"{name}.stderr"
     with err_path.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", *args], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", *_entry(args)], stdout=subprocess.PIPE,
                                 stderr=err, env=env, text=True, bufsize=1)
     procs.append(proc)
     try:
@@ -214,8 +226,19 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
                                   f"run={reply.mla_run_blocks}, expected {CHAIN_BLOCKS}")
             if i >= 10:
                 times.append(dt)
+        # the same call for a 1-block chain: the gRPC + client floor, to tell chain cost from RPC cost
+        floor: list[float] = []
+        for i in range(10 + calls):
+            t0 = time.perf_counter()
+            reply = await client.match_prefix(hashes[:1], require_checkpoint=False)
+            dt = time.perf_counter() - t0
+            if reply.mla_run_blocks != 1:
+                raise VerifyError(f"1-block match_prefix returned run={reply.mla_run_blocks}")
+            if i >= 10:
+                floor.append(dt)
     times.sort()
     return {"chain_blocks": CHAIN_BLOCKS, "calls": calls, "usable_blocks": CHAIN_BLOCKS,
+            "one_block_p50_ms": round(statistics.median(floor) * 1e3, 3),
             "p50_ms": round(statistics.median(times) * 1e3, 3),
             "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),
             "min_ms": round(times[0] * 1e3, 3), "require_checkpoint": True}
