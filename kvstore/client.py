@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import grpc
 import xxhash
-from kvpool.kvstore.client_rpc import raise_typed
+from kvpool.kvstore.client_rpc import CHANNEL_OPTIONS, raise_typed
 from kvpool.kvstore.errors import (
     CapacityExceededError,
     ObjectNotFoundError,
@@ -86,7 +86,7 @@ class AsyncStoreClient:
     @property
     def master(self) -> master_pb2_grpc.MasterStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.master_address)
+            self._channel = grpc.aio.insecure_channel(self.master_address, options=CHANNEL_OPTIONS)
             self._stub = master_pb2_grpc.MasterStub(self._channel)
         return self._stub
 
@@ -258,6 +258,11 @@ class AsyncStoreClient:
             "Lookup",
             master_pb2.LookupRequest(keys=[bytes(k) for k in keys], acquire=acquire, lease_ms=self.lease_ms),
         )
+
+    async def lookup(self, keys: Sequence[bytes], acquire: bool = False) -> master_pb2.LookupReply:
+        """Locations of ``keys`` (found in request order, plus missing). ``acquire`` read-pins the found ones
+        under a lease: ``fetch_into`` them, then ``release(reply.lease_id)``."""
+        return await self._timed("lookup", self._lookup(keys, acquire))
 
     async def release(self, lease_id: str) -> None:
         """Drop a read-pin lease (e.g. from ``match_prefix(acquire=True)``); failures are only counted."""
@@ -437,14 +442,25 @@ class StoreClient:
     def close(self) -> None:
         if self._thread.is_alive():
             self._call(self._async.close())
+            self._call(_cancel_background_tasks())  # e.g. ucxx's progress task, bound to this loop
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _cancel_background_tasks() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _make_async(master: str, transport: str, kwargs: dict[str, Any]) -> AsyncStoreClient:

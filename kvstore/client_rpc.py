@@ -22,6 +22,15 @@ from kvpool.kvstore.errors import (
     TransportTimeoutError,
 )
 
+# Reconnect quickly after a master/node restart (gRPC's default backoff grows to 120 s, which would leave a
+# restarted master unreachable from long-lived clients and nodes for minutes).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+)
+
 _BY_STATUS: dict[grpc.StatusCode, type[StoreError]] = {
     grpc.StatusCode.NOT_FOUND: ObjectNotFoundError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExceededError,

@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 import grpc
+from kvpool.kvstore.client_rpc import CHANNEL_OPTIONS
 from kvpool.kvstore.node_store import ObjectStore
 from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
 
@@ -29,7 +30,7 @@ class MasterLink:
         self.endpoint = endpoint
         self.heartbeat_interval_s = 1.0
         self.registrations = 0
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = master_pb2_grpc.MasterStub(self._channel)
         self._task: asyncio.Task | None = None
 

@@ -16,7 +16,7 @@ import contextlib
 from multiprocessing import shared_memory
 
 import grpc
-from kvpool.kvstore.client_rpc import raise_typed
+from kvpool.kvstore.client_rpc import CHANNEL_OPTIONS, raise_typed
 from kvpool.kvstore.errors import (
     ObjectNotFoundError,
     StoreError,
@@ -51,7 +51,7 @@ class ShmTransport(Transport):
         target = f"{node.host}:{node.grpc_port}"
         entry = self._channels.get(target)
         if entry is None:
-            channel = grpc.aio.insecure_channel(target)
+            channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
             entry = (channel, node_pb2_grpc.StorageNodeStub(channel))
             self._channels[target] = entry
         return entry[1]
