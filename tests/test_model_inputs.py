@@ -249,3 +249,16 @@ def test_bf16_model_keeps_fp32_state():
     assert r.final.layers[0].recurrent.dtype == torch.float32
     assert r.final.layers[0].conv.dtype == torch.bfloat16 and r.mla[3].dtype == torch.bfloat16
     assert m.cache_schema().mla_dtype == "bfloat16"
+
+
+def test_tokenizer_json_is_used_when_present(tmp_path):
+    from kvpool.model.tokenizer import HFTokenizer, load_tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5, "world": 6}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path, tiny_config())
+    assert isinstance(loaded, HFTokenizer) and loaded.encode("hello world") == [5, 6]
+    assert loaded.decode([5, 6]) == "hello world"
+    assert isinstance(load_tokenizer(tmp_path / "empty", tiny_config()), ByteTokenizer)

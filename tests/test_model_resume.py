@@ -138,3 +138,24 @@ def test_batch_decode_is_per_request_exact(model):
     ra, rb = sa.clone(), sb.clone()
     la, lb = model.decode_step_batch([5, 6], [sa, sb])
     assert torch.equal(la, model.decode_step(5, ra)[0]) and torch.equal(lb, model.decode_step(6, rb)[0])
+
+
+def test_prefix_from_another_process_resumes_bitwise(model, tmp_path):
+    """A prefill node and a decode node are different processes: the state must not depend on the process."""
+    import subprocess
+    import sys
+
+    ids = _ids(400, 10)
+    out = tmp_path / "prefix.pt"
+    code = (
+        "import sys, torch; torch.set_num_threads(2); torch.use_deterministic_algorithms(True)\n"
+        "from kvpool.model.tiny import build_tiny\n"
+        f"r = build_tiny().prefill({ids[:256]!r})\n"
+        "torch.save(r.prefix(), sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, timeout=120)
+    start = torch.load(out, weights_only=False)
+    full = model.prefill(ids, logits="all")
+    rest = model.prefill(ids[256:], start=start, logits="all")
+    assert torch.equal(rest.logits, full.logits[256:])
+    _assert_ckpt_equal(rest.final, full.final)
