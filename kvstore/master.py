@@ -25,6 +25,7 @@ from kvpool.kvstore.index import (
     BadObjectError,
     CapacityError,
     DuplicateKeyError,
+    LocationRow,
     ObjectInfo,
     ObjectKind,
     PrefixIndex,
@@ -327,19 +328,18 @@ class MasterCore:
         keys = list(m.mla_keys)
         if m.checkpoint_key is not None:
             keys.append(m.checkpoint_key)
-        infos = [i for i in self.index.lookup(keys) if i is not None]
-        if req.acquire and infos:
-            self._promote_on_hit(infos)
+        if req.acquire and keys:
+            self._promote_on_hit([r for r in self.index.rows(keys) if r.tier == Tier.SSD])
             lease = self.index.acquire(keys, lease_ms)
             if lease is not None:
                 reply.lease_id = f"{self.instance}:{lease.lease_id}"
-            infos = [i for i in self.index.lookup(keys) if i is not None]  # tiers may have changed
+        rows = self.index.rows(keys)  # all present: the index was not changed since the match
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
-        for info in infos[: m.usable_blocks]:
-            _fill_location(reply.mla.add(), info, self._endpoint_cached(info.node_id, endpoints))
-        if m.checkpoint_key is not None and len(infos) > m.usable_blocks:
-            info = infos[m.usable_blocks]
-            _fill_location(reply.checkpoint, info, self._endpoint_cached(info.node_id, endpoints))
+        for row in rows[: m.usable_blocks]:
+            _fill_row(reply.mla.add(), row, self._endpoint_cached(row.node_id, endpoints))
+        if m.checkpoint_key is not None:
+            row = rows[m.usable_blocks]
+            _fill_row(reply.checkpoint, row, self._endpoint_cached(row.node_id, endpoints))
         self._count("match_prefix")
         self._count("match_blocks_asked", len(hashes))
         self._count("match_blocks_usable", m.usable_blocks)
@@ -353,7 +353,7 @@ class MasterCore:
         reply = master_pb2.LookupReply()
         found = [i for i in infos if i is not None]
         if req.acquire and found:
-            self._promote_on_hit(found)
+            self._promote_on_hit([i for i in found if i.tier == Tier.SSD])
             lease = self.index.acquire([i.key for i in found], lease_ms)
             if lease is not None:
                 reply.lease_id = f"{self.instance}:{lease.lease_id}"
@@ -381,11 +381,11 @@ class MasterCore:
             raise InvalidRequest(f"lease_ms {asked} exceeds the maximum {self.config.max_lease_ms}")
         return asked or self.config.lease_ms
 
-    def _promote_on_hit(self, infos: list[ObjectInfo]) -> None:
+    def _promote_on_hit(self, on_ssd: list[ObjectInfo] | list[LocationRow]) -> None:
         """A fetch is coming: bring SSD objects back to DRAM in the index and tell their nodes."""
-        for info in infos:
-            if info.tier == Tier.SSD and self.index.promote(info.key):
-                self._queue(info.node_id, NodeAction.PROMOTE, info.key)
+        for obj in on_ssd:
+            if self.index.promote(obj.key):
+                self._queue(obj.node_id, NodeAction.PROMOTE, obj.key)
                 self._count("promotions")
         self._absorb_index_events()
 
@@ -529,6 +529,22 @@ def _fill_location(loc: common_pb2.ObjectLocation, info: ObjectInfo, ep: common_
     m.parent = info.parent
     m.ttl_ms = info.ttl_ms
     m.tier = int(info.tier)
+    loc.node.CopyFrom(ep)
+
+
+def _fill_row(loc: common_pb2.ObjectLocation, row: LocationRow, ep: common_pb2.NodeEndpoint) -> None:
+    """Like _fill_location for the MatchPrefix fast path; ``meta.parent`` is left out (the previous
+    entry of the reply is the parent)."""
+    m = loc.meta
+    m.key = row.key
+    m.kind = row.kind
+    m.size = row.size
+    m.checksum = row.checksum
+    m.tier = row.tier
+    if row.tenant:
+        m.tenant = row.tenant
+    if row.ttl_ms:
+        m.ttl_ms = row.ttl_ms
     loc.node.CopyFrom(ep)
 
 

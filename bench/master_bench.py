@@ -1,0 +1,227 @@
+"""Master benchmark: memory per indexed object and MatchPrefix latency (in-process and over gRPC).
+
+Goals from the master issue: <= 256 bytes of master memory per indexed object with 1 M objects (Mooncake's
+master OOMs at tens of millions, #3452), and match_prefix p50 <= 1 ms for a 2,000-block chain.
+
+    .venv/bin/python bench/master_bench.py [--objects 1000000] [--chain 2000] [--reps 300] [--no-grpc]
+
+Memory is the RSS growth of a fresh child process while it indexes N MLA blocks (keys created inside the
+measured region, as a master receiving them over gRPC would hold them), divided by N. Prints one JSON
+object; with --out also writes it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from kvpool.cache.keys import kda_key, mla_key
+from kvpool.kvstore.index import ObjectKind, PrefixIndex
+
+CHAIN_BLOCKS = 2000
+KDA_BYTES = 429 << 20  # K3 checkpoint (design §3)
+MLA_BYTES = KDA_BYTES // 32  # "one checkpoint costs as much as ~32 MLA blocks of 512 tokens"
+
+
+def block_hashes(n: int, seed: bytes) -> list[bytes]:
+    out, prev = [], hashlib.sha256(seed).digest()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev)
+    return out
+
+
+def _percentiles(samples_s: list[float]) -> dict[str, float]:
+    ms = sorted(s * 1000 for s in samples_s)
+    return {
+        "p50_ms": round(statistics.median(ms), 4),
+        "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 4),
+        "mean_ms": round(statistics.fmean(ms), 4),
+    }
+
+
+def _memory_child(n: int, chain: int, reps: int, queue: mp.Queue) -> None:
+    """Fresh process: index n MLA blocks in chains of ``chain`` (+ a checkpoint every 32 blocks), report
+    RSS per object, then time match_prefix on the full index."""
+    proc = psutil.Process()
+    gc.collect()
+    rss0 = proc.memory_info().rss
+    idx = PrefixIndex(clock=time.monotonic)
+    idx.add_node("n0", 1 << 62)
+    start = time.perf_counter()
+    prev = b""
+    seed = hashlib.sha256(b"bench").digest()
+    count = 0
+    h = seed
+    while count < n:
+        h = hashlib.sha256(h).digest()
+        key = mla_key(h)
+        idx.insert(key, ObjectKind.MLA, MLA_BYTES, parent=prev if count % chain else b"", node_id="n0")
+        prev = key
+        count += 1
+        if count % 32 == 0 and count < n:
+            idx.insert(kda_key(h), ObjectKind.KDA, KDA_BYTES, node_id="n0")
+            count += 1
+    insert_s = time.perf_counter() - start
+    gc.collect()
+    rss1 = proc.memory_info().rss
+    # the first chain of the index: `chain` MLA blocks, checkpoints every 32
+    first: list[bytes] = []
+    h = seed
+    while len(first) < chain:
+        h = hashlib.sha256(h).digest()
+        first.append(h)
+    samples_probe, samples_touch = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        m = idx.match_prefix(first)
+        samples_probe.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        idx.match_prefix(first, touch=True)
+        samples_touch.append(time.perf_counter() - t)
+    queue.put(
+        {
+            "objects": len(idx),
+            "rss_bytes_per_object": round((rss1 - rss0) / len(idx), 1),
+            "insert_us_per_object": round(insert_s / len(idx) * 1e6, 2),
+            "match_usable_blocks": m.usable_blocks,
+            "match_prefix_in_process_probe": _percentiles(samples_probe),
+            "match_prefix_in_process_touch": _percentiles(samples_touch),
+        }
+    )
+
+
+def bench_memory(n: int, chain: int, reps: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    child = ctx.Process(target=_memory_child, args=(n, chain, reps, queue))
+    child.start()
+    try:
+        return queue.get(timeout=600)
+    finally:
+        child.join(timeout=60)
+
+
+def bench_core(chain: int, reps: int) -> dict:
+    """MasterCore.match_prefix: index work plus building the reply protos (what the RPC handler runs)."""
+    from kvpool.kvstore.master import MasterCore
+    from kvpool.proto import common_pb2, master_pb2
+
+    core = MasterCore()
+    hs = block_hashes(chain, b"core")
+    core.register_node(
+        master_pb2.RegisterNodeRequest(
+            node=common_pb2.NodeEndpoint(node_id="n0", host="127.0.0.1", grpc_port=1),
+            dram_capacity_bytes=1 << 62,
+            inventory=_chain_metas(hs),
+        )
+    )
+    req = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True)
+    acq = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True, acquire=True)
+    probe, fetch = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        reply = core.match_prefix(req)
+        probe.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        got = core.match_prefix(acq)
+        fetch.append(time.perf_counter() - t)
+        core.release(master_pb2.ReleaseRequest(lease_id=got.lease_id))
+    return {
+        "usable_blocks": reply.usable_blocks,
+        "match_prefix_core_probe": _percentiles(probe),
+        "match_prefix_core_acquire": _percentiles(fetch),
+    }
+
+
+def _chain_metas(hs: list[bytes]) -> list:
+    from kvpool.proto import common_pb2
+
+    metas, parent = [], b""
+    for i, h in enumerate(hs):
+        metas.append(
+            common_pb2.ObjectMeta(key=mla_key(h), kind=common_pb2.MLA_BLOCK, size=MLA_BYTES, parent=parent)
+        )
+        parent = mla_key(h)
+        if (i + 1) % 32 == 0:
+            metas.append(
+                common_pb2.ObjectMeta(key=kda_key(h), kind=common_pb2.KDA_CHECKPOINT, size=KDA_BYTES)
+            )
+    return metas
+
+
+def bench_grpc(chain: int, reps: int) -> dict:
+    """A real master child process; one node adopts a 2,000-block chain; MatchPrefix over loopback."""
+    from kvpool.kvstore.master_testing import MasterProcess, ProbeNode
+    from kvpool.proto import master_pb2
+
+    with tempfile.TemporaryDirectory() as tmp:
+        master = MasterProcess(Path(tmp), "--node-timeout-ms", "600000", "--heartbeat-ms", "1000")
+        node = ProbeNode("n0", master, dram=1 << 62)
+        try:
+            hs = block_hashes(chain, b"grpc")
+            node.register(_chain_metas(hs))
+            out: dict = {}
+            for label, acquire in (("probe", False), ("acquire", True)):
+                req = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True, acquire=acquire)
+                samples = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    reply = master.stub.MatchPrefix(req, timeout=10)
+                    samples.append(time.perf_counter() - t)
+                    if reply.lease_id:
+                        master.stub.Release(master_pb2.ReleaseRequest(lease_id=reply.lease_id), timeout=10)
+                out[f"match_prefix_grpc_{label}"] = _percentiles(samples)
+            out["usable_blocks"] = reply.usable_blocks
+            out["reply_bytes"] = reply.ByteSize()
+            short = master_pb2.MatchPrefixRequest(block_hashes=hs[:1], require_checkpoint=False)
+            samples = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                master.stub.MatchPrefix(short, timeout=10)
+                samples.append(time.perf_counter() - t)
+            out["match_prefix_grpc_1_block"] = _percentiles(samples)
+            return out
+        finally:
+            node.close()
+            master.terminate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--objects", type=int, default=1_000_000)
+    ap.add_argument("--chain", type=int, default=CHAIN_BLOCKS)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--no-grpc", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    result = {
+        "python": sys.version.split()[0],
+        "memory": bench_memory(args.objects, args.chain, args.reps),
+        "core": bench_core(args.chain, args.reps),
+    }
+    if not args.no_grpc:
+        result["grpc"] = bench_grpc(args.chain, args.reps)
+    result["goals"] = {
+        "bytes_per_object_le_256": result["memory"]["rss_bytes_per_object"] <= 256,
+        "match_p50_le_1ms_in_process": result["memory"]["match_prefix_in_process_probe"]["p50_ms"] <= 1.0,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
