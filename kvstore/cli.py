@@ -8,6 +8,13 @@ from pathlib import Path
 from kvpool.kvstore.node import TRANSPORTS, NodeConfig, parse_size
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:  # argparse shows ArgumentTypeError messages verbatim
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``store`` with its subcommands to the top-level ``kvpool`` parser."""
     store = subparsers.add_parser("store", help="shared KV store: master and storage nodes")
@@ -29,7 +36,7 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--no-master", action="store_true", help="standalone node (transport tests, benchmarks)"
     )
-    p.add_argument("--capacity", default="1GiB", type=parse_size, help="DRAM pool size (default 1GiB)")
+    p.add_argument("--capacity", default="1GiB", type=_size, help="DRAM pool size (default 1GiB)")
     p.add_argument(
         "--transport",
         default="tcp,shm,ucx",
@@ -40,9 +47,9 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tcp-port", type=int, default=0, help="tcp data-plane port (0 = any)")
     p.add_argument("--ucx-port", type=int, default=0, help="ucx listener port (0 = any)")
     p.add_argument("--ssd-path", type=Path, default=None, help="directory of the SSD tier (off if unset)")
-    p.add_argument("--ssd-capacity", type=parse_size, default=0, help="SSD tier size")
+    p.add_argument("--ssd-capacity", type=_size, default=0, help="SSD tier size")
     p.add_argument("--node-id", default=None, help="stable node id (default hostname-grpcport)")
-    p.add_argument("--max-object", type=parse_size, default=None, help="largest object (default: capacity)")
+    p.add_argument("--max-object", type=_size, default=None, help="largest object (default: capacity)")
     p.add_argument(
         "--frame-timeout",
         type=float,
