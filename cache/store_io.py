@@ -92,6 +92,7 @@ class FetchStats:
     asked_blocks: int = 0  # hashes offered to the master
     matched_blocks: int = 0  # usable p the master reported (joint rule)
     mla_run_blocks: int = 0  # MLA blocks present ignoring checkpoints
+    checkpoint_blocks: list[int] = field(default_factory=list)  # block counts with a stored checkpoint
     used_blocks: int = 0  # p actually resumed from after every check
     fallbacks: int = 0  # times a bad object forced an earlier boundary
     missing: int = 0  # objects the index listed but the node did not return
@@ -192,9 +193,7 @@ def _best_checkpoint_at_most(limit: int, checkpoint_blocks: Sequence[int]) -> in
     return best
 
 
-async def _put(
-    store: CacheStore, items: list[PutItem], timeout_s: float
-) -> PushStats:
+async def _put(store: CacheStore, items: list[PutItem], timeout_s: float) -> PushStats:
     stats = PushStats()
     if not items:
         return stats
@@ -226,6 +225,7 @@ async def fetch_prefix(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     lease_ms: int = DEFAULT_LEASE_MS,
+    require_checkpoint: bool | None = None,
 ) -> tuple[PrefixState | None, FetchStats]:
     """Resume point for a prompt whose full-block hashes are ``hashes`` (pass only blocks you may skip).
 
@@ -233,13 +233,15 @@ async def fetch_prefix(
     (block index, hash, n_tokens). If anything is missing, corrupt or late, fall back to the largest earlier
     checkpoint the master listed whose MLA run is intact (fetching that checkpoint), down to 0 = None.
     Never raises for store or cache-unit problems; always releases the lease.
+    ``require_checkpoint=False`` fetches the plain MLA run (a decode node that holds the KDA state at the
+    prompt end in the request tail); the default follows the model (joint rule iff it has KDA layers).
     """
     t0 = time.perf_counter()
     stats = FetchStats(asked_blocks=len(hashes))
     if not hashes:
         return None, stats
     B = schema.block_size
-    require = bool(schema.kda_layers)
+    require = bool(schema.kda_layers) if require_checkpoint is None else require_checkpoint
     try:
         async with asyncio.timeout(timeout_s):
             match = await store.match_prefix(
@@ -256,8 +258,11 @@ async def fetch_prefix(
         stats.matched_blocks = p
         stats.mla_run_blocks = min(int(match.mla_run_blocks), len(hashes))
         checkpoints = [c for c in match.checkpoint_blocks if 0 < c <= len(hashes)]
+        stats.checkpoint_blocks = checkpoints
         located = [*match.mla[:p], *([match.checkpoint] if require and p else [])]
-        prefix = await _fetch_verified(store, schema, hashes, p, checkpoints, located, timeout_s, stats)
+        prefix = await _fetch_verified(
+            store, schema, hashes, p, checkpoints, located, require, timeout_s, stats
+        )
     finally:
         if lease_id:
             stats.lease_released = await _release(store, lease_id, timeout_s)
@@ -282,12 +287,12 @@ async def _fetch_verified(
     p: int,
     checkpoints: list[int],
     located: list[common_pb2.ObjectLocation],
+    require: bool,
     timeout_s: float,
     stats: FetchStats,
 ) -> PrefixState | None:
     if p == 0:
         return None
-    require = bool(schema.kda_layers)
     keys = [mla_key(h) for h in hashes[:p]]
     got = await _fetch_located(store, located, timeout_s, stats)
     blocks: list[dict[int, torch.Tensor]] = []

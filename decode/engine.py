@@ -1,0 +1,196 @@
+"""`DecodeEngine`: handoff in, token stream out; the output's blocks go back to the store for the next turn.
+
+Per request (design §2 step 3): verify the handoff (its hashes must be the prompt's own), `resume` the
+state (store, or recompute), then step with the `StepBatcher` (concurrent requests share model calls),
+sampling step k with the request's seed. When a step lands on a block boundary the KDA state there is
+snapshotted; at the end the full blocks of prompt + consumed output and the last snapshot (end-of-output
+checkpoint) are pushed, so the next chat turn, whose prompt extends this conversation, hits them. The tail
+is deleted once read (its TTL covers crashes).
+
+Note the pushed output latents were computed by 1-token decode steps, which differ from a prefill of the
+same tokens by ~1e-7 (model.md §5): a turn-2 prefill resumed from them matches a no-cache run within
+tolerance and with the same greedy tokens, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvpool.cache.hashing import hash_blocks, root_hash
+from kvpool.cache.store_io import (
+    DEFAULT_TIMEOUT_S,
+    CacheStore,
+    PushStats,
+    push_blocks,
+    push_checkpoints,
+    remove_tail,
+)
+from kvpool.decode.batcher import StepBatcher
+from kvpool.decode.resume import ResumeInfo, resume
+from kvpool.decode.sampling import StopChecker, sample
+from kvpool.model.decode_state import DecodeState
+from kvpool.model.state import KDACheckpoint
+from kvpool.prefill.engine import ON_CACHE_ERROR
+from kvpool.prefill.errors import BadRequestError
+from kvpool.prefill.handoff import Handoff
+from kvpool.prefill.model_runner import ModelRunner
+
+
+@dataclass
+class TokenEvent:
+    index: int  # 0 = the first token (chosen by prefill)
+    token: int
+    text: str  # decoded text added by this token ("" without a tokenizer)
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" (eos or stop string) | "length"
+    prompt_tokens: int
+    cached_tokens: int  # from the prefill side (usage.prompt_tokens_details.cached_tokens)
+    resume: ResumeInfo
+    blocks_pushed: int = 0
+    checkpoint_pushed: int = 0  # token position of the end-of-output checkpoint (0 = none)
+    push: PushStats = field(default_factory=PushStats)
+    decode_s: float = 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class DecodeEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        store: CacheStore | None,
+        *,
+        block_size: int = 64,
+        tokenizer: object | None = None,
+        end_of_output_checkpoint: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_cache_error: str = "recompute",
+        batcher: StepBatcher | None = None,
+    ) -> None:
+        if on_cache_error not in ON_CACHE_ERROR:
+            raise ValueError(f"on_cache_error must be one of {ON_CACHE_ERROR}, got {on_cache_error!r}")
+        self.runner = runner
+        self.model = runner.model
+        self.store = store
+        self.schema = self.model.cache_schema(block_size)
+        self.block_size = block_size
+        self.tokenizer = tokenizer
+        self.end_of_output_checkpoint = end_of_output_checkpoint
+        self.timeout_s = timeout_s
+        self.on_cache_error = on_cache_error
+        self.batcher = batcher or StepBatcher(runner)
+        self.eos = set(self.model.config.eos_token_id)
+
+    def _root(self, tenant: str) -> bytes:
+        return root_hash(self.model.fingerprint(), tenant)
+
+    def check(self, handoff: Handoff) -> None:
+        """Reject an inconsistent handoff (`BadRequestError`) before touching the store."""
+        vocab = self.model.config.vocab_size
+        if not handoff.request_id or not handoff.prompt_ids:
+            raise BadRequestError("handoff needs a request_id and a non-empty prompt")
+        for pos, t in enumerate([*handoff.prompt_ids, handoff.first_token]):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise BadRequestError(f"token {t!r} at position {pos} is not an id in [0, {vocab})")
+        handoff.sampling.validate()
+        want = hash_blocks(handoff.prompt_ids, self.block_size, self._root(handoff.tenant))
+        if [bytes(h) for h in handoff.block_hashes] != want:
+            raise BadRequestError("handoff block_hashes do not match its prompt / tenant / model")
+
+    async def generate(
+        self, handoff: Handoff, state: DecodeState | None = None
+    ) -> AsyncIterator[TokenEvent | DecodeResult]:
+        """Stream every output token (the first one included), then one `DecodeResult`.
+
+        ``state``: the state at the prompt end when the caller already has it (colocated, no store)."""
+        self.check(handoff)
+        t0 = time.perf_counter()
+        if state is None:
+            state, info = await resume(
+                handoff,
+                self.runner,
+                self.store,
+                self.schema,
+                on_cache_error=self.on_cache_error,
+                timeout_s=self.timeout_s,
+            )
+        else:
+            info = ResumeInfo("state")
+        params = handoff.sampling
+        B, L = self.block_size, handoff.prompt_tokens
+        stop = StopChecker(self.tokenizer, params.stop)
+        tokens = [handoff.first_token]
+        snapshot: KDACheckpoint | None = None
+        finish = ""
+        shown = ""
+        try:
+            while True:
+                tok = tokens[-1]
+                hit_stop = stop.push(tok)
+                delta = stop.text[len(shown) :] if stop.text.startswith(shown) else ""
+                shown = stop.text
+                yield TokenEvent(len(tokens) - 1, tok, delta)
+                if hit_stop or (tok in self.eos and not params.ignore_eos):
+                    finish = "stop"
+                    break
+                if len(tokens) >= params.max_tokens:
+                    finish = "length"
+                    break
+                logits = await self.batcher.step(tok, state)
+                if state.n_tokens % B == 0 and self.end_of_output_checkpoint:
+                    snapshot = state.checkpoint()
+                tokens.append(sample(logits, params, len(tokens)))
+            result = DecodeResult(
+                tokens=tokens,
+                text=stop.text,
+                finish_reason=finish,
+                prompt_tokens=L,
+                cached_tokens=handoff.cached_tokens,
+                resume=info,
+            )
+            if self.store is not None:
+                await self._push_output(handoff, tokens, state, snapshot, result)
+        finally:
+            if self.store is not None and handoff.tail_stored:
+                await remove_tail(self.store, handoff.request_id, self.timeout_s)
+        result.decode_s = time.perf_counter() - t0
+        yield result
+
+    async def _push_output(
+        self,
+        handoff: Handoff,
+        tokens: list[int],
+        state: DecodeState,
+        snapshot: KDACheckpoint | None,
+        result: DecodeResult,
+    ) -> None:
+        """Full blocks past the prompt's (their latents are in ``state``) + the end-of-output checkpoint."""
+        assert self.store is not None
+        B = self.block_size
+        consumed = [*handoff.prompt_ids, *tokens[:-1]]  # the last token was sampled, never fed
+        first, end = len(handoff.prompt_ids) // B, state.n_tokens // B
+        if end <= first and snapshot is None:
+            return
+        hashes = hash_blocks(consumed, B, self._root(handoff.tenant))
+        mla = {i: state.latents(i) for i in state.mla_layers}
+        push = await push_blocks(
+            self.store, self.schema, hashes, mla, first, end, handoff.tenant, timeout_s=self.timeout_s
+        )
+        result.blocks_pushed = end - first if push.failed == 0 else 0
+        if snapshot is not None:
+            ck = await push_checkpoints(
+                self.store, self.schema, hashes, [snapshot], handoff.tenant, timeout_s=self.timeout_s
+            )
+            if ck.failed == 0:
+                result.checkpoint_pushed = snapshot.n_tokens
+            push.add(ck)
+        result.push = push

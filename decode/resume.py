@@ -1,0 +1,92 @@
+"""Rebuild a request's decode state from the store, or recompute it: decode's only path to a `DecodeState`.
+
+Preferred: the prompt's full MLA blocks by hash (plain run; the KDA state is in the tail) + the request
+tail (partial-block latents + KDA state at L, verified against the prompt's own tokens). Anything missing,
+corrupt or late -> resume from the best stored checkpoint and prefill the rest locally on the canonical
+schedule, which yields the very bits the prefill node had (design §2 step 4): never wrong tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvpool.cache.schema import CacheSchema
+from kvpool.cache.store_io import DEFAULT_TIMEOUT_S, CacheStore, fetch_prefix, fetch_tail
+from kvpool.model.decode_state import DecodeState
+from kvpool.prefill.errors import CacheFetchError
+from kvpool.prefill.handoff import Handoff
+from kvpool.prefill.model_runner import ModelRunner
+
+
+@dataclass
+class ResumeInfo:
+    path: str  # "tail" (all from the store), "recompute" (some/all prompt tokens recomputed), "state"
+    fetched_tokens: int = 0  # prompt tokens whose state came from the store
+    recomputed_tokens: int = 0  # prompt tokens decode had to compute itself
+    reason: str = ""  # why the tail path was not taken
+
+
+async def resume(
+    handoff: Handoff,
+    runner: ModelRunner,
+    store: CacheStore | None,
+    schema: CacheSchema,
+    *,
+    on_cache_error: str = "recompute",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[DecodeState, ResumeInfo]:
+    B, prompt, L = schema.block_size, handoff.prompt_ids, len(handoff.prompt_ids)
+    reason = "no store" if store is None else "tail not stored by prefill"
+    if store is not None and handoff.tail_stored:
+        state, reason = await _from_tail(handoff, store, schema, timeout_s)
+        if state is not None:
+            return state, ResumeInfo("tail", fetched_tokens=L)
+    if on_cache_error == "fail":
+        raise CacheFetchError(f"request {handoff.request_id}: cannot resume from the store: {reason}")
+    prefix = None
+    if store is not None:
+        cap = (L - 1) // B
+        prefix, _ = await fetch_prefix(
+            store, schema, handoff.block_hashes[:cap], handoff.tenant, timeout_s=timeout_s
+        )
+    start = prefix.n_tokens if prefix is not None else 0
+    result = await runner.prefill(prompt[start:], prefix, [])
+    return DecodeState.from_prefill(result), ResumeInfo(
+        "recompute", fetched_tokens=start, recomputed_tokens=L - start, reason=reason
+    )
+
+
+async def _from_tail(
+    handoff: Handoff, store: CacheStore, schema: CacheSchema, timeout_s: float
+) -> tuple[DecodeState | None, str]:
+    B, prompt, L = schema.block_size, handoff.prompt_ids, len(handoff.prompt_ids)
+    n_full = L // B
+    tail, why = await fetch_tail(
+        store,
+        schema,
+        handoff.request_id,
+        expected_start=n_full * B,
+        expected_tokens=list(prompt[n_full * B :]),
+        timeout_s=timeout_s,
+    )
+    if tail is None:
+        return None, f"tail: {why}"
+    mla = dict(tail.mla)
+    if n_full:
+        prefix, stats = await fetch_prefix(
+            store,
+            schema,
+            handoff.block_hashes[:n_full],
+            handoff.tenant,
+            require_checkpoint=False,
+            timeout_s=timeout_s,
+        )
+        if prefix is None or prefix.n_tokens != n_full * B:
+            got = prefix.n_tokens if prefix is not None else 0
+            return None, (
+                f"MLA blocks: {got // B} of {n_full} usable (missing {stats.missing}, corrupt "
+                f"{stats.corrupt}, late {stats.late}, error {stats.error})"
+            )
+        mla = {i: torch.cat([prefix.mla[i], tail.mla[i]], 0) for i in schema.mla_layers}
+    return DecodeState(L, tail.kda.layers, mla), ""

@@ -1,0 +1,230 @@
+"""`PrefillEngine`: one prompt in, first token + handoff out, reusing and extending the shared cache.
+
+Flow (design §2 step 2): hash the prompt's full blocks under the tenant's root -> ``fetch_prefix`` (joint
+rule, verified, counted fallbacks) -> compute tokens ``[p, L)`` on the canonical 64-token schedule with
+checkpoints where the policy says -> sample the first token -> push new full MLA blocks, the chosen
+checkpoints and the request tail. Because resume at any 64-aligned p is bit-identical to the uncut run, the
+first-token logits are exactly those of a no-cache run whatever p was reused.
+
+The lookup never offers the block holding the prompt's last token: at least one token must be computed to
+produce logits, so at most ``(L-1)//B`` blocks are reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+from kvpool.cache.hashing import hash_blocks, root_hash
+from kvpool.cache.keys import tail_key
+from kvpool.cache.store_io import (
+    DEFAULT_TAIL_TTL_MS,
+    DEFAULT_TIMEOUT_S,
+    CacheStore,
+    FetchStats,
+    PushStats,
+    drop_bad,
+    fetch_prefix,
+    push_blocks,
+    push_checkpoints,
+    push_tail,
+)
+from kvpool.cache.units import RequestTail
+from kvpool.decode.sampling import sample
+from kvpool.model.decode_state import DecodeState
+from kvpool.model.prefill_result import PrefillResult
+from kvpool.model.state import PrefixState
+from kvpool.prefill.errors import BadRequestError, CacheFetchError
+from kvpool.prefill.handoff import Handoff, PrefillRequest
+from kvpool.prefill.model_runner import ModelRunner
+from kvpool.prefill.policy import CheckpointPolicy
+
+ON_CACHE_ERROR = ("recompute", "fail")
+
+
+@dataclass
+class PrefillOutcome:
+    first_token: int
+    logits: torch.Tensor  # [V] logits of the last prompt token
+    cached_tokens: int  # prompt tokens reused from the store (exactly what was resumed from)
+    lost_to_checkpoint: int  # tokens of stored MLA blocks unusable for lack of a checkpoint
+    recomputed_tokens: int  # tokens the master promised but a missing/corrupt/late object made us redo
+    computed_tokens: int
+    handoff: Handoff
+    checkpoints_pushed: list[int] = field(default_factory=list)  # token positions
+    fetch: FetchStats = field(default_factory=FetchStats)
+    push: PushStats = field(default_factory=PushStats)
+    ttft_s: float = 0.0  # request start -> first token known (before pushes)
+    total_s: float = 0.0
+    state: DecodeState | None = None  # only with keep_state=True (colocated: hand over in process)
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        store: CacheStore | None,
+        *,
+        block_size: int = 64,
+        policy: CheckpointPolicy | None = None,
+        tail_ttl_ms: int = DEFAULT_TAIL_TTL_MS,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_cache_error: str = "recompute",
+    ) -> None:
+        if on_cache_error not in ON_CACHE_ERROR:
+            raise ValueError(f"on_cache_error must be one of {ON_CACHE_ERROR}, got {on_cache_error!r}")
+        self.runner = runner
+        self.model = runner.model
+        self.store = store
+        self.schema = self.model.cache_schema(block_size)
+        self.block_size = block_size
+        self.policy = policy or CheckpointPolicy()
+        self.tail_ttl_ms = tail_ttl_ms
+        self.timeout_s = timeout_s
+        self.on_cache_error = on_cache_error
+
+    def check(self, request: PrefillRequest) -> None:
+        """Reject a bad request before any store traffic (`BadRequestError` with the reason)."""
+        if not request.request_id:
+            raise BadRequestError("request_id must be non-empty")
+        if not request.prompt_ids:
+            raise BadRequestError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        for pos, t in enumerate(request.prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise BadRequestError(f"token {t!r} at position {pos} is not an id in [0, {vocab})")
+        request.sampling.validate()
+
+    def hashes(self, prompt_ids: list[int], tenant: str) -> list[bytes]:
+        return hash_blocks(prompt_ids, self.block_size, root_hash(self.model.fingerprint(), tenant))
+
+    async def run(self, request: PrefillRequest, *, keep_state: bool = False) -> PrefillOutcome:
+        self.check(request)
+        t0 = time.perf_counter()
+        B, prompt, L = self.block_size, request.prompt_ids, len(request.prompt_ids)
+        hashes = self.hashes(prompt, request.tenant)
+        use_store = self.store is not None and request.use_cache
+        prefix, fetch = await self._fetch(hashes[: (L - 1) // B], request.tenant, use_store)
+        start = prefix.n_tokens if prefix is not None else 0
+        clean = not (fetch.missing or fetch.corrupt or fetch.late)
+        stored_run = fetch.mla_run_blocks if clean else start // B  # blocks we may skip pushing
+        boundaries = (
+            self.policy.boundaries(
+                prompt_len=L,
+                block_size=B,
+                start_blocks=start // B,
+                mla_run_blocks=fetch.mla_run_blocks,
+                existing=fetch.checkpoint_blocks if clean else (),
+            )
+            if use_store
+            else []
+        )
+        result = await self.runner.prefill(prompt[start:], prefix, boundaries)
+        first = sample(result.logits, request.sampling, 0)
+        ttft = time.perf_counter() - t0
+        handoff = Handoff(
+            request_id=request.request_id,
+            prompt_ids=list(prompt),
+            tenant=request.tenant,
+            first_token=first,
+            sampling=request.sampling,
+            block_hashes=hashes,
+            tail_key=tail_key(request.request_id),
+            tail_stored=False,
+            cached_tokens=start,
+        )
+        push = PushStats()
+        if self.store is not None:
+            push = await self._push(request, hashes, result, boundaries, stored_run, use_store, handoff)
+        return PrefillOutcome(
+            first_token=first,
+            logits=result.logits,
+            cached_tokens=start,
+            lost_to_checkpoint=fetch.lost_to_checkpoint(B),
+            recomputed_tokens=fetch.recomputed_tokens(B),
+            computed_tokens=L - start,
+            handoff=handoff,
+            checkpoints_pushed=boundaries,
+            fetch=fetch,
+            push=push,
+            ttft_s=ttft,
+            total_s=time.perf_counter() - t0,
+            state=DecodeState.from_prefill(result) if keep_state else None,
+        )
+
+    async def _fetch(
+        self, hashes: list[bytes], tenant: str, use_store: bool
+    ) -> tuple[PrefixState | None, FetchStats]:
+        if not use_store or not hashes:
+            return None, FetchStats(asked_blocks=len(hashes))
+        assert self.store is not None
+        prefix, stats = await fetch_prefix(self.store, self.schema, hashes, tenant, timeout_s=self.timeout_s)
+        if self.on_cache_error == "fail" and (stats.used_blocks < stats.matched_blocks or stats.error):
+            raise CacheFetchError(
+                f"cache fetch lost {stats.recomputed_tokens(self.block_size)} tokens "
+                f"(missing {stats.missing}, corrupt {stats.corrupt}, late {stats.late}, error {stats.error})"
+            )
+        if stats.bad_keys:
+            await drop_bad(self.store, stats.bad_keys, self.timeout_s)
+        return prefix, stats
+
+    async def _push(
+        self,
+        request: PrefillRequest,
+        hashes: list[bytes],
+        result: PrefillResult,
+        boundaries: list[int],
+        stored_run: int,
+        use_store: bool,
+        handoff: Handoff,
+    ) -> PushStats:
+        """Blocks, checkpoints and tail concurrently; the tail's success decides ``handoff.tail_stored``."""
+        assert self.store is not None
+        B, L = self.block_size, len(request.prompt_ids)
+        n_full = L // B
+        tail = RequestTail(
+            start=n_full * B,
+            tokens=list(request.prompt_ids[n_full * B :]),
+            mla={i: rows[n_full * B : L] for i, rows in result.mla.items()},
+            kda=result.final,
+        )
+        jobs = [
+            push_tail(
+                self.store,
+                self.schema,
+                request.request_id,
+                tail,
+                hashes,
+                request.tenant,
+                ttl_ms=self.tail_ttl_ms,
+                timeout_s=self.timeout_s,
+            )
+        ]
+        if use_store:
+            first_new = min(stored_run, n_full)
+            jobs.append(
+                push_blocks(
+                    self.store,
+                    self.schema,
+                    hashes,
+                    result.mla,
+                    first_new,
+                    n_full,
+                    request.tenant,
+                    timeout_s=self.timeout_s,
+                )
+            )
+            ckpts = [result.checkpoints[b] for b in boundaries]
+            jobs.append(
+                push_checkpoints(
+                    self.store, self.schema, hashes, ckpts, request.tenant, timeout_s=self.timeout_s
+                )
+            )
+        results = await asyncio.gather(*jobs)
+        handoff.tail_stored = results[0].failed == 0
+        total = PushStats()
+        for r in results:
+            total.add(r)
+        return total

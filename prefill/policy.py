@@ -1,0 +1,59 @@
+"""Checkpoint policy: where a prefill stores KDA checkpoints (design §3; docs/design/checkpoint_policy.md).
+
+A checkpoint costs as much as ~32 MLA blocks on K3, so they are sparse; each rule is one switch:
+
+* ``end_of_prompt``: at the last block boundary of the prompt, so the same prompt (or a continuation of it,
+  e.g. the next chat turn) resumes there;
+* ``junction``: when the lookup matched MLA blocks past the last usable checkpoint, the blocks up to the
+  end of that run are shared with another request but unusable for a hybrid model; checkpoint at the end
+  of the run *this time* so the next request with that prefix hits it (the "tokens lost" become hits);
+* ``every_n_blocks``: an optional fixed interval (0 = off) for long prompts with unpredictable branching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    end_of_prompt: bool = True
+    junction: bool = True
+    every_n_blocks: int = 0
+
+    def boundaries(
+        self,
+        *,
+        prompt_len: int,
+        block_size: int,
+        start_blocks: int,
+        mla_run_blocks: int,
+        existing: Iterable[int] = (),
+    ) -> list[int]:
+        """Token positions (block ends in ``(start, L]``) to checkpoint while computing from
+        ``start_blocks``; ``existing`` block counts already have a checkpoint and are skipped."""
+        n_full = prompt_len // block_size
+        have = set(existing)
+        chosen: set[int] = set()
+        if self.end_of_prompt:
+            chosen.add(n_full)
+        if self.junction and mla_run_blocks > start_blocks:
+            chosen.add(min(mla_run_blocks, n_full))
+        if self.every_n_blocks > 0:
+            chosen.update(range(self.every_n_blocks, n_full + 1, self.every_n_blocks))
+        return sorted(c * block_size for c in chosen if start_blocks < c <= n_full and c not in have)
+
+    @classmethod
+    def parse(cls, spec: str) -> CheckpointPolicy:
+        """``"end,junction,every=4"`` / ``"none"`` (CLI form)."""
+        parts = {p.strip() for p in spec.split(",") if p.strip()}
+        every = 0
+        for p in list(parts):
+            if p.startswith("every="):
+                every = int(p.removeprefix("every="))
+                parts.discard(p)
+        unknown = parts - {"end", "junction", "none"}
+        if unknown or every < 0:
+            raise ValueError(f"bad checkpoint policy {spec!r}: use end,junction,every=N or none")
+        return cls(end_of_prompt="end" in parts, junction="junction" in parts, every_n_blocks=every)
