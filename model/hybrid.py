@@ -193,13 +193,20 @@ class HybridModel(nn.Module):
                     f"layer {i}: recurrent state {st.recurrent.dtype} "
                     f"{tuple(st.recurrent.shape)}, want float32 {want_s}"
                 )
-            if tuple(st.conv.shape) != want_c:
-                raise BadStartStateError(f"layer {i}: conv state {tuple(st.conv.shape)}, want {want_c}")
+            if tuple(st.conv.shape) != want_c or st.conv.dtype != self.dtype:
+                raise BadStartStateError(
+                    f"layer {i}: conv state {st.conv.dtype} {tuple(st.conv.shape)}, "
+                    f"want {self.dtype} {want_c}"
+                )
         if set(mla) != set(c.mla_layers):
             raise BadStartStateError(f"MLA layers {sorted(mla)} != model's {list(c.mla_layers)}")
         for i, rows in mla.items():
-            if tuple(rows.shape) != (n, c.latent_dim):
-                raise BadStartStateError(f"layer {i}: latents {tuple(rows.shape)}, want {(n, c.latent_dim)}")
+            if tuple(rows.shape) != (n, c.latent_dim) or rows.dtype != self.dtype:
+                # a silent cast would break exactness: latents must be in the dtype they were computed in
+                raise BadStartStateError(
+                    f"layer {i}: latents {rows.dtype} {tuple(rows.shape)}, "
+                    f"want {self.dtype} {(n, c.latent_dim)}"
+                )
 
     def _check_boundaries(self, boundaries: Iterable[int], start: int, end: int) -> set[int]:
         out = set()
@@ -299,10 +306,8 @@ class HybridModel(nn.Module):
         if isinstance(token, torch.Tensor):
             token = int(token.item()) if token.numel() == 1 else token
         ids = self._token_tensor([token])
-        if set(state.kda) != set(self.config.kda_layers) or set(state.mla_layers) != set(
-            self.config.mla_layers
-        ):
-            raise BadStartStateError("decode state layers do not match the model")
+        n = state.n_tokens
+        self._check_layers(n, KDACheckpoint(n, state.kda), {i: state.latents(i) for i in state.mla_layers})
         h = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             x = layer.input_layernorm(h)

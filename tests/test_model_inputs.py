@@ -262,3 +262,14 @@ def test_tokenizer_json_is_used_when_present(tmp_path):
     assert isinstance(loaded, HFTokenizer) and loaded.encode("hello world") == [5, 6]
     assert loaded.decode([5, 6]) == "hello world"
     assert isinstance(load_tokenizer(tmp_path / "empty", tiny_config()), ByteTokenizer)
+
+
+def test_start_state_dtype_mismatch_is_refused(model):
+    ids = list(range(3, 150))
+    good = model.prefill(ids[:128]).prefix()
+    bf16 = PrefixState(128, good.kda, {i: r.to(torch.bfloat16) for i, r in good.mla.items()})
+    with pytest.raises(BadStartStateError, match="bfloat16"):
+        model.prefill(ids[128:], start=bf16)
+    st = DecodeState.from_prefix(bf16)
+    with pytest.raises(BadStartStateError):
+        model.decode_step(5, st)

@@ -159,3 +159,12 @@ def test_prefix_from_another_process_resumes_bitwise(model, tmp_path):
     rest = model.prefill(ids[256:], start=start, logits="all")
     assert torch.equal(rest.logits, full.logits[256:])
     _assert_ckpt_equal(rest.final, full.final)
+
+
+def test_bf16_resume_is_bitwise_too():
+    m = build_tiny(dtype=torch.bfloat16)
+    ids = _ids(300, 11)
+    full = m.prefill(ids, logits="all")
+    rest = m.prefill(ids[128:], start=_roundtrip(m.prefill(ids[:128]).prefix()), logits="all")
+    assert torch.equal(rest.logits, full.logits[128:])
+    _assert_ckpt_equal(rest.final, full.final)
