@@ -391,13 +391,16 @@ def section_mooncake(plan: Plan) -> dict[str, Any]:
             owner.stdin.close()
     if res.get("error"):
         raise VerifyError(res["error"])
+    res["skipped"] = {f"{k} (partial)" if any(r["id"] == k for r in res["rows"]) else k: v
+                      for k, v in (res.get("skipped") or {}).items()}
     return res
 
 
 def _segment_bytes(plan: Plan) -> int:
-    """Owner segment big enough to hold every object of the largest size at once (removal can lag)."""
-    largest = max(s * MB * (plan.reps_for(s) + plan.warmup) for s in plan.sizes_mb)
-    return max(1 << 30, 2 * largest + (256 * MB))
+    """Owner segment that holds every object the client writes, even if no removal succeeds (a key read
+    a moment ago stays leased), plus headroom: a full segment fails puts with -200 (no space)."""
+    total = sum(s * MB * (plan.reps_for(s) + plan.warmup) for s in plan.sizes_mb)
+    return max(1 << 30, int(2 * total * 1.25) + 256 * MB)
 
 
 if __name__ == "__main__":
