@@ -11,7 +11,8 @@ API (all sizes in bytes, all durations in ms, ``now`` always from ``clock()`` in
     idx.remove_node(node_id) -> list[Removal]           # node died: every object on it leaves the index
     idx.place(size, tier=Tier.DRAM) -> node_id          # most free bytes first (CapacityError if none fits)
     idx.insert(key, kind, size, node_id=None, tier=Tier.DRAM, tenant="", parent=b"", checksum=0,
-               ttl_ms=0, pending=False) -> node_id      # pending=True: reserved, invisible until commit()
+               ttl_ms=0, pending=False, evict=True, avoid_node=None) -> node_id
+                                                        # pending=True: reserved, invisible until commit()
     idx.commit(key); idx.remove(key, reason="removed") -> bool
     idx.match_prefix(block_hashes, require_checkpoint=True, touch=False) -> PrefixMatch
     idx.lookup(keys, touch=False) -> list[ObjectInfo | None]; idx.get(key) -> ObjectInfo | None
@@ -363,15 +364,16 @@ class PrefixIndex:
         del self._nodes[nid]
         return dropped
 
-    def place(self, size: int, tier: Tier = Tier.DRAM) -> str:
-        """The node with the most free bytes in ``tier`` whose capacity can hold ``size``."""
+    def place(self, size: int, tier: Tier = Tier.DRAM, avoid: str | None = None) -> str:
+        """The node with the most free bytes in ``tier`` whose capacity can hold ``size``; ``avoid`` is
+        chosen only when no other node can hold it."""
         best: _Node | None = None
-        best_free = -1
+        best_key = (False, -1)
         for node in self._nodes.values():
             cap = node.capacity[tier]
-            free = cap - node.used[tier]
-            if cap >= size and free > best_free:
-                best, best_free = node, free
+            key = (node.node_id != avoid, cap - node.used[tier])
+            if cap >= size and key > best_key:
+                best, best_key = node, key
         if best is None:
             raise CapacityError(f"no node has {tier.name} capacity for an object of {size} bytes")
         return best.node_id
@@ -392,6 +394,7 @@ class PrefixIndex:
         ttl_ms: int = 0,
         pending: bool = False,
         evict: bool = True,
+        avoid_node: str | None = None,
     ) -> str:
         """Index an object on a node (placed by free space if ``node_id`` is None); returns the node id.
 
@@ -419,7 +422,7 @@ class PrefixIndex:
                         f"all pinned or in use; cannot fit {size}"
                     )
         if node_id is None:
-            node_id = self.place(size, tier)
+            node_id = self.place(size, tier, avoid_node)
         node = self._node(node_id)
         nid = self._node_ids[node_id]
         if size > node.capacity[tier]:

@@ -238,6 +238,7 @@ class MasterCore:
         _check_tenant(meta.tenant)
         Reply = master_pb2.PutStartReply
         existing = self.index.get(meta.key)
+        replacing: str | None = None
         if existing is not None:
             if not existing.committed:
                 self._count("puts_in_progress")
@@ -245,8 +246,11 @@ class MasterCore:
             if not req.replace_if_corrupt:
                 self._count("puts_exist")
                 return Reply(status=Reply.EXISTS, node=self._endpoint(existing.node_id))
-            self.index.remove(meta.key)  # the reader found it corrupt: replace it
+            # a reader found it corrupt: drop it and place the new copy elsewhere if any node can take it,
+            # so the delete of the bad copy cannot race with the new bytes on the same node
+            self.index.remove(meta.key)
             self._queue(existing.node_id, NodeAction.DELETE, meta.key)
+            replacing = existing.node_id
             self._count("puts_replacing_corrupt")
         tier = Tier.SSD if meta.tier == common_pb2.SSD else Tier.DRAM
         try:
@@ -260,6 +264,7 @@ class MasterCore:
                 checksum=meta.checksum,
                 ttl_ms=meta.ttl_ms,
                 pending=True,
+                avoid_node=replacing,
             )
         except BadObjectError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -268,9 +273,10 @@ class MasterCore:
             raise ResourceExhausted(str(exc)) from None
         finally:
             self._absorb_index_events()
-        # a delete of this key still queued for this node must not land after the new bytes
+        # a delete of this key still queued for this node (evicted, removed) must not land after the new
+        # bytes; a corrupt copy's delete stays (only one node: it is sent first, the new bytes follow)
         queued = self._outbox.get(node_id)
-        if queued and queued.get(meta.key) == NodeAction.DELETE:
+        if queued and queued.get(meta.key) == NodeAction.DELETE and replacing != node_id:
             del queued[meta.key]
         self._put_seq += 1
         put_id = f"{self.instance}-{self._put_seq}"

@@ -1,0 +1,160 @@
+"""MasterCore logic with a manual clock: the rules that are awkward to time over a real network."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from kvpool.cache.keys import kda_key, mla_key
+from kvpool.kvstore.master import MasterConfig, MasterCore, NodeAction, NotFound
+from kvpool.proto import common_pb2, master_pb2
+
+STARTED = master_pb2.PutStartReply.STARTED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 50.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def chain(n: int, seed: str = "c") -> list[bytes]:
+    out, prev = [], seed.encode()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev)
+    return out
+
+
+def chain_metas(hs: list[bytes], size: int = 10, ck_every: int = 0) -> list[common_pb2.ObjectMeta]:
+    metas, parent = [], b""
+    for i, h in enumerate(hs):
+        md = common_pb2.ObjectMeta(key=mla_key(h), kind=common_pb2.MLA_BLOCK, size=size, parent=parent)
+        metas.append(md)
+        parent = mla_key(h)
+        if ck_every and (i + 1) % ck_every == 0:
+            metas.append(common_pb2.ObjectMeta(key=kda_key(h), kind=common_pb2.KDA_CHECKPOINT, size=size))
+    return metas
+
+
+def register(core: MasterCore, node_id: str, dram: int, inventory=(), ssd: int = 0) -> int:
+    reply = core.register_node(
+        master_pb2.RegisterNodeRequest(
+            node=common_pb2.NodeEndpoint(node_id=node_id, host="127.0.0.1", grpc_port=9),
+            dram_capacity_bytes=dram,
+            ssd_capacity_bytes=ssd,
+            inventory=list(inventory),
+        )
+    )
+    return reply.adopted_objects
+
+
+def put(core: MasterCore, key: bytes, size: int = 10, **kw: object) -> master_pb2.PutStartReply:
+    md = common_pb2.ObjectMeta(key=key, kind=kw.pop("kind", common_pb2.BLOB), size=size, **kw)  # type: ignore
+    reply = core.put_start(master_pb2.PutStartRequest(meta=md))
+    if reply.status == STARTED:
+        core.put_commit(master_pb2.PutCommitRequest(put_id=reply.put_id))
+    return reply
+
+
+def orders(core: MasterCore) -> dict[tuple[str, NodeAction], list[bytes]]:
+    out: dict[tuple[str, NodeAction], list[bytes]] = {}
+    for batch in core.take_actions():
+        for action, keys in batch.keys.items():
+            out.setdefault((batch.node.node_id, action), []).extend(keys)
+    return out
+
+
+def test_reregistration_replaces_what_the_index_believed() -> None:
+    core = MasterCore(clock=Clock())
+    old, new = chain(5, "old"), chain(3, "new")
+    assert register(core, "a", 10_000, chain_metas(old, ck_every=5)) == 6
+    assert register(core, "a", 10_000, chain_metas(new, ck_every=3)) == 4  # node restarted, lost DRAM
+    req = master_pb2.MatchPrefixRequest(block_hashes=old, require_checkpoint=True)
+    assert core.match_prefix(req).mla_run_blocks == 0
+    req = master_pb2.MatchPrefixRequest(block_hashes=new, require_checkpoint=True)
+    assert core.match_prefix(req).usable_blocks == 3
+    assert core.stats().objects == 4
+
+
+def test_adoption_defers_eviction_until_the_forest_is_complete() -> None:
+    """Inventory above the high watermark, children listed first: eviction afterwards is still leaf-first."""
+    core = MasterCore(MasterConfig(high_watermark=0.8, low_watermark=0.5), clock=Clock())
+    hs = chain(10)
+    assert register(core, "a", 100, list(reversed(chain_metas(hs)))) == 10  # 100 bytes > 80
+    st = core.stats()
+    assert st.bytes <= 50 and st.evictions == 5
+    req = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=False)
+    assert core.match_prefix(req).usable_blocks == 5, "the root half survives, the suffix went"
+    assert orders(core)[("a", NodeAction.DELETE)] == [mla_key(h) for h in reversed(hs[5:])]
+
+
+def test_queued_delete_is_cancelled_by_a_reput_on_the_same_node() -> None:
+    core = MasterCore(MasterConfig(high_watermark=0.9, low_watermark=0.5), clock=Clock())
+    register(core, "a", 100)
+    put(core, b"victim", 30)
+    core.remove(master_pb2.RemoveRequest(keys=[b"victim"]))
+    assert put(core, b"victim", 30).status == STARTED
+    assert ("a", NodeAction.DELETE) not in orders(core), "a stale delete would kill the new copy"
+
+
+def test_tail_ttl_expiry_orders_delete() -> None:
+    clock = Clock()
+    core = MasterCore(clock=clock)
+    register(core, "a", 1000)
+    put(core, b"Treq", 10, kind=common_pb2.REQUEST_TAIL, ttl_ms=200)
+    core.sweep()
+    assert core.take_actions() == []
+    clock.t += 0.3
+    core.sweep()
+    assert orders(core) == {("a", NodeAction.DELETE): [b"Treq"]}
+    assert core.stats().expired == 1
+
+
+def test_node_loss_drops_pending_puts_and_objects() -> None:
+    clock = Clock()
+    core = MasterCore(MasterConfig(heartbeat_ms=100, node_timeout_ms=500), clock=clock)
+    register(core, "a", 1000)
+    reply = core.put_start(master_pb2.PutStartRequest(meta=common_pb2.ObjectMeta(key=b"k", kind=4, size=5)))
+    put(core, b"done", 5)
+    clock.t += 0.4
+    core.heartbeat(master_pb2.HeartbeatRequest(node_id="a"))
+    clock.t += 0.4
+    core.sweep()
+    assert core.stats().nodes == 1, "a node that heartbeats stays"
+    clock.t += 0.6
+    core.sweep()
+    st = core.stats()
+    assert (st.nodes, st.objects, st.pending_puts, st.bytes) == (0, 0, 0, 0)
+    with pytest.raises(NotFound):
+        core.put_commit(master_pb2.PutCommitRequest(put_id=reply.put_id))
+    assert core.take_actions() == [], "nobody to tell: the node is gone"
+
+
+def test_replace_if_corrupt_places_elsewhere_and_deletes_the_bad_copy() -> None:
+    core = MasterCore(clock=Clock())
+    register(core, "a", 1000)
+    put(core, b"k", 10)
+    register(core, "b", 500)  # less free space than a: normal placement would pick a
+    md = common_pb2.ObjectMeta(key=b"k", kind=4, size=10)
+    assert core.put_start(master_pb2.PutStartRequest(meta=md)).status == master_pb2.PutStartReply.EXISTS
+    reply = core.put_start(master_pb2.PutStartRequest(meta=md, replace_if_corrupt=True))
+    assert reply.status == STARTED and reply.node.node_id == "b"
+    assert core.lookup(master_pb2.LookupRequest(keys=[b"k"])).missing == [b"k"], "invisible until commit"
+    assert orders(core) == {("a", NodeAction.DELETE): [b"k"]}
+    assert put(core, b"k2", 10).node.node_id == "a"
+
+
+def test_release_of_an_old_masters_lease_is_harmless() -> None:
+    core = MasterCore(clock=Clock())
+    register(core, "a", 1000)
+    put(core, b"k", 10)
+    got = core.lookup(master_pb2.LookupRequest(keys=[b"k"], acquire=True))
+    assert got.lease_id.startswith(core.instance)
+    core.release(master_pb2.ReleaseRequest(lease_id="deadbeef:1"))
+    assert core.stats().active_leases == 1
+    core.release(master_pb2.ReleaseRequest(lease_id=got.lease_id))
+    assert core.stats().active_leases == 0
+    assert core.stats().counters["releases_late"] == 1
