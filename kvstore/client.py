@@ -149,14 +149,22 @@ class AsyncStoreClient:
         tenant: str | None = None,
         parent: bytes = b"",
         ttl_ms: int = 0,
+        replace_if_corrupt: bool = False,
     ) -> bool:
-        """Store ``data`` under ``key``; True if written now, False if it already existed (no-op success)."""
-        return await self._timed("put", self._put(PutItem(key, data, kind, tenant, parent, ttl_ms)))
+        """Store ``data`` under ``key``; True if written now, False if it already existed (no-op success).
 
-    async def _put(self, item: PutItem) -> bool:
+        ``replace_if_corrupt``: a reader that got ``CorruptObjectError`` and recomputed the object re-puts it
+        with this set, so the damaged copy is replaced instead of the put being a no-op.
+        """
+        item = PutItem(key, data, kind, tenant, parent, ttl_ms)
+        return await self._timed("put", self._put(item, replace_if_corrupt))
+
+    async def _put(self, item: PutItem, replace_if_corrupt: bool = False) -> bool:
         view = as_bytes_view(item.data)
         meta = self._meta(item.key, view, item.kind, item.tenant, item.parent, item.ttl_ms)
-        start = await self._rpc("PutStart", master_pb2.PutStartRequest(meta=meta))
+        start = await self._rpc(
+            "PutStart", master_pb2.PutStartRequest(meta=meta, replace_if_corrupt=replace_if_corrupt)
+        )
         if start.status != master_pb2.PutStartReply.STARTED:
             return False  # EXISTS / IN_PROGRESS: someone else stored (or is storing) the same object
         try:
@@ -415,8 +423,8 @@ def _store_error(exc: BaseException) -> StoreError:
 class StoreClient:
     """Synchronous facade: runs an ``AsyncStoreClient`` on a private event-loop thread.
 
-    Same methods and arguments as the async client; safe to call from several threads (calls are serialised
-    onto the loop, transfers still overlap there).
+    Same methods and arguments as the async client (documented there); safe to call from several threads:
+    each call is handed to the loop, where concurrent calls' transfers overlap.
     """
 
     def __init__(self, master: str, transport: str = "auto", **kwargs: Any) -> None:
@@ -433,11 +441,86 @@ class StoreClient:
             raise StoreUnavailableError("client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._async, name)
-        if not asyncio.iscoroutinefunction(attr):
-            return attr
-        return lambda *args, **kwargs: self._call(attr(*args, **kwargs))
+    @property
+    def transport(self) -> str:
+        """The transport choice (``auto`` | ``tcp`` | ``shm`` | ``ucx``)."""
+        return self._async.transports.choice
+
+    def put(
+        self,
+        key: bytes,
+        data: Buffer,
+        *,
+        kind: int = common_pb2.BLOB,
+        tenant: str | None = None,
+        parent: bytes = b"",
+        ttl_ms: int = 0,
+        replace_if_corrupt: bool = False,
+    ) -> bool:
+        return self._call(
+            self._async.put(
+                key,
+                data,
+                kind=kind,
+                tenant=tenant,
+                parent=parent,
+                ttl_ms=ttl_ms,
+                replace_if_corrupt=replace_if_corrupt,
+            )
+        )
+
+    def batch_put(self, items: Sequence[PutItem | tuple[bytes, Buffer]]) -> list[StoreError | None]:
+        return self._call(self._async.batch_put(items))
+
+    def get(self, key: bytes) -> bytes:
+        return self._call(self._async.get(key))
+
+    def get_into(self, key: bytes, out: Buffer) -> int:
+        return self._call(self._async.get_into(key, out))
+
+    def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+        return self._call(self._async.batch_get(keys))
+
+    def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
+    ) -> list[int | StoreError]:
+        return self._call(self._async.fetch_into(locations, outs))
+
+    def exists(self, key: bytes) -> bool:
+        return self._call(self._async.exists(key))
+
+    def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._call(self._async.batch_exists(keys))
+
+    def lookup(self, keys: Sequence[bytes], acquire: bool = False) -> master_pb2.LookupReply:
+        return self._call(self._async.lookup(keys, acquire))
+
+    def match_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        tenant: str | None = None,
+        require_checkpoint: bool = True,
+        acquire: bool = False,
+        lease_ms: int | None = None,
+    ) -> master_pb2.MatchPrefixReply:
+        return self._call(
+            self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms)
+        )
+
+    def release(self, lease_id: str) -> None:
+        self._call(self._async.release(lease_id))
+
+    def remove(self, keys: bytes | Sequence[bytes]) -> int:
+        return self._call(self._async.remove(keys))
+
+    def pin(self, keys: Sequence[bytes], ttl_ms: int) -> int:
+        return self._call(self._async.pin(keys, ttl_ms))
+
+    def stats(self) -> master_pb2.StatsReply:
+        return self._call(self._async.stats())
+
+    def metrics(self) -> dict[str, float]:
+        return self._call(_value(self._async.metrics()))
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -453,6 +536,10 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _value(value: T) -> T:
+    return value
 
 
 async def _cancel_background_tasks() -> None:

@@ -32,6 +32,7 @@ from kvpool.proto import common_pb2, node_pb2_grpc
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "shm", "ucx")
+RESERVATION_REAP_S = 5.0
 _UNITS = {
     "": 1,
     "b": 1,
@@ -104,6 +105,7 @@ class StorageNode:
         self.ucx = None
         self.grpc_server: grpc.aio.Server | None = None
         self.master: MasterLink | None = None
+        self._reaper: asyncio.Task | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -132,10 +134,17 @@ class StorageNode:
         self.endpoint.node_id = cfg.node_id or f"{socket.gethostname()}-{port}"
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set("kvpool.v1.StorageNode", health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_reservations())
         if cfg.master:
             self.master = MasterLink(cfg.master, self.store, self.endpoint)
             await self.master.register_until_done()
             self.master.start_heartbeats()
+
+    async def _reap_reservations(self) -> None:
+        """Free shm put reservations whose writer vanished before sealing (their extents would leak)."""
+        while True:
+            await asyncio.sleep(RESERVATION_REAP_S)
+            self.store.reap_reservations()
 
     def readiness(self) -> dict:
         ep = self.endpoint
@@ -153,6 +162,8 @@ class StorageNode:
         }
 
     async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
         if self.master:
             await self.master.close()
         if self.grpc_server:

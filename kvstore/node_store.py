@@ -28,6 +28,7 @@ from kvpool.kvstore.transport_frame import MAX_KEY
 from kvpool.proto import common_pb2
 
 checksum_of = xxhash.xxh3_64_intdigest
+STALE_DELETE_WINDOW_S = 10.0
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ObjectStore:
         self.ssd_capacity = ssd_capacity if ssd_path else 0
         self.ssd_used = 0
         self.counters: dict[str, int] = {}
+        self._stale_deletes: dict[bytes, float] = {}  # key -> until when a Delete targets a replaced copy
         if ssd_path is not None:
             ssd_path.mkdir(parents=True, exist_ok=True)
             self._load_ssd()
@@ -96,15 +98,25 @@ class ObjectStore:
             )
         existing = self.objects.get(meta.key)
         if existing is not None and not existing.doomed:
-            if existing.meta.checksum == meta.checksum and existing.meta.size == meta.size:
+            if existing.meta.checksum != meta.checksum or existing.meta.size != meta.size:
+                raise ObjectExistsError(f"key {meta.key[:8].hex()}… already holds a different object")
+            if self._intact(existing):
                 self.count("puts_duplicate")
                 return None
-            raise ObjectExistsError(f"key {meta.key[:8].hex()}… already holds a different object")
+            self.count("puts_replacing_corrupt")  # damaged copy (a reader re-puts it): take the new one
+            self.delete([meta.key])
+            # the master's Delete of the damaged copy may still be in flight: it must not hit the new copy
+            self._stale_deletes[meta.key] = time.monotonic() + STALE_DELETE_WINDOW_S
         extent = self.pool.allocator.allocate(meta.size)
         pending = PendingPut(put_id, common_pb2.ObjectMeta(), extent)
         pending.meta.CopyFrom(meta)
         pending.meta.tier = common_pb2.DRAM
         return pending
+
+    def _intact(self, obj: StoredObject) -> bool:
+        if obj.extent is not None:
+            return checksum_of(self.pool.view(obj.extent)) == obj.meta.checksum
+        return obj.ssd_file is not None and obj.ssd_file.exists()  # verified when it is read back
 
     def finish_put(self, pending: PendingPut) -> None:
         """Verify the landed bytes against the declared checksum and publish the object."""
@@ -166,7 +178,12 @@ class ObjectStore:
     # --- lifecycle (master-driven) -----------------------------------------------------------------------
     def delete(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
         done, missing = 0, []
+        now = time.monotonic()
         for key in keys:
+            if self._stale_deletes.pop(key, 0.0) > now:
+                self.count("deletes_of_replaced_copy")
+                done += 1
+                continue
             obj = self.objects.get(key)
             if obj is None or obj.doomed:
                 missing.append(key)
