@@ -88,12 +88,13 @@ def _progress(args: argparse.Namespace) -> Callable[[str], Any]:
 
 
 def _capacities(text: str | None, unit: str, reqs: list, spec: Any, block_size: int) -> list[int] | None:
-    from kvpool.workloads.sweep import auto_capacities, unique_blocks
+    from kvpool.workloads.sweep import auto_capacities, sweep_range
 
     if text is None:
         return None
     if text.strip() == "auto":
-        caps = auto_capacities(unique_blocks(reqs, spec, block_size))
+        lo, hi = sweep_range(reqs, spec, block_size)
+        caps = auto_capacities(hi, 8, lo)
         if unit == "bytes":
             caps = [c * spec.mla_bytes_per_token * block_size for c in caps]
         return caps

@@ -21,7 +21,7 @@ from kvpool.workloads.sweep import (
     capacity_sweep,
     checkpoint_sweep,
     plot_rows,
-    unique_blocks,
+    sweep_range,
     write_csv,
 )
 from kvpool.workloads.trace import read_trace, resolve_trace
@@ -83,7 +83,8 @@ def build_report(
             reqs = sorted(reqs, key=lambda r: r.arrival_ms)[:limit]
         stem = Path(trace).name.split(".")[0]
         st = trace_stats(reqs)
-        caps = [c * full_block for c in auto_capacities(unique_blocks(reqs, spec, bs), points)]
+        lo, hi = sweep_range(reqs, spec, bs)
+        caps = [c * full_block for c in auto_capacities(hi, points, lo)]
         prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress)
         cks = [CheckpointPolicy.parse(c) for c in CHECKPOINT_POLICIES]
         crow = checkpoint_sweep(reqs, spec, caps, "bytes", "lru", cks, bs, progress)

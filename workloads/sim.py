@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.kvstore.eviction import POLICIES
-from kvpool.kvstore.index import ObjectKind, PrefixIndex, StoreIndexError
+from kvpool.kvstore.index import CapacityError, ObjectKind, PrefixIndex, StoreIndexError
 from kvpool.workloads.chains import ChainBuilder
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.specs import ModelSpec
@@ -143,6 +143,7 @@ class SimResult:
     per_workload: dict[str, Counters]
     bytes_evicted: int
     objects_evicted: int
+    objects_refused: int  # larger than the whole capacity, or the pool is full of pinned objects
     bytes_held: int
     capacity_bytes: int | None
     duration_s: float  # trace time spanned (first to last arrival)
@@ -155,6 +156,7 @@ class SimResult:
             **self.total.to_dict(),
             "bytes_evicted": self.bytes_evicted,
             "objects_evicted": self.objects_evicted,
+            "objects_refused": self.objects_refused,
             "bytes_held": self.bytes_held,
             "capacity_bytes": self.capacity_bytes,
             "duration_s": self.duration_s,
@@ -215,7 +217,7 @@ def simulate(
     in_blocks = config.capacity_unit == "blocks"
     per_workload: dict[str, Counters] = {}
     real_size: dict[bytes, int] = {}
-    bytes_evicted = objects_evicted = 0
+    bytes_evicted = objects_evicted = refused = 0
     per_req: dict[str, list[Any]] = {k: [] for k in ("workload", "arrival_ms", "input", "cached", "output")}
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
     mla, kda = ObjectKind.MLA, ObjectKind.KDA
@@ -261,17 +263,27 @@ def simulate(
                     continue
                 real = sizes[j] * spec.mla_bytes_per_token
                 parent = keys[j - 1] if j else b""
-                idx.insert(key, mla, 1 if in_blocks else real, tenant=req.tenant, parent=parent)
+                if not _insert(idx, key, mla, 1 if in_blocks else real, req.tenant, parent):
+                    refused += 1
+                    continue
                 real_size[key] = real
                 cnt.mla_bytes_written += real
             if hybrid:
-                for c in _checkpoint_positions(ck, chain.full_prompt_blocks, len(chain.hashes), run, usable,
-                                               config.store_output and req.output_tokens is not None):
+                for c in _checkpoint_positions(
+                    ck,
+                    chain.full_prompt_blocks,
+                    len(chain.hashes),
+                    run,
+                    usable,
+                    config.store_output and req.output_tokens is not None,
+                ):
                     key = b"K" + chain.hashes[c - 1]
                     if key in idx:
                         idx.touch([key])
                         continue
-                    idx.insert(key, kda, kda_size, tenant=req.tenant)
+                    if not _insert(idx, key, kda, kda_size, req.tenant, b""):
+                        refused += 1
+                        continue
                     real_size[key] = spec.kda_bytes_per_checkpoint
                     cnt.kda_bytes_written += spec.kda_bytes_per_checkpoint
                     cnt.checkpoints_written += 1
@@ -293,11 +305,22 @@ def simulate(
         per_workload=per_workload,
         bytes_evicted=bytes_evicted,
         objects_evicted=objects_evicted,
+        objects_refused=refused,
         bytes_held=sum(real_size.values()),
         capacity_bytes=capacity_bytes,
         duration_s=duration,
         per_request=per_req,
     )
+
+
+def _insert(idx: PrefixIndex, key: bytes, kind: ObjectKind, size: int, tenant: str, parent: bytes) -> bool:
+    """Insert, or report False when the index cannot hold the object (as a master's put would fail: the
+    request still runs, the object is simply not cached)."""
+    try:
+        idx.insert(key, kind, size, tenant=tenant, parent=parent)
+    except CapacityError:
+        return False
+    return True
 
 
 def _checkpoint_positions(

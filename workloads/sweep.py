@@ -41,13 +41,25 @@ def unique_blocks(requests: Sequence[Request], spec: ModelSpec, block_size: int)
     return len(seen)
 
 
-def auto_capacities(max_blocks: int, points: int = 8) -> list[int]:
-    """``points`` capacities spaced geometrically from max/256 to max (in blocks), deduplicated."""
+def auto_capacities(max_blocks: int, points: int = 8, min_blocks: int = 1) -> list[int]:
+    """``points`` capacities spaced geometrically from max(max/256, min_blocks) to max (in blocks)."""
     if max_blocks <= 0:
         raise ReplayError("workload has no blocks to size a sweep on")
-    lo = max(1.0, max_blocks / 256)
-    caps = sorted({max(1, round(lo * (max_blocks / lo) ** (i / (points - 1)))) for i in range(points)})
-    return caps
+    if points < 2:
+        raise ReplayError("a sweep needs at least 2 points")
+    lo = min(float(max_blocks), max(1.0, max_blocks / 256, float(min_blocks)))
+    return sorted({max(1, round(lo * (max_blocks / lo) ** (i / (points - 1)))) for i in range(points)})
+
+
+def sweep_range(requests: Sequence[Request], spec: ModelSpec, block_size: int) -> tuple[int, int]:
+    """(min, max) capacity in full-block units worth sweeping: from two KDA checkpoints (a hybrid cache
+    smaller than that holds almost nothing) to everything the workload could store, checkpoints included
+    (one per request, a rough ceiling)."""
+    unique = unique_blocks(requests, spec, block_size)
+    if not spec.hybrid:
+        return 1, unique
+    ck_blocks = math.ceil(spec.kda_bytes_per_checkpoint / (spec.mla_bytes_per_token * block_size))
+    return 2 * ck_blocks, unique + len(requests) * ck_blocks
 
 
 def _row(
