@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-PROTO_FILES = ("common.proto", "master.proto", "node.proto")
+PROTO_FILES = ("common.proto", "master.proto", "node.proto", "prefill.proto", "decode.proto")
 
 
 def generate(out_dir: Path) -> list[Path]:
