@@ -80,6 +80,7 @@ class MasterConfig:
     max_lease_ms: int = 60_000
     put_deadline_ms: int = 30_000
     node_call_timeout_ms: int = 2000
+    sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
 
     def validate(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -89,6 +90,8 @@ class MasterConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.node_timeout_ms <= self.heartbeat_ms:
             raise ValueError("node_timeout_ms must exceed heartbeat_ms")
+        if not 0 < self.sweep_ms * 2 <= self.node_timeout_ms:
+            raise ValueError("sweep_ms must be at most half of node_timeout_ms")
 
 
 class NodeAction(StrEnum):
@@ -143,6 +146,7 @@ class MasterCore:
         self._put_of_key: dict[bytes, str] = {}
         self._put_seq = 0
         self._outbox: dict[str, dict[bytes, NodeAction]] = {}
+        self._last_sweep = clock()
         self.counters: dict[str, int] = {}
 
     # ------------------------------------------------------------------ storage nodes
@@ -335,10 +339,11 @@ class MasterCore:
         if m.checkpoint_key is not None:
             keys.append(m.checkpoint_key)
         if req.acquire and keys:
-            self._promote_on_hit([r for r in self.index.rows(keys) if r.tier == Tier.SSD])
+            # pin first: making DRAM room for promotions must not evict what this fetch is about to read
             lease = self.index.acquire(keys, lease_ms)
             if lease is not None:
                 reply.lease_id = f"{self.instance}:{lease.lease_id}"
+            self._promote_on_hit([r for r in self.index.rows(keys) if r.tier == Tier.SSD])
         rows = self.index.rows(keys)  # all present: the index was not changed since the match
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
         for row in rows[: m.usable_blocks]:
@@ -359,10 +364,10 @@ class MasterCore:
         reply = master_pb2.LookupReply()
         found = [i for i in infos if i is not None]
         if req.acquire and found:
-            self._promote_on_hit([i for i in found if i.tier == Tier.SSD])
             lease = self.index.acquire([i.key for i in found], lease_ms)
             if lease is not None:
                 reply.lease_id = f"{self.instance}:{lease.lease_id}"
+            self._promote_on_hit([i for i in found if i.tier == Tier.SSD])
             infos = self.index.lookup(keys)
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
         for key, info in zip(keys, infos, strict=True):
@@ -449,6 +454,14 @@ class MasterCore:
         """Periodic duties (the server calls this every few hundred ms): drop nodes whose heartbeats
         stopped, abort puts past their deadline, retire leases/pins/TTLs."""
         now = self._clock()
+        stalled = now - self._last_sweep - 2 * self.config.sweep_ms / 1000.0  # one period of jitter is fine
+        self._last_sweep = now
+        if stalled > 0:
+            # the master itself was not listening (a long adoption, a big eviction, a GC pause): heartbeats
+            # queued behind it are not the nodes' fault, so the silence window restarts after the stall
+            for rec in self._nodes.values():
+                rec.last_heartbeat += stalled
+            self._count("sweep_stalls")
         timeout = self.config.node_timeout_ms / 1000.0
         for node_id in [n for n, r in self._nodes.items() if now - r.last_heartbeat > timeout]:
             lost = self._forget_node(node_id, reason="node_lost")

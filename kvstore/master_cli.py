@@ -43,6 +43,8 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
                    help="a started put not committed in time is aborted")
     p.add_argument("--node-call-timeout-ms", type=int, default=d.node_call_timeout_ms,
                    help="deadline of Delete/Demote/Promote calls to nodes")
+    p.add_argument("--sweep-ms", type=int, default=d.sweep_ms,
+                   help="period of dead-node / abandoned-put / expiry sweeps")
     p.add_argument("--log-level", default="INFO", help="stderr log level")
 
 
@@ -57,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> MasterConfig:
         max_lease_ms=args.max_lease_ms,
         put_deadline_ms=args.put_deadline_ms,
         node_call_timeout_ms=args.node_call_timeout_ms,
+        sweep_ms=args.sweep_ms,
     )
 
 

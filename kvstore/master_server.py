@@ -97,8 +97,7 @@ class MasterServer:
         self.core = MasterCore(self.config)
         self.notifier = NodeNotifier(self.config.node_call_timeout_ms / 1000.0, self.core.count)
         self.health = health.aio.HealthServicer()
-        cfg = self.config
-        self.sweep_interval_s = max(0.02, min(cfg.heartbeat_ms, cfg.node_timeout_ms / 4, 200) / 1000)
+        self.sweep_interval_s = self.config.sweep_ms / 1000.0
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
