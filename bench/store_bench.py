@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ordered = [rows[k] for k in order if k in rows] + [r for k, r in rows.items() if k not in order]
     if log:
         print()
-        print(render_table(ordered, plan.sizes_mb))
+        if ordered:
+            print(render_table(ordered, plan.sizes_mb))
         mp, mem = extras.get("match_prefix"), extras.get("master_memory")
         if mp:
             print(f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain over gRPC: "
@@ -272,7 +273,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"1-block call p50 {mp.get('one_block_p50_ms')} ms)")
         if mem:
             print(f"master memory: {mem.get('bytes_per_object')} B/object over {mem.get('objects')} objects "
-                  f"(RSS {mem.get('rss_before_mb')} -> {mem.get('rss_after_mb')} MB)")
+                  f"({mem.get('method')})")
+            proc = mem.get("master_process")
+            if proc:
+                print(f"  cross-check, whole master process: {proc.get('bytes_per_object')} B/object "
+                      f"(RSS {proc.get('rss_before_mb')} -> {proc.get('rss_after_mb')} MB, "
+                      f"{proc.get('method')})")
         for k, why in skipped.items():
             print(f"skipped: {k}: {why}")
         print()

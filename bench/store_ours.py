@@ -323,10 +323,32 @@ def _measure_master_memory(objects: int, master: str, pid: int) -> dict[str, Any
             "bytes_per_object": round((after - before) / objects, 1)}
 
 
-def section_master_memory(plan: Plan) -> dict[str, Any]:
-    """Master resident memory per indexed object with ``plan.objects`` objects (default 1 M)."""
+def _master_process_memory(objects: int) -> dict[str, Any]:
     with children() as procs, tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
         master, pid = start_master(procs, Path(tmp), "--node-timeout-ms", "3600000",
                                    "--heartbeat-ms", "600000")
-        res = _measure_master_memory(plan.objects, master, pid)
+        return _measure_master_memory(objects, master, pid)
+
+
+def section_master_memory(plan: Plan) -> dict[str, Any]:
+    """Master resident memory per indexed object with ``plan.objects`` objects (default 1 M).
+
+    The master's owner ships ``bench/master_bench.py``; when it is there its ``bench_memory`` (the index
+    filled in a fresh process) is the figure the goal is judged on, so both benches report one number.
+    The whole-master-process measurement (RegisterNode inventories into a real ``kvpool store master``,
+    RSS delta) runs too, as a cross-check that includes gRPC and allocator overhead; without
+    master_bench it is the figure.
+    """
+    try:
+        import master_bench
+    except ImportError:
+        master_bench = None
+    process = _master_process_memory(plan.objects)
+    if master_bench is None or not hasattr(master_bench, "bench_memory"):
+        return {"rows": [], "master_memory": process}
+    mb = master_bench.bench_memory(plan.objects, CHAIN_BLOCKS, 10)
+    res = {"objects": mb["objects"], "bytes_per_object": mb["rss_bytes_per_object"],
+           "method": "bench/master_bench.py bench_memory: PrefixIndex filled in a fresh process, RSS delta",
+           "insert_us_per_object": mb.get("insert_us_per_object"),
+           "master_process": process}
     return {"rows": [], "master_memory": res}
