@@ -317,7 +317,7 @@ def _insert(idx: PrefixIndex, key: bytes, kind: ObjectKind, size: int, tenant: s
     """Insert, or report False when the index cannot hold the object (as a master's put would fail: the
     request still runs, the object is simply not cached)."""
     try:
-        idx.insert(key, kind, size, tenant=tenant, parent=parent)
+        idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent)
     except CapacityError:
         return False
     return True
