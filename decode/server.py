@@ -1,0 +1,58 @@
+"""gRPC servicer of the Decode contract: handoff validation, streaming, deadlines, typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from kvpool.decode.engine import DecodeEngine, DecodeResult
+from kvpool.prefill.errors import BadRequestError, CacheFetchError
+from kvpool.prefill.wire import handoff_from_pb
+from kvpool.prefill.worker import request_deadline
+from kvpool.proto import decode_pb2, decode_pb2_grpc
+
+SERVICE_NAME = "kvpool.v1.Decode"
+
+
+def final_chunk(r: DecodeResult) -> decode_pb2.GenerateChunk:
+    usage = decode_pb2.DecodeUsage(
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        cached_tokens=r.cached_tokens,
+        resume_path=r.resume.path,
+        recomputed_tokens=r.resume.recomputed_tokens,
+        resume_reason=r.resume.reason,
+        blocks_pushed=r.blocks_pushed,
+        checkpoint_pushed=r.checkpoint_pushed,
+        decode_s=r.decode_s,
+    )
+    return decode_pb2.GenerateChunk(final=True, finish_reason=r.finish_reason, usage=usage, text=r.text)
+
+
+class DecodeService(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: DecodeEngine, request_timeout_s: float = 120.0) -> None:
+        self.engine = engine
+        self.request_timeout_s = request_timeout_s
+
+    async def Generate(
+        self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.GenerateChunk]:
+        if not request.HasField("handoff"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "BadRequestError: handoff is required")
+        handoff = handoff_from_pb(request.handoff)
+        try:
+            async with asyncio.timeout(request_deadline(context, self.request_timeout_s)):
+                async for event in self.engine.generate(handoff):
+                    if isinstance(event, DecodeResult):
+                        yield final_chunk(event)
+                    else:
+                        yield decode_pb2.GenerateChunk(
+                            index=event.index, token_id=event.token, text=event.text
+                        )
+        except BadRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"BadRequestError: {exc}")
+        except CacheFetchError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"CacheFetchError: {exc}")
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode did not finish in time")
