@@ -490,6 +490,20 @@ class MasterCore:
         self._outbox = {}
         return out
 
+    def node_could_not(self, node_id: str, action: NodeAction, keys: list[bytes]) -> None:
+        """A node reported keys it could not act on. A failed demotion leaves the object in the node's
+        DRAM while the index counts it on SSD: drop it from the index and order a delete, so both agree.
+        A failed promotion is left alone (the node serves it from SSD; the index over-counts DRAM, which
+        only makes placement conservative). Missing deletes need nothing."""
+        if action != NodeAction.DEMOTE:
+            return
+        for key in keys:
+            info = self.index.get(key)
+            if info is not None and info.node_id == node_id and info.tier == Tier.SSD:
+                self.index.remove(key, reason="demote_failed")
+                self._queue(node_id, NodeAction.DELETE, key)
+                self._count("demotions_failed")
+
     def count(self, name: str, n: int = 1) -> None:
         """Public counter hook for the server (node call outcomes)."""
         self._count(name, n)

@@ -23,6 +23,7 @@ MAX_KEYS_PER_NODE_CALL = 10_000
 
 class _NodeWorker:
     def __init__(self, endpoint: common_pb2.NodeEndpoint) -> None:
+        self.node_id = endpoint.node_id
         self.address = f"{endpoint.host}:{endpoint.grpc_port}"
         self.channel = grpc.aio.insecure_channel(self.address)
         self.stub = node_pb2_grpc.StorageNodeStub(self.channel)
@@ -31,11 +32,18 @@ class _NodeWorker:
 
 
 class NodeNotifier:
-    """Delivers :class:`PendingActions` to nodes; ``count(name, n)`` records outcomes."""
+    """Delivers :class:`PendingActions` to nodes; ``count(name, n)`` records outcomes and ``on_missing``
+    hears which keys a node could not act on (e.g. a demotion its SSD had no room for)."""
 
-    def __init__(self, timeout_s: float, count: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        count: Callable[[str, int], None],
+        on_missing: Callable[[str, NodeAction, list[bytes]], None] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self._count = count
+        self._on_missing = on_missing
         self._workers: dict[str, _NodeWorker] = {}
 
     def submit(self, batches: list[PendingActions]) -> None:
@@ -90,3 +98,8 @@ class NodeNotifier:
                     continue
                 self._count(f"node_{action.value}_done", reply.done)
                 self._count(f"node_{action.value}_missing", len(reply.missing))
+                if reply.missing and self._on_missing is not None:
+                    try:
+                        self._on_missing(worker.node_id, action, list(reply.missing))
+                    except Exception:  # reconciliation is best effort; the worker must keep draining
+                        log.exception("handling missing keys from %s failed", worker.address)

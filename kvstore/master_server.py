@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kvpool.kvstore.master import MasterConfig, MasterCore, MasterError
+from kvpool.kvstore.master import MasterConfig, MasterCore, MasterError, NodeAction
 from kvpool.kvstore.master_nodes import NodeNotifier
 from kvpool.proto import master_pb2_grpc
 
@@ -95,7 +95,8 @@ class MasterServer:
         self.host = host
         self.requested_port = port
         self.core = MasterCore(self.config)
-        self.notifier = NodeNotifier(self.config.node_call_timeout_ms / 1000.0, self.core.count)
+        timeout_s = self.config.node_call_timeout_ms / 1000.0
+        self.notifier = NodeNotifier(timeout_s, self.core.count, self._on_missing)
         self.health = health.aio.HealthServicer()
         self.sweep_interval_s = self.config.sweep_ms / 1000.0
         self.port = 0
@@ -137,6 +138,12 @@ class MasterServer:
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+    def _on_missing(self, node_id: str, action: NodeAction, keys: list[bytes]) -> None:
+        self.core.node_could_not(node_id, action, keys)
+        actions = self.core.take_actions()
+        if actions:
+            self.notifier.submit(actions)
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -85,10 +85,13 @@ class _Recorder(node_pb2_grpc.StorageNodeServicer):
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.calls: list[tuple[str, bytes]] = []
+        self.refuse: set[str] = set()  # actions answered with every key "missing" (e.g. a full SSD)
 
     def _record(self, action: str, request: node_pb2.KeysRequest) -> node_pb2.KeysReply:
         with self.lock:
             self.calls.extend((action, k) for k in request.keys)
+            if action in self.refuse:
+                return node_pb2.KeysReply(done=0, missing=list(request.keys))
         return node_pb2.KeysReply(done=len(request.keys))
 
     def Delete(self, request, context):

@@ -341,3 +341,21 @@ def test_kvpool_cli_health_and_clean_sigterm(tmp_path: Path) -> None:
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=T)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert master.terminate() == 0
+
+
+def test_failed_demotion_drops_the_object_and_orders_delete(master: MasterProcess) -> None:
+    """A node whose SSD refuses a demotion keeps the bytes in DRAM: the master must not count them on SSD."""
+    n = ProbeNode("tiered", master, dram=1000, ssd=10_000)
+    n.recorder.refuse.add("demote")
+    n.register()
+    n.start_heartbeats()
+    try:
+        for i in range(12):
+            put(master, meta(f"o{i}".encode(), 100))
+        wait_until(lambda: master.stats().counters.get("demotions_failed", 0) > 0, timeout_s=3.0)
+        demoted = n.orders("demote")
+        wait_until(lambda: set(demoted) <= set(n.orders("delete")), timeout_s=3.0)
+        st = master.stats()
+        assert st.bytes_per_tier["SSD"] == 0 and st.objects == 12 - len(demoted)
+    finally:
+        n.close()
