@@ -8,8 +8,10 @@ has its own instant even when a trace stamps many with the same millisecond):
 2. **Count**: the MLA run (the Mooncake "prefix hit": a block counts only if every earlier block of the
    request hit), the usable prefix p (what prefill may skip, what ``cached_tokens`` reports), and the
    tokens lost between them to a missing checkpoint.
-3. **Store**: the whole prompt is stored: present blocks are touched (a duplicate put refreshes), missing
-   ones inserted in prefix order (parent = previous block). With ``store_output`` and token records
+3. **Store**: the whole prompt is stored: missing blocks are inserted in prefix order (parent = previous
+   block); present ones are left alone, as the master answers EXISTS to a duplicate put without touching.
+   Recency is refreshed only by the fetch of the usable prefix (``match_prefix(touch=True)``, what
+   prefill's acquire does) and by inserts. With ``store_output`` and token records
    that carry ``output_tokens``, the blocks the reply closes are stored too (decode pushes them).
 4. **Checkpoints** (``CheckpointPolicy``), only at boundaries the request computes itself (c > p):
    end of prompt (last full prompt block), end of output, junction (c = MLA run when the run passed the
@@ -227,7 +229,9 @@ def simulate(
         clock.now = req.arrival_ms / 1000.0 + seq * 1e-6
         chain = builder.chain(req, with_output=config.store_output)
         prompt = chain.hashes[: chain.prompt_blocks]
-        m = idx.match_prefix(prompt, require_checkpoint=hybrid, touch=False)
+        # the fetch of the usable prefix is the only read that refreshes recency (as on the master, where
+        # prefill acquires [0, p) + the checkpoint; probes and "already exists" puts do not touch)
+        m = idx.match_prefix(prompt, require_checkpoint=hybrid, touch=True)
         run, usable = m.mla_run_blocks, m.usable_blocks
         cnt = per_workload.get(req.workload)
         if cnt is None:
@@ -249,14 +253,8 @@ def simulate(
         per_req["input"].append(req.input_length)
         per_req["cached"].append(usable_tokens)
         per_req["output"].append(req.output_length)
-        # store the whole prompt (and the reply's blocks): touch what exists, insert the rest in order
+        # store the whole prompt (and the reply's blocks): what exists stays as it is, the rest is inserted
         keys = [b"M" + h for h in chain.hashes]
-        present = [k for k in keys if k in idx]
-        used_ck = m.checkpoint_key
-        if used_ck is not None:
-            present.append(used_ck)
-        if present:
-            idx.touch(present)
         try:
             for j, key in enumerate(keys):
                 if key in idx:
@@ -279,7 +277,6 @@ def simulate(
                 ):
                     key = b"K" + chain.hashes[c - 1]
                     if key in idx:
-                        idx.touch([key])
                         continue
                     if not _insert(idx, key, kda, kda_size, req.tenant, b""):
                         refused += 1
