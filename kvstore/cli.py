@@ -56,6 +56,11 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
         default=5.0,
         help="seconds a started data-plane frame may take (plus size at 100 MB/s)",
     )
+    p.add_argument(
+        "--no-prefault",
+        action="store_true",
+        help="do not back the pool's pages at startup (faster start, slower first puts)",
+    )
     p.set_defaults(func=_run_node)
 
 
@@ -78,6 +83,7 @@ def _run_node(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         max_object=args.max_object,
         frame_timeout_s=args.frame_timeout,
+        prefault=not args.no_prefault,
     )
     return run(config)
 

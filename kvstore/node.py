@@ -86,6 +86,7 @@ class NodeConfig:
     node_id: str | None = None
     max_object: int | None = None
     frame_timeout_s: float = 5.0
+    prefault: bool = True
 
 
 class StorageNode:
@@ -99,6 +100,8 @@ class StorageNode:
             )
         self.config = config
         self.pool = SharedPool(config.capacity)
+        if config.prefault:
+            self.pool.prefault()
         self.store = ObjectStore(self.pool, config.ssd_path, config.ssd_capacity, config.max_object)
         self.endpoint = common_pb2.NodeEndpoint(host=config.host, host_id=host_id())
         self.tcp: TcpDataServer | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import mmap
 import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -22,6 +23,7 @@ from multiprocessing import resource_tracker, shared_memory
 from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, ObjectTooLargeError
 
 ALIGN = 64
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python 3.11 lacks the constant
 
 
 def _round_up(n: int) -> int:
@@ -130,6 +132,20 @@ class SharedPool:
         self.allocator = ExtentAllocator(capacity)
         self.buf: memoryview = self._shm.buf
         self.capacity = capacity
+
+    def prefault(self) -> None:
+        """Back every page now instead of on first write.
+
+        A fresh tmpfs page costs a fault plus zeroing on first touch: puts into an untouched pool ran at
+        ~0.5 GB/s here against ~3 GB/s into touched memory. A serving node commits its capacity up front.
+        """
+        try:
+            self._shm._mmap.madvise(MADV_POPULATE_WRITE)  # type: ignore[union-attr]  # Linux >= 5.14
+        except (OSError, AttributeError, ValueError):
+            chunk = bytes(min(self.capacity, 64 << 20))
+            for off in range(0, self.capacity, len(chunk)):
+                n = min(len(chunk), self.capacity - off)
+                self.buf[off : off + n] = chunk[:n]
 
     def view(self, extent: Extent) -> memoryview:
         return self.buf[extent.offset : extent.offset + extent.size]

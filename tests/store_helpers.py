@@ -134,10 +134,16 @@ def start_node(
     capacity: str = "64MiB",
     transports: str = "tcp,shm,ucx",
     *extra: str,
+    prefault: bool = False,
 ) -> NodeProc:
-    """``kvpool store node`` as a child; ``master=None`` starts it standalone (``--no-master``)."""
+    """``kvpool store node`` as a child; ``master=None`` starts it standalone (``--no-master``).
+
+    Tests skip prefaulting the pool (it costs ~10 ms per MiB on a loaded 2-core box) unless asked.
+    """
     where = ["--master", master] if master else ["--no-master"]
     args = ["node", *where, "--capacity", capacity, "--transport", transports, *extra]
+    if not prefault:
+        args.append("--no-prefault")
     return _spawn(NodeProc, args, log_dir, "node")
 
 

@@ -112,8 +112,9 @@ def test_capacity_limit_is_a_typed_error(tmp_path):
 
 
 def test_sigterm_unlinks_the_pool(tmp_path):
-    node = start_node(tmp_path, None, "8MiB", "tcp,shm,ucx")
+    node = start_node(tmp_path, None, "8MiB", "tcp,shm,ucx", prefault=True)
     seg = Path("/dev/shm") / node.ready["shm_name"]
+    assert seg.stat().st_blocks * 512 >= 8 << 20  # prefaulted: every page is backed
     assert seg.exists()
     assert node.stop() == 0
     assert not seg.exists()
