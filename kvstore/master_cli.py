@@ -45,6 +45,8 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
                    help="deadline of Delete/Demote/Promote calls to nodes")
     p.add_argument("--sweep-ms", type=int, default=d.sweep_ms,
                    help="period of dead-node / abandoned-put / expiry sweeps")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, -1 = off)")
     p.add_argument("--log-level", default="INFO", help="stderr log level")
 
 
@@ -72,24 +74,32 @@ def run_master(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(config, args.host, args.port))
+    return asyncio.run(_serve(config, args.host, args.port, args.metrics_port))
 
 
-async def _serve(config: MasterConfig, host: str, port: int) -> int:
+async def _serve(config: MasterConfig, host: str, port: int, metrics_port: int) -> int:
+    from kvpool.kvstore.master_metrics import MetricsServer
     from kvpool.kvstore.master_server import MasterServer
 
     server = MasterServer(config, host, port)
+    metrics = MetricsServer(server.core.stats, host, metrics_port) if metrics_port >= 0 else None
     try:
         bound = await server.start()
+        bound_metrics = await metrics.start() if metrics is not None else None
     except OSError as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
+        await server.stop(0)
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"ready": True, "port": bound, "host": host, "policy": config.policy}), flush=True)
+    ready = {"ready": True, "port": bound, "host": host, "policy": config.policy}
+    ready["metrics_port"] = bound_metrics
+    print(json.dumps(ready), flush=True)
     await stop.wait()
+    if metrics is not None:
+        await metrics.stop()
     await server.stop()
     return 0
 

@@ -59,6 +59,7 @@ class MasterProcess:
             raise RuntimeError(f"master exited: {self.log_path.read_text()[-2000:]}")
         ready = json.loads(line)
         assert ready["ready"] is True
+        self.metrics_port: int | None = ready.get("metrics_port")
         return int(ready["port"])
 
     def stats(self) -> master_pb2.StatsReply:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -333,9 +335,15 @@ def test_ssd_tier_demotes_and_promotes_on_fetch(master: MasterProcess) -> None:
         n.close()
 
 
-def test_kvpool_cli_health_and_clean_sigterm(tmp_path: Path) -> None:
-    master = MasterProcess(tmp_path, "--policy", "cost", via_kvpool_cli=True)
+def test_kvpool_cli_health_metrics_and_clean_sigterm(tmp_path: Path) -> None:
+    master = MasterProcess(tmp_path, "--policy", "cost", "--metrics-port", "0", via_kvpool_cli=True)
     assert master.stats().policy == "cost"
+    assert master.metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{master.metrics_port}/metrics", timeout=T) as resp:
+        text = resp.read().decode()
+    assert "kvpool_master_objects 0" in text and 'kvpool_master_info{policy="cost"} 1' in text
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(f"http://127.0.0.1:{master.metrics_port}/nope", timeout=T)
     stub = health_pb2_grpc.HealthStub(master.channel)
     for service in ("", "kvpool.v1.Master"):
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=T)
