@@ -120,6 +120,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Replay a trace, simulated (default) or live."""
     from kvpool.workloads.trace import with_synthetic_tokens
 
+    if args.live and args.sim:
+        raise ReplayError("choose --sim or --live, not both")
     reqs = _load(args.trace, args.limit)
     if args.live:
         from kvpool.workloads.live import replay_live
@@ -610,7 +612,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--requests", type=int, default=1000)
     g.add_argument("--rate", type=float, default=2.0, help="mean requests per second")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--vocab", type=int, default=32_000)
+    g.add_argument("--vocab", type=int, default=32_000, help="token ids in [0, V) (the tiny model has 1024)")
     g.add_argument("--tenants", type=int, default=1)
     g.add_argument(
         "--param",
