@@ -10,6 +10,7 @@ because UCX logs to *stdout* and would corrupt the node's JSON readiness line. C
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from types import ModuleType
@@ -92,10 +93,11 @@ class UcxTransport(Transport):
 
     name = "ucx"
 
-    def __init__(self, deadlines: Deadlines = DEFAULT_DEADLINES, max_idle_per_peer: int = 4) -> None:
+    def __init__(self, deadlines: Deadlines = DEFAULT_DEADLINES, max_endpoints_per_peer: int = 4) -> None:
         super().__init__(deadlines)
         self._idle: dict[tuple[str, int], list[object]] = {}
-        self._max_idle = max_idle_per_peer
+        self._max_idle = max_endpoints_per_peer
+        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
 
     async def _acquire(self, node: common_pb2.NodeEndpoint) -> tuple[tuple[str, int], object]:
         if not node.ucx_port:
@@ -125,6 +127,18 @@ class UcxTransport(Transport):
             _abort(ep)
 
     async def _exchange(self, node: common_pb2.NodeEndpoint, size: int, body) -> int:  # type: ignore[no-untyped-def]
+        """Run ``body(ep)`` on a pooled endpoint; at most ``max_endpoints_per_peer`` run at once per node, so
+        a wide batch reuses a few endpoints instead of paying a connection setup per object."""
+        slots = self._slots.setdefault((node.host, node.ucx_port), asyncio.Semaphore(self._max_idle))
+        await with_deadline(
+            slots.acquire(), self.deadlines.for_size(size), f"ucx endpoint for {node.node_id}"
+        )
+        try:
+            return await self._exchange_on_endpoint(node, size, body)
+        finally:
+            slots.release()
+
+    async def _exchange_on_endpoint(self, node: common_pb2.NodeEndpoint, size: int, body) -> int:  # type: ignore[no-untyped-def]
         addr, ep = await self._acquire(node)
         ok = False
         try:
@@ -198,6 +212,7 @@ class UcxTransport(Transport):
             for ep in idle:
                 _abort(ep)
         self._idle.clear()
+        self._slots.clear()
 
 
 def _abort(ep: object) -> None:
