@@ -183,6 +183,13 @@ def bench_grpc(chain: int, reps: int) -> dict:
                 out[f"match_prefix_grpc_{label}"] = _percentiles(samples)
             out["usable_blocks"] = reply.usable_blocks
             out["reply_bytes"] = reply.ByteSize()
+            counts = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True, counts_only=True)
+            samples = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                master.stub.MatchPrefix(counts, timeout=10)
+                samples.append(time.perf_counter() - t)
+            out["match_prefix_grpc_counts_only"] = _percentiles(samples)
             short = master_pb2.MatchPrefixRequest(block_hashes=hs[:1], require_checkpoint=False)
             samples = []
             for _ in range(reps):

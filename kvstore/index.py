@@ -598,6 +598,13 @@ class PrefixIndex:
             for i, (key, slot) in enumerate(found)
         ]
 
+    def count_on_tier(self, keys: Sequence[bytes], tier: Tier) -> int:
+        """How many of the committed ``keys`` sit on ``tier`` (routers credit SSD hits less)."""
+        slots = [s for s in map(self._slot.get, keys) if s is not None]
+        if not slots:
+            return 0
+        return int(np.count_nonzero(self._cols.tier[np.array(slots, dtype=np.int64)] == tier))
+
     def lookup(self, keys: Iterable[bytes], *, touch: bool = False) -> list[ObjectInfo | None]:
         """Info on committed objects in order (None where absent); ``touch`` as in match_prefix."""
         out: list[ObjectInfo | None] = []

@@ -335,6 +335,10 @@ class MasterCore:
             mla_run_blocks=m.mla_run_blocks,
             checkpoint_blocks=m.checkpoint_blocks,
         )
+        self._count("match_prefix")
+        self._count("match_blocks_asked", len(hashes))
+        self._count("match_blocks_usable", m.usable_blocks)
+        self._count("match_blocks_lost_to_checkpoint", m.blocks_lost_to_checkpoint)
         keys = list(m.mla_keys)
         if m.checkpoint_key is not None:
             keys.append(m.checkpoint_key)
@@ -344,17 +348,19 @@ class MasterCore:
             if lease is not None:
                 reply.lease_id = f"{self.instance}:{lease.lease_id}"
             self._promote_on_hit([r for r in self.index.rows(keys) if r.tier == Tier.SSD])
+        if req.counts_only and not req.acquire:
+            reply.usable_blocks_on_ssd = self.index.count_on_tier(m.mla_keys, Tier.SSD)
+            return reply
         rows = self.index.rows(keys)  # all present: the index was not changed since the match
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
+        on_ssd = 0
         for row in rows[: m.usable_blocks]:
             _fill_row(reply.mla.add(), row, self._endpoint_cached(row.node_id, endpoints))
+            on_ssd += row.tier == Tier.SSD
+        reply.usable_blocks_on_ssd = on_ssd
         if m.checkpoint_key is not None:
             row = rows[m.usable_blocks]
             _fill_row(reply.checkpoint, row, self._endpoint_cached(row.node_id, endpoints))
-        self._count("match_prefix")
-        self._count("match_blocks_asked", len(hashes))
-        self._count("match_blocks_usable", m.usable_blocks)
-        self._count("match_blocks_lost_to_checkpoint", m.blocks_lost_to_checkpoint)
         return reply
 
     def lookup(self, req: master_pb2.LookupRequest) -> master_pb2.LookupReply:

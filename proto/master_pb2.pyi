@@ -101,34 +101,38 @@ class PutAbortReply(_message.Message):
     def __init__(self) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms")
+    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms", "counts_only")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tenant: str
     require_checkpoint: bool
     acquire: bool
     lease_ms: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    counts_only: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., counts_only: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixReply(_message.Message):
-    __slots__ = ("usable_blocks", "mla_run_blocks", "mla", "checkpoint", "lease_id", "checkpoint_blocks")
+    __slots__ = ("usable_blocks", "mla_run_blocks", "mla", "checkpoint", "lease_id", "checkpoint_blocks", "usable_blocks_on_ssd")
     USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MLA_RUN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MLA_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USABLE_BLOCKS_ON_SSD_FIELD_NUMBER: _ClassVar[int]
     usable_blocks: int
     mla_run_blocks: int
     mla: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectLocation]
     checkpoint: _common_pb2.ObjectLocation
     lease_id: str
     checkpoint_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, usable_blocks: _Optional[int] = ..., mla_run_blocks: _Optional[int] = ..., mla: _Optional[_Iterable[_Union[_common_pb2.ObjectLocation, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.ObjectLocation, _Mapping]] = ..., lease_id: _Optional[str] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    usable_blocks_on_ssd: int
+    def __init__(self, usable_blocks: _Optional[int] = ..., mla_run_blocks: _Optional[int] = ..., mla: _Optional[_Iterable[_Union[_common_pb2.ObjectLocation, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.ObjectLocation, _Mapping]] = ..., lease_id: _Optional[str] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., usable_blocks_on_ssd: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("keys", "acquire", "lease_ms")

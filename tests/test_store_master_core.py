@@ -181,3 +181,18 @@ def test_release_of_an_old_masters_lease_is_harmless() -> None:
     core.release(master_pb2.ReleaseRequest(lease_id=got.lease_id))
     assert core.stats().active_leases == 0
     assert core.stats().counters["releases_late"] == 1
+
+
+def test_counts_only_match_for_routers() -> None:
+    core = MasterCore(MasterConfig(high_watermark=0.9, low_watermark=0.5), clock=Clock())
+    hs = chain(20)
+    register(core, "a", 200, chain_metas(hs, size=9, ck_every=10), ssd=1000)  # 198 > 180: some to SSD
+    full = core.match_prefix(master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True))
+    fast = core.match_prefix(
+        master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True, counts_only=True)
+    )
+    assert (fast.usable_blocks, fast.mla_run_blocks, list(fast.checkpoint_blocks)) == (20, 20, [10, 20])
+    assert (full.usable_blocks, full.mla_run_blocks) == (20, 20)
+    assert len(full.mla) == 20 and not fast.mla and not fast.HasField("checkpoint")
+    on_ssd = sum(loc.meta.tier == common_pb2.SSD for loc in full.mla)
+    assert fast.usable_blocks_on_ssd == full.usable_blocks_on_ssd == on_ssd > 0
