@@ -296,18 +296,22 @@ async def _fetch_verified(
     keys = [mla_key(h) for h in hashes[:p]]
     got = await _fetch_located(store, located, timeout_s, stats)
     blocks: list[dict[int, torch.Tensor]] = []
+    broken = False
     for i, key in enumerate(keys):  # the intact MLA run bounds every boundary we may use
-        block = _decode_mla(got.get(key), schema, i, hashes[i], key, stats)
-        if block is None:
-            break
-        blocks.append(block)
+        block = _decode_mla(got.get(key), schema, i, hashes[i], key, stats)  # checks all: finds every bad one
+        broken = broken or block is None
+        if not broken:
+            blocks.append(block)  # type: ignore[arg-type]
     good = len(blocks)
     if not require:
         return _assemble(schema, good, KDACheckpoint(good * schema.block_size), blocks) if good else None
     # Boundaries we may still resume from, best first: p itself if its MLA run is intact, then every
     # earlier checkpoint the master listed inside the intact run.
     targets = sorted({c for c in checkpoints if c <= good} | ({p} if good == p else set()), reverse=True)
-    stats.fallbacks += int(good < p)  # p itself was abandoned because its MLA run is broken
+    if good < p:  # p itself is abandoned; still check its checkpoint so a bad one gets replaced
+        stats.fallbacks += 1
+        ck = kda_key(hashes[p - 1])
+        _decode_kda(got.get(ck), schema, p, hashes[p - 1], stats)
     for target in targets:
         key = kda_key(hashes[target - 1])
         raw = got[key] if key in got else (await _get(store, [key], timeout_s, stats))[key]
