@@ -1,7 +1,7 @@
 """Store benchmark: kvpool's data plane per transport, side by side with its baselines, in one run.
 
-    .venv/bin/python bench/store_bench.py                 # full run (~10-20 min on 2 cores)
-    .venv/bin/python bench/store_bench.py --quick         # smoke: 3 reps, 1 warm-up, 200k objects
+    .venv/bin/python bench/store_bench.py                 # full run (3 rounds, ~10 min on 2 cores)
+    .venv/bin/python bench/store_bench.py --quick         # smoke: 1 round, 3 reps, 200k objects
     .venv/bin/python bench/store_bench.py --sizes 4 --reps 10 --skip-mooncake --json-only
 
 What it measures (put and get GB/s for each object size, 1 GB = 1e9 B):
@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -184,6 +185,36 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
     return ratios, {k: goals[k] for k in GOALS}
 
 
+def median_row(rounds: list[Row]) -> Row:
+    """Cell-wise median over rounds (the VM's TCP paths swing +-30-50 % between rounds, transport.md)."""
+    out = Row(rounds[0].id, rounds[0].method, note=rounds[0].note)
+    for op in ("put", "get"):
+        cells: dict[int, list[float]] = {}
+        for r in rounds:
+            for k, v in getattr(r, op).items():
+                if v is not None:
+                    cells.setdefault(k, []).append(v)
+        getattr(out, op).update({k: statistics.median(v) for k, v in cells.items()})
+    if len(rounds) > 1:
+        out.note = f"{out.note}; median of {len(rounds)} rounds".lstrip("; ")
+    return out
+
+
+def median_extra(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """match_prefix / memory figures: the first round's record with its latencies replaced by medians."""
+    out = dict(rounds[0])
+    for k in ("p50_ms", "p99_ms", "min_ms", "one_block_p50_ms"):
+        vals = [r[k] for r in rounds if isinstance(r.get(k), int | float)]
+        if vals:
+            out[k] = round(statistics.median(vals), 3)
+    out["rounds"] = len(rounds)
+    return out
+
+
+def plan_rounds(args: argparse.Namespace) -> int:
+    return max(1, args.rounds if args.rounds is not None else (1 if args.quick else 3))
+
+
 def render_table(rows: list[Row], sizes: list[int]) -> str:
     """Rows = methods, columns = sizes x (put, get), GB/s; '-' where a cell was not measured."""
     head = ["method"] + [f"{s}MB {op}" for s in sizes for op in ("put", "get")]
@@ -203,7 +234,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="timed reps per size (default 30/20/10/6 for 1/4/16/64 MB)")
     ap.add_argument("--warmup", type=int, default=None,
                     help=f"untimed warm-ups per size (default {DEFAULT_WARMUP})")
-    ap.add_argument("--quick", action="store_true", help="smoke run: few reps, smaller memory test")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: few reps, one round, smaller memory test")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="repeat every section this many times, interleaved; cells are medians (default 3; "
+                         "--quick 1)")
     ap.add_argument("--json-only", action="store_true", help="print only the final JSON line")
     ap.add_argument("--skip-mooncake", action="store_true", help="do not install or run Mooncake Store")
     ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(SECTIONS)}")
@@ -240,24 +275,36 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--only: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     log = not args.json_only
-    rows: dict[str, Row] = {}
+    load_start = [round(x, 2) for x in os.getloadavg()]  # other work on the box skews every number
     skipped: dict[str, str] = {}
-    extras: dict[str, Any] = {}
     seconds: dict[str, float] = {}
-    for name in names:
-        if name == "mooncake" and args.skip_mooncake:
-            skipped["mooncake"] = "--skip-mooncake"
-            continue
-        full_t, quick_t = SECTIONS[name][2:]
-        res = run_section(name, plan, quick_t if plan.quick else full_t, log)
-        seconds[name] = res.get("seconds", 0)
-        for r in res.get("rows", []):
-            row = Row.from_json(r)
-            rows[row.id] = row
-        skipped.update(res.get("skipped") or {})
-        for k in ("match_prefix", "master_memory"):
-            if k in res:
-                extras[k] = res[k]
+    if args.skip_mooncake and "mooncake" in names:
+        names.remove("mooncake")
+        skipped["mooncake"] = "--skip-mooncake"
+    per_round: dict[str, list[Row]] = {}
+    extra_rounds: dict[str, list[dict[str, Any]]] = {}
+    dead: set[str] = set()  # a section that could not run at all is not retried in later rounds
+    for rnd in range(plan_rounds(args)):
+        for name in names:
+            if name in dead or (rnd > 0 and name == "master_memory"):  # 1 M objects: once is enough
+                continue
+            full_t, quick_t = SECTIONS[name][2:]
+            res = run_section(name, plan, quick_t if plan.quick else full_t, log)
+            seconds[name] = round(seconds.get(name, 0) + res.get("seconds", 0), 1)
+            got_rows = res.get("rows", [])
+            for r in got_rows:
+                row = Row.from_json(r)
+                per_round.setdefault(row.id, []).append(row)
+            for k in ("match_prefix", "master_memory"):
+                if res.get(k):
+                    extra_rounds.setdefault(k, []).append(res[k])
+            why = res.get("skipped") or {}
+            measured = got_rows or any(k in res for k in ("match_prefix", "master_memory"))
+            if rnd == 0 and why and not measured:
+                dead.add(name)
+            skipped.update(why if rnd == 0 else {f"{k} (round {rnd + 1})": v for k, v in why.items()})
+    rows = {k: median_row(v) for k, v in per_round.items()}
+    extras = {k: median_extra(v) for k, v in extra_rounds.items()}
     ratios, goals = summarize(rows, extras)
     order = ["memcpy", "memcpy_hot", "socket", "redis", "mooncake", "mooncake_zc", "tcp", "shm", "ucx"]
     ordered = [rows[k] for k in order if k in rows] + [r for k, r in rows.items() if k not in order]
@@ -288,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
     summary = {
         "bench": "store", "utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
-        "plan": plan.to_json(), "unit": "GB/s (1e9 B/s), median of timed reps, every rep verified",
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+                 "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "plan": {**plan.to_json(), "rounds": plan_rounds(args)},
+        "unit": "GB/s (1e9 B/s), median of timed reps (median over rounds), every rep verified",
         "rows": [r.to_json() for r in ordered], "match_prefix": extras.get("match_prefix"),
         "master_memory": extras.get("master_memory"), "ratios": ratios, "goals": goals,
         "skipped": skipped, "seconds": seconds,
