@@ -181,9 +181,13 @@ class LocalCluster:
         return self.children["decode"].address
 
     def stop(self) -> None:
-        for name in ("prefill", "decode", "node", "master"):
-            child = self.children.get(name)
-            if child is not None:
+        """Workers first (they may still be pushing), then the store; each group stopped concurrently."""
+        for group in (("prefill", "decode"), ("node", "master")):
+            children = [self.children[n] for n in group if n in self.children]
+            for child in children:
+                if child.alive():
+                    child.popen.terminate()
+            for child in children:
                 child.stop()
 
     def __enter__(self) -> LocalCluster:
