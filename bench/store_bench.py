@@ -23,7 +23,6 @@ the pass/fail of each goal (docs/design/store_bench.md explains the method and t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -81,6 +80,11 @@ def run_section_child(name: str, plan: Plan, deadline_s: float) -> int:
     """Body of a section child: run one family and print its marked result line, whatever happens."""
     module, func, _, _ = SECTIONS[name]
     t0 = time.monotonic()
+
+    def _on_term(_sig: int, _frame: object) -> None:
+        raise SystemExit(f"{name}: terminated by the parent's deadline")
+
+    signal.signal(signal.SIGTERM, _on_term)  # unwind: `children()` stops the servers it started
     try:
         with alarm(deadline_s, name):
             fn = getattr(__import__(module), func)
@@ -107,16 +111,20 @@ def run_section(name: str, plan: Plan, timeout_s: int, log: bool) -> dict[str, A
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's group: the child and the servers it started
-        out, err = proc.communicate()
+        # the child's group: the child and the servers it started. SIGTERM first, so a storage node
+        # unlinks its shared-memory pool and the child's cleanup runs; SIGKILL whatever is left.
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
         res = {"rows": [], "skipped": {name: f"timed out after {timeout_s}s"}}
     else:
         res = parse_result(out) or {
             "rows": [], "skipped": {name: f"child exited rc={proc.returncode} without a result: "
                                           f"{' | '.join(err.strip().splitlines()[-2:])}"}}
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # a server that outlived its section must not skew the next one
+    _reap_group(proc.pid)  # a server that outlived its section must not skew the next one
     res.setdefault("seconds", round(time.monotonic() - t0, 1))
     if log:
         skipped = res.get("skipped") or {}
@@ -124,6 +132,27 @@ def run_section(name: str, plan: Plan, timeout_s: int, log: bool) -> dict[str, A
         what = what or f"{len(res.get('rows', []))} row(s)"
         print(f"[store_bench] {name}: {what} ({res['seconds']}s)", file=sys.stderr, flush=True)
     return res
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Signal a section's process group (created by us with start_new_session); False if it is gone."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _reap_group(pgid: int, grace_s: float = 5.0) -> None:
+    """Stop anything left in a finished section's group: SIGTERM, a grace period, then SIGKILL."""
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        if not _signal_group(pgid, 0):
+            return
+    _signal_group(pgid, signal.SIGKILL)
 
 
 def _cell(row: Row | None, op: str, size: int) -> float | None:
