@@ -169,3 +169,4 @@ def test_cli_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["replay", str(out), "--spec", "tiny", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["requests"] == 50 and d["token_hit_rate"] > 0.3 and d["config"]["block_size"] == 64
+    assert d["tenants"]["t0"]["requests"] == 50

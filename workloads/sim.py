@@ -143,6 +143,7 @@ class SimResult:
     config: SimConfig
     total: Counters
     per_workload: dict[str, Counters]
+    per_tenant: dict[str, Counters]
     bytes_evicted: int
     objects_evicted: int
     objects_refused: int  # larger than the whole capacity, or the pool is full of pinned objects
@@ -174,6 +175,7 @@ class SimResult:
                 "low_watermark": c.low_watermark,
             },
             "workloads": {w: s.to_dict() for w, s in sorted(self.per_workload.items())},
+            "tenants": {t: s.to_dict() for t, s in sorted(self.per_tenant.items())},
         }
         if per_request:
             out["per_request"] = self.per_request
@@ -218,6 +220,7 @@ def simulate(
     hybrid = spec.hybrid
     in_blocks = config.capacity_unit == "blocks"
     per_workload: dict[str, Counters] = {}
+    per_tenant: dict[str, Counters] = {}
     real_size: dict[bytes, int] = {}
     bytes_evicted = objects_evicted = refused = 0
     per_req: dict[str, list[Any]] = {k: [] for k in ("workload", "arrival_ms", "input", "cached", "output")}
@@ -233,9 +236,7 @@ def simulate(
         # prefill acquires [0, p) + the checkpoint; probes and "already exists" puts do not touch)
         m = idx.match_prefix(prompt, require_checkpoint=hybrid, touch=True)
         run, usable = m.mla_run_blocks, m.usable_blocks
-        cnt = per_workload.get(req.workload)
-        if cnt is None:
-            cnt = per_workload[req.workload] = Counters()
+        cnt = Counters()  # this request; added to its workload and tenant at the end
         sizes = chain.block_tokens
         run_tokens = sum(sizes[:run])
         usable_tokens = sum(sizes[:usable])
@@ -289,6 +290,11 @@ def simulate(
         for ev in idx.drain_events():
             objects_evicted += 1
             bytes_evicted += real_size.pop(ev.key, 0)
+        for group, name in ((per_workload, req.workload), (per_tenant, req.tenant)):
+            into = group.get(name)
+            if into is None:
+                into = group[name] = Counters()
+            into.add(cnt)
         if progress is not None:
             progress(seq + 1, total_n)
     total = Counters()
@@ -300,6 +306,7 @@ def simulate(
         config=config,
         total=total,
         per_workload=per_workload,
+        per_tenant=per_tenant,
         bytes_evicted=bytes_evicted,
         objects_evicted=objects_evicted,
         objects_refused=refused,
