@@ -40,7 +40,7 @@ from kvpool.proto import common_pb2, master_pb2
 log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_CALL = 100_000
-MAX_BLOCKS_PER_MATCH = 1 << 20
+MAX_BLOCKS_PER_MATCH = 1 << 16  # 65,536 blocks x 512 tokens: far beyond any context
 MAX_TENANT_CHARS = 256
 MAX_PIN_MS = 24 * 3600 * 1000
 
@@ -207,6 +207,8 @@ class MasterCore:
         return True
 
     def heartbeat(self, req: master_pb2.HeartbeatRequest) -> master_pb2.HeartbeatReply:
+        if not req.node_id:
+            raise InvalidRequest("heartbeat without node_id")
         rec = self._nodes.get(req.node_id)
         if rec is None:
             self._count("heartbeats_unknown")

@@ -280,6 +280,8 @@ def test_bad_input_gets_clear_errors_and_server_keeps_serving(master: MasterProc
         (s.Pin, master_pb2.PinRequest(keys=[b"k"], ttl_ms=10**9), grpc.StatusCode.INVALID_ARGUMENT, "ttl"),
         (s.RegisterNode, master_pb2.RegisterNodeRequest(node=common_pb2.NodeEndpoint(node_id="x")),
          grpc.StatusCode.INVALID_ARGUMENT, "host"),
+        (s.Heartbeat, master_pb2.HeartbeatRequest(), bad, "node_id"),
+        (s.MatchPrefix, master_pb2.MatchPrefixRequest(block_hashes=[b"\0" * 32] * 70_000), bad, "more than"),
     ]
     for method, request, code, words in cases:
         with pytest.raises(grpc.RpcError) as err:
