@@ -346,7 +346,7 @@ def ensure_mooncake(install_timeout_s: float = 420) -> tuple[Path | None, str]:
     except subprocess.TimeoutExpired:
         return None, f"pip install {MOONCAKE_PKG} ran past {install_timeout_s:.0f}s (no network?)"
     if res.returncode != 0:
-        return None, f"pip install {MOONCAKE_PKG} failed (no network?): {_tail(res.stderr or res.stdout)}"
+        return None, f"pip install {MOONCAKE_PKG} failed (no network?): {_tail(res.stderr or res.stdout, 1)}"
     res = _run(check, 120)
     if res.returncode != 0:
         return None, f"mooncake.store does not import: {_tail(res.stderr)}"
