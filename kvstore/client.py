@@ -81,6 +81,7 @@ class AsyncStoreClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: master_pb2_grpc.MasterStub | None = None
         self._counters: dict[str, float] = {}
+        self._pending_releases: set[asyncio.Task] = set()
 
     # --- plumbing ----------------------------------------------------------------------------------------
     @property
@@ -128,6 +129,8 @@ class AsyncStoreClient:
             self._count(f"latency_s.{op}", time.perf_counter() - t0)
 
     async def close(self) -> None:
+        if self._pending_releases:
+            await asyncio.wait(self._pending_releases, timeout=self.rpc_timeout_s)
         await self.transports.close()
         if self._channel is not None:
             await self._channel.close()
@@ -272,6 +275,14 @@ class AsyncStoreClient:
         under a lease: ``fetch_into`` them, then ``release(reply.lease_id)``."""
         return await self._timed("lookup", self._lookup(keys, acquire))
 
+    def _release_soon(self, lease_id: str) -> None:
+        """Release off the critical path: the bytes are already here, so the caller need not wait for the
+        master's answer (a lost Release only means the lease runs to its deadline)."""
+        if lease_id:
+            task = asyncio.get_running_loop().create_task(self.release(lease_id))
+            self._pending_releases.add(task)
+            task.add_done_callback(self._pending_releases.discard)
+
     async def release(self, lease_id: str) -> None:
         """Drop a read-pin lease (e.g. from ``match_prefix(acquire=True)``); failures are only counted."""
         if lease_id:
@@ -291,7 +302,7 @@ class AsyncStoreClient:
                 await self._fetch(loc, out)
                 return bytes(out)
             finally:
-                await self.release(reply.lease_id)
+                self._release_soon(reply.lease_id)
 
         return await self._timed("get", body())
 
@@ -303,7 +314,7 @@ class AsyncStoreClient:
             try:
                 return await self._fetch(self._found_one(reply, key), out)
             finally:
-                await self.release(reply.lease_id)
+                self._release_soon(reply.lease_id)
 
         return await self._timed("get", body())
 
@@ -355,7 +366,7 @@ class AsyncStoreClient:
                     )
                 )
             finally:
-                await self.release(reply.lease_id)
+                self._release_soon(reply.lease_id)
             results: list[bytes | StoreError] = []
             for k in keys:
                 if k not in got:

@@ -12,19 +12,29 @@ otherwise raises ``TransportUnavailableError`` (no silent fallback).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from collections.abc import Sequence
 from multiprocessing import shared_memory
 
 import grpc
 from kvpool.kvstore.client_rpc import CHANNEL_OPTIONS, raise_typed
 from kvpool.kvstore.errors import (
+    BadRequestError,
     ObjectNotFoundError,
     StoreError,
     StoreUnavailableError,
     TransportUnavailableError,
 )
 from kvpool.kvstore.pool import attach_segment
-from kvpool.kvstore.transport_base import DEFAULT_DEADLINES, Buffer, Deadlines, Transport, as_bytes_view
+from kvpool.kvstore.transport_base import (
+    DEFAULT_DEADLINES,
+    Buffer,
+    Deadlines,
+    Transport,
+    as_bytes_view,
+    verify_checksum,
+)
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 
 
@@ -105,6 +115,50 @@ class ShmTransport(Transport):
         seg = self._segment(reply.shm_name)
         out[: ext.size] = seg[ext.offset : ext.offset + ext.size]
         return ext.size
+
+    async def batch_get_into(
+        self, items: Sequence[tuple[common_pb2.ObjectLocation, Buffer]]
+    ) -> list[int | StoreError]:
+        """One ``Locate`` per node for the whole batch (not one per object), then plain copies."""
+        results: list[int | StoreError] = [StoreError("not run")] * len(items)
+        by_node: dict[str, list[int]] = {}
+        for i, (loc, _out) in enumerate(items):
+            by_node.setdefault(f"{loc.node.host}:{loc.node.grpc_port}", []).append(i)
+
+        async def run(idx: list[int]) -> None:
+            node = items[idx[0]][0].node
+            try:
+                self._check(node)
+                keys = [items[i][0].meta.key for i in idx]
+                reply = await self._call(self._stub(node).Locate, node_pb2.KeysRequest(keys=keys), 0)
+                seg = self._segment(reply.shm_name)
+            except StoreError as exc:
+                for i in idx:
+                    results[i] = exc
+                return
+            extents = {e.key: e for e in reply.extents}
+            for i in idx:
+                loc, out = items[i]
+                ext = extents.get(loc.meta.key)
+                try:
+                    if ext is None:
+                        raise ObjectNotFoundError(
+                            f"key {loc.meta.key[:8].hex()}… not in {node.node_id}'s DRAM"
+                        )
+                    view = as_bytes_view(out)
+                    if ext.size > len(view):
+                        raise BadRequestError(
+                            f"buffer of {len(view)} B is smaller than the object ({ext.size} B)"
+                        )
+                    view[: ext.size] = seg[ext.offset : ext.offset + ext.size]
+                    verify_checksum(view[: ext.size], loc.meta.checksum, loc.meta.key)
+                    self.bytes_in += ext.size
+                    results[i] = ext.size
+                except StoreError as exc:
+                    results[i] = exc
+
+        await asyncio.gather(*(run(idx) for idx in by_node.values()))
+        return results
 
     async def close(self) -> None:
         for channel, _stub in self._channels.values():
