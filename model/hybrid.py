@@ -284,16 +284,27 @@ class HybridModel(nn.Module):
         checkpoints: dict[int, KDACheckpoint] = {}
         outs: list[torch.Tensor] = []
         h = ids.new_empty(0)
+        anchor, tail_from = KDACheckpoint(p0, dict(kda)), p0
         for pos in range(p0, L, SEGMENT):
             end = min(pos + SEGMENT, L)
+            if end - pos < SEGMENT:
+                anchor, tail_from = KDACheckpoint(pos, dict(kda)), pos
             h = self._segment(ids[pos - p0 : end - p0], pos, kda, latents)
             if logits == "all":
                 outs.append(self.lm_head(h))
             if end in wanted:
                 checkpoints[end] = KDACheckpoint(end, dict(kda))
         out = torch.cat(outs, 0) if logits == "all" else self.lm_head(h[-1:])[0]
+        final = KDACheckpoint(L, dict(kda))
+        if L % SEGMENT == 0:
+            anchor, tail_from = final, L
         return PrefillResult(
-            logits=out, mla=latents, checkpoints=checkpoints, final=KDACheckpoint(L, dict(kda))
+            logits=out,
+            mla=latents,
+            checkpoints=checkpoints,
+            final=final,
+            anchor=anchor,
+            tail_tokens=ids[tail_from - p0 :].tolist(),
         )
 
     @torch.no_grad()
@@ -318,8 +329,25 @@ class HybridModel(nn.Module):
                 state.append_latent(i, new)
             h = h + y
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.lm_head(self.model.norm(h))[0]
         state.n_tokens += 1
-        return self.lm_head(self.model.norm(h))[0], state
+        if state.anchor is not None:
+            state.pending.append(int(ids[0]))
+            if state.n_tokens % SEGMENT == 0:
+                self._canonicalize(state)
+        return logits, state
+
+    def _canonicalize(self, state: DecodeState) -> None:
+        """Re-run the segment just completed by decode on the prefill path, from the anchor, and adopt its
+        KDA state and MLA rows: the state at every segment end is then what a prefill would have made."""
+        anchor = state.anchor
+        pos = anchor.n_tokens
+        ids = torch.tensor(state.pending, dtype=torch.long, device=self.device)
+        kda = {i: self._state_in(s) for i, s in anchor.layers.items()}
+        self._segment(ids, pos, kda, state.buffers())  # rewrites rows [pos, pos + 64) of every MLA layer
+        state.kda = kda
+        state.anchor = KDACheckpoint(state.n_tokens, dict(kda))
+        state.pending = []
 
     def decode_step_batch(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> list[torch.Tensor]:
         """Several requests, one step each. Per-request exact: each row is computed exactly as `decode_step`

@@ -15,12 +15,16 @@ class PrefillResult:
     """``logits``: ``[V]`` for the last token (``logits="last"``) or ``[L - start, V]`` (``"all"``).
     ``mla[i]``: latents of ALL tokens ``[0, L)`` of MLA layer ``i`` (the start's rows, then the new ones).
     ``checkpoints[b]``: KDA state after exactly ``b`` tokens for each requested boundary; ``final``: at ``L``.
+    ``anchor``: the KDA state at the start of the last segment (``64 * floor(L / 64)``, = ``final`` when L is
+    aligned) and ``tail_tokens`` the tokens after it: what canonical decode needs (see `DecodeState`).
     """
 
     logits: torch.Tensor
     mla: dict[int, torch.Tensor]
     checkpoints: dict[int, KDACheckpoint] = field(default_factory=dict)
     final: KDACheckpoint = field(default_factory=lambda: KDACheckpoint(0))
+    anchor: KDACheckpoint | None = None
+    tail_tokens: list[int] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
