@@ -444,7 +444,7 @@ class PrefixIndex:
         c.size[slot] = size
         c.checksum[slot] = checksum
         c.last_use[slot] = now
-        c.freq[slot] = 0.0
+        c.freq[slot] = 1.0  # a write is the first use, identical under every policy (no per-insert call)
         c.deps[slot] = self._orphans.pop(key, 0)
         self._link_anchor(slot, key, kind, parent)
         (self._pending if pending else self._slot)[key] = slot
@@ -453,7 +453,6 @@ class PrefixIndex:
         self._tenant_bytes[tid] = self._tenant_bytes.get(tid, 0) + size
         if ttl_ms:
             self._set_ttl(slot, key, now + ttl_ms / 1000.0)
-        self.policy.touch(c, np.array([slot]), now)
         if evict:
             self._evict_pool(nid, tier, now, protect=slot)
         return node_id
@@ -466,7 +465,7 @@ class PrefixIndex:
         self._cols.flags[slot] &= ~np.uint8(_PENDING)
         self._slot[key] = slot
         now = self._clock()
-        self.policy.touch(self._cols, np.array([slot]), now)
+        self._cols.last_use[slot] = now  # recency counts from visibility; the write was the one use
         # never evict what was just written: the writer has not even been told it succeeded
         self._evict_pool(int(self._cols.node[slot]), Tier(int(self._cols.tier[slot])), now, protect=slot)
 
