@@ -369,3 +369,54 @@ def test_failed_demotion_drops_the_object_and_orders_delete(master: MasterProces
         assert st.bytes_per_tier["SSD"] == 0 and st.objects == 12 - len(demoted)
     finally:
         n.close()
+
+
+def test_async_stub_works_too(master: MasterProcess, node: ProbeNode) -> None:
+    """The client library drives the master with grpc.aio stubs; the same server answers both kinds."""
+    import asyncio
+
+    from kvpool.proto import master_pb2_grpc
+
+    hs = chain(3)
+    put_chain(master, hs, checkpoints=(3,))
+
+    async def run() -> tuple[int, int]:
+        async with grpc.aio.insecure_channel(master.address) as channel:
+            stub = master_pb2_grpc.MasterStub(channel)
+            req = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True, acquire=True)
+            got = await stub.MatchPrefix(req, timeout=T)
+            await stub.Release(master_pb2.ReleaseRequest(lease_id=got.lease_id), timeout=T)
+            stats = await stub.Stats(master_pb2.StatsRequest(), timeout=T)
+            return got.usable_blocks, stats.active_leases
+
+    assert asyncio.run(run()) == (3, 0)
+
+
+@pytest.mark.slow
+def test_large_inventory_adoption(tmp_path: Path) -> None:
+    """A node holding 200k objects (a ~15 MB RegisterNode, over gRPC's 4 MB default) is adopted in one
+    call, and the stall it causes does not get a heartbeating neighbour declared dead."""
+    m = MasterProcess(tmp_path, "--heartbeat-ms", "100", "--node-timeout-ms", "800")
+    big = ProbeNode("big", m, dram=1 << 40)
+    small = ProbeNode("small", m, dram=1 << 20)
+    try:
+        small.register()
+        small.start_heartbeats()
+        hs = chain(200_000, "big")
+        inventory, parent = [], b""
+        for h in hs:
+            inventory.append(meta(mla_key(h), 1 << 20, common_pb2.MLA_BLOCK, parent=parent))
+            parent = mla_key(h)
+        t = time.monotonic()
+        assert big.register(inventory).adopted_objects == 200_000
+        took = time.monotonic() - t
+        big.start_heartbeats()
+        time.sleep(0.5)
+        st = m.stats()
+        assert st.objects == 200_000 and st.nodes == 2, f"adoption took {took:.1f}s"
+        got = match(m, hs[:2000], require_checkpoint=False, counts_only=True)
+        assert got.usable_blocks == 2000
+    finally:
+        big.close()
+        small.close()
+        m.kill()
