@@ -47,7 +47,6 @@ def run_generate(args: argparse.Namespace) -> int:
     from .tokenizer import load_tokenizer
 
     try:
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
         model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
         tok = load_tokenizer(None if args.model in ("tiny", "tiny8") else Path(args.model), model.config)
         prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else tok.encode(args.prompt)
