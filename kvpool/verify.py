@@ -1,0 +1,243 @@
+"""``kvpool verify``: is the disaggregated, cached path exactly the plain model?
+
+Runs a fixed prompt set — shared system prompts, multi-turn chats, lengths crossing block and checkpoint
+boundaries — through (a) the colocated engine without cache, in this process (the reference), and (b) the
+disaggregated workers with the shared cache: its own master + node + prefill + decode on loopback, or the
+workers given by ``--prefill/--decode``. Reports the share of requests with identical greedy tokens, the
+largest first-token logit difference, how many first-token logits were bit-identical, and whether the
+cached tokens each prefill reported were really reused (a multiple of the block size, the rest computed,
+and at least that many blocks' bytes plus a checkpoint fetched). Second chat turns resume from
+decode-computed blocks, which differ from a prefill by ~1e-7 (model.md §5): they count in
+``identical`` by tokens and in ``max_logit_diff`` but are not expected to be bitwise.
+
+``--endpoint URL`` (OpenAI-compatible gateway) is not implemented yet and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+TOLERANCE = 1e-4  # fp32 first-token logits: decode-computed turn-2 prefixes differ by ~1e-6
+SYSTEMS = (
+    "You are a careful assistant. Answer briefly and cite the section you used.",
+    "System: you are the support bot of a storage company. Customers ask about caches, tiers, eviction "
+    "and prices; be exact, never invent numbers, and say so when a question is outside your knowledge.",
+    "Context document: The pool keeps objects in DRAM and demotes cold ones to SSD. A prefix index answers "
+    "the longest usable prefix of a hash chain in one call; read pins are leases with deadlines; eviction "
+    "goes leaves first so every cached prefix stays usable. Checkpoints are sparse because each one costs "
+    "as much as many blocks. Questions follow.",
+)
+QUESTIONS = (
+    "\nUser: what is a block?\nAssistant:",
+    "\nUser: how long does a lease live, and who releases it when a client dies?\nAssistant:",
+    "\nUser: summarise the eviction rule in one line.\nAssistant:",
+    "\nUser: why are checkpoints sparse? Give the cost ratio if you know it, otherwise say you do not.\n"
+    "Assistant:",
+)
+FOLLOW_UPS = (
+    "\nUser: and in more detail?\nAssistant:",
+    "\nUser: thanks. One more: what about SSD?\nAssistant:",
+)
+
+
+@dataclass
+class Case:
+    name: str
+    text: str
+    max_tokens: int = 4
+    follow_up: str | None = None  # a second chat turn built from this case's output
+
+
+@dataclass
+class Row:
+    name: str
+    prompt_tokens: int
+    cached_tokens: int
+    identical: bool
+    bitwise_logits: bool
+    max_logit_diff: float
+    cached_verified: bool
+    resume_path: str
+
+
+@dataclass
+class Report:
+    requests: int = 0
+    identical: int = 0
+    identical_fraction: float = 0.0
+    max_logit_diff: float = 0.0
+    bitwise_first_logits: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_verified: bool = True
+    mode: str = "disaggregated"
+    elapsed_s: float = 0.0
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.requests > 0
+            and self.identical == self.requests
+            and self.max_logit_diff <= TOLERANCE
+            and self.cached_tokens_verified
+        )
+
+
+def prompt_set() -> list[Case]:
+    """Fixed cases: every system prompt x every question (shared prefixes), chats with a second turn, and
+    a long prompt spanning several blocks."""
+    cases = [Case(f"s{i}q{j}", s + q) for i, s in enumerate(SYSTEMS) for j, q in enumerate(QUESTIONS)]
+    for i, s in enumerate(SYSTEMS):
+        cases.append(Case(f"chat{i}", s + QUESTIONS[i], 24, FOLLOW_UPS[i % 2]))
+    cases.append(Case("long", " ".join(SYSTEMS) + QUESTIONS[3], 6))
+    return cases
+
+
+def _check_cached(reply_usage: object, schema: object, block_size: int) -> bool:
+    """Reported cached tokens really reused: block-aligned, the rest computed, their bytes fetched."""
+    cached, computed = reply_usage.cached_tokens, reply_usage.computed_tokens  # type: ignore[attr-defined]
+    if cached % block_size or cached + computed != reply_usage.prompt_tokens:  # type: ignore[attr-defined]
+        return False
+    if cached == 0:
+        return True
+    need = schema.mla_block_bytes() * (cached // block_size) + schema.kda_checkpoint_bytes()  # type: ignore
+    return reply_usage.bytes_fetched >= need  # type: ignore[attr-defined]
+
+
+async def run_verify(
+    model_name: str, prefill: str, decode: str, block_size: int = 64, tenant: str | None = None
+) -> Report:
+    import torch
+
+    from kvpool.decode.client import DisaggClient
+    from kvpool.decode.colocated import Colocated
+    from kvpool.decode.sampling import SamplingParams
+    from kvpool.model.loader import load_model
+    from kvpool.model.tokenizer import load_tokenizer
+    from kvpool.prefill.handoff import PrefillRequest
+
+    torch.set_num_threads(2)  # the workers' default --threads: same kernels on both sides
+    torch.use_deterministic_algorithms(True)
+    model = load_model(model_name)
+    tokenizer = load_tokenizer(None if model_name in ("tiny", "tiny8") else model_name, model.config)
+    schema = model.cache_schema(block_size)
+    reference = Colocated(model, None, block_size=block_size)
+    client = DisaggClient(prefill, decode, timeout_s=120)
+    tenant = tenant if tenant is not None else f"verify-{uuid.uuid4().hex[:8]}"
+    report = Report()
+    t0 = time.perf_counter()
+
+    async def one(name: str, ids: list[int], max_tokens: int) -> list[int]:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        got = await client.complete(PrefillRequest(f"{tenant}-{name}", ids, tenant, sp))
+        ref = await reference.complete(PrefillRequest(f"ref-{name}", ids, tenant, sp, use_cache=False))
+        diff = float((got.first_logits - ref.first_logits).abs().max())
+        row = Row(
+            name=name,
+            prompt_tokens=len(ids),
+            cached_tokens=got.prefill.cached_tokens,
+            identical=got.tokens == ref.tokens,
+            bitwise_logits=torch.equal(got.first_logits, ref.first_logits),
+            max_logit_diff=diff,
+            cached_verified=_check_cached(got.prefill, schema, block_size),
+            resume_path=got.decode.resume_path,
+        )
+        report.rows.append(row)
+        return got.tokens
+
+    try:
+        for case in prompt_set():
+            ids = tokenizer.encode(case.text)
+            out = await one(case.name, ids, case.max_tokens)
+            if case.follow_up is not None:
+                turn2 = ids + out + tokenizer.encode(case.follow_up)[1:]  # no second BOS mid-conversation
+                await one(f"{case.name}.turn2", turn2, 4)
+    finally:
+        await client.close()
+        reference.close()
+    rows = report.rows
+    report.requests = len(rows)
+    report.identical = sum(r.identical for r in rows)
+    report.identical_fraction = report.identical / max(len(rows), 1)
+    report.max_logit_diff = max((r.max_logit_diff for r in rows), default=0.0)
+    report.bitwise_first_logits = sum(r.bitwise_logits for r in rows)
+    report.prompt_tokens = sum(r.prompt_tokens for r in rows)
+    report.cached_tokens = sum(r.cached_tokens for r in rows)
+    report.cached_tokens_verified = all(r.cached_verified for r in rows)
+    report.elapsed_s = time.perf_counter() - t0
+    return report
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "verify", help="check disaggregated + cache == plain model on a fixed prompt set"
+    )
+    p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
+    p.add_argument("--endpoint", default=None, help="OpenAI-compatible URL (not implemented yet)")
+    p.add_argument(
+        "--prefill", default=None, help="prefill worker HOST:PORT (default: start a local cluster)"
+    )
+    p.add_argument("--decode", default=None, help="decode worker HOST:PORT (with --prefill)")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run)
+
+
+def _print_table(report: Report) -> None:
+    print(f"{'case':<14}{'prompt':>7}{'cached':>7}  {'tokens':<10}{'logits':<9}{'max diff':>10}  resume")
+    for r in report.rows:
+        same = "identical" if r.identical else "DIFFERENT"
+        bits = "bitwise" if r.bitwise_logits else "close"
+        print(
+            f"{r.name:<14}{r.prompt_tokens:>7}{r.cached_tokens:>7}  {same:<10}{bits:<9}"
+            f"{r.max_logit_diff:>10.2e}  {r.resume_path}{'' if r.cached_verified else '  CACHED MISMATCH'}"
+        )
+    print(
+        f"{report.identical}/{report.requests} identical greedy continuations "
+        f"({report.identical_fraction:.0%}), {report.bitwise_first_logits} bitwise first-token logits, "
+        f"max first-token logit diff {report.max_logit_diff:.2e}, cached {report.cached_tokens}/"
+        f"{report.prompt_tokens} prompt tokens "
+        f"({'verified' if report.cached_tokens_verified else 'MISMATCH'}) "
+        f"in {report.elapsed_s:.1f}s: {'OK' if report.ok else 'FAIL'}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.endpoint:
+        print("kvpool verify --endpoint: the OpenAI endpoint mode is not implemented yet", file=sys.stderr)
+        return 2
+    if (args.prefill is None) != (args.decode is None):
+        print("kvpool verify: give both --prefill and --decode, or neither", file=sys.stderr)
+        return 2
+    cluster = None
+    if args.prefill is None:
+        from kvpool.prefill.cluster import LaunchError, LocalCluster
+
+        try:
+            cluster = LocalCluster(model=args.model, block_size=args.block_size).start()
+        except LaunchError as exc:
+            print(f"kvpool verify: {exc}", file=sys.stderr)
+            return 1
+        prefill, decode = cluster.prefill, cluster.decode
+    else:
+        prefill, decode = args.prefill, args.decode
+    try:
+        report = asyncio.run(run_verify(args.model, prefill, decode, args.block_size))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    if args.json:
+        out = asdict(report)
+        out["rows"] = [asdict(r) for r in report.rows]
+        out["ok"] = report.ok
+        print(json.dumps(out))
+    else:
+        _print_table(report)
+    return 0 if report.ok else 1
