@@ -203,3 +203,23 @@ def test_canonical_decode_matches_prefill_of_the_conversation(model):
         _, plain = model.decode_step(t, plain)
     s_plain, s_ref = plain.checkpoint().layers[0].recurrent, ref.checkpoints[128].layers[0].recurrent
     assert (s_plain - s_ref).abs().max() < 1e-4 and not torch.equal(s_plain, s_ref)
+
+
+def test_k3_lower_bound_gate_model_resumes_bitwise():
+    import dataclasses
+
+    from kvpool.model.config import ModelConfig
+    from kvpool.model.hybrid import HybridModel
+    from kvpool.model.tiny import init_weights, tiny_config
+
+    cfg = dataclasses.replace(tiny_config(), kda_gate_lower_bound=-5.0)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    m = init_weights(HybridModel(cfg))
+    assert m.fingerprint() != build_tiny().fingerprint()  # the gate kind is part of the architecture
+    ids = _ids(200, 14)
+    full = m.prefill(ids, logits="all")
+    rest = m.prefill(ids[64:], start=_roundtrip(m.prefill(ids[:64]).prefix()), logits="all")
+    assert torch.equal(rest.logits, full.logits[64:])
+    st = DecodeState.from_prefill(m.prefill(ids[:150]))
+    logits, _ = m.decode_step(ids[150], st)
+    assert (logits - full.logits[150]).abs().max() < 1e-4
