@@ -33,6 +33,7 @@ from kvpool.kvstore.index import (
     Removal,
     StoreIndexError,
     Tier,
+    UnknownKeyError,
     UnknownNodeError,
 )
 from kvpool.proto import common_pb2, master_pb2
@@ -224,7 +225,8 @@ class MasterCore:
         self._outbox.pop(node_id, None)
         for put_id in [p.put_id for p in self._puts.values() if p.node_id == node_id]:
             put = self._puts.pop(put_id)
-            self._put_of_key.pop(put.key, None)
+            if self._put_of_key.get(put.key) == put_id:
+                del self._put_of_key[put.key]
         try:
             dropped = self.index.remove_node(node_id)
         except UnknownNodeError:
@@ -299,15 +301,16 @@ class MasterCore:
 
     def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
         put = self._take_put(req.put_id)
-        self.index.commit(put.key)
+        try:
+            self.index.commit(put.key)
+        except UnknownKeyError:  # its TTL ran out before the commit (the node was told to delete it)
+            raise NotFound(f"put {req.put_id!r} expired before its commit") from None
         self._absorb_index_events()
         self._count("puts_committed")
         return master_pb2.PutCommitReply()
 
     def put_abort(self, req: master_pb2.PutAbortRequest) -> master_pb2.PutAbortReply:
-        put = self._take_put(req.put_id)
-        self.index.remove(put.key, reason="aborted")
-        self._queue(put.node_id, NodeAction.DELETE, put.key)  # staged bytes may have landed
+        self._drop_put(self._take_put(req.put_id))
         self._count("puts_aborted")
         return master_pb2.PutAbortReply()
 
@@ -315,10 +318,19 @@ class MasterCore:
         if not put_id:
             raise InvalidRequest("put_id is empty")
         put = self._puts.pop(put_id, None)
-        if put is None:
+        if put is None or self._put_of_key.get(put.key) != put_id:
+            # unknown, finished, or superseded: its pending entry expired and another put took the key
             raise NotFound(f"no pending put {put_id!r} (unknown, committed, aborted or past its deadline)")
-        self._put_of_key.pop(put.key, None)
+        del self._put_of_key[put.key]
         return put
+
+    def _drop_put(self, put: _Put) -> None:
+        """Undo a started put: the pending entry goes (if it is still this put's) and the node is told to
+        delete whatever bytes of it landed."""
+        info = self.index.get(put.key)
+        if info is not None and not info.committed and info.node_id == put.node_id:
+            self.index.remove(put.key, reason="aborted")
+        self._queue(put.node_id, NodeAction.DELETE, put.key)
 
     # ------------------------------------------------------------------ reads
 
@@ -477,9 +489,9 @@ class MasterCore:
             log.warning("node %s silent for %.1fs: dropped with %d objects", node_id, timeout, lost)
         for put in [p for p in self._puts.values() if p.deadline <= now]:
             del self._puts[put.put_id]
-            self._put_of_key.pop(put.key, None)
-            self.index.remove(put.key, reason="aborted")
-            self._queue(put.node_id, NodeAction.DELETE, put.key)  # its staged bytes may have landed
+            if self._put_of_key.get(put.key) == put.put_id:
+                del self._put_of_key[put.key]
+                self._drop_put(put)
             self._count("puts_abandoned")
         self.index.expire()
         self._absorb_index_events()

@@ -196,3 +196,24 @@ def test_counts_only_match_for_routers() -> None:
     assert len(full.mla) == 20 and not fast.mla and not fast.HasField("checkpoint")
     on_ssd = sum(loc.meta.tier == common_pb2.SSD for loc in full.mla)
     assert fast.usable_blocks_on_ssd == full.usable_blocks_on_ssd == on_ssd > 0
+
+
+def test_stale_put_never_touches_the_put_that_replaced_it() -> None:
+    """A pending tail whose TTL ran out frees its key; the next writer's put must survive the first put's
+    commit attempt and deadline sweep."""
+    clock = Clock()
+    core = MasterCore(MasterConfig(put_deadline_ms=1000), clock=clock)
+    register(core, "a", 1000)
+    md = common_pb2.ObjectMeta(key=b"Tx", kind=common_pb2.REQUEST_TAIL, size=5, ttl_ms=100)
+    first = core.put_start(master_pb2.PutStartRequest(meta=md))
+    advance(core, clock, 0.2)  # the pending tail expired
+    assert orders(core) == {("a", NodeAction.DELETE): [b"Tx"]}
+    md.ttl_ms = 60_000
+    second = core.put_start(master_pb2.PutStartRequest(meta=md))
+    assert second.status == STARTED
+    with pytest.raises(NotFound):
+        core.put_commit(master_pb2.PutCommitRequest(put_id=first.put_id))
+    advance(core, clock, 0.9)  # the first put's deadline passes: nothing of the second may go
+    assert core.index.is_pending(b"Tx")
+    core.put_commit(master_pb2.PutCommitRequest(put_id=second.put_id))
+    assert core.lookup(master_pb2.LookupRequest(keys=[b"Tx"])).found
