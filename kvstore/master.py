@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
 from kvpool.kvstore.index import (
     MAX_KEY_BYTES,
@@ -36,6 +37,7 @@ from kvpool.kvstore.index import (
     UnknownKeyError,
     UnknownNodeError,
 )
+from kvpool.kvstore.master_state import StateStore
 from kvpool.proto import common_pb2, master_pb2
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class MasterConfig:
     put_deadline_ms: int = 30_000
     node_call_timeout_ms: int = 2000
     sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
+    state_path: Path | None = None  # quotas and pins persisted here (JSON), None = not persisted
 
     def validate(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -149,6 +152,9 @@ class MasterCore:
         self._outbox: dict[str, dict[bytes, NodeAction]] = {}
         self._last_sweep = clock()
         self.counters: dict[str, int] = {}
+        self.state = StateStore(self.config.state_path)  # StateFileError if unreadable: refuse to start
+        for tenant, max_bytes in self.state.state.quotas.items():
+            self.index.set_quota(tenant, max_bytes)
 
     # ------------------------------------------------------------------ storage nodes
 
@@ -205,7 +211,15 @@ class MasterCore:
             log.warning("node %s: cannot adopt %s: %s", node_id, meta.key[:9].hex(), exc)
             self._queue(node_id, NodeAction.DELETE, meta.key)
             return False
+        self._restore_pin(meta.key)
         return True
+
+    def _restore_pin(self, key: bytes) -> None:
+        """Re-apply a pin that outlived an earlier master (or an earlier copy of the object)."""
+        remaining = self.state.pin_remaining_ms(key)
+        if remaining:
+            self.index.pin([key], remaining)
+            self._count("pins_restored")
 
     def heartbeat(self, req: master_pb2.HeartbeatRequest) -> master_pb2.HeartbeatReply:
         if not req.node_id:
@@ -305,6 +319,7 @@ class MasterCore:
             self.index.commit(put.key)
         except UnknownKeyError:  # its TTL ran out before the commit (the node was told to delete it)
             raise NotFound(f"put {req.put_id!r} expired before its commit") from None
+        self._restore_pin(put.key)
         self._absorb_index_events()
         self._count("puts_committed")
         return master_pb2.PutCommitReply()
@@ -441,11 +456,15 @@ class MasterCore:
         keys = _check_keys(req.keys)
         if req.ttl_ms > MAX_PIN_MS:
             raise InvalidRequest(f"ttl_ms {req.ttl_ms} exceeds the maximum {MAX_PIN_MS}")
-        return master_pb2.PinReply(pinned=self.index.pin(keys, req.ttl_ms))
+        found = [k for k in keys if k in self.index]
+        self.index.pin(found, req.ttl_ms)
+        self.state.set_pins(found, req.ttl_ms)
+        return master_pb2.PinReply(pinned=len(found))
 
     def set_quota(self, req: master_pb2.SetQuotaRequest) -> master_pb2.SetQuotaReply:
         _check_tenant(req.tenant)
         self.index.set_quota(req.tenant, req.max_bytes)
+        self.state.set_quota(req.tenant, req.max_bytes)
         self._absorb_index_events()
         return master_pb2.SetQuotaReply()
 

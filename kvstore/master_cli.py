@@ -14,9 +14,11 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from kvpool.kvstore.eviction import POLICIES
 from kvpool.kvstore.master import MasterConfig
+from kvpool.kvstore.master_state import StateFileError
 
 
 def add_master_parser(store_sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,6 +47,8 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
                    help="deadline of Delete/Demote/Promote calls to nodes")
     p.add_argument("--sweep-ms", type=int, default=d.sweep_ms,
                    help="period of dead-node / abandoned-put / expiry sweeps")
+    p.add_argument("--state-file", type=Path, default=None,
+                   help="persist tenant quotas and soft pins here (JSON) so they survive a restart")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, -1 = off)")
     p.add_argument("--log-level", default="INFO", help="stderr log level")
@@ -62,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> MasterConfig:
         put_deadline_ms=args.put_deadline_ms,
         node_call_timeout_ms=args.node_call_timeout_ms,
         sweep_ms=args.sweep_ms,
+        state_path=args.state_file,
     )
 
 
@@ -74,7 +79,11 @@ def run_master(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(config, args.host, args.port, args.metrics_port))
+    try:
+        return asyncio.run(_serve(config, args.host, args.port, args.metrics_port))
+    except StateFileError as exc:
+        print(f"kvpool store master: {exc}", file=sys.stderr)
+        return 2
 
 
 async def _serve(config: MasterConfig, host: str, port: int, metrics_port: int) -> int:

@@ -420,3 +420,20 @@ def test_large_inventory_adoption(tmp_path: Path) -> None:
         big.close()
         small.close()
         m.kill()
+
+
+def test_state_file_keeps_quotas_across_a_kill(tmp_path: Path) -> None:
+    state = str(tmp_path / "state.json")
+    m1 = MasterProcess(tmp_path, "--state-file", state)
+    m1.stub.SetQuota(master_pb2.SetQuotaRequest(tenant="t", max_bytes=100), timeout=T)
+    m1.kill()
+    m2 = MasterProcess(tmp_path, "--state-file", state)
+    n = ProbeNode("n", m2, dram=10_000)
+    try:
+        n.register()
+        with pytest.raises(grpc.RpcError) as err:
+            m2.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"k", 200, tenant="t")), timeout=T)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in err.value.details()
+    finally:
+        n.close()
+        m2.kill()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 from kvpool.cache.keys import kda_key, mla_key
-from kvpool.kvstore.master import MasterConfig, MasterCore, NodeAction, NotFound
+from kvpool.kvstore.master import MasterConfig, MasterCore, NodeAction, NotFound, ResourceExhausted
 from kvpool.proto import common_pb2, master_pb2
 
 STARTED = master_pb2.PutStartReply.STARTED
@@ -217,3 +218,29 @@ def test_stale_put_never_touches_the_put_that_replaced_it() -> None:
     assert core.index.is_pending(b"Tx")
     core.put_commit(master_pb2.PutCommitRequest(put_id=second.put_id))
     assert core.lookup(master_pb2.LookupRequest(keys=[b"Tx"])).found
+
+
+def test_quotas_and_pins_survive_a_restart(tmp_path: Path) -> None:
+    from kvpool.kvstore.master_state import StateFileError
+
+    state = tmp_path / "master-state.json"
+    cfg = MasterConfig(high_watermark=0.9, low_watermark=0.5, state_path=state)
+    first = MasterCore(cfg, clock=Clock())
+    register(first, "a", 1000)
+    put(first, b"sys", 300)
+    put(first, b"other", 300)
+    assert first.pin(master_pb2.PinRequest(keys=[b"sys", b"absent"], ttl_ms=3_600_000)).pinned == 1
+    first.set_quota(master_pb2.SetQuotaRequest(tenant="t", max_bytes=100))
+    # a new master life: nothing in memory, same state file, the node brings its inventory back
+    second = MasterCore(cfg, clock=Clock())
+    inventory = [common_pb2.ObjectMeta(key=k, kind=4, size=300) for k in (b"other", b"sys")]
+    assert register(second, "a", 1000, inventory) == 2
+    assert second.counters["pins_restored"] == 1
+    put(second, b"fill", 350)  # 950 > 900: evict down to 500 -- the pinned object must stay
+    assert second.lookup(master_pb2.LookupRequest(keys=[b"sys"])).found
+    assert second.lookup(master_pb2.LookupRequest(keys=[b"other"])).missing == [b"other"]
+    with pytest.raises(ResourceExhausted, match="quota"):
+        put(second, b"big", 200, tenant="t")
+    state.write_text("{not json")
+    with pytest.raises(StateFileError):
+        MasterCore(cfg, clock=Clock())
