@@ -312,3 +312,29 @@ def test_stalled_or_dead_node_gives_typed_error_quickly(tmp_path, choice):
         run(_with(choice, body))
     finally:
         proc.kill()
+
+
+def test_garbage_on_ucx_gets_an_error_reply(node):
+    """A ucx control message that is not a frame: the node answers ProtocolError and keeps serving."""
+    from kvpool.kvstore.transport_frame import CONTROL_SIZE, decode_control
+    from kvpool.kvstore.transport_ucx import load_ucxx
+
+    async def body(sel):
+        ucxx = load_ucxx()
+        ep = await asyncio.wait_for(ucxx.create_endpoint("127.0.0.1", node.ready["ucx_port"]), 5)
+        try:
+            await asyncio.wait_for(ep.send(np.frombuffer(os.urandom(CONTROL_SIZE), np.uint8)), 5)
+            reply = np.empty(CONTROL_SIZE, np.uint8)
+            await asyncio.wait_for(ep.recv(reply), 5)
+            assert decode_control(reply).status == 7  # ProtocolError
+        finally:
+            ep.abort()
+        t = sel.for_node(node.endpoint)
+        data = os.urandom(20_000)
+        meta = meta_for(data)
+        await t.put(node.endpoint, "u", meta, data)
+        out = bytearray(len(data))
+        await t.get_into(location(node, meta), out)
+        assert out == data
+
+    run(_with("ucx", body))
