@@ -190,3 +190,30 @@ def test_read_pin_protects_object_under_eviction_pressure(tmp_path):
     finally:
         node.stop()
         master.stop()
+
+
+def test_ssd_tier_under_pressure_demotes_and_reads_back(tmp_path):
+    """A node with an SSD tier: the master demotes instead of dropping, and every object stays readable."""
+    master = start_master(tmp_path, *MASTER_ARGS, "--high-watermark", "0.9", "--low-watermark", "0.6")
+    node = start_node(
+        tmp_path,
+        master.address,
+        "4MiB",
+        "tcp,shm",
+        "--ssd-path",
+        str(tmp_path / "ssd"),
+        "--ssd-capacity",
+        "64MiB",
+    )
+    try:
+        with StoreClient(master.address, "tcp") as c:
+            blobs = {b"B" + os.urandom(16): os.urandom(512 << 10) for _ in range(16)}  # 8 MiB into 4 MiB DRAM
+            for key, blob in blobs.items():
+                c.put(key, blob)
+            assert c.stats().demotions > 0
+            assert wait_for(lambda: any((tmp_path / "ssd").glob("*.bin")), 5) >= 0
+            for key, blob in blobs.items():  # SSD objects are promoted (or served from the file) on read
+                assert c.get(key) == blob
+    finally:
+        node.stop()
+        master.stop()
