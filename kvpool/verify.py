@@ -112,7 +112,12 @@ def _check_cached(reply_usage: object, schema: object, block_size: int) -> bool:
 
 
 async def run_verify(
-    model_name: str, prefill: str, decode: str, block_size: int = 64, tenant: str | None = None
+    model_name: str,
+    prefill: str,
+    decode: str,
+    block_size: int = 64,
+    tenant: str | None = None,
+    threads: int = 1,
 ) -> Report:
     import torch
 
@@ -123,7 +128,7 @@ async def run_verify(
     from kvpool.model.tokenizer import load_tokenizer
     from kvpool.prefill.handoff import PrefillRequest
 
-    torch.set_num_threads(2)  # the workers' default --threads: same kernels on both sides
+    torch.set_num_threads(threads)  # the workers' --threads: same kernels on both sides
     torch.use_deterministic_algorithms(True)
     model = load_model(model_name)
     tokenizer = load_tokenizer(None if model_name in ("tiny", "tiny8") else model_name, model.config)
@@ -186,6 +191,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--decode", default=None, help="decode worker HOST:PORT (with --prefill)")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads here and in the workers (must match)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -221,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         from kvpool.prefill.cluster import LaunchError, LocalCluster
 
         try:
-            cluster = LocalCluster(model=args.model, block_size=args.block_size).start()
+            cluster = LocalCluster(model=args.model, block_size=args.block_size, threads=args.threads).start()
         except LaunchError as exc:
             print(f"kvpool verify: {exc}", file=sys.stderr)
             return 1
@@ -229,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prefill, decode = args.prefill, args.decode
     try:
-        report = asyncio.run(run_verify(args.model, prefill, decode, args.block_size))
+        report = asyncio.run(run_verify(args.model, prefill, decode, args.block_size, threads=args.threads))
     finally:
         if cluster is not None:
             cluster.stop()

@@ -103,6 +103,7 @@ class LocalCluster:
     block_size: int = 64
     node_capacity: str = "256MiB"
     transport: str = "tcp"
+    threads: int = 1  # torch threads of both workers (the reference must use the same)
     worker_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     children: dict[str, Child] = field(default_factory=dict)
@@ -138,6 +139,8 @@ class LocalCluster:
                 self.transport,
                 "--store-timeout",
                 "3",
+                "--threads",
+                str(self.threads),
                 *self.worker_args,
             ]
             self.children["prefill"] = spawn("prefill", ["kvpool.cli", "prefill", *common], logs)

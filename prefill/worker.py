@@ -44,7 +44,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--request-timeout", type=float, default=120.0, help="max seconds per request (client deadline wins)"
     )
-    p.add_argument("--threads", type=int, default=2, help="torch threads (same on every worker: bitwise)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; the same on every worker and reference for bitwise equality (1: robust when "
+        "cores are shared, OpenMP spinning with 2 threads on a loaded box is 10x slower)",
+    )
     p.add_argument("--log-level", default="WARNING")
 
 

@@ -29,8 +29,13 @@ GREEDY3 = SamplingParams(max_tokens=3)
 
 @pytest.fixture(scope="module")
 def model():
+    """1 thread: both sides of every comparison run here, and 1 thread is not slowed by a busy box."""
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    return load_model("tiny")
+    yield load_model("tiny")
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(det)
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,12 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_num_threads(2)  # the workers run --threads 2: same kernels on both sides
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)  # LocalCluster workers run --threads 1: same kernels on both sides
     torch.use_deterministic_algorithms(True)
-    return load_model("tiny")
+    yield load_model("tiny")
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(det)
 
 
 @pytest.fixture(scope="module")
