@@ -85,13 +85,13 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
 
     async def Demote(self, request, context):
         await self._check_keys(request, context)
-        done, missing = self.store.demote(list(request.keys))
+        done, missing = await self.store.demote(list(request.keys))
         return node_pb2.KeysReply(done=done, missing=missing)
 
     async def Promote(self, request, context):
         await self._check_keys(request, context)
         try:
-            done, missing = self.store.promote(list(request.keys))
+            done, missing = await self.store.promote(list(request.keys))
         except StoreError as exc:
             await self._fail(context, exc)
         return node_pb2.KeysReply(done=done, missing=missing)
@@ -107,7 +107,7 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
                 continue
             if obj.extent is None:
                 with contextlib.suppress(StoreError):  # damaged SSD copy: reported missing below
-                    self.store.promote([key])
+                    await self.store.promote([key])
             if obj.extent is None:
                 reply.missing.append(key)
                 continue

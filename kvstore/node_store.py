@@ -8,6 +8,7 @@ guarantee; this is the in-process one). Checksums (xxh3-64) are checked when a p
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class StoredObject:
     readers: int = 0
     doomed: bool = False  # deleted while being read: free when the last reader leaves
     demoted: bool = False  # moved to SSD while being read: free the extent when the last reader leaves
+    busy: bool = False  # an SSD write or read of it is running in a worker thread
 
 
 @dataclass
@@ -141,14 +143,18 @@ class ObjectStore:
         self.count("puts_aborted")
 
     # --- reads -------------------------------------------------------------------------------------------
-    def acquire(self, key: bytes) -> StoredObject:
-        """Take a reader reference; promotes an SSD-only object back to DRAM when space allows."""
+    async def acquire(self, key: bytes) -> StoredObject:
+        """Take a reader reference; an SSD-only object is promoted back to DRAM first when space allows."""
         obj = self.objects.get(key)
         if obj is None or obj.doomed:
             raise ObjectNotFoundError(f"key {key[:8].hex()}… not on this node")
-        if obj.extent is None:
-            self._promote(obj, required=False)
         obj.readers += 1
+        try:
+            if obj.extent is None:
+                await self._promote(obj, required=False)
+        except BaseException:
+            self.release(obj)
+            raise
         return obj
 
     def release(self, obj: StoredObject) -> None:
@@ -161,13 +167,14 @@ class ObjectStore:
                 obj.extent = None
                 obj.demoted = False
 
-    def read_view(self, obj: StoredObject) -> memoryview | bytes:
-        """The object's bytes, verified (DRAM view, or the SSD file's bytes when it could not be promoted)."""
+    async def read(self, obj: StoredObject) -> memoryview | bytes:
+        """The object's bytes, verified: a view of its extent, or the SSD file's bytes (read off the loop)
+        when it could not be promoted. The caller holds a reader reference (``acquire``)."""
         if obj.extent is not None:
             data: memoryview | bytes = self.pool.view(obj.extent)
         else:
             assert obj.ssd_file is not None
-            data = obj.ssd_file.read_bytes()
+            data = await asyncio.to_thread(obj.ssd_file.read_bytes)
         if checksum_of(data) != obj.meta.checksum:
             self.count("reads_corrupt")
             raise CorruptObjectError(f"key {obj.meta.key[:8].hex()}… failed its checksum on the node")
@@ -205,19 +212,25 @@ class ObjectStore:
         if obj.ssd_file is not None:
             self._remove_ssd_file(obj)
 
-    def demote(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
-        """Move DRAM objects to the SSD tier and free their extents (keys not moved are reported missing)."""
+    async def demote(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+        """Move DRAM objects to the SSD tier and free their extents; keys not moved are reported missing.
+
+        File writes run in a worker thread so the data plane keeps serving during a large demotion; the
+        object keeps a reader reference meanwhile, so its extent cannot be freed under the writer.
+        """
         done, missing = 0, []
         for key in keys:
             obj = self.objects.get(key)
-            if obj is None or obj.doomed or self.ssd_path is None:
+            if obj is None or obj.doomed or self.ssd_path is None or obj.busy:
                 missing.append(key)
                 continue
             if obj.ssd_file is None:
-                if self.ssd_used + obj.meta.size > self.ssd_capacity or obj.extent is None:
+                if obj.extent is None or self.ssd_used + obj.meta.size > self.ssd_capacity:
                     missing.append(key)
                     continue
-                self._write_ssd(obj)
+                if not await self._write_ssd(obj):
+                    missing.append(key)
+                    continue
             if obj.extent is not None:
                 if obj.readers:
                     obj.demoted = True
@@ -229,26 +242,35 @@ class ObjectStore:
         self.count("demotes", done)
         return done, missing
 
-    def promote(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+    async def promote(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
         done, missing = 0, []
         for key in keys:
             obj = self.objects.get(key)
             if obj is None or obj.doomed:
                 missing.append(key)
                 continue
+            obj.readers += 1
             try:
-                self._promote(obj, required=True)
+                await self._promote(obj, required=True)
             except CapacityExceededError:
+                missing.append(key)
+                continue
+            finally:
+                self.release(obj)
+            if obj.extent is None:  # another promotion of it was in flight
                 missing.append(key)
                 continue
             done += 1
         return done, missing
 
-    def _promote(self, obj: StoredObject, required: bool) -> None:
+    async def _promote(self, obj: StoredObject, required: bool) -> None:
+        """Bring an SSD object into DRAM (file read in a thread). Caller holds a reader reference."""
         if obj.extent is not None:
             obj.demoted = False
             obj.meta.tier = common_pb2.DRAM
             return
+        if obj.busy:
+            return  # a promotion or demotion of it is in flight: serve from the file this time
         try:
             extent = self.pool.allocator.allocate(obj.meta.size)
         except CapacityExceededError:
@@ -257,8 +279,14 @@ class ObjectStore:
             return  # served from SSD this time
         assert obj.ssd_file is not None
         view = self.pool.view(extent)
-        with obj.ssd_file.open("rb") as f:
-            n = f.readinto(view)
+        obj.busy = True
+        try:
+            n = await asyncio.to_thread(_read_file_into, obj.ssd_file, view)
+        except OSError as exc:
+            self.pool.allocator.free(extent)
+            raise CorruptObjectError(f"SSD copy of {obj.meta.key[:8].hex()}… unreadable: {exc}") from exc
+        finally:
+            obj.busy = False
         if n != obj.meta.size or checksum_of(view) != obj.meta.checksum:
             self.pool.allocator.free(extent)
             self.count("reads_corrupt")
@@ -269,20 +297,32 @@ class ObjectStore:
         self.count("promotes")
 
     # --- SSD files: <hex key>.bin + <hex key>.meta (so a restarted node re-adopts its SSD tier) ------------
-    def _write_ssd(self, obj: StoredObject) -> None:
+    async def _write_ssd(self, obj: StoredObject) -> bool:
+        """Write the object's files in a thread; False if it was deleted meanwhile or the write failed."""
         assert self.ssd_path is not None and obj.extent is not None
         base = self.ssd_path / obj.meta.key.hex()
-        data_file = base.with_suffix(".bin")
-        with data_file.open("wb") as f:
-            f.write(self.pool.view(obj.extent))
         meta = common_pb2.ObjectMeta()
         meta.CopyFrom(obj.meta)
         meta.tier = common_pb2.SSD
-        tmp = base.with_suffix(".meta.tmp")
-        tmp.write_bytes(meta.SerializeToString())
-        os.replace(tmp, base.with_suffix(".meta"))  # the meta appears only once the data is complete
-        obj.ssd_file = data_file
-        self.ssd_used += obj.meta.size
+        self.ssd_used += obj.meta.size  # reserved while writing
+        obj.readers += 1
+        obj.busy = True
+        try:
+            await asyncio.to_thread(_write_files, base, self.pool.view(obj.extent), meta.SerializeToString())
+            ok = True
+        except OSError:
+            ok = False
+        finally:
+            obj.busy = False
+            gone = obj.doomed or self.objects.get(obj.meta.key) is not obj
+            self.release(obj)
+        if not ok or gone:
+            self.ssd_used -= obj.meta.size
+            for suffix in (".meta", ".bin"):
+                base.with_suffix(suffix).unlink(missing_ok=True)
+            return False
+        obj.ssd_file = base.with_suffix(".bin")
+        return True
 
     def _remove_ssd_file(self, obj: StoredObject) -> None:
         assert obj.ssd_file is not None
@@ -332,3 +372,17 @@ class ObjectStore:
         for pid in stale:
             self.abort_put(self.pending.pop(pid))
         return len(stale)
+
+
+def _write_files(base: Path, data: memoryview, meta: bytes) -> None:
+    """``.bin`` first, then the ``.meta`` renamed into place: a torn write never looks like an object."""
+    with base.with_suffix(".bin").open("wb") as f:
+        f.write(data)
+    tmp = base.with_suffix(".meta.tmp")
+    tmp.write_bytes(meta)
+    os.replace(tmp, base.with_suffix(".meta"))
+
+
+def _read_file_into(path: Path, view: memoryview) -> int:
+    with path.open("rb") as f:
+        return f.readinto(view)

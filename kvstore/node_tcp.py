@@ -206,7 +206,7 @@ class TcpDataServer:
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame) -> None:
         try:
-            obj = self.store.acquire(frame.key)
+            obj = await self.store.acquire(frame.key)
         except StoreError as exc:
             await self._send_error(conn, OP_GET, exc, frame.request_id)
             return
@@ -215,7 +215,7 @@ class TcpDataServer:
                 raise BadRequestError(
                     f"object is {obj.meta.size} B, the reader's buffer {frame.payload_len} B"
                 )
-            data = self.store.read_view(obj)
+            data = await self.store.read(obj)
             head = encode(
                 Frame(
                     OP_GET | RESPONSE,

@@ -139,7 +139,7 @@ class UcxDataServer:
 
     async def _get(self, ep, frame: Frame) -> None:  # type: ignore[no-untyped-def]
         try:
-            obj = self.store.acquire(frame.key)
+            obj = await self.store.acquire(frame.key)
         except StoreError as exc:
             await ep.send(np.frombuffer(encode_control(error_frame(OP_GET, exc.code, str(exc))), np.uint8))
             return
@@ -149,7 +149,7 @@ class UcxDataServer:
                     raise BadRequestError(
                         f"object is {obj.meta.size} B, the reader's buffer {frame.payload_len} B"
                     )
-                data = self.store.read_view(obj)
+                data = await self.store.read(obj)
             except StoreError as exc:
                 await ep.send(
                     np.frombuffer(encode_control(error_frame(OP_GET, exc.code, str(exc))), np.uint8)
