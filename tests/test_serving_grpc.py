@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -256,3 +257,43 @@ def test_killing_the_storage_node_mid_request_still_gives_the_reference(cluster,
         assert late.prefill.cached_tokens == 0
     finally:
         cluster.start_node()
+
+
+@pytest.mark.slow  # starts three more worker processes (~15 s on 2 busy cores)
+def test_unreachable_store_serves_without_cache_or_fails_when_asked(tmp_path, reference):
+    """Workers whose master does not answer: default policy serves from scratch, `fail` refuses."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvpool.prefill.cluster import spawn
+
+    common = ["--master", "127.0.0.1:9", "--model", "tiny", "--store-timeout", "1", "--threads", "1"]
+    specs = [
+        ("prefill", [*common]),
+        ("decode", [*common]),
+        ("prefill", [*common, "--on-cache-error", "fail"]),
+    ]
+    with ThreadPoolExecutor(3) as pool:
+        children = list(pool.map(lambda s: spawn(s[0], ["kvpool.cli", s[0], *s[1]], tmp_path), specs))
+    try:
+        prompt = list(range(3, 3 + 150))
+        (got,) = remote(
+            SimpleNamespace(prefill=children[0].address, decode=children[1].address),
+            [PrefillRequest("nostore", prompt, "t", GREEDY3)],
+        )
+        assert got.prefill.cached_tokens == 0 and got.prefill.cache_error
+        assert got.decode.resume_path == "recompute"
+        assert got.tokens == reference(prompt).tokens
+
+        async def refused():
+            async with grpc.aio.insecure_channel(children[2].address) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await prefill_pb2_grpc.PrefillStub(ch).Prefill(
+                        request_to_pb(PrefillRequest("f", prompt, "t", GREEDY3)), timeout=30
+                    )
+                return info.value
+
+        err = asyncio.run(refused())
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "CacheFetchError" in err.details()
+    finally:
+        for child in children:
+            child.stop()
