@@ -244,6 +244,29 @@ def test_stop_strings_cut_the_text():
     assert ended.index(True) == 6 and stop.text == "hel"
 
 
+class WordTokenizer:
+    """Each id is a word: stop strings then name exact token runs."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" {i}" for i in ids)
+
+
+def test_stop_string_ends_generation_in_the_engine(model, reference):
+    rng = random.Random(10)
+    prompt = _rand(rng, 80)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = reference(prompt, sp).tokens
+    colo = Colocated(model, MemoryStore(), tokenizer=WordTokenizer())
+    stop = f" {want[3]} {want[4]}"
+    got = _complete(colo, "stop", prompt, SamplingParams(max_tokens=8, ignore_eos=True, stop=(stop,)))
+    assert got.decode.finish_reason == "stop" and got.tokens == want[:5]
+    text = WordTokenizer().decode(want[:5])
+    assert got.decode.text == text[: text.find(stop)]
+
+
 def test_concurrent_requests_batch_and_match_sequential(model, reference):
     rng = random.Random(9)
     prompts = [_rand(rng, n) for n in (70, 130, 20, 64)]

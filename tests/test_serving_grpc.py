@@ -205,6 +205,31 @@ def test_bad_requests_are_invalid_argument(cluster):
     assert status.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_sampling_stop_strings_and_deadlines_over_grpc(cluster, reference):
+    rng = random.Random(16)
+    prompt = [rng.randrange(3, 1000) for _ in range(120)]
+    sp = SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=5, max_tokens=8, ignore_eos=True)
+    (got,) = remote(cluster, [PrefillRequest("sampled", prompt, "ts", sp)])
+    assert got.tokens == reference(prompt, sp).tokens  # prefill draws step 0, decode steps 1.. (seeded)
+    text = "".join(c.text for c in got.chunks[:-1])
+    assert text == got.text
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    (full,) = remote(cluster, [PrefillRequest("nostop", prompt, "ts", greedy)])
+
+    async def too_short():
+        client = DisaggClient(cluster.prefill, cluster.decode, timeout_s=0.001)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.complete(PrefillRequest("late", prompt, "ts", greedy))
+            return info.value.code()
+        finally:
+            await client.close()
+
+    assert asyncio.run(too_short()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    (after,) = remote(cluster, [PrefillRequest("after-deadline", prompt, "ts", greedy)])
+    assert after.tokens == full.tokens
+
+
 def handoff_to_pb_with_wrong_hash(handoff):
     bad = type(handoff)()
     bad.CopyFrom(handoff)
