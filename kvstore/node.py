@@ -112,7 +112,9 @@ class StorageNode:
 
     async def start(self) -> None:
         cfg = self.config
-        self.tcp = TcpDataServer(self.store, cfg.host, cfg.tcp_port, cfg.frame_timeout_s)
+        self.tcp = TcpDataServer(
+            self.store, cfg.host, cfg.tcp_port, cfg.frame_timeout_s, shm_enabled="shm" in cfg.transports
+        )
         self.tcp.start()
         self.endpoint.tcp_port = self.tcp.port
         if "ucx" in cfg.transports:

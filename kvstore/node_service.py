@@ -7,7 +7,6 @@ serving after any of them.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -101,20 +100,14 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
         await self._check_keys(request, context)
         reply = node_pb2.LocateReply(shm_name=self.store.pool.name)
         for key in request.keys:
-            obj = self.store.objects.get(key)
-            if obj is None or obj.doomed:
+            try:
+                extent = await self.store.locate(key)
+            except StoreError:  # absent, SSD-only without DRAM room, or a damaged SSD copy
                 reply.missing.append(key)
                 continue
-            if obj.extent is None:
-                with contextlib.suppress(StoreError):  # damaged SSD copy: reported missing below
-                    await self.store.promote([key])
-            if obj.extent is None:
-                reply.missing.append(key)
-                continue
+            checksum = self.store.objects[key].meta.checksum
             reply.extents.append(
-                node_pb2.ShmExtent(
-                    key=key, offset=obj.extent.offset, size=obj.meta.size, checksum=obj.meta.checksum
-                )
+                node_pb2.ShmExtent(key=key, offset=extent.offset, size=extent.size, checksum=checksum)
             )
         return reply
 

@@ -157,6 +157,20 @@ class ObjectStore:
             raise
         return obj
 
+    async def locate(self, key: bytes) -> Extent:
+        """The object's DRAM extent for a same-host reader (promoting an SSD-only object first).
+
+        ``ObjectNotFoundError`` when absent or when no DRAM extent can be had for it right now.
+        """
+        obj = await self.acquire(key)
+        try:
+            if obj.extent is None:
+                raise ObjectNotFoundError(f"key {key[:8].hex()}… is on SSD only and DRAM is full")
+            self.count("locates")
+            return obj.extent
+        finally:
+            self.release(obj)
+
     def release(self, obj: StoredObject) -> None:
         obj.readers -= 1
         if obj.readers == 0:

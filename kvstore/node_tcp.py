@@ -23,14 +23,20 @@ from kvpool.kvstore.errors import (
     ProtocolError,
     StoreError,
     TransportTimeoutError,
+    TransportUnavailableError,
 )
 from kvpool.kvstore.node_store import ObjectStore
 from kvpool.kvstore.transport_base import recv_exactly_into
 from kvpool.kvstore.transport_frame import (
+    EXTENT,
+    FLAG_ABORT,
+    FLAG_EXISTS,
     HEADER_SIZE,
     OP_GET,
+    OP_LOCATE,
     OP_PING,
     OP_PUT,
+    OP_RESERVE,
     RESPONSE,
     Frame,
     FrameError,
@@ -59,8 +65,12 @@ class TcpDataServer:
         port: int,
         frame_timeout_s: float = 5.0,
         floor_rate: float = 100e6,
+        shm_enabled: bool = False,
+        reservation_ttl_s: float = 30.0,
     ) -> None:
         self.store = store
+        self.shm_enabled = shm_enabled
+        self.reservation_ttl_s = reservation_ttl_s
         self.frame_timeout_s = frame_timeout_s
         self.floor_rate = floor_rate
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -157,6 +167,40 @@ class TcpDataServer:
             await self._put(loop, conn, frame)
         elif frame.op == OP_GET:
             await self._get(loop, conn, frame)
+        else:
+            await self._shm_control(loop, conn, frame)
+
+    async def _shm_control(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame) -> None:
+        """LOCATE / RESERVE / SEAL for the shm transport: ~0.1 ms here vs ~0.4 ms per gRPC call."""
+        if frame.payload_len:
+            await self._send_error(conn, frame.op, ProtocolError("shm control frames carry no payload"))
+            raise _CloseConnection
+        reply = Frame(frame.op | RESPONSE, request_id=frame.request_id)
+        name = self.store.pool.name.encode()
+        try:
+            if not self.shm_enabled:
+                raise TransportUnavailableError("this node does not export its pool over shm")
+            if frame.op == OP_LOCATE:
+                extent = await self.store.locate(frame.key)
+                reply.aux = EXTENT.pack(extent.offset, extent.size) + name
+                reply.checksum = self.store.objects[frame.key].meta.checksum
+            elif frame.op == OP_RESERVE:
+                header = node_pb2.PutHeader()
+                try:
+                    header.ParseFromString(frame.aux)
+                except Exception as exc:
+                    raise BadRequestError(f"bad PutHeader: {exc}") from exc
+                pending = self.store.reserve(header.put_id, header.meta, self.reservation_ttl_s)
+                if pending is None:
+                    reply.flags = FLAG_EXISTS
+                else:
+                    reply.aux = EXTENT.pack(pending.extent.offset, pending.extent.size) + name
+            else:  # OP_SEAL
+                self.store.seal(frame.aux.decode(errors="replace"), abort=bool(frame.flags & FLAG_ABORT))
+        except StoreError as exc:
+            await self._send_error(conn, frame.op, exc, frame.request_id)
+            return
+        await loop.sock_sendall(conn, encode(reply))
 
     async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame) -> None:
         header = node_pb2.PutHeader()

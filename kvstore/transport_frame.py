@@ -30,8 +30,15 @@ CONTROL_SIZE = 4096  # ucx control message: header + key + aux, zero padded
 OP_PUT = 1
 OP_GET = 2
 OP_PING = 3
+# shm control (payload-less): where an object lies in the pool, reserve an extent for a put, seal/abort it
+OP_LOCATE = 4  # key → aux = EXTENT(offset, size) + shm name, checksum = the object's
+OP_RESERVE = 5  # aux = PutHeader → aux = EXTENT(offset, size) + shm name; flags FLAG_EXISTS = nothing to copy
+OP_SEAL = 6  # aux = put_id; flags FLAG_ABORT = free the reservation instead
 RESPONSE = 0x80
-OPS = (OP_PUT, OP_GET, OP_PING)
+OPS = (OP_PUT, OP_GET, OP_PING, OP_LOCATE, OP_RESERVE, OP_SEAL)
+FLAG_EXISTS = 1
+FLAG_ABORT = 1
+EXTENT = struct.Struct("<QQ")
 
 STATUS_OK = 0
 STATUS_READY = 0xFE  # ucx put: node reserved the extent, send the payload

@@ -37,7 +37,9 @@ class TransportSelector:
             if name == "tcp":
                 backend = TcpTransport(self.deadlines)
             elif name == "shm":
-                backend = ShmTransport(self.local_host_id, self.deadlines)
+                control = self._backend("tcp")  # shm control frames share the tcp connection pool
+                assert isinstance(control, TcpTransport)
+                backend = ShmTransport(self.local_host_id, self.deadlines, control)
             else:
                 from kvpool.kvstore.transport_ucx import UcxTransport, load_ucxx
 

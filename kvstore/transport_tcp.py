@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvpool.kvstore.errors import (
     ProtocolError,
@@ -237,6 +238,7 @@ class TcpTransport(Transport):
             results = exc.results
         except StoreError as exc:
             results = [exc] * len(items)
+        results = [r if isinstance(r, StoreError) else None for r in results]
         self.bytes_out += sum(m.size for (_p, m, _d), r in zip(items, results, strict=True) if r is None)
         return results
 
@@ -293,6 +295,33 @@ class TcpTransport(Transport):
         await asyncio.gather(*(run_group(idx) for idx in groups.values()))
         return results
 
+    async def control(
+        self, node: common_pb2.NodeEndpoint, frames: Sequence[Frame]
+    ) -> list[Frame | StoreError]:
+        """Send payload-less request frames (shm control: locate / reserve / seal) pipelined on one pooled
+        connection; per frame, the node's response frame or the typed error it reported."""
+        loop = asyncio.get_running_loop()
+
+        async def op(conn: _Conn) -> list:
+            rids = [self._rid() for _ in frames]
+
+            async def writer() -> None:
+                await loop.sock_sendall(
+                    conn.sock,
+                    b"".join(encode(replace(f, request_id=rid)) for f, rid in zip(frames, rids, strict=True)),
+                )
+
+            return await self._pipeline(
+                conn, writer, [(f.op, rid, None) for f, rid in zip(frames, rids, strict=True)]
+            )
+
+        try:
+            return await self._run(node, 0, op)
+        except _BatchBroken as exc:
+            return exc.results
+        except StoreError as exc:
+            return [exc] * len(frames)
+
     async def _pipeline(
         self, conn: _Conn, writer, expected: list[tuple[int, int, memoryview | None]]
     ) -> list:  # type: ignore[no-untyped-def]
@@ -306,8 +335,7 @@ class TcpTransport(Transport):
                         assert view is not None
                         out.append(await self._read_get_payload(conn, rid, view, first=n == 0))
                     else:
-                        await self._read_response(conn, op, rid, first=n == 0)
-                        out.append(None)
+                        out.append(await self._read_response(conn, op, rid, first=n == 0))
                 except StoreError as exc:
                     if not _keeps_sync(exc):
                         out.extend([exc] * (len(expected) - len(out)))

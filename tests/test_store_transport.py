@@ -338,3 +338,24 @@ def test_garbage_on_ucx_gets_an_error_reply(node):
         assert out == data
 
     run(_with("ucx", body))
+
+
+def test_shm_control_frames_bad_input(node, tmp_path):
+    """LOCATE with a payload is garbage (closed); shm control on a node without shm is refused, typed."""
+    from kvpool.kvstore.transport_frame import OP_LOCATE, OP_SEAL, Frame, encode
+
+    s = _raw(node)
+    s.sendall(encode(Frame(OP_LOCATE, key=b"Bx", payload_len=10)))
+    assert _read_error(s) == 7 and _closed(s)
+    s = _raw(node)
+    s.sendall(encode(Frame(OP_SEAL, aux=b"no-such-put")))
+    assert _read_error(s) == 1  # ObjectNotFoundError, connection stays usable
+    s.sendall(encode(Frame(OP_LOCATE, key=b"Bmissing")))
+    assert _read_error(s) == 1
+    plain = start_node(tmp_path, None, "8MiB", "tcp")
+    try:
+        s = _raw(plain)
+        s.sendall(encode(Frame(OP_LOCATE, key=b"Bx")))
+        assert _read_error(s) == 10  # TransportUnavailableError
+    finally:
+        plain.stop()
