@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from kvpool.prefill.worker import add_common_args
 
@@ -30,7 +31,11 @@ async def _serve(args: argparse.Namespace) -> int:
     from kvpool.prefill.worker import WorkerServer, build_runtime, ready_fields, serve_until_signal
     from kvpool.proto import decode_pb2_grpc
 
-    rt = build_runtime(args)
+    try:
+        rt = build_runtime(args)
+    except (ValueError, OSError) as exc:  # bad --model / --block-size: a clear message, not a traceback
+        print(f"kvpool {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     runner = ModelRunner(rt.model)
     engine = DecodeEngine(
         runner,

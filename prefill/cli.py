@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from kvpool.prefill.worker import add_common_args
 
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         policy = CheckpointPolicy.parse(args.checkpoint_policy)
     except ValueError as exc:
-        print(f"kvpool prefill: {exc}")
+        print(f"kvpool prefill: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_serve(args, policy))
 
@@ -38,7 +39,11 @@ async def _serve(args: argparse.Namespace, policy: object) -> int:
     from kvpool.prefill.worker import WorkerServer, build_runtime, ready_fields, serve_until_signal
     from kvpool.proto import prefill_pb2_grpc
 
-    rt = build_runtime(args)
+    try:
+        rt = build_runtime(args)
+    except (ValueError, OSError) as exc:  # bad --model / --block-size: a clear message, not a traceback
+        print(f"kvpool {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     runner = ModelRunner(rt.model)
     engine = PrefillEngine(
         runner,

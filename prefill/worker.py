@@ -67,6 +67,7 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     model = load_model(args.model)
+    model.cache_schema(args.block_size)  # rejects a block size off the 64-token grid before serving
     model_dir = None if args.model in ("tiny", "tiny8") else args.model
     tokenizer = load_tokenizer(model_dir, model.config)
     store = (
