@@ -79,6 +79,10 @@ def test_replay_sweep_writes_csv_and_png(capsys: pytest.CaptureFixture[str], tmp
         assert rows[("optimum", cap)]["block_hit_rate"] >= rows[("lru", cap)]["block_hit_rate"]
     assert (tmp_path / "policy_sweep.csv").read_text().startswith("spec,policy")
     assert (tmp_path / "policy_sweep.png").read_bytes()[:4] == b"\x89PNG"
+    argv = ["price", "--provider", "--sweep-csv", str(tmp_path / "policy_sweep.csv"), "--sweep-policy", "lru"]
+    prov = _json(capsys, [*argv, "--input-tokens", "1", "--json"])["provider"]
+    totals = [c["total_cost_usd"] for c in prov["candidates"]]
+    assert len(totals) == 2 and prov["best"]["total_cost_usd"] == min(totals)
     d = _json(
         capsys,
         [
