@@ -78,6 +78,9 @@ async def _measure(args: argparse.Namespace, cluster: object) -> dict:
                     "client_ttft_s": med([s.ttft_s for s in samples]),
                     "e2e_s": med([s.e2e_s for s in samples]),
                     "bytes_fetched": fetched,
+                    "fetch_s": med([s.prefill.fetch_s for s in samples]),
+                    "compute_s": med([s.prefill.compute_s for s in samples]),
+                    "push_s": med([s.prefill.push_s for s in samples]),
                     "compute_saved": med([s.prefill.cached_tokens for s in samples]) / L,
                     "floor_s": floor + fetched * 8 / (args.link_gbps * 1e9),
                 }
@@ -137,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.tokens}-token prompts, {args.model}, B={args.block_size}, loadavg {result['loadavg']:.1f}")
     print(
         f"{'hit':>6} {'cached':>7} {'TTFT srv':>9} {'TTFT cli':>9} {'ratio':>6} {'e2e':>8} "
-        f"{'fetched':>10} {'saved':>6} {'floor':>8}"
+        f"{'fetched':>10} {'saved':>6} {'floor':>8} {'fetch':>8} {'compute':>8} {'push':>8}"
     )
     for r in result["rows"]:
         hit = r["hit"] if r["hit"] == "cold" else f"{r['hit']:.0%}"
         print(
             f"{hit:>6} {r['cached_tokens']:>7} {r['server_ttft_s']:>8.3f}s {r['client_ttft_s']:>8.3f}s "
             f"{r['ttft_ratio']:>6.2f} {r['e2e_s']:>7.3f}s {r['bytes_fetched']:>10} "
-            f"{r['compute_saved']:>6.0%} {r['floor_s']:>7.3f}s"
+            f"{r['compute_saved']:>6.0%} {r['floor_s']:>7.3f}s {r['fetch_s']:>7.3f}s {r['compute_s']:>7.3f}s "
+            f"{r['push_s']:>7.3f}s"
         )
     print(
         f"goal TTFT(90%) <= {GOAL_RATIO_AT_90} x cold: "

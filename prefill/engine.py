@@ -57,6 +57,7 @@ class PrefillOutcome:
     fetch: FetchStats = field(default_factory=FetchStats)
     push: PushStats = field(default_factory=PushStats)
     ttft_s: float = 0.0  # request start -> first token known (before pushes)
+    compute_s: float = 0.0
     total_s: float = 0.0
     state: DecodeState | None = None  # only with keep_state=True (colocated: hand over in process)
 
@@ -121,7 +122,9 @@ class PrefillEngine:
             if use_store
             else []
         )
+        t_compute = time.perf_counter()
         result = await self.runner.prefill(prompt[start:], prefix, boundaries)
+        compute_s = time.perf_counter() - t_compute
         first = sample(result.logits, request.sampling, 0)
         ttft = time.perf_counter() - t0
         handoff = Handoff(
@@ -150,6 +153,7 @@ class PrefillEngine:
             fetch=fetch,
             push=push,
             ttft_s=ttft,
+            compute_s=compute_s,
             total_s=time.perf_counter() - t0,
             state=DecodeState.from_prefill(result) if keep_state else None,
         )
@@ -222,9 +226,11 @@ class PrefillEngine:
                     self.store, self.schema, hashes, ckpts, request.tenant, timeout_s=self.timeout_s
                 )
             )
+        t0 = time.perf_counter()
         results = await asyncio.gather(*jobs)
         handoff.tail_stored = results[0].failed == 0
         total = PushStats()
         for r in results:
             total.add(r)
+        total.seconds = time.perf_counter() - t0  # concurrent: wall time, not the sum
         return total

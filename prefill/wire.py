@@ -101,6 +101,9 @@ def outcome_to_reply(o: PrefillOutcome, return_logits: bool = False) -> prefill_
         ttft_s=o.ttft_s,
         total_s=o.total_s,
         cache_error=o.fetch.error or "",
+        fetch_s=o.fetch.seconds,
+        compute_s=o.compute_s,
+        push_s=o.push.seconds,
     )
     logits = b""
     if return_logits:

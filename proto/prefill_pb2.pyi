@@ -63,7 +63,7 @@ class Handoff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., tail_stored: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillUsage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "lost_to_checkpoint_tokens", "recomputed_tokens", "bytes_fetched", "bytes_pushed", "checkpoints_pushed", "ttft_s", "total_s", "cache_error")
+    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "lost_to_checkpoint_tokens", "recomputed_tokens", "bytes_fetched", "bytes_pushed", "checkpoints_pushed", "ttft_s", "total_s", "cache_error", "fetch_s", "compute_s", "push_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,9 @@ class PrefillUsage(_message.Message):
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     CACHE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
@@ -86,7 +89,10 @@ class PrefillUsage(_message.Message):
     ttft_s: float
     total_s: float
     cache_error: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., lost_to_checkpoint_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., checkpoints_pushed: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., cache_error: _Optional[str] = ...) -> None: ...
+    fetch_s: float
+    compute_s: float
+    push_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., lost_to_checkpoint_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., checkpoints_pushed: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., cache_error: _Optional[str] = ..., fetch_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., push_s: _Optional[float] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("handoff", "first_token", "usage", "first_logits")
