@@ -260,7 +260,13 @@ def section_redis(plan: Plan) -> dict[str, Any]:
         import redis
     except ImportError:
         return {"rows": [], "skipped": {"redis": "redis-py not installed (pip install -e '.[test]')"}}
-    row = Row("redis", "Redis SET/GET (redis-py)", note=f"redis-py {redis.__version__}")
+    try:
+        import hiredis  # noqa: F401  (redis-py parses replies in C when it is installed)
+
+        parser = "hiredis parser"
+    except ImportError:
+        parser = "pure-Python reply parser (no hiredis)"
+    row = Row("redis", "Redis SET/GET (redis-py)", note=f"redis-py {redis.__version__}, {parser}")
     with children() as procs:
         port = _start_redis(procs)
         r = redis.Redis(host=HOST, port=port, socket_timeout=60, socket_connect_timeout=10)
@@ -369,8 +375,9 @@ def section_mooncake(plan: Plan) -> dict[str, Any]:
     worker = str(BENCH_DIR / "store_mooncake.py")
     with children() as procs:
         rpc_port, metrics_port = free_port(), free_port()
+        # a 1 s read lease (default 10 s) lets each size's objects be removed quickly; reads take far less
         master_cmd = [str(master_exe), f"--rpc_port={rpc_port}", f"--metrics_port={metrics_port}",
-                      "--enable_metric_reporting=false"]
+                      "--enable_metric_reporting=false", "--default_kv_lease_ttl=1000"]
         master = subprocess.Popen(master_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(master)
         wait_port(rpc_port, 30, master)  # setup() against a dead master blocks ~90 s: probe first
