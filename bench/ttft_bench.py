@@ -129,12 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads in the workers and the floor run")
+    p.add_argument("--transport", default="auto", help="workers' store data plane: auto|tcp|shm|ucx")
     p.add_argument("--link-gbps", type=float, default=25.0, help="network rate for the floor (Gbit/s)")
     args = p.parse_args(argv)
     from kvpool.prefill.cluster import LocalCluster
 
     with LocalCluster(
-        model=args.model, block_size=args.block_size, node_capacity="1GiB", threads=args.threads
+        model=args.model,
+        block_size=args.block_size,
+        node_capacity="1GiB",
+        threads=args.threads,
+        transport=args.transport,
     ) as cluster:
         result = asyncio.run(_measure(args, cluster))
     print(f"{args.tokens}-token prompts, {args.model}, B={args.block_size}, loadavg {result['loadavg']:.1f}")

@@ -119,7 +119,7 @@ class PrefillEngine:
                 mla_run_blocks=fetch.mla_run_blocks,
                 existing=fetch.checkpoint_blocks if clean else (),
             )
-            if use_store
+            if use_store and self.schema.kda_layers  # a pure-MLA model resumes anywhere: no checkpoints
             else []
         )
         t_compute = time.perf_counter()
