@@ -224,6 +224,8 @@ def median_row(rounds: list[Row]) -> Row:
                 if v is not None:
                     cells.setdefault(k, []).append(v)
         getattr(out, op).update({k: statistics.median(v) for k, v in cells.items()})
+        if len(rounds) > 1:
+            out.spread[op] = {k: [min(v), max(v)] for k, v in cells.items()}
     if len(rounds) > 1:
         out.note = f"{out.note}; median of {len(rounds)} rounds".lstrip("; ")
     return out

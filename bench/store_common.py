@@ -82,11 +82,17 @@ class Row:
     put: dict[int, float | None] = field(default_factory=dict)
     get: dict[int, float | None] = field(default_factory=dict)
     note: str = ""
+    # op -> size -> [lowest, highest] round median, when several rounds were merged: how much to trust a cell
+    spread: dict[str, dict[int, list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "method": self.method, "note": self.note,
-                "put_gbps": {str(k): _round(v) for k, v in self.put.items()},
-                "get_gbps": {str(k): _round(v) for k, v in self.get.items()}}
+        out: dict[str, Any] = {"id": self.id, "method": self.method, "note": self.note,
+                               "put_gbps": {str(k): _round(v) for k, v in self.put.items()},
+                               "get_gbps": {str(k): _round(v) for k, v in self.get.items()}}
+        if self.spread:
+            out["round_range_gbps"] = {op: {str(k): [_round(x) for x in v] for k, v in cells.items()}
+                                       for op, cells in self.spread.items()}
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Row:
