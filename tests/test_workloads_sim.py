@@ -156,10 +156,13 @@ def test_junction_checkpoint_serves_the_third_request() -> None:
 
 
 def test_end_of_output_checkpoint_serves_the_next_turn() -> None:
-    turn1 = _tok_request("t1", _blocks(1, 2), 0, output=_blocks(3))
-    turn2 = _tok_request("t2", _blocks(1, 2, 3, 4) + [5] * 3, 1)
+    turn1 = _tok_request("t1", _blocks(1, 2), 0, output=[*_blocks(3), 6])
+    turn2 = _tok_request("t2", [*_blocks(1, 2, 3), 6, *_blocks(4)], 1)
     assert [r["cached"] for r in _run([turn1, turn2], "prompt")] == [0, 128]
     assert [r["cached"] for r in _run([turn1, turn2], "prompt,output")] == [0, 192]
+    # decode never feeds its last sampled token: a reply of exactly one block closes no block
+    short = _tok_request("t1", _blocks(1, 2), 0, output=_blocks(3))
+    assert [r["cached"] for r in _run([short, turn2], "end,output")] == [0, 128]
 
 
 def test_interval_checkpoints() -> None:

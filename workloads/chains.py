@@ -54,8 +54,9 @@ class ChainBuilder:
         return root
 
     def chain(self, req: Request, with_output: bool = False) -> Chain:
-        """The chain of ``req``; ``with_output`` appends the blocks its reply closes (token records with
-        ``output_tokens`` only: a trace does not know its reply's ids)."""
+        """The chain of ``req``; ``with_output`` appends the blocks its reply closes, as decode pushes them
+        (full blocks of prompt + reply without its last token, which is sampled but never fed; token records
+        with ``output_tokens`` only: a trace does not know its reply's ids)."""
         if req.tokens is not None:
             return self._token_chain(req, with_output)
         if req.hash_ids is not None:
@@ -68,7 +69,7 @@ class ChainBuilder:
         toks = req.tokens
         full = len(toks) // b
         if with_output and req.output_tokens:
-            toks = toks + req.output_tokens
+            toks = toks + req.output_tokens[:-1]  # decode never feeds its last sampled token
         hashes = [bytes(h) for h in hash_blocks(toks, b, self._root(req.tenant))]
         return Chain(hashes, [b] * len(hashes), full, full)
 

@@ -31,7 +31,8 @@ from typing import Any
 
 from kvpool.kvstore.eviction import POLICIES
 from kvpool.kvstore.index import CapacityError, ObjectKind, PrefixIndex, StoreIndexError
-from kvpool.workloads.chains import ChainBuilder
+from kvpool.prefill.policy import CheckpointPolicy as PrefillCheckpointPolicy
+from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.trace import Request
@@ -42,7 +43,9 @@ NODE = "sim"
 
 @dataclass(frozen=True, slots=True)
 class CheckpointPolicy:
-    """Where KDA checkpoints are written (design §3). ``interval_blocks`` 0 disables the interval."""
+    """Where KDA checkpoints are written (design §3): the prompt-side rules are the prefill's own
+    :class:`kvpool.prefill.policy.CheckpointPolicy` (end of prompt, junction, every N blocks), the output
+    rule is the decode engine's end-of-output checkpoint. ``interval_blocks`` 0 disables the interval."""
 
     end_of_prompt: bool = True
     end_of_output: bool = True
@@ -51,7 +54,8 @@ class CheckpointPolicy:
 
     @classmethod
     def parse(cls, text: str) -> CheckpointPolicy:
-        """``"prompt,output,junction,every=16"``, any subset; ``"none"`` for no checkpoints at all."""
+        """``"prompt,output,junction,every=16"``, any subset (``end`` = ``prompt``, the workers' spelling);
+        ``"none"`` for no checkpoints at all."""
         flags = {"prompt": False, "output": False, "junction": False}
         interval = 0
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -64,8 +68,8 @@ class CheckpointPolicy:
                     raise ReplayError(f"bad checkpoint interval {part!r}") from None
                 if interval <= 0:
                     raise ReplayError("checkpoint interval must be a positive number of blocks")
-            elif part in flags:
-                flags[part] = True
+            elif part in flags or part == "end":
+                flags["prompt" if part == "end" else part] = True
             else:
                 raise ReplayError(
                     f"unknown checkpoint policy part {part!r}; use prompt, output, junction, every=N or none"
@@ -74,11 +78,22 @@ class CheckpointPolicy:
 
     @property
     def label(self) -> str:
-        parts = [n for n, on in (("prompt", self.end_of_prompt), ("output", self.end_of_output),
-                                 ("junction", self.junctions)) if on]  # fmt: skip
+        parts = [
+            n
+            for n, on in (
+                ("prompt", self.end_of_prompt),
+                ("output", self.end_of_output),
+                ("junction", self.junctions),
+            )
+            if on
+        ]
         if self.interval_blocks:
             parts.append(f"every={self.interval_blocks}")
         return ",".join(parts) or "none"
+
+    def prefill_policy(self) -> PrefillCheckpointPolicy:
+        """The prefill engine's policy object with the same prompt-side switches."""
+        return PrefillCheckpointPolicy(self.end_of_prompt, self.junctions, self.interval_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +232,7 @@ def simulate(
     idx.add_node(NODE, config.capacity if config.capacity is not None else INFINITE)
     builder = ChainBuilder(spec.name, block_size)
     ck = config.checkpoints
+    prefill_policy = ck.prefill_policy()
     hybrid = spec.hybrid
     in_blocks = config.capacity_unit == "blocks"
     per_workload: dict[str, Counters] = {}
@@ -269,12 +285,12 @@ def simulate(
                 cnt.mla_bytes_written += real
             if hybrid:
                 for c in _checkpoint_positions(
-                    ck,
-                    chain.full_prompt_blocks,
-                    len(chain.hashes),
+                    prefill_policy,
+                    ck.end_of_output and config.store_output and req.output_tokens is not None,
+                    req.input_length,
+                    chain,
                     run,
                     usable,
-                    config.store_output and req.output_tokens is not None,
                 ):
                     key = b"K" + chain.hashes[c - 1]
                     if key in idx:
@@ -328,17 +344,27 @@ def _insert(idx: PrefixIndex, key: bytes, kind: ObjectKind, size: int, tenant: s
 
 
 def _checkpoint_positions(
-    ck: CheckpointPolicy, full_prompt: int, total_blocks: int, run: int, usable: int, has_output: bool
+    prefill_policy: PrefillCheckpointPolicy,
+    end_of_output: bool,
+    prompt_len: int,
+    chain: Chain,
+    run: int,
+    usable: int,
 ) -> list[int]:
-    """Block counts c (checkpoint keyed by h_{c-1}) this request writes; only c > usable, which is the
-    part of the chain this request computes itself, and ascending without duplicates."""
-    want: set[int] = set()
-    if ck.end_of_prompt and full_prompt:
-        want.add(full_prompt)
-    if ck.end_of_output and has_output and total_blocks > full_prompt:
-        want.add(total_blocks)
-    if ck.junctions and run > usable:
-        want.add(run)
-    if ck.interval_blocks:
-        want.update(range(ck.interval_blocks, full_prompt + 1, ck.interval_blocks))
-    return sorted(c for c in want if c > usable)
+    """Block counts c (checkpoint keyed by h_{c-1}) this request writes, ascending: the prefill's own
+    boundaries over (usable, last full prompt block], then decode's end-of-output snapshot (the last block
+    boundary crossed while decoding, i.e. the last block of prompt + reply[:-1], if past the prompt's)."""
+    bs = chain.block_tokens[0] if chain.block_tokens else 1
+    out = [
+        b // bs
+        for b in prefill_policy.boundaries(
+            prompt_len=prompt_len,
+            block_size=bs,
+            start_blocks=usable,
+            mla_run_blocks=min(run, chain.full_prompt_blocks),
+        )
+    ]
+    total = len(chain.hashes)
+    if end_of_output and total > chain.prompt_blocks and total > usable:
+        out.append(total)
+    return out
