@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from multiprocessing import shared_memory
 
 from kvpool.kvstore.errors import (
     BadRequestError,
@@ -24,7 +23,7 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportUnavailableError,
 )
-from kvpool.kvstore.pool import attach_segment
+from kvpool.kvstore.pool import ReaderMapping
 from kvpool.kvstore.transport_base import (
     DEFAULT_DEADLINES,
     Buffer,
@@ -61,7 +60,7 @@ class ShmTransport(Transport):
         self.local_host_id = local_host_id
         self._control = control or TcpTransport(deadlines)
         self._owns_control = control is None
-        self._segments: dict[str, shared_memory.SharedMemory] = {}
+        self._segments: dict[str, ReaderMapping] = {}
 
     def reachable(self, node: common_pb2.NodeEndpoint) -> bool:
         return bool(node.shm_name) and node.host_id == self.local_host_id
@@ -71,22 +70,25 @@ class ShmTransport(Transport):
             why = "does not export a shm pool" if not node.shm_name else "is on another host"
             raise TransportUnavailableError(f"shm: node {node.node_id} {why}")
 
-    def _segment(self, name: str) -> memoryview:
-        shm = self._segments.get(name)
-        if shm is None:
+    def _segment(self, name: str) -> ReaderMapping:
+        mapping = self._segments.get(name)
+        if mapping is None:
             try:
-                shm = attach_segment(name)
+                mapping = ReaderMapping(name)
             except FileNotFoundError as exc:
                 raise StoreUnavailableError(f"shm segment {name} is gone (node stopped?)") from exc
-            self._segments[name] = shm
-        return shm.buf
+            self._segments[name] = mapping
+        return mapping
 
     def _extent(self, reply: Frame) -> tuple[memoryview, int, int]:
         offset, size = EXTENT.unpack_from(reply.aux)
-        seg = self._segment(reply.aux[EXTENT.size :].decode())
-        if offset + size > len(seg):
-            raise BadRequestError(f"node answered extent {offset}+{size} beyond its {len(seg)} B segment")
-        return seg, offset, size
+        mapping = self._segment(reply.aux[EXTENT.size :].decode())
+        if offset + size > len(mapping.buf):
+            raise BadRequestError(
+                f"node answered extent {offset}+{size} beyond its {len(mapping.buf)} B segment"
+            )
+        mapping.prepare(offset, size)
+        return mapping.buf, offset, size
 
     async def _one(self, node: common_pb2.NodeEndpoint, frame: Frame) -> Frame:
         reply = (await self._control.control(node, [frame]))[0]
@@ -117,9 +119,8 @@ class ShmTransport(Transport):
 
     async def _get_into(self, location: common_pb2.ObjectLocation, out: memoryview) -> int:
         self._check(location.node)
-        seg, offset, size = self._extent(
-            await self._one(location.node, Frame(OP_LOCATE, key=location.meta.key))
-        )
+        reply = await self._one(location.node, Frame(OP_LOCATE, key=location.meta.key))
+        seg, offset, size = self._extent(reply)
         if size > len(out):
             raise ValueError(f"buffer of {len(out)} B is smaller than the object ({size} B)")
         out[:size] = seg[offset : offset + size]
@@ -166,7 +167,7 @@ class ShmTransport(Transport):
     async def close(self) -> None:
         if self._owns_control:
             await self._control.close()
-        for shm in self._segments.values():
+        for mapping in self._segments.values():
             with contextlib.suppress(Exception):
-                shm.close()
+                mapping.close()
         self._segments.clear()
