@@ -136,6 +136,14 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError)
 
 
+def _per_item(results: object, n: int) -> list:
+    """A client answer with one result per item, or the same error for all (a misbehaving client must not
+    turn into an exception inside a request)."""
+    if isinstance(results, list) and len(results) == n:
+        return results
+    return [RuntimeError(f"store returned {type(results).__name__} for {n} items")] * n
+
+
 async def _get(
     store: CacheStore, keys: list[bytes], timeout_s: float, stats: FetchStats
 ) -> dict[bytes, bytes | Exception]:
@@ -144,7 +152,7 @@ async def _get(
         return {}
     try:
         async with asyncio.timeout(timeout_s):
-            results = await store.batch_get(keys)
+            results = _per_item(await store.batch_get(keys), len(keys))
     except Exception as exc:  # unreachable / timed out: every key is a miss
         results = [exc] * len(keys)
     out: dict[bytes, bytes | Exception] = {}
@@ -169,7 +177,7 @@ async def _fetch_located(
     outs = [bytearray(loc.meta.size) for loc in locations]
     try:
         async with asyncio.timeout(timeout_s):
-            results: list[int | Exception] = list(await store.fetch_into(locations, outs))
+            results = _per_item(await store.fetch_into(locations, outs), len(locations))
     except Exception as exc:
         results = [exc] * len(locations)
     got: dict[bytes, bytes | Exception] = {}
@@ -184,13 +192,8 @@ async def _fetch_located(
     return got
 
 
-def _best_checkpoint_at_most(limit: int, checkpoint_blocks: Sequence[int]) -> int:
-    """The largest listed checkpoint block count <= ``limit`` (0 = from scratch)."""
-    best = 0
-    for c in checkpoint_blocks:
-        if best < c <= limit:
-            best = c
-    return best
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
 
 
 async def _put(store: CacheStore, items: list[PutItem], timeout_s: float) -> PushStats:
@@ -200,7 +203,7 @@ async def _put(store: CacheStore, items: list[PutItem], timeout_s: float) -> Pus
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            results = await store.batch_put(items)
+            results = _per_item(await store.batch_put(items), len(items))
     except Exception as exc:
         results = [exc] * len(items)
     for item, res in zip(items, results, strict=True):
@@ -240,6 +243,7 @@ async def fetch_prefix(
     stats = FetchStats(asked_blocks=len(hashes))
     if not hashes:
         return None, stats
+    deadline = time.monotonic() + timeout_s  # the whole fetch, fallbacks included, fits in one timeout
     B = schema.block_size
     require = bool(schema.kda_layers) if require_checkpoint is None else require_checkpoint
     try:
@@ -261,7 +265,7 @@ async def fetch_prefix(
         stats.checkpoint_blocks = checkpoints
         located = [*match.mla[:p], *([match.checkpoint] if require and p else [])]
         prefix = await _fetch_verified(
-            store, schema, hashes, p, checkpoints, located, require, timeout_s, stats
+            store, schema, hashes, p, checkpoints, located, require, deadline, stats
         )
     finally:
         if lease_id:
@@ -288,13 +292,13 @@ async def _fetch_verified(
     checkpoints: list[int],
     located: list[common_pb2.ObjectLocation],
     require: bool,
-    timeout_s: float,
+    deadline: float,
     stats: FetchStats,
 ) -> PrefixState | None:
     if p == 0:
         return None
     keys = [mla_key(h) for h in hashes[:p]]
-    got = await _fetch_located(store, located, timeout_s, stats)
+    got = await _fetch_located(store, located, _left(deadline), stats)
     blocks: list[dict[int, torch.Tensor]] = []
     broken = False
     for i, key in enumerate(keys):  # the intact MLA run bounds every boundary we may use
@@ -314,7 +318,10 @@ async def _fetch_verified(
         _decode_kda(got.get(ck), schema, p, hashes[p - 1], stats)
     for target in targets:
         key = kda_key(hashes[target - 1])
-        raw = got[key] if key in got else (await _get(store, [key], timeout_s, stats))[key]
+        if key not in got and _left(deadline) <= 0.001:
+            stats.late += 1  # out of time for more fallbacks: compute from scratch
+            break
+        raw = got[key] if key in got else (await _get(store, [key], _left(deadline), stats))[key]
         ckpt = _decode_kda(raw, schema, target, hashes[target - 1], stats)
         if ckpt is not None:
             return _assemble(schema, target, ckpt, blocks)
