@@ -112,3 +112,18 @@ def test_plain_attach_in_another_process_would_unlink_it():
             shared_memory.SharedMemory(name=pool.name)
     finally:
         pool.close()  # tolerates the segment being gone already
+
+
+def test_reader_mapping_maps_regions_once():
+    from kvpool.kvstore.pool import ReaderMapping
+
+    pool = SharedPool(16 << 20)
+    try:
+        m = ReaderMapping(pool.name)
+        m.prepare(100, 5 << 20)  # touches 2 MiB chunks 0, 1 and 2
+        assert list(m._mapped[:4]) == ([1, 1, 1, 0] if m._supported else [0, 0, 0, 0])
+        m.buf[100:105] = b"hello"
+        assert bytes(pool.buf[100:105]) == b"hello"  # same memory as the owner's
+        m.close()
+    finally:
+        pool.close()
