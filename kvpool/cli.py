@@ -19,6 +19,8 @@ COMMAND_MODULES = (
     "kvpool.decode.cli",  # decode (worker)
     "kvpool.verify",  # verify
     "kvpool.demo",  # demo
+    "kvpool.gateway.cli",  # gateway
+    "kvpool.up",  # up, status
 )
 
 
