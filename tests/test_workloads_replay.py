@@ -114,6 +114,7 @@ def test_replay_sweep_writes_csv_and_png(capsys: pytest.CaptureFixture[str], tmp
         (["--policy", "lru,lfu"], "a sweep needs capacities"),
         (["--pure-mla", "--checkpoint-sweep", "prompt", "--capacity-blocks", "5,10"], "no KDA layers"),
         (["--limit", "0"], "--limit must be > 0"),
+        (["--block-size", "64"], "the trace's blocks are 512 tokens"),
         (["--live", "ftp://x"], "must start with http"),
         (["--live", "http://127.0.0.1:9", "--sim"], "not both"),
         (["--live", "http://127.0.0.1:9"], "have no tokens"),

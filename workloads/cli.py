@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -53,6 +54,9 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         except WorkloadError as e:
             print(f"kvpool {args.command}: error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        except BrokenPipeError:  # output piped into `head`: stop quietly, as other CLI tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
 
     run.__doc__ = fn.__doc__
     return run
@@ -145,12 +149,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
-    from kvpool.workloads.sim import CheckpointPolicy, SimConfig, simulate
+    from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
     from kvpool.workloads.specs import get_spec
     from kvpool.workloads.sweep import capacity_sweep, checkpoint_sweep, plot_rows, write_csv
 
     spec = get_spec(args.spec, pure_mla=args.pure_mla)
-    bs = args.block_size or spec.default_block_size
+    bs = effective_block_size(reqs, spec, args.block_size)
     if args.capacity_blocks is not None and args.capacity_bytes is not None:
         raise ReplayError("give --capacity-blocks or --capacity-bytes, not both")
     unit = "blocks" if args.capacity_blocks is not None else "bytes"

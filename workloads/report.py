@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.workloads.pricing import ProviderInputs, best_capacity, load_profiles, price_result
-from kvpool.workloads.sim import CheckpointPolicy, SimConfig, simulate
+from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.stats import trace_stats
 from kvpool.workloads.sweep import (
@@ -66,8 +66,6 @@ def build_report(
     profiles, provider_defaults = load_profiles(profile_file)
     provider = ProviderInputs(**{k: getattr(provider_defaults, k) for k in ProviderInputs.__slots__})
     out.parent.mkdir(parents=True, exist_ok=True)
-    bs = spec.default_block_size
-    full_block = spec.mla_bytes_per_token * bs
     parts = [
         f"<!doctype html><meta charset=utf-8><title>kvpool workload report</title><style>{_CSS}</style>",
         "<h1>kvpool workload report</h1>",
@@ -83,6 +81,8 @@ def build_report(
             reqs = sorted(reqs, key=lambda r: r.arrival_ms)[:limit]
         stem = Path(trace).name.split(".")[0]
         st = trace_stats(reqs)
+        bs = effective_block_size(reqs, spec, None)
+        full_block = spec.mla_bytes_per_token * bs
         lo, hi = sweep_range(reqs, spec, bs)
         caps = [c * full_block for c in auto_capacities(hi, points, lo)]
         prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress)

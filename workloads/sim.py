@@ -162,6 +162,7 @@ class SimResult:
     bytes_evicted: int
     objects_evicted: int
     objects_refused: int  # larger than the whole capacity, or the pool is full of pinned objects
+    block_size: int  # tokens per block actually used
     bytes_held: int
     capacity_bytes: int | None
     duration_s: float  # trace time spanned (first to last arrival)
@@ -183,7 +184,7 @@ class SimResult:
                 "policy": c.policy,
                 "capacity": c.capacity,
                 "capacity_unit": c.capacity_unit,
-                "block_size": c.block_size or c.spec.default_block_size,
+                "block_size": self.block_size,
                 "checkpoints": c.checkpoints.label,
                 "hybrid": c.spec.hybrid,
                 "high_watermark": c.high_watermark,
@@ -213,7 +214,7 @@ def simulate(
     """Replay ``requests`` (sorted by arrival here, stable) through a fresh ``PrefixIndex``."""
     config.check()
     spec = config.spec
-    block_size = config.block_size or spec.default_block_size
+    block_size = effective_block_size(requests, spec, config.block_size)
     full_block_bytes = spec.mla_bytes_per_token * block_size
     if config.capacity_unit == "blocks":
         kda_size = math.ceil(spec.kda_bytes_per_checkpoint / full_block_bytes) if spec.hybrid else 0
@@ -326,11 +327,26 @@ def simulate(
         bytes_evicted=bytes_evicted,
         objects_evicted=objects_evicted,
         objects_refused=refused,
+        block_size=block_size,
         bytes_held=sum(real_size.values()),
         capacity_bytes=capacity_bytes,
         duration_s=duration,
         per_request=per_req,
     )
+
+
+def effective_block_size(requests: Sequence[Request], spec: ModelSpec, block_size: int | None) -> int:
+    """Token records are cut into ``block_size`` (default: the spec's) blocks; id-only records bring
+    their own block size (512 for Mooncake), which then sizes blocks and capacity units for the run."""
+    id_sizes = {r.block_size for r in requests if r.tokens is None}
+    if len(id_sizes) > 1:
+        raise ReplayError(f"hash-id records with block sizes {sorted(id_sizes)} cannot share one cache")
+    if id_sizes:
+        (ids,) = id_sizes
+        if block_size is not None and block_size != ids:
+            raise ReplayError(f"the trace's blocks are {ids} tokens; --block-size {block_size} cannot apply")
+        return ids
+    return block_size or spec.default_block_size
 
 
 def _insert(idx: PrefixIndex, key: bytes, kind: ObjectKind, size: int, tenant: str, parent: bytes) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.optimum import optimum
-from kvpool.workloads.sim import CheckpointPolicy, SimConfig, simulate
+from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.trace import Request
 
@@ -55,6 +55,7 @@ def sweep_range(requests: Sequence[Request], spec: ModelSpec, block_size: int) -
     """(min, max) capacity in full-block units worth sweeping: from two KDA checkpoints (a hybrid cache
     smaller than that holds almost nothing) to everything the workload could store, checkpoints included
     (one per request, a rough ceiling)."""
+    block_size = effective_block_size(requests, spec, block_size)
     unique = unique_blocks(requests, spec, block_size)
     if not spec.hybrid:
         return 1, unique
@@ -82,7 +83,7 @@ def capacity_sweep(
     progress: ProgressFactory | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (policy, capacity); policy ``optimum`` runs :func:`optimum` (unit-size blocks)."""
-    bs = block_size or spec.default_block_size
+    bs = effective_block_size(requests, spec, block_size)
     full_block_bytes = spec.mla_bytes_per_token * bs
     rows = []
     for policy in policies:
