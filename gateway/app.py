@@ -1,0 +1,396 @@
+"""FastAPI app: the OpenAI-compatible front door (completions, chat, models, health, metrics).
+
+Wire format follows OpenAI: JSON bodies, Server-Sent Events for ``stream=true`` ending with ``data: [DONE]``,
+``stream_options.include_usage`` adding a last chunk with empty ``choices`` and the usage, and
+``usage.prompt_tokens_details.cached_tokens`` always present (taken from the prefill worker's reply). Every
+error leaves as ``{"error": {...}}`` (see ``errors.py``); validation failures are 400 like OpenAI (not
+FastAPI's 422). Responses carry one extra top-level field, ``kvpool``, with the routing facts of the request
+(workers used, predicted vs delivered hit, tokens lost to a missing checkpoint); OpenAI clients ignore it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kvpool.decode.sampling import SamplingParams
+from kvpool.gateway.chat_template import AnswerMemo, render_chat
+from kvpool.gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    Overloaded,
+    PromptTooLong,
+)
+from kvpool.gateway.guard import Guard
+from kvpool.gateway.metrics import GatewayMetrics, tenant_label
+from kvpool.gateway.model_info import ModelInfo, load_model_info
+from kvpool.gateway.router import PrefixProbe, Router
+from kvpool.gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from kvpool.gateway.service import Generation, GenRequest, Service
+from kvpool.gateway.settings import GatewaySettings
+from kvpool.gateway.workers import WorkerPool
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("kvpool.gateway")
+
+
+class Gateway:
+    """Everything the endpoints share; built in the app's lifespan (gRPC aio needs the running loop)."""
+
+    def __init__(self, settings: GatewaySettings, info: ModelInfo) -> None:
+        self.settings = settings
+        self.info = info
+        self.metrics = GatewayMetrics()
+        self.memo = AnswerMemo(settings.answer_memo)
+        self.inflight = 0
+        self.created = int(time.time())
+        self.pool = WorkerPool(list(settings.prefill), list(settings.decode))
+        self.probe = PrefixProbe(settings.master, info.fingerprint, settings.block_size)
+        self.router = Router(self.pool, self.probe, settings.routing, settings.ttft_slo_s)
+        self.service = Service(self.router, self.metrics, settings.request_timeout_s)
+        self._stats_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.pool.start()
+        self.probe.connect()
+        self._stats_task = asyncio.get_running_loop().create_task(self._poll_stats(), name="gateway-stats")
+
+    async def _poll_stats(self) -> None:
+        while True:
+            self.metrics.update_store(await self.probe.stats())
+            for w in self.pool.workers():
+                self.metrics.worker_queued.labels(w.role, w.address).set(w.queued_tokens)
+            await asyncio.sleep(self.settings.stats_interval_s)
+
+    async def close(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats_task
+        await self.pool.close()
+        await self.probe.close()
+
+    # -- request building -------------------------------------------------------------------------------
+    def check_model(self, body: _Sampling) -> None:
+        if body.model != self.settings.model_id:
+            raise ModelNotFound(
+                f"The model `{body.model}` does not exist; this server serves `{self.settings.model_id}`",
+                param="model",
+            )
+
+    def sampling(self, body: _Sampling, max_tokens: int | None) -> SamplingParams:
+        n = max_tokens if max_tokens is not None else self.settings.default_max_tokens
+        if n > self.settings.max_output_tokens:
+            raise InvalidRequest(
+                f"max_tokens is {n}, this server allows at most {self.settings.max_output_tokens}",
+                param="max_tokens",
+            )
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stop) > 4:
+            raise InvalidRequest("stop: at most 4 sequences", param="stop")
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0,
+            top_k=body.top_k or 0,
+            seed=body.seed or 0,
+            max_tokens=n,
+            stop=stop,
+            ignore_eos=body.ignore_eos,
+        )
+
+    def gen_request(
+        self, body: _Sampling, prompt: list[int], request: Request, endpoint: str, max_tokens: int | None
+    ) -> GenRequest:
+        if not prompt:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        if len(prompt) > self.settings.max_prompt_tokens:
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.settings.max_prompt_tokens} tokens; "
+                f"the prompt has {len(prompt)} tokens",
+                param="messages" if endpoint == "chat" else "prompt",
+            )
+        meta = body.metadata or {}
+        workload = request.headers.get("x-workload") or meta.get("workload")
+        tenant = meta.get("tenant") or tenant_label(body.cache_salt)
+        wl, tn = self.metrics.labels(workload, tenant)
+        return GenRequest(prompt, self.sampling(body, max_tokens), body.cache_salt or "", wl, tn, endpoint)
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        p = body.prompt
+        if isinstance(p, str):
+            return self.info.codec.encode(p)
+        if p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise InvalidRequest("batched prompts are not supported: send one prompt", param="prompt")
+            return self.info.codec.encode(p[0])  # type: ignore[arg-type]
+        return self.info.codec.check_ids(p)  # type: ignore[arg-type]
+
+    # -- running ----------------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self.inflight >= self.settings.max_concurrent:
+            self.metrics.rejected.labels("concurrency").inc()
+            raise Overloaded(f"more than {self.settings.max_concurrent} requests in flight; retry later")
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.set(self.inflight)
+
+    async def run(self, req: GenRequest, body: _Sampling, fmt: Formatter) -> Response:
+        slot = self.slot()
+        await slot.__aenter__()
+        try:
+            gen = await self.service.start(req)
+        except GatewayError as exc:
+            if exc.status == 429:
+                self.metrics.rejected.labels("ttft_slo" if "SLO" in exc.message else "backend").inc()
+            self.metrics.requests.labels(req.workload, req.endpoint, str(exc.status)).inc()
+            await slot.__aexit__(None, None, None)
+            raise
+        except BaseException:
+            await slot.__aexit__(None, None, None)
+            raise
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self._sse(gen, fmt, include_usage, slot),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            text = []
+            async with contextlib.aclosing(gen.chunks()) as chunks:
+                async for c in chunks:
+                    text.append(c.text)
+            self._remember(req, gen, "".join(text))
+            self.metrics.requests.labels(req.workload, req.endpoint, "200").inc()
+            return JSONResponse(fmt.full("".join(text), gen))
+        except GatewayError as exc:
+            self.metrics.requests.labels(req.workload, req.endpoint, str(exc.status)).inc()
+            raise
+        finally:
+            await slot.__aexit__(None, None, None)
+
+    def _remember(self, req: GenRequest, gen: Generation, text: str) -> None:
+        if req.endpoint == "chat":
+            self.memo.put(req.salt, text, gen.token_ids)
+
+    async def _sse(
+        self, gen: Generation, fmt: Formatter, include_usage: bool, slot: object
+    ) -> AsyncIterator[str]:
+        req = gen.req
+        status = "200"
+        try:
+            text = []
+            for head in fmt.head(include_usage):
+                yield _data(head)
+            async with contextlib.aclosing(gen.chunks()) as chunks:
+                async for c in chunks:
+                    text.append(c.text)
+                    if c.text:
+                        yield _data(fmt.delta(c.text, include_usage))
+            self._remember(req, gen, "".join(text))
+            yield _data(fmt.last(gen.usage.finish_reason, include_usage))
+            if include_usage:
+                yield _data(fmt.usage_chunk(gen))
+            yield "data: [DONE]\n\n"
+        except GatewayError as exc:
+            status = str(exc.status)
+            yield _data(exc.body())
+        finally:
+            gen.close()
+            self.metrics.requests.labels(req.workload, req.endpoint, status).inc()
+            await slot.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class Formatter:
+    """OpenAI response bodies for one request (completions or chat)."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list, usage: object = None, with_usage: bool = False) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if with_usage:
+            out["usage"] = usage
+        return out
+
+    def full(self, text: str, gen: Generation) -> dict:
+        u = gen.usage
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": u.finish_reason,
+                "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": u.finish_reason, "logprobs": None}
+        out = self._envelope(self.object, [choice], u.openai(), True)
+        out["kvpool"] = u.extra
+        return out
+
+    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+    def head(self, include_usage: bool) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._envelope(self.chunk_object, [self._choice("", None, role=True)], None, include_usage)]
+
+    def delta(self, text: str, include_usage: bool) -> dict:
+        return self._envelope(self.chunk_object, [self._choice(text, None)], None, include_usage)
+
+    def last(self, finish: str, include_usage: bool) -> dict:
+        return self._envelope(
+            self.chunk_object, [self._choice(None if self.chat else "", finish)], None, include_usage
+        )
+
+    def usage_chunk(self, gen: Generation) -> dict:
+        out = self._envelope(self.chunk_object, [], gen.usage.openai(), True)
+        out["kvpool"] = gen.usage.extra
+        return out
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return f"Invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{param or 'body'}: {e.get('msg', 'invalid')}{more}", param
+
+
+def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> FastAPI:
+    """The ASGI app; ``info`` (tokenizer, fingerprint) is loaded from ``settings.model`` when not given."""
+    info = info or load_model_info(settings.model, settings.fingerprint_hex)
+    gw = Gateway(settings, info)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.close()
+
+    app = FastAPI(
+        title="kvpool gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible API over disaggregated prefill/decode with a shared KV store",
+    )
+    app.state.gateway = gw
+    app.add_middleware(Guard, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return InvalidRequest(message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = NotFound(str(exc.detail))
+        err.status = exc.status_code
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected gateway error")
+        err = GatewayError(f"internal error: {type(exc).__name__}")
+        return err.response()
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(gw)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        if model_id != settings.model_id:
+            raise ModelNotFound(f"The model `{model_id}` does not exist", param="model")
+        return _model_card(gw)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        gw.check_model(body)
+        req = gw.gen_request(body, gw.completion_prompt(body), request, "completions", body.max_tokens)
+        return await gw.run(req, body, Formatter(False, settings.model_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        gw.check_model(body)
+        prompt = render_chat(gw.info.codec, body.messages, body.cache_salt or "", gw.memo)
+        req = gw.gen_request(body, prompt, request, "chat", body.output_limit())
+        return await gw.run(req, body, Formatter(True, settings.model_id))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = {
+            "prefill": [w.snapshot() for w in gw.pool.prefill],
+            "decode": [w.snapshot() for w in gw.pool.decode],
+        }
+        ok = bool(gw.pool.available("prefill")) and bool(gw.pool.available("decode"))
+        body = {
+            "status": "ok" if ok else "degraded",
+            "routing": settings.routing,
+            "workers": workers,
+            "inflight": gw.inflight,
+            "model": settings.model_id,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _model_card(gw: Gateway) -> dict:
+    return {
+        "id": gw.settings.model_id,
+        "object": "model",
+        "created": gw.created,
+        "owned_by": "kvpool",
+        "max_model_len": gw.settings.max_prompt_tokens,
+    }

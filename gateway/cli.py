@@ -1,0 +1,128 @@
+"""``kvpool gateway``: serve the OpenAI-compatible API in front of prefill and decode workers.
+
+Prints one JSON readiness line ``{"ready": true, "role": "gateway", "port": N, "url": ...}`` once uvicorn
+accepts connections (``--port 0`` binds any free port), and exits cleanly on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+
+from kvpool.gateway.router import POLICIES
+from kvpool.gateway.settings import GatewaySettings
+
+READY_POLL_S = 0.02
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = GatewaySettings(prefill=[], decode=[])
+    p.add_argument(
+        "--prefill", action="append", required=True, metavar="HOST:PORT", help="prefill worker (repeat)"
+    )
+    p.add_argument(
+        "--decode", action="append", required=True, metavar="HOST:PORT", help="decode worker (repeat)"
+    )
+    p.add_argument("--master", metavar="HOST:PORT", help="store master (cache-aware routing, store metrics)")
+    p.add_argument("--model", default=d.model, help="'tiny' or a checkpoint directory (tokenizer, config)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--fingerprint", default=None, help="model fingerprint hex (a worker's readiness line)")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--routing", choices=POLICIES, default=d.routing)
+    p.add_argument(
+        "--ttft-slo-s", type=float, default=d.ttft_slo_s, help="429 above this estimated TTFT (0=off)"
+    )
+    p.add_argument(
+        "--api-key", action="append", default=[], help="accepted API key (repeat; env KVPOOL_API_KEYS)"
+    )
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--max-concurrent", type=int, default=d.max_concurrent)
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="warning")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    keys = list(args.api_key) + [k for k in os.environ.get("KVPOOL_API_KEYS", "").split(",") if k]
+    return GatewaySettings(
+        prefill=args.prefill,
+        decode=args.decode,
+        master=args.master,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        fingerprint_hex=args.fingerprint,
+        block_size=args.block_size,
+        routing=args.routing,
+        ttft_slo_s=args.ttft_slo_s,
+        api_keys=keys,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        max_body_bytes=args.max_body_bytes,
+        max_concurrent=args.max_concurrent,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from kvpool.gateway.app import create_app
+
+    app = create_app(settings_from_args(args))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"kvpool gateway: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(READY_POLL_S)
+        if server.started:
+            url = f"http://{args.host}:{port}"
+            print(
+                json.dumps(
+                    {
+                        "ready": True,
+                        "role": "gateway",
+                        "host": args.host,
+                        "port": port,
+                        "url": url,
+                        "pid": os.getpid(),
+                    }
+                ),
+                flush=True,
+            )
+        await serving
+
+    asyncio.run(main())
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvpool.gateway.cli ...``: the gateway without importing every other command."""
+    parser = argparse.ArgumentParser(prog="kvpool gateway")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""One generation through the cluster: route, prefill (retrying elsewhere if a worker is gone), decode stream.
+
+Why ``start`` returns only once the first token is in hand: until then every failure can still become a
+proper HTTP status (400/429/503/504) even for a streaming request; after it the status line is sent and a
+failure can only be reported inside the stream. Every RPC carries the time left of the request's deadline,
+so a dead or stuck worker turns into an error within ``request_timeout_s`` — never a hang.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from kvpool.decode.sampling import SamplingParams
+from kvpool.gateway.errors import BackendTimeout, BackendUnavailable, GatewayError, InvalidRequest, Overloaded
+from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.router import Lookup, Plan, Router
+from kvpool.gateway.workers import Worker
+from kvpool.prefill.handoff import PrefillRequest
+from kvpool.prefill.wire import request_to_pb
+from kvpool.proto import decode_pb2, prefill_pb2
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    salt: str = ""
+    workload: str = "default"
+    tenant: str = "none"
+    endpoint: str = "completions"
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = "length"
+    extra: dict = field(default_factory=dict)  # kvpool-specific: workers, predicted hit, lost tokens
+
+    def openai(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def rpc_error(exc: grpc.aio.AioRpcError, w: Worker) -> GatewayError:
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(details.removeprefix("BadRequestError: "))
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return BackendTimeout(f"{w.role} worker {w.address} did not answer in time")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(f"{w.role} worker {w.address} is out of resources: {details}")
+    return BackendUnavailable(f"{w.role} worker {w.address} failed: {code.name}: {details}")
+
+
+class Generation:
+    """A started generation: ``first`` already received; iterate for the rest, then read ``usage``."""
+
+    def __init__(
+        self,
+        svc: Service,
+        req: GenRequest,
+        plan: Plan,
+        look: Lookup | None,
+        reply: prefill_pb2.PrefillReply,
+        decode: Worker,
+        call: object,
+        first: decode_pb2.GenerateChunk,
+        t0: float,
+        deadline: float,
+    ) -> None:
+        self.svc, self.req, self.plan, self.look, self.reply = svc, req, plan, look, reply
+        self.decode, self.call, self.first, self.t0, self.deadline = decode, call, first, t0, deadline
+        self.t_first = time.monotonic()
+        self.token_ids: list[int] = []
+        self.usage = Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=reply.usage.cached_tokens)
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[decode_pb2.GenerateChunk]:
+        """Token chunks (text deltas); the final chunk is consumed here and fills ``usage``."""
+        chunk = self.first
+        try:
+            while True:
+                if chunk.final:
+                    self._finish(chunk)
+                    return
+                self.token_ids.append(chunk.token_id)
+                yield chunk
+                try:
+                    chunk = await self.call.read()  # type: ignore[attr-defined]
+                except grpc.aio.AioRpcError as exc:
+                    self.decode.mark_failed()
+                    raise rpc_error(exc, self.decode) from None
+                if chunk is grpc.aio.EOF:
+                    raise BackendUnavailable(f"decode worker {self.decode.address} ended the stream early")
+        finally:
+            self.close()
+
+    def _finish(self, final: decode_pb2.GenerateChunk) -> None:
+        u, p = self.usage, self.reply.usage
+        u.completion_tokens = final.usage.completion_tokens or len(self.token_ids)
+        u.finish_reason = final.finish_reason or "length"
+        u.extra = {
+            "prefill_worker": self.plan.prefill.address,
+            "decode_worker": self.decode.address,
+            "predicted_cached_tokens": self.plan.predicted_cached,
+            "lost_to_checkpoint_tokens": p.lost_to_checkpoint_tokens,
+            "recomputed_tokens": p.recomputed_tokens,
+            "prefill_ttft_s": round(p.ttft_s, 6),
+            "ttft_s": round(self.t_first - self.t0, 6),
+            "cache_error": p.cache_error or None,
+        }
+        self.svc.record(self, time.monotonic())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.call.cancel()  # type: ignore[attr-defined]  # no-op once finished; frees decode on disconnect
+        self.decode.inflight -= 1
+        self.decode.queued_tokens -= self.req.sampling.max_tokens
+
+
+class Service:
+    def __init__(self, router: Router, metrics: GatewayMetrics, request_timeout_s: float = 60.0) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+
+    def _left(self, deadline: float, what: str) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BackendTimeout(f"request deadline ({self.request_timeout_s:.0f}s) passed before {what}")
+        return left
+
+    async def start(self, req: GenRequest) -> Generation:
+        t0 = time.monotonic()
+        deadline = t0 + self.request_timeout_s
+        reply, plan, look = await self._prefill(req, deadline)
+        excluded: set[str] = set()
+        decode = plan.decode
+        while True:
+            decode.inflight += 1
+            decode.queued_tokens += req.sampling.max_tokens
+            call = decode.stub.Generate(  # type: ignore[attr-defined]
+                decode_pb2.GenerateRequest(handoff=reply.handoff), timeout=self._left(deadline, "decode")
+            )
+            try:
+                first = await call.read()
+                if first is grpc.aio.EOF:
+                    raise BackendUnavailable(f"decode worker {decode.address} sent nothing")
+                return Generation(self, req, plan, look, reply, decode, call, first, t0, deadline)
+            except grpc.aio.AioRpcError as exc:
+                decode.inflight -= 1
+                decode.queued_tokens -= req.sampling.max_tokens
+                if exc.code() not in RETRYABLE:
+                    raise rpc_error(exc, decode) from None
+                decode.mark_failed()
+                self.metrics.worker_failures.labels(role="decode", worker=decode.address).inc()
+                excluded.add(decode.address)
+                decode = self.router.pick_decode(excluded)
+            except BaseException:
+                decode.inflight -= 1
+                decode.queued_tokens -= req.sampling.max_tokens
+                call.cancel()
+                raise
+
+    async def _prefill(
+        self, req: GenRequest, deadline: float
+    ) -> tuple[prefill_pb2.PrefillReply, Plan, Lookup | None]:
+        excluded: set[str] = set()
+        attempt = 0
+        while True:
+            plan, look = await self.router.plan(req.prompt_ids, req.salt, req.sampling.max_tokens, excluded)
+            w = plan.prefill
+            rid = req.request_id if attempt == 0 else f"{req.request_id}-r{attempt}"
+            pb = request_to_pb(PrefillRequest(rid, req.prompt_ids, req.salt, req.sampling))
+            w.inflight += 1
+            w.queued_tokens += plan.dispatched_tokens
+            try:
+                reply = await w.stub.Prefill(pb, timeout=self._left(deadline, "prefill"))  # type: ignore[attr-defined]
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    raise rpc_error(exc, w) from None
+                w.mark_failed()
+                self.metrics.worker_failures.labels(role="prefill", worker=w.address).inc()
+                excluded.add(w.address)
+                attempt += 1
+                continue
+            finally:
+                w.inflight -= 1
+                w.queued_tokens -= plan.dispatched_tokens
+            w.served += 1
+            self.router.cost.observe(reply.usage.computed_tokens, reply.usage.ttft_s)
+            return reply, plan, look
+
+    def record(self, g: Generation, t_end: float) -> None:
+        m, u, p = self.metrics, g.usage, g.reply.usage
+        wl, tn = g.req.workload, g.req.tenant
+        m.prompt_tokens.labels(wl, tn).inc(u.prompt_tokens)
+        m.cached_tokens.labels(wl, tn).inc(u.cached_tokens)
+        m.lost_tokens.labels(wl, tn).inc(p.lost_to_checkpoint_tokens)
+        m.recomputed_tokens.labels(wl, tn).inc(p.recomputed_tokens)
+        m.completion_tokens.labels(wl, tn).inc(u.completion_tokens)
+        policy = self.router.policy
+        if g.plan.predicted_cached is not None:
+            m.predicted_hit.labels(wl, tn, policy).inc(g.plan.predicted_cached)
+        m.delivered_hit.labels(wl, tn, policy).inc(u.cached_tokens)
+        m.ttft.labels(wl).observe(g.t_first - g.t0)
+        if u.completion_tokens > 1 and t_end > g.t_first:
+            m.tps.labels(wl).observe((u.completion_tokens - 1) / (t_end - g.t_first))
+        m.transfer_bytes.labels("fetched").inc(p.bytes_fetched)
+        m.transfer_bytes.labels("pushed").inc(p.bytes_pushed)
+        if p.recomputed_tokens:
+            m.transfer_failures.labels("fetch_fallback").inc()
+        if p.cache_error:
+            m.transfer_failures.labels("store_unreachable").inc()

@@ -1,0 +1,127 @@
+"""The gateway's view of its prefill and decode workers: gRPC channels, load counters, health.
+
+Why the gateway keeps its own load numbers: it is the only client of the workers, so the tokens it has
+dispatched and not yet seen answered *are* each worker's queue — no extra RPC on the hot path. Health comes
+from two sources: the standard gRPC health service, polled in the background under a deadline, and the
+outcome of real calls (an UNAVAILABLE marks the worker down at once, so the next request routes around it
+instead of waiting for the next poll).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvpool.proto import decode_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger("kvpool.gateway")
+MAX_MESSAGE_BYTES = 64 << 20
+HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 1.0
+DOWN_AFTER_FAILURE_S = 2.0  # a worker that refused a call is skipped this long unless health says otherwise
+
+
+@dataclass
+class Worker:
+    role: str  # "prefill" | "decode"
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = True
+    down_until: float = 0.0
+    inflight: int = 0
+    queued_tokens: int = 0  # prefill: uncached prompt tokens dispatched, not answered; decode: output budget
+    served: int = 0
+    failures: int = 0
+
+    def available(self, now: float) -> bool:
+        return self.healthy and now >= self.down_until
+
+    def mark_failed(self) -> None:
+        self.failures += 1
+        self.down_until = time.monotonic() + DOWN_AFTER_FAILURE_S
+
+    def snapshot(self) -> dict:
+        return {
+            "address": self.address,
+            "healthy": self.healthy and time.monotonic() >= self.down_until,
+            "inflight": self.inflight,
+            "queued_tokens": self.queued_tokens,
+            "served": self.served,
+            "failures": self.failures,
+        }
+
+
+def _channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.enable_retries", 0),
+        ],
+    )
+
+
+@dataclass
+class WorkerPool:
+    """All workers of both roles; ``start`` launches the health poller, ``close`` stops it + channels."""
+
+    prefill_addresses: list[str]
+    decode_addresses: list[str]
+    prefill: list[Worker] = field(default_factory=list)
+    decode: list[Worker] = field(default_factory=list)
+    _task: asyncio.Task | None = None
+
+    def start(self) -> WorkerPool:
+        for addr in self.prefill_addresses:
+            ch = _channel(addr)
+            self.prefill.append(
+                Worker("prefill", addr, ch, prefill_pb2_grpc.PrefillStub(ch), health_pb2_grpc.HealthStub(ch))
+            )
+        for addr in self.decode_addresses:
+            ch = _channel(addr)
+            self.decode.append(
+                Worker("decode", addr, ch, decode_pb2_grpc.DecodeStub(ch), health_pb2_grpc.HealthStub(ch))
+            )
+        self._task = asyncio.get_running_loop().create_task(self._poll_health(), name="gateway-health")
+        return self
+
+    def workers(self) -> list[Worker]:
+        return [*self.prefill, *self.decode]
+
+    def available(self, role: str) -> list[Worker]:
+        now = time.monotonic()
+        return [w for w in (self.prefill if role == "prefill" else self.decode) if w.available(now)]
+
+    async def check(self, w: Worker) -> bool:
+        try:
+            reply = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            ok = False
+        if ok != w.healthy:
+            log.warning("%s worker %s is now %s", w.role, w.address, "healthy" if ok else "DOWN")
+        w.healthy = ok
+        if ok and w.down_until and w.inflight == 0:
+            w.down_until = 0.0
+        return ok
+
+    async def _poll_health(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(w) for w in self.workers()), return_exceptions=True)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for w in self.workers():
+            await w.channel.close()

@@ -1,0 +1,494 @@
+"""``kvpool up`` / ``kvpool status``: the whole cluster as separate processes on loopback, and its Python API.
+
+``Cluster`` starts, in order, the store master, the storage node(s), the prefill and decode workers (all
+workers at once: their torch imports overlap) and the gateway; every child binds port 0 (the gateway its
+configured port) and announces itself with one JSON readiness line, read from its log file under a deadline.
+Each service logs to ``<run dir>/<name>.log``. ``stop`` (also on Ctrl-C / SIGTERM) terminates the gateway,
+then the workers, then the store, SIGKILLs what does not exit in time and unlinks any storage-node shared
+memory segment left behind. ``state.json`` in the run dir (copied to ``<runs root>/current.json``) records
+pids, ports and logs for ``kvpool status``.
+
+Why children get their own session: Ctrl-C in a terminal signals the whole foreground process group; the
+launcher, not the terminal, must decide the shutdown order (workers flush pushes before the store goes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import getpass
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local.toml"
+STOP_TIMEOUT_S = 10.0
+POLL_S = 0.05
+
+
+class LaunchError(RuntimeError):
+    """A service exited or stayed silent past its readiness deadline (the tail of its log is included)."""
+
+
+def runs_root() -> Path:
+    """Where run dirs and ``current.json`` live: ``$KVPOOL_RUNS`` or ``<tmp>/kvpool-<user>``."""
+    env = os.environ.get("KVPOOL_RUNS")
+    return Path(env) if env else Path(tempfile.gettempdir()) / f"kvpool-{getpass.getuser()}"
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:
+    """The TOML config (``deploy/local.toml`` by default; a user file is merged over it) plus overrides."""
+    with DEFAULT_CONFIG.open("rb") as f:
+        cfg = tomllib.load(f)
+    if path is not None and Path(path).resolve() != DEFAULT_CONFIG:
+        with Path(path).open("rb") as f:
+            cfg = _merge(cfg, tomllib.load(f))
+    return _merge(cfg, overrides or {})
+
+
+@dataclass
+class Service:
+    name: str
+    role: str
+    popen: subprocess.Popen
+    log: Path
+    ready: dict = field(default_factory=dict)
+
+    @property
+    def port(self) -> int:
+        return int(self.ready.get("port") or self.ready.get("grpc_port") or 0)
+
+    @property
+    def address(self) -> str:
+        return f"{self.ready.get('host', '127.0.0.1')}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "pid": self.popen.pid,
+            "address": self.address,
+            "log": str(self.log),
+            "ready": self.ready,
+        }
+
+
+class Cluster:
+    """Context manager: ``with Cluster(load_config()) as c: openai.OpenAI(base_url=c.base_url + "/v1")``."""
+
+    def __init__(self, config: dict[str, Any] | None = None, run_dir: Path | None = None) -> None:
+        self.config = config or load_config()
+        self.run_dir = run_dir or runs_root() / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.services: dict[str, Service] = {}
+        self.fingerprint: str | None = None
+
+    # -- processes ---------------------------------------------------------------------------------------
+    def _spawn(self, name: str, role: str, argv: list[str]) -> Service:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log = self.run_dir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        svc = Service(name, role, popen, log)
+        self.services[name] = svc
+        return svc
+
+    def _wait_ready(self, svc: Service, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        offset = 0
+        while time.monotonic() < deadline:
+            with svc.log.open("rb") as f:
+                f.seek(offset)
+                data = f.read()
+            lines = data.split(b"\n")
+            for line in lines[:-1]:
+                offset += len(line) + 1
+                if line.startswith(b"{"):
+                    with contextlib.suppress(ValueError):
+                        record = json.loads(line)
+                        if isinstance(record, dict) and record.get("ready"):
+                            svc.ready = record
+                            return record
+            if not svc.alive():
+                raise LaunchError(f"{svc.name} exited (rc={svc.popen.returncode}):\n{svc.log_tail()}")
+            time.sleep(POLL_S)
+        raise LaunchError(f"{svc.name} not ready within {timeout_s:.0f}s:\n{svc.log_tail()}")
+
+    def start(self) -> Cluster:
+        c = self.config
+        cl, m, st, pf, dc = c["cluster"], c["master"], c["store"], c["prefill"], c["decode"]
+        timeout = float(cl.get("ready_timeout_s", 90))
+        try:
+            master = self._spawn(
+                "master",
+                "master",
+                [
+                    "kvpool.kvstore.master_cli",
+                    "--port",
+                    str(m.get("port", 0)),
+                    "--metrics-port",
+                    str(m.get("metrics_port", -1)),
+                    "--policy",
+                    m.get("policy", "lru"),
+                    "--heartbeat-ms",
+                    str(m.get("heartbeat_ms", 500)),
+                    "--node-timeout-ms",
+                    str(m.get("node_timeout_ms", 3000)),
+                    "--log-level",
+                    "WARNING",
+                ],
+            )
+            self._wait_ready(master, timeout)
+            nodes = [
+                self._spawn(
+                    f"node-{i}",
+                    "node",
+                    [
+                        "kvpool.kvstore.cli",
+                        "node",
+                        "--master",
+                        master.address,
+                        "--capacity",
+                        st["capacity"],
+                        "--transport",
+                        st.get("transport", "tcp,shm"),
+                    ],
+                )
+                for i in range(int(st.get("nodes", 1)))
+            ]
+            common = [
+                "--master",
+                master.address,
+                "--model",
+                cl["model"],
+                "--block-size",
+                str(cl["block_size"]),
+                "--threads",
+                str(cl.get("threads", 1)),
+            ]
+            workers = [
+                self._spawn(
+                    f"prefill-{i}",
+                    "prefill",
+                    [
+                        "kvpool.cli",
+                        "prefill",
+                        *common,
+                        "--transport",
+                        pf.get("transport", "auto"),
+                        "--checkpoint-policy",
+                        pf.get("checkpoint_policy", "end,junction"),
+                        *pf.get("args", []),
+                    ],
+                )
+                for i in range(int(pf.get("count", 1)))
+            ] + [
+                self._spawn(
+                    f"decode-{i}",
+                    "decode",
+                    [
+                        "kvpool.cli",
+                        "decode",
+                        *common,
+                        "--transport",
+                        dc.get("transport", "auto"),
+                        "--max-batch",
+                        str(dc.get("max_batch", 64)),
+                        *dc.get("args", []),
+                    ],
+                )
+                for i in range(int(dc.get("count", 1)))
+            ]
+            for svc in [*nodes, *workers]:
+                self._wait_ready(svc, timeout)
+            self.fingerprint = workers[0].ready.get("fingerprint")
+            gateway = self._spawn("gateway", "gateway", self._gateway_argv(master, workers))
+            self._wait_ready(gateway, timeout)
+            self._wait_healthy(timeout)
+            self.write_state()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _gateway_argv(self, master: Service, workers: list[Service]) -> list[str]:
+        g, cl = self.config["gateway"], self.config["cluster"]
+        argv = [
+            "kvpool.gateway.cli",
+            "--master",
+            master.address,
+            "--model",
+            cl["model"],
+            "--block-size",
+            str(cl["block_size"]),
+            "--host",
+            g.get("host", "127.0.0.1"),
+            "--port",
+            str(g.get("port", 8000)),
+            "--routing",
+            g.get("routing", "cache"),
+            "--ttft-slo-s",
+            str(g.get("ttft_slo_s", 0.0)),
+            "--max-prompt-tokens",
+            str(g.get("max_prompt_tokens", 8192)),
+            "--max-output-tokens",
+            str(g.get("max_output_tokens", 1024)),
+            "--max-body-bytes",
+            str(g.get("max_body_bytes", 1 << 20)),
+            "--max-concurrent",
+            str(g.get("max_concurrent", 64)),
+            "--request-timeout",
+            str(g.get("request_timeout_s", 60.0)),
+        ]
+        if g.get("served_model_name"):
+            argv += ["--served-model-name", g["served_model_name"]]
+        if self.fingerprint:
+            argv += ["--fingerprint", self.fingerprint]
+        for w in workers:
+            argv += [f"--{w.role}", w.address]
+        for key in g.get("api_keys", []):
+            argv += ["--api-key", key]
+        return argv
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        """The gateway's /health turns 200 once its health poller has seen every role serving."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.base_url}/health", timeout=2.0)
+                if r.status_code == 200:
+                    return
+                last = r.text
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            time.sleep(0.1)
+        raise LaunchError(f"gateway not healthy within {timeout_s:.0f}s: {last}")
+
+    @property
+    def base_url(self) -> str:
+        return self.services["gateway"].ready["url"]
+
+    def by_role(self, role: str) -> list[Service]:
+        return [s for s in self.services.values() if s.role == role]
+
+    # -- state ------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {
+            "launcher_pid": os.getpid(),
+            "run_dir": str(self.run_dir),
+            "started": time.time(),
+            "gateway_url": self.services["gateway"].ready.get("url") if "gateway" in self.services else None,
+            "routing": self.config["gateway"].get("routing"),
+            "services": [s.describe() for s in self.services.values()],
+        }
+
+    def write_state(self) -> Path:
+        path = self.run_dir / "state.json"
+        data = json.dumps(self.state(), indent=2)
+        for p in (path, runs_root() / "current.json"):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_suffix(".tmp")
+            tmp.write_text(data)
+            tmp.replace(p)
+        return path
+
+    # -- shutdown ---------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Gateway, then workers, then nodes, then master; SIGTERM, then SIGKILL after a deadline."""
+        for roles in (("gateway",), ("prefill", "decode"), ("node",), ("master",)):
+            group = [s for s in self.services.values() if s.role in roles and s.alive()]
+            for s in group:
+                with contextlib.suppress(ProcessLookupError):
+                    s.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for s in group:
+                try:
+                    s.popen.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    s.popen.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        s.popen.wait(5)
+        for s in self.by_role("node"):
+            name = s.ready.get("shm_name")
+            if name:
+                with contextlib.suppress(FileNotFoundError, OSError):
+                    os.unlink(f"/dev/shm/{name.lstrip('/')}")
+        current = runs_root() / "current.json"
+        with contextlib.suppress(FileNotFoundError, ValueError, OSError):
+            if json.loads(current.read_text()).get("run_dir") == str(self.run_dir):
+                current.unlink()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- CLI ----------------------------------------------------------------------------------------------------
+def register(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser("up", help="start master, store, prefill, decode and gateway on this machine")
+    up.add_argument("--config", type=Path, default=None, help=f"TOML config (default {DEFAULT_CONFIG.name})")
+    up.add_argument(
+        "--run-dir", type=Path, default=None, help="logs + state.json (default under $KVPOOL_RUNS)"
+    )
+    up.add_argument("--port", type=int, default=None, help="gateway port (overrides the config)")
+    up.add_argument("--routing", choices=("cache", "rr"), default=None)
+    up.add_argument("--prefill", type=int, default=None, help="number of prefill workers")
+    up.add_argument("--decode", type=int, default=None, help="number of decode workers")
+    up.set_defaults(func=run_up)
+    st = subparsers.add_parser("status", help="show the cluster started by `kvpool up`")
+    st.add_argument("--state", type=Path, default=None, help="state.json (default: the current run)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=run_status)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict:
+    o: dict[str, dict] = {"gateway": {}, "prefill": {}, "decode": {}}
+    if args.port is not None:
+        o["gateway"]["port"] = args.port
+    if args.routing:
+        o["gateway"]["routing"] = args.routing
+    if args.prefill is not None:
+        o["prefill"]["count"] = args.prefill
+    if args.decode is not None:
+        o["decode"]["count"] = args.decode
+    return o
+
+
+def run_up(args: argparse.Namespace) -> int:
+    cluster = Cluster(load_config(args.config, overrides_from_args(args)), args.run_dir)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    t0 = time.monotonic()
+    try:
+        cluster.start()
+        print(
+            f"kvpool up: {len(cluster.services)} services ready in {time.monotonic() - t0:.1f}s, "
+            f"logs in {cluster.run_dir}"
+        )
+        for s in cluster.services.values():
+            print(f"  {s.name:<10} pid {s.popen.pid:<8} {s.address}")
+        print(f"OpenAI API: {cluster.base_url}/v1   (Ctrl-C to stop; `kvpool status` to inspect)", flush=True)
+        reported: set[str] = set()
+        while True:
+            for s in cluster.services.values():
+                if not s.alive() and s.name not in reported:
+                    reported.add(s.name)
+                    print(f"kvpool up: {s.name} exited (rc={s.popen.returncode}); see {s.log}", flush=True)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("kvpool up: stopping", flush=True)
+        return 0
+    except LaunchError as exc:
+        print(f"kvpool up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNIMPLEMENTED  # up, but without a health service
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def service_health(svc: dict) -> str:
+    """``down`` (no process), ``up`` (answers its health check), ``unhealthy``."""
+    if not _alive(int(svc["pid"])):
+        return "down"
+    if svc["role"] == "gateway":
+        import httpx
+
+        try:
+            r = httpx.get(f"{svc['ready']['url']}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return "unhealthy"
+        return "up" if r.status_code == 200 else "degraded"
+    return "up" if _grpc_serving(svc["address"]) else "unhealthy"
+
+
+def run_status(args: argparse.Namespace) -> int:
+    path = args.state or runs_root() / "current.json"
+    try:
+        state = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        print(f"kvpool status: no running cluster ({path} not found)", file=sys.stderr)
+        return 1
+    rows = [
+        {
+            "name": s["name"],
+            "role": s["role"],
+            "pid": s["pid"],
+            "address": s["address"],
+            "health": service_health(s),
+            "log": s["log"],
+        }
+        for s in state["services"]
+    ]
+    if args.json:
+        print(
+            json.dumps({"run_dir": state["run_dir"], "gateway_url": state["gateway_url"], "services": rows})
+        )
+    else:
+        print(f"run dir {state['run_dir']}   gateway {state['gateway_url']}   routing {state.get('routing')}")
+        for r in rows:
+            print(f"  {r['name']:<10} {r['role']:<8} pid {r['pid']:<8} {r['address']:<22} {r['health']}")
+    return 0 if all(r["health"] == "up" for r in rows) else 3
