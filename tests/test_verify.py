@@ -31,11 +31,13 @@ def test_verify_json_on_a_local_cluster():
     assert all(r["cached_tokens"] > 0 for name, r in rows.items() if name.endswith("turn2"))
 
 
-def test_endpoint_mode_says_not_yet_and_half_addresses_are_refused():
-    proc = _kvpool("--endpoint", "http://127.0.0.1:1/v1", timeout=60)
-    assert proc.returncode == 2 and "not implemented yet" in proc.stderr
-    proc = _kvpool("--prefill", "127.0.0.1:1", timeout=60)
-    assert proc.returncode == 2 and "both --prefill and --decode" in proc.stderr
+def test_endpoint_mode_says_not_yet_and_half_addresses_are_refused(capsys):
+    from kvpool.cli import main
+
+    assert main(["verify", "--endpoint", "http://127.0.0.1:1/v1"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+    assert main(["verify", "--prefill", "127.0.0.1:1"]) == 2
+    assert "both --prefill and --decode" in capsys.readouterr().err
 
 
 def test_cached_tokens_check_needs_the_bytes():
