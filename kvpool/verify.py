@@ -128,6 +128,7 @@ async def run_verify(
     from kvpool.model.tokenizer import load_tokenizer
     from kvpool.prefill.handoff import PrefillRequest
 
+    saved = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(threads)  # the workers' --threads: same kernels on both sides
     torch.use_deterministic_algorithms(True)
     model = load_model(model_name)
@@ -167,6 +168,8 @@ async def run_verify(
     finally:
         await client.close()
         reference.close()
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1])
     rows = report.rows
     report.requests = len(rows)
     report.identical = sum(r.identical for r in rows)

@@ -322,3 +322,12 @@ def test_unreachable_store_serves_without_cache_or_fails_when_asked(tmp_path, re
     finally:
         for child in children:
             child.stop()
+
+
+def test_verify_against_given_workers(cluster):
+    """`kvpool verify --prefill/--decode` path: the fixed prompt set against this module's workers."""
+    from kvpool.verify import run_verify
+
+    report = asyncio.run(run_verify("tiny", cluster.prefill, cluster.decode, tenant="given"))
+    assert report.ok and report.identical == report.requests
+    assert report.cached_tokens > 0 and report.cached_tokens_verified
