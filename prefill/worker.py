@@ -79,13 +79,15 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
 
 
 class WorkerServer:
-    """grpc.aio server + health service for one worker servicer."""
+    """grpc.aio server + health service for the worker's servicers (one per role)."""
 
     def __init__(
-        self, service_name: str, add: Callable[[grpc.aio.Server], None], host: str, port: int
+        self,
+        services: dict[str, Callable[[grpc.aio.Server], None]],
+        host: str,
+        port: int,
     ) -> None:
-        self.service_name = service_name
-        self._add = add
+        self.services = services  # gRPC service name -> function adding its servicer to a server
         self.host = host
         self.requested_port = port
         self.health = health.aio.HealthServicer()
@@ -100,19 +102,20 @@ class WorkerServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        self._add(server)
+        for add in self.services.values():
+            add(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
         if self.port == 0:
             raise OSError(f"cannot bind {self.host}:{self.requested_port}")
         await server.start()
         self._server = server
-        for name in ("", self.service_name):
+        for name in ("", *self.services):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        for name in ("", self.service_name):
+        for name in ("", *self.services):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._server is not None:
             await self._server.stop(grace_s)
@@ -140,7 +143,7 @@ async def serve_until_signal(server: WorkerServer, ready: dict, on_stop: Callabl
 
 def ready_fields(role: str, args: argparse.Namespace, model: HybridModel) -> dict:
     return {
-        "role": role,
+        "role": role,  # "prefill", "decode" or "prefill+decode" (colocated)
         "model": args.model,
         "fingerprint": model.fingerprint().hex(),
         "block_size": args.block_size,
@@ -153,3 +156,64 @@ def request_deadline(context: grpc.aio.ServicerContext, cap_s: float) -> float:
     """Seconds this call may take: the client's deadline when it set one, never more than ``cap_s``."""
     remaining = context.time_remaining()
     return cap_s if remaining is None else max(min(remaining, cap_s), 0.001)
+
+
+async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
+    """Run the engines for ``roles`` ("prefill", "decode" or both = colocated) behind one gRPC server, one
+    model thread and one store client; returns the exit code."""
+    from kvpool.decode.batcher import StepBatcher
+    from kvpool.decode.engine import DecodeEngine
+    from kvpool.decode.server import SERVICE_NAME as DECODE_SERVICE
+    from kvpool.decode.server import DecodeService
+    from kvpool.prefill.engine import PrefillEngine
+    from kvpool.prefill.model_runner import ModelRunner
+    from kvpool.prefill.policy import CheckpointPolicy
+    from kvpool.prefill.server import SERVICE_NAME as PREFILL_SERVICE
+    from kvpool.prefill.server import PrefillService
+    from kvpool.proto import decode_pb2_grpc, prefill_pb2_grpc
+
+    try:
+        policy = CheckpointPolicy.parse(args.checkpoint_policy) if "prefill" in roles else None
+        rt = build_runtime(args)
+    except (ValueError, OSError) as exc:  # bad --model / --block-size / policy: a message, not a traceback
+        print(f"kvpool {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    runner = ModelRunner(rt.model)
+    services: dict[str, Callable[[grpc.aio.Server], None]] = {}
+    if "prefill" in roles:
+        prefill = PrefillService(
+            PrefillEngine(
+                runner,
+                rt.store,
+                block_size=args.block_size,
+                policy=policy,
+                tail_ttl_ms=args.tail_ttl_ms,
+                timeout_s=args.store_timeout,
+                on_cache_error=args.on_cache_error,
+            ),
+            args.request_timeout,
+        )
+        services[PREFILL_SERVICE] = lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, s)
+    if "decode" in roles:
+        decode = DecodeService(
+            DecodeEngine(
+                runner,
+                rt.store,
+                block_size=args.block_size,
+                tokenizer=rt.tokenizer,
+                end_of_output_checkpoint=not args.no_end_checkpoint,
+                timeout_s=args.store_timeout,
+                on_cache_error=args.on_cache_error,
+                batcher=StepBatcher(runner, args.max_batch),
+            ),
+            args.request_timeout,
+        )
+        services[DECODE_SERVICE] = lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(decode, s)
+
+    async def close() -> None:
+        if rt.store is not None:
+            await rt.store.close()
+        runner.close()
+
+    server = WorkerServer(services, args.host, args.port)
+    return await serve_until_signal(server, ready_fields("+".join(roles), args, rt.model), close)

@@ -331,3 +331,27 @@ def test_verify_against_given_workers(cluster):
     report = asyncio.run(run_verify("tiny", cluster.prefill, cluster.decode, tenant="given"))
     assert report.ok and report.identical == report.requests
     assert report.cached_tokens > 0 and report.cached_tokens_verified
+
+
+def test_colocated_worker_serves_both_contracts(cluster, reference, tmp_path):
+    """`kvpool decode --colocated`: one process, one model thread, Prefill + Decode on one port."""
+    from kvpool.prefill.cluster import spawn
+
+    child = spawn(
+        "colocated",
+        ["kvpool.cli", "decode", "--colocated", "--master", cluster.master, "--threads", "1"],
+        tmp_path,
+    )
+    try:
+        assert child.ready["role"] == "prefill+decode"
+        rng = random.Random(17)
+        head = [rng.randrange(3, 1000) for _ in range(130)]
+        prompts = [head + [rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40)]
+        where = SimpleNamespace(prefill=child.address, decode=child.address)
+        got = remote(where, [PrefillRequest(f"colo{k}", p, "tcolo", GREEDY3) for k, p in enumerate(prompts)])
+        for p, g in zip(prompts, got, strict=True):
+            ref = reference(p)
+            assert torch.equal(g.first_logits, ref.first_logits) and g.tokens == ref.tokens
+        assert got[1].prefill.cached_tokens == 128
+    finally:
+        child.stop()
