@@ -1,0 +1,335 @@
+"""The gateway against a real ``kvpool up`` cluster (master, node, 2 prefill, 1 decode, gateway processes),
+driven with the official ``openai`` client. One cluster for the whole module: it is started by the
+``kvpool up`` CLI itself, so the launcher's readiness, state file, ``kvpool status`` and SIGTERM shutdown
+(children gone, shared memory unlinked) are tested by the same run. The dead-worker test runs last.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+MODEL = "tiny"
+CONFIG = """
+[cluster]
+ready_timeout_s = 120
+[prefill]
+count = 2
+[decode]
+count = 1
+[gateway]
+port = 0
+api_keys = ["test-key"]
+max_prompt_tokens = 2048
+max_output_tokens = 64
+max_body_bytes = 65536
+request_timeout_s = 30.0
+"""
+UP_TIMEOUT_S = 150
+
+
+class UpProcess:
+    def __init__(self, popen: subprocess.Popen, run_dir: Path, runs_root: Path) -> None:
+        self.popen, self.run_dir, self.runs_root = popen, run_dir, runs_root
+        self.state = json.loads((run_dir / "state.json").read_text())
+        self.url = self.state["gateway_url"]
+
+    def service(self, name: str) -> dict:
+        return next(s for s in self.state["services"] if s["name"] == name)
+
+    def status(self) -> tuple[int, dict]:
+        env = dict(os.environ, KVPOOL_RUNS=str(self.runs_root))
+        r = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli", "status", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> UpProcess:
+    base = tmp_path_factory.mktemp("up")
+    (base / "cluster.toml").write_text(CONFIG)
+    run_dir, runs_root = base / "run", base / "runs"
+    env = dict(os.environ, KVPOOL_RUNS=str(runs_root))
+    log = (base / "up.log").open("wb")
+    popen = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvpool.cli",
+            "up",
+            "--config",
+            str(base / "cluster.toml"),
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while not (run_dir / "state.json").exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            popen.kill()
+            pytest.fail(f"kvpool up failed: {(base / 'up.log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    cluster = UpProcess(popen, run_dir, runs_root)
+    yield cluster
+    pids = [s["pid"] for s in cluster.state["services"]]
+    shm = cluster.service("node-0")["ready"].get("shm_name")
+    popen.send_signal(signal.SIGTERM)
+    assert popen.wait(40) == 0, (base / "up.log").read_text()[-3000:]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    if shm:
+        assert not Path(f"/dev/shm/{shm.lstrip('/')}").exists()
+    assert not (runs_root / "current.json").exists()
+
+
+@pytest.fixture(scope="module")
+def client(up: UpProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up.url + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+
+
+def chat(client: openai.OpenAI, messages: list[dict], **kw: object):
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=kw.pop("max_tokens", 16), **kw
+    )
+
+
+def test_launcher_wrote_state_and_status_reports_every_service_up(up: UpProcess) -> None:
+    names = {s["name"] for s in up.state["services"]}
+    assert names == {"master", "node-0", "prefill-0", "prefill-1", "decode-0", "gateway"}
+    assert all((up.run_dir / f"{n}.log").exists() for n in names)
+    rc, status = up.status()
+    assert rc == 0, status
+    assert {s["name"]: s["health"] for s in status["services"]} == dict.fromkeys(names, "up")
+
+
+def test_models_and_health(up: UpProcess, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(up.url + "/health", timeout=5).json()
+    assert health["status"] == "ok" and len(health["workers"]["prefill"]) == 2
+
+
+def test_streaming_and_non_streaming_give_the_same_text_and_usage(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Explain block hashing in one line. " * 4}]
+    full = chat(client, messages, max_tokens=32, temperature=0)
+    pieces, usage, finish = [], None, None
+    stream = chat(
+        client, messages, max_tokens=32, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert full.choices[0].message.content == "".join(pieces)
+    assert full.choices[0].finish_reason == finish
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens is not None
+
+    prompt = "The store keeps MLA blocks and KDA checkpoints. " * 3
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    b = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert a.choices[0].text == b
+    assert a.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_cached_tokens_grow_over_a_conversation(client: openai.OpenAI) -> None:
+    """Turn k+1's prompt starts with turn k's prompt + answer tokens, so it reuses every full block of them
+    (decode pushed the answer's blocks and an end-of-output checkpoint before the reply ended)."""
+    messages = [
+        {"role": "system", "content": "You are a terse assistant for the kvpool project. " * 4},
+        {"role": "user", "content": "What is a KDA checkpoint?"},
+    ]
+    usage = []
+    for turn in range(3):
+        r = chat(client, messages, max_tokens=40, metadata={"workload": "chat"})
+        usage.append(r.usage)
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"And turn {turn + 2}?"},
+        ]
+    cached = [u.prompt_tokens_details.cached_tokens for u in usage]
+    assert cached[0] == 0
+    for prev, cur in itertools.pairwise(usage):
+        expected = (
+            min((prev.prompt_tokens + prev.completion_tokens) // 64, (cur.prompt_tokens - 1) // 64) * 64
+        )
+        assert cur.prompt_tokens_details.cached_tokens == expected, (cached, usage)
+    assert cached[1] > 0 and cached[2] > cached[1], cached
+    again = chat(client, messages[:-2], max_tokens=4)  # turn 3's prompt once more
+    assert again.usage.prompt_tokens_details.cached_tokens >= cached[2]
+
+
+def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
+    prompt = "Tenant isolation: this document is private to one tenant only. " * 5
+    first = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "A"}
+    )
+    second = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "A"}
+    )
+    other = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "B"}
+    )
+    unsalted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (second.usage.prompt_tokens - 1) // 64 * 64 > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert unsalted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _raw(up: UpProcess, path: str, body: bytes | dict, key: str = API_KEY) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(
+        up.url + path,
+        content=content,
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "Invalid JSON"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
+        ({"model": MODEL, "prompt": "x" * 3000}, 400, "maximum context length"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400, "at most 64"),
+        ({"model": MODEL, "prompt": [5000]}, 400, "vocabulary"),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x" * 70000}, 413, "exceeds"),
+    ],
+)
+def test_bad_requests_get_openai_style_4xx(up: UpProcess, body: object, status: int, needle: str) -> None:
+    r = _raw(up, "/v1/completions", body)  # type: ignore[arg-type]
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+
+
+def test_openai_client_maps_errors(up: UpProcess, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=up.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(client, [{"role": "user", "content": "y" * 4000}])
+    assert exc.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        chat(client, [{"role": "wizard", "content": "hi"}])
+    assert _raw(up, "/v1/chat/completions", {"model": MODEL, "messages": []}, key="bad").status_code == 401
+    assert (
+        httpx.get(up.url + "/v1/nowhere", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
+    )
+
+
+def test_metrics_by_workload_and_tenant(up: UpProcess, client: openai.OpenAI) -> None:
+    prompt = "Retrieval-augmented context chunk about shared prefixes. " * 4
+    for _ in range(2):
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=2,
+            extra_headers={"X-Workload": "rag"},
+            extra_body={"cache_salt": "metrics-tenant"},
+        )
+    time.sleep(2.5)  # store gauges refresh every 2 s
+    text = httpx.get(up.url + "/metrics", timeout=5).text
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("kvpool_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    tenant = next(k for k in samples if k.startswith("kvpool_prompt_tokens_total{") and 'workload="rag"' in k)
+    assert samples[tenant] > 0
+    cached = tenant.replace("kvpool_prompt_tokens_total", "kvpool_cached_tokens_total")
+    assert 0 < samples[cached] < samples[tenant]
+    assert "metrics-tenant" not in text  # the salt itself never leaks
+    assert any(k.startswith("kvpool_ttft_seconds_count") and 'workload="rag"' in k for k in samples)
+    assert any(k.startswith("kvpool_router_predicted_hit_tokens_total") for k in samples)
+    assert any(k.startswith("kvpool_store_bytes{") and v > 0 for k, v in samples.items())
+    assert samples.get("kvpool_store_up") == 1.0
+
+
+def test_schemathesis_finds_no_server_errors(up: UpProcess) -> None:
+    exe = Path(sys.executable).with_name("schemathesis")
+    r = subprocess.run(
+        [
+            str(exe),
+            "run",
+            up.url + "/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "12",
+            "--header",
+            f"Authorization: Bearer {API_KEY}",
+            "--request-timeout",
+            "30",
+            "--seed",
+            "1",
+            "--phases",
+            "examples,coverage,fuzzing",
+            "--suppress-health-check",
+            "all",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_demo_chats(up: UpProcess) -> None:
+    from kvpool.gateway import demo_chats
+
+    results = demo_chats.run(up.url, api_key=API_KEY, turns=3)
+    workloads = {r["workload"] for r in results}
+    assert workloads == {"chat", "agent", "rag"}
+    for r in results:
+        assert r["cached_tokens"][0] == 0 or r["workload"] == "rag"
+        assert r["cached_tokens"][-1] > 0
+    table = demo_chats.hit_table(results)
+    assert "chat" in table and "%" in table
+
+
+def test_a_dead_prefill_worker_degrades_to_the_other(up: UpProcess, client: openai.OpenAI) -> None:
+    victim = up.service("prefill-1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    for i in range(4):
+        r = client.completions.create(model=MODEL, prompt=f"after the crash {i} " * 10, max_tokens=4)
+        assert r.model_extra["kvpool"]["prefill_worker"] != victim["address"]
+    assert time.monotonic() - t0 < 20
+    assert httpx.get(up.url + "/health", timeout=5).status_code == 200
+    rc, status = up.status()
+    assert rc == 3
+    assert {s["name"]: s["health"] for s in status["services"]}["prefill-1"] == "down"
