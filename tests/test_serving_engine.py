@@ -89,6 +89,7 @@ def test_every_stored_key_is_the_independent_block_hash(model):
     prompt = _rand(rng, 3 * B + 10)
     _complete(colo, "k", prompt, SamplingParams(max_tokens=2))
     parent = hashlib.sha256(cbor2.dumps([FORMAT_VERSION, model.fingerprint(), "t"], canonical=True)).digest()
+    root = parent
     chain = []
     for i in range(3):
         block = prompt[i * B : (i + 1) * B]
@@ -102,6 +103,19 @@ def test_every_stored_key_is_the_independent_block_hash(model):
         assert decode_mla_block(store.objects[MLA_TAG + h], schema).block_index == i
     assert [k for k in store.meta if k.startswith(KDA_TAG)] == [KDA_TAG + chain[2]]  # end of prompt
     assert decode_kda_checkpoint(store.objects[KDA_TAG + chain[2]], schema).n_tokens == 3 * B
+    # decode's pushes: the block closed by the output (prompt + consumed output tokens) and its checkpoint
+    out = _complete(colo, "k2", prompt, SamplingParams(max_tokens=60, ignore_eos=True)).tokens
+    consumed = prompt + out[:-1]
+    parent = root
+    for i in range(4):
+        parent = hashlib.sha256(
+            cbor2.dumps([parent, consumed[i * B : (i + 1) * B], None], canonical=True)
+        ).digest()
+    assert MLA_TAG + parent in store.meta and KDA_TAG + parent in store.meta
+    assert decode_mla_block(store.objects[MLA_TAG + parent], schema).block_hash == parent
+    assert (
+        decode_kda_checkpoint(store.objects[KDA_TAG + parent], schema, expected_hash=parent).n_tokens == 4 * B
+    )
 
 
 def test_second_turn_reuses_the_first(model, reference):
