@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvpool.cache.hashing import hash_blocks, root_hash
+from kvpool.cache.keys import tail_key
 from kvpool.cache.store_io import (
     DEFAULT_TIMEOUT_S,
     CacheStore,
@@ -102,6 +103,8 @@ class DecodeEngine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise BadRequestError(f"token {t!r} at position {pos} is not an id in [0, {vocab})")
         handoff.sampling.validate()
+        if handoff.tail_key != tail_key(handoff.request_id):
+            raise BadRequestError("handoff tail_key is not the request's tail key")
         want = hash_blocks(handoff.prompt_ids, self.block_size, self._root(handoff.tenant))
         if [bytes(h) for h in handoff.block_hashes] != want:
             raise BadRequestError("handoff block_hashes do not match its prompt / tenant / model")
