@@ -139,7 +139,9 @@ class PrefillEngine:
             cached_tokens=start,
         )
         push = PushStats()
-        if self.store is not None:
+        # A master that just failed the lookup would make every push wait out its deadline: skip them, and
+        # decode recomputes (tail_stored stays False).
+        if self.store is not None and fetch.error is None:
             push = await self._push(request, hashes, result, boundaries, stored_run, use_store, handoff)
         return PrefillOutcome(
             first_token=first,
