@@ -160,7 +160,7 @@ class DecodeEngine:
                 cached_tokens=handoff.cached_tokens,
                 resume=info,
             )
-            if self.store is not None:
+            if self.store is not None and info.store_error is None:
                 await self._push_output(handoff, tokens, state, snapshot, result)
         finally:
             if self.store is not None and handoff.tail_stored:

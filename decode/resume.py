@@ -25,6 +25,7 @@ class ResumeInfo:
     fetched_tokens: int = 0  # prompt tokens whose state came from the store
     recomputed_tokens: int = 0  # prompt tokens decode had to compute itself
     reason: str = ""  # why the tail path was not taken
+    store_error: str | None = None  # the store did not answer: decode skips its pushes too
 
 
 async def resume(
@@ -44,16 +45,17 @@ async def resume(
             return state, ResumeInfo("tail", fetched_tokens=L)
     if on_cache_error == "fail":
         raise CacheFetchError(f"request {handoff.request_id}: cannot resume from the store: {reason}")
-    prefix = None
+    prefix, error = None, None
     if store is not None:
         cap = (L - 1) // B
-        prefix, _ = await fetch_prefix(
+        prefix, stats = await fetch_prefix(
             store, schema, handoff.block_hashes[:cap], handoff.tenant, timeout_s=timeout_s
         )
+        error = stats.error
     start = prefix.n_tokens if prefix is not None else 0
     result = await runner.prefill(prompt[start:], prefix, [])
     return DecodeState.from_prefill(result), ResumeInfo(
-        "recompute", fetched_tokens=start, recomputed_tokens=L - start, reason=reason
+        "recompute", fetched_tokens=start, recomputed_tokens=L - start, reason=reason, store_error=error
     )
 
 
