@@ -60,7 +60,7 @@ class MemoryStore:
         acquire: bool = False,
         lease_ms: int | None = None,
     ) -> master_pb2.MatchPrefixReply:
-        self._check()
+        await self._wait()
         run, checkpoints = 0, []
         for h in block_hashes:
             if MLA_TAG + bytes(h) not in self.meta:

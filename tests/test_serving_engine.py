@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import time
 
 import cbor2
 import pytest
@@ -221,6 +222,22 @@ def test_unreachable_store_serves_without_cache_or_fails_when_asked(model, refer
     assert got.tokens == reference(prompt).tokens
     with pytest.raises(CacheFetchError):
         _complete(Colocated(model, store, on_cache_error="fail"), "f", prompt)
+
+
+def test_black_holed_store_costs_one_deadline_per_side(model, reference):
+    """A store that never answers: each worker waits out one lookup deadline, then computes; no pushes."""
+    rng = random.Random(71)
+    store = MemoryStore()
+    store.delay_s = 30.0
+    colo = Colocated(model, store)
+    colo.prefill.timeout_s = colo.decode.timeout_s = 0.2
+    prompt = _rand(rng, B + 30)
+    t0 = time.perf_counter()
+    got = _complete(colo, "hole", prompt)
+    assert time.perf_counter() - t0 < 5.0
+    assert got.prefill.fetch.error and not got.prefill.handoff.tail_stored
+    assert got.decode.resume.path == "recompute" and got.decode.resume.store_error
+    assert got.tokens == reference(prompt).tokens and store.puts == 0
 
 
 def test_bad_requests_are_typed(model):
