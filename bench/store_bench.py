@@ -1,6 +1,6 @@
 """Store benchmark: kvpool's data plane per transport, side by side with its baselines, in one run.
 
-    .venv/bin/python bench/store_bench.py                 # full run (3 rounds, ~10 min on 2 cores)
+    .venv/bin/python bench/store_bench.py                 # full run (3 rounds, ~4-5 min on 2 cores)
     .venv/bin/python bench/store_bench.py --quick         # smoke: 1 round, 3 reps, 200k objects
     .venv/bin/python bench/store_bench.py --sizes 4 --reps 10 --skip-mooncake --json-only
 
