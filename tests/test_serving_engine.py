@@ -240,6 +240,25 @@ def test_black_holed_store_costs_one_deadline_per_side(model, reference):
     assert got.tokens == reference(prompt).tokens and store.puts == 0
 
 
+def test_cancelled_stream_still_deletes_the_tail(model):
+    rng = random.Random(72)
+    store = MemoryStore()
+    colo = Colocated(model, store)
+
+    async def go():
+        req = PrefillRequest("cancel", _rand(rng, 70), "t", SamplingParams(max_tokens=50, ignore_eos=True))
+        outcome = await colo.prefill.run(req)
+        assert outcome.handoff.tail_stored and outcome.handoff.tail_key in store.meta
+        stream = colo.decode.generate(outcome.handoff)
+        first = await anext(stream)
+        await anext(stream)
+        await stream.aclose()  # the client went away after two tokens
+        return first, outcome.handoff.tail_key
+
+    first, key = asyncio.run(go())
+    assert first.index == 0 and key not in store.meta
+
+
 def test_bad_requests_are_typed(model):
     colo = Colocated(model, MemoryStore())
     for prompt, sampling in (
