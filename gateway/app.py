@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvpool.decode.sampling import SamplingParams
 from kvpool.gateway.chat_template import AnswerMemo, render_chat
@@ -339,6 +340,22 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
         log.exception("unexpected gateway error")
         err = GatewayError(f"internal error: {type(exc).__name__}")
         return err.response()
+
+    def openapi() -> dict:
+        """The generated schema, with ``model`` documented as the one served id (clients and fuzzers see
+        what is valid; the handler still answers 404 for any other id, like OpenAI)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+                if "model" in props:
+                    props["model"]["enum"] = [settings.model_id]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -279,7 +279,7 @@ def test_metrics_by_workload_and_tenant(up: UpProcess, client: openai.OpenAI) ->
     assert samples.get("kvpool_store_up") == 1.0
 
 
-def test_schemathesis_finds_no_server_errors(up: UpProcess) -> None:
+def _schemathesis(up: UpProcess, phases: str, examples: int) -> str:
     exe = Path(sys.executable).with_name("schemathesis")
     r = subprocess.run(
         [
@@ -289,7 +289,7 @@ def test_schemathesis_finds_no_server_errors(up: UpProcess) -> None:
             "--checks",
             "not_a_server_error",
             "--max-examples",
-            "12",
+            str(examples),
             "--header",
             f"Authorization: Bearer {API_KEY}",
             "--request-timeout",
@@ -297,7 +297,7 @@ def test_schemathesis_finds_no_server_errors(up: UpProcess) -> None:
             "--seed",
             "1",
             "--phases",
-            "examples,coverage,fuzzing",
+            phases,
             "--suppress-health-check",
             "all",
         ],
@@ -306,6 +306,18 @@ def test_schemathesis_finds_no_server_errors(up: UpProcess) -> None:
         timeout=240,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout.split("SUMMARY")[-1], r.stdout[-2000:]
+    return r.stdout
+
+
+def test_schemathesis_fuzzing_finds_no_server_errors(up: UpProcess) -> None:
+    _schemathesis(up, "fuzzing", 25)
+
+
+@pytest.mark.slow
+def test_schemathesis_coverage_phase_finds_no_server_errors(up: UpProcess) -> None:
+    """Boundary and negative cases derived from the schema (~550 requests, ~35 s)."""
+    _schemathesis(up, "coverage", 6)
 
 
 def test_demo_chats(up: UpProcess) -> None:

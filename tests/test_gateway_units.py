@@ -1,0 +1,175 @@
+"""Gateway logic without processes: chat template prefix property, answer memo, router choice and admission,
+request guard. The cluster tests cover the same code end to end; these pin the rules down exactly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from kvpool.gateway.chat_template import AnswerMemo, TextCodec, render_chat
+from kvpool.gateway.errors import BackendUnavailable, InvalidRequest, Overloaded
+from kvpool.gateway.guard import Guard
+from kvpool.gateway.metrics import LabelCap, tenant_label
+from kvpool.gateway.router import CostModel, Lookup, PrefixProbe, Router
+from kvpool.gateway.schemas import ChatMessage
+from kvpool.gateway.workers import Worker, WorkerPool
+from kvpool.model.tiny import tiny_config
+from kvpool.model.tokenizer import ByteTokenizer
+
+
+@pytest.fixture
+def codec() -> TextCodec:
+    cfg = tiny_config()
+    return TextCodec(ByteTokenizer(cfg.vocab_size, cfg.bos_token_id), cfg.vocab_size, cfg.eos_token_id)
+
+
+def msgs(*pairs: tuple[str, str]) -> list[ChatMessage]:
+    return [ChatMessage(role=r, content=c) for r, c in pairs]  # type: ignore[arg-type]
+
+
+def test_turn_two_prompt_starts_with_turn_one_prompt_plus_answer_tokens(codec: TextCodec) -> None:
+    memo = AnswerMemo()
+    turn1 = render_chat(codec, msgs(("system", "be brief"), ("user", "hi")), "t", memo)
+    answer_ids = [700, 5, 900, 2]  # ids past the byte range decode to nothing: text is lossy
+    answer_text = codec.decode(answer_ids)
+    memo.put("t", answer_text, answer_ids)
+    turn2 = render_chat(
+        codec,
+        msgs(("system", "be brief"), ("user", "hi"), ("assistant", answer_text), ("user", "more")),
+        "t",
+        memo,
+    )
+    assert turn2[: len(turn1) + len(answer_ids)] == turn1 + answer_ids
+    other_tenant = render_chat(
+        codec,
+        msgs(("system", "be brief"), ("user", "hi"), ("assistant", answer_text), ("user", "more")),
+        "u",
+        memo,
+    )
+    assert other_tenant[len(turn1) : len(turn1) + len(answer_ids)] != answer_ids  # memo is per tenant
+    assert turn1[0] == codec.bos_id and codec.decode(turn1).endswith("<|assistant|>")
+
+
+def test_template_rejects_a_trailing_assistant_and_bad_unicode(codec: TextCodec) -> None:
+    with pytest.raises(InvalidRequest):
+        render_chat(codec, msgs(("user", "hi"), ("assistant", "x")), "")
+    with pytest.raises(InvalidRequest):
+        render_chat(codec, msgs(("user", "bad \ud800 surrogate")), "")
+    with pytest.raises(InvalidRequest):
+        codec.check_ids([1, 2, 5000])
+
+
+def test_answer_memo_is_a_bounded_lru() -> None:
+    memo = AnswerMemo(capacity=2)
+    memo.put("", "a", [1])
+    memo.put("", "b", [2])
+    assert memo.get("", "a") == [1]  # refreshes a
+    memo.put("", "c", [3])
+    assert memo.get("", "b") is None and memo.get("", "a") == [1] and len(memo) == 2
+
+
+def _pool(prefill_queued: list[int], decode_queued: list[int]) -> WorkerPool:
+    pool = WorkerPool([], [])
+    pool.prefill = [
+        Worker("prefill", f"p{i}", None, None, None, queued_tokens=q) for i, q in enumerate(prefill_queued)
+    ]  # type: ignore[arg-type]
+    pool.decode = [
+        Worker("decode", f"d{i}", None, None, None, queued_tokens=q) for i, q in enumerate(decode_queued)
+    ]  # type: ignore[arg-type]
+    return pool
+
+
+class FixedProbe(PrefixProbe):
+    """The router's only dependency on the master, answering a fixed lookup (master tested elsewhere)."""
+
+    def __init__(self, look: Lookup) -> None:
+        super().__init__(None, b"\0" * 32, 64)
+        self.look = look
+
+    async def lookup(self, prompt: list[int], tenant: str) -> Lookup:
+        return self.look
+
+
+def test_cache_policy_picks_the_cheapest_prefill_and_least_loaded_decode() -> None:
+    router = Router(_pool([5000, 100, 3000], [64, 8]), FixedProbe(Lookup(cached_tokens=960)), "cache")
+    plan, _ = asyncio.run(router.plan(list(range(1000)), "", 16))
+    assert plan.prefill.address == "p1" and plan.decode.address == "d1"
+    assert plan.predicted_cached == 960 and plan.dispatched_tokens == 40
+    cost = CostModel()
+    assert plan.estimated_ttft_s == pytest.approx(cost.estimate(100, 1000, 960, 0))
+    # SSD hits cost more than DRAM hits, both far less than compute
+    assert cost.estimate(0, 1000, 960, 0) < cost.estimate(0, 1000, 960, 960) < cost.estimate(0, 1000, 0, 0)
+
+
+def test_admission_refuses_past_the_ttft_slo_only_when_the_worker_is_busy() -> None:
+    pool = _pool([20000], [0])
+    router = Router(pool, FixedProbe(Lookup()), "cache", ttft_slo_s=1.0)
+    pool.prefill[0].inflight = 1
+    with pytest.raises(Overloaded, match="SLO"):
+        asyncio.run(router.plan(list(range(100)), "", 16))
+    pool.prefill[0].inflight = 0  # an idle worker always takes the request
+    asyncio.run(router.plan(list(range(100)), "", 16))
+
+
+def test_round_robin_and_failed_workers() -> None:
+    pool = _pool([0, 0], [0])
+    router = Router(pool, FixedProbe(Lookup()), "rr")
+    picks = [asyncio.run(router.plan([1, 2, 3], "", 4))[0].prefill.address for _ in range(4)]
+    assert picks == ["p0", "p1", "p0", "p1"]
+    pool.prefill[0].mark_failed()
+    assert {asyncio.run(router.plan([1], "", 4))[0].prefill.address for _ in range(3)} == {"p1"}
+    pool.prefill[1].healthy = False
+    with pytest.raises(BackendUnavailable):
+        asyncio.run(router.plan([1], "", 4))
+
+
+def test_cost_model_learns_compute_speed() -> None:
+    cost = CostModel(compute_s=1e-3, alpha=0.5)
+    cost.observe(1000, 0.1)
+    assert cost.compute_s == pytest.approx(5.5e-4)
+    cost.observe(10, 5.0)  # too few tokens to tell anything: ignored
+    assert cost.compute_s == pytest.approx(5.5e-4)
+
+
+def test_guard_checks_key_before_body_and_limits_size() -> None:
+    app = FastAPI()
+
+    @app.post("/v1/echo")
+    async def echo(body: dict) -> dict:
+        return body
+
+    guarded = Guard(app, api_keys=["k1"], max_body_bytes=100)
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(guarded), base_url="http://t") as c:
+            ok = await c.post("/v1/echo", json={"a": 1}, headers={"Authorization": "Bearer k1"})
+            bad_key = await c.post("/v1/echo", content=b"{broken", headers={"Authorization": "Bearer k2"})
+            big = await c.post("/v1/echo", json={"a": "x" * 200}, headers={"Authorization": "Bearer k1"})
+
+            async def chunks():
+                yield b'{"a": "' + b"y" * 150 + b'"}'
+
+            chunked = await c.post("/v1/echo", content=chunks(), headers={"Authorization": "Bearer k1"})
+            return [ok, bad_key, big, chunked]
+
+    ok, bad_key, big, chunked = asyncio.run(go())
+    assert ok.status_code == 200 and ok.json() == {"a": 1}
+    assert bad_key.status_code == 401 and bad_key.json()["error"]["code"] == "invalid_api_key"
+    assert big.status_code == 413 and chunked.status_code == 413
+
+
+def test_metric_labels_are_capped_and_salts_hashed() -> None:
+    cap = LabelCap(limit=2)
+    assert [cap(v, "default") for v in ("a", "b", "c", "a", None, "bad label!")] == [
+        "a",
+        "b",
+        "other",
+        "a",
+        "default",
+        "other",
+    ]
+    assert (
+        tenant_label("secret") != "secret" and len(tenant_label("secret")) == 8 and tenant_label("") == "none"
+    )
