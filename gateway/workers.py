@@ -5,6 +5,10 @@ dispatched and not yet seen answered *are* each worker's queue — no extra RPC 
 from two sources: the standard gRPC health service, polled in the background under a deadline, and the
 outcome of real calls (an UNAVAILABLE marks the worker down at once, so the next request routes around it
 instead of waiting for the next poll).
+
+Discovery: an address ``dns:HOST:PORT`` stands for every A/AAAA record of HOST (a Kubernetes headless
+Service lists one per ready pod); it is re-resolved every ``DNS_REFRESH_S`` under a deadline, new pods become
+workers and vanished ones are dropped once idle.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +28,10 @@ log = logging.getLogger("kvpool.gateway")
 MAX_MESSAGE_BYTES = 64 << 20
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
-DOWN_AFTER_FAILURE_S = 2.0  # a worker that refused a call is skipped this long unless health says otherwise
+DOWN_AFTER_FAILURE_S = 2.0
+DNS_PREFIX = "dns:"
+DNS_REFRESH_S = 5.0
+DNS_TIMEOUT_S = 2.0  # a worker that refused a call is skipped this long unless health says otherwise
 
 
 @dataclass
@@ -39,6 +47,7 @@ class Worker:
     queued_tokens: int = 0  # prefill: uncached prompt tokens dispatched, not answered; decode: output budget
     served: int = 0
     failures: int = 0
+    source: str = ""  # the dns: spec this worker was discovered from ("" = given explicitly)
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.down_until
@@ -56,6 +65,12 @@ class Worker:
             "served": self.served,
             "failures": self.failures,
         }
+
+
+def _worker(role: str, address: str, source: str = "") -> Worker:
+    ch = _channel(address)
+    stub = prefill_pb2_grpc.PrefillStub(ch) if role == "prefill" else decode_pb2_grpc.DecodeStub(ch)
+    return Worker(role, address, ch, stub, health_pb2_grpc.HealthStub(ch), source=source)
 
 
 def _channel(address: str) -> grpc.aio.Channel:
@@ -80,18 +95,38 @@ class WorkerPool:
     _task: asyncio.Task | None = None
 
     def start(self) -> WorkerPool:
-        for addr in self.prefill_addresses:
-            ch = _channel(addr)
-            self.prefill.append(
-                Worker("prefill", addr, ch, prefill_pb2_grpc.PrefillStub(ch), health_pb2_grpc.HealthStub(ch))
-            )
-        for addr in self.decode_addresses:
-            ch = _channel(addr)
-            self.decode.append(
-                Worker("decode", addr, ch, decode_pb2_grpc.DecodeStub(ch), health_pb2_grpc.HealthStub(ch))
-            )
+        for role, addresses in (("prefill", self.prefill_addresses), ("decode", self.decode_addresses)):
+            for addr in addresses:
+                if not addr.startswith(DNS_PREFIX):
+                    self._group(role).append(_worker(role, addr))
         self._task = asyncio.get_running_loop().create_task(self._poll_health(), name="gateway-health")
         return self
+
+    def _group(self, role: str) -> list[Worker]:
+        return self.prefill if role == "prefill" else self.decode
+
+    async def refresh_dns(self) -> None:
+        """Re-resolve every ``dns:HOST:PORT`` spec; add new addresses, drop idle vanished ones."""
+        loop = asyncio.get_running_loop()
+        for role, addresses in (("prefill", self.prefill_addresses), ("decode", self.decode_addresses)):
+            for spec in (a for a in addresses if a.startswith(DNS_PREFIX)):
+                host, _, port = spec.removeprefix(DNS_PREFIX).rpartition(":")
+                try:
+                    infos = await asyncio.wait_for(
+                        loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM), DNS_TIMEOUT_S
+                    )
+                except (OSError, TimeoutError, ValueError) as exc:
+                    log.warning("cannot resolve %s: %s", spec, exc)
+                    continue
+                found = {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
+                group = self._group(role)
+                known = {w.address for w in group if w.source == spec}
+                group.extend(_worker(role, addr, spec) for addr in sorted(found - known))
+                for w in [
+                    w for w in group if w.source == spec and w.address not in found and w.inflight == 0
+                ]:
+                    group.remove(w)
+                    await w.channel.close()
 
     def workers(self) -> list[Worker]:
         return [*self.prefill, *self.decode]
@@ -114,8 +149,15 @@ class WorkerPool:
         return ok
 
     async def _poll_health(self) -> None:
+        next_dns = 0.0
         while True:
-            await asyncio.gather(*(self.check(w) for w in self.workers()), return_exceptions=True)
+            try:
+                if time.monotonic() >= next_dns:
+                    await self.refresh_dns()
+                    next_dns = time.monotonic() + DNS_REFRESH_S
+                await asyncio.gather(*(self.check(w) for w in self.workers()), return_exceptions=True)
+            except Exception:  # the poller must outlive any one bad round
+                log.exception("worker health round failed")
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def close(self) -> None:

@@ -173,3 +173,18 @@ def test_metric_labels_are_capped_and_salts_hashed() -> None:
     assert (
         tenant_label("secret") != "secret" and len(tenant_label("secret")) == 8 and tenant_label("") == "none"
     )
+
+
+def test_dns_specs_become_one_worker_per_address() -> None:
+    async def go() -> tuple[list[str], list[str]]:
+        pool = WorkerPool(["127.0.0.1:1", "dns:localhost:50061"], ["dns:no-such-host.invalid:1"])
+        pool.start()
+        await pool.refresh_dns()
+        found = sorted(w.address for w in pool.prefill)
+        decode = [w.address for w in pool.decode]
+        await pool.close()
+        return found, decode
+
+    found, decode = asyncio.run(go())
+    assert found[0] == "127.0.0.1:1" and "127.0.0.1:50061" in found
+    assert all(w.endswith(":50061") for w in found[1:]) and decode == []
