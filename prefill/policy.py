@@ -3,7 +3,8 @@
 A checkpoint costs as much as ~32 MLA blocks on K3, so they are sparse; each rule is one switch:
 
 * ``end_of_prompt``: at the last block boundary of the prompt, so the same prompt (or a continuation of it,
-  e.g. the next chat turn) resumes there;
+  e.g. the next chat turn) resumes there (a block-aligned prompt also one block earlier: the same prompt
+  again must compute at least its last token);
 * ``junction``: when the lookup matched MLA blocks past the last usable checkpoint, the blocks up to the
   end of that run are shared with another request but unusable for a hybrid model; checkpoint at the end
   of the run *this time* so the next request with that prefix hits it (the "tokens lost" become hits);
@@ -38,6 +39,9 @@ class CheckpointPolicy:
         chosen: set[int] = set()
         if self.end_of_prompt:
             chosen.add(n_full)
+            # a block-aligned prompt sent again can reuse at most L-1 tokens (one must be computed for the
+            # logits), so it also gets the boundary before L (rare: 1 prompt in B, so the cost is small)
+            chosen.add((prompt_len - 1) // block_size)
         if self.junction and mla_run_blocks > start_blocks:
             chosen.add(min(mla_run_blocks, n_full))
         if self.every_n_blocks > 0:

@@ -156,13 +156,30 @@ def test_junction_checkpoint_makes_the_next_request_hit(model, reference):
         assert torch.equal(c.first_logits, reference(prompt).first_logits)
 
 
+def test_block_aligned_prompt_keeps_one_token_to_compute(model, reference):
+    rng = random.Random(73)
+    store = MemoryStore()
+    colo = Colocated(model, store)
+    prompt = _rand(rng, 2 * B)  # the tail holds 0 tokens, only the KDA state at L
+    first = _complete(colo, "aligned1", prompt)
+    again = _complete(colo, "aligned2", prompt)
+    assert first.prefill.checkpoints_pushed == [B, 2 * B]
+    assert again.prefill.cached_tokens == B and again.prefill.computed_tokens == B  # (L-1)//B blocks at most
+    assert again.decode.resume.path == "tail"
+    ref = reference(prompt)
+    for got in (first, again):
+        assert torch.equal(got.first_logits, ref.first_logits) and got.tokens == ref.tokens
+    longer = prompt + _rand(rng, 3)
+    assert _complete(colo, "aligned3", longer).prefill.cached_tokens == 2 * B
+
+
 def test_every_n_blocks_policy():
     pol = CheckpointPolicy(end_of_prompt=False, junction=False, every_n_blocks=2)
     got = pol.boundaries(prompt_len=7 * B + 3, block_size=B, start_blocks=2, mla_run_blocks=2)
     assert got == [4 * B, 6 * B]
     pol = CheckpointPolicy()
     got = pol.boundaries(prompt_len=5 * B, block_size=B, start_blocks=1, mla_run_blocks=3, existing=[1])
-    assert got == [3 * B, 5 * B]
+    assert got == [3 * B, 4 * B, 5 * B]  # 4B: a block-aligned prompt sent again resumes there
     assert CheckpointPolicy.parse("end,every=3") == CheckpointPolicy(True, False, 3)
     with pytest.raises(ValueError):
         CheckpointPolicy.parse("sometimes")

@@ -82,8 +82,9 @@ class PolicySim:
         usable = max([c for c in range(1, run + 1) if tuple(prompt[: c * B]) in self.ckpts], default=0)
         for c in range(1, n_full + 1):
             self.blocks.add(tuple(prompt[: c * B]))
-        if n_full > usable:
-            self.ckpts.add(tuple(prompt[: n_full * B]))
+        for end in {n_full, cap}:  # end of prompt (and one block earlier when L is block-aligned)
+            if end > usable:
+                self.ckpts.add(tuple(prompt[: end * B]))
         if run > usable:
             self.ckpts.add(tuple(prompt[: min(run, n_full) * B]))
         return usable * B
