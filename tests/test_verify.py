@@ -7,6 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 from kvpool.model.loader import load_model
 
 from kvpool.verify import _check_cached, prompt_set
@@ -18,6 +19,7 @@ def _kvpool(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # its own master + node + two workers (~15-30 s on 2 busy cores)
 def test_verify_json_on_a_local_cluster():
     proc = _kvpool("--json")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
