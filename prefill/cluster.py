@@ -156,8 +156,7 @@ class LocalCluster:
         node = spawn(
             "node",
             [
-                "kvpool.cli",
-                "store",
+                "kvpool.kvstore.cli",  # store-only entry: no torch import, starts in a fraction of the time
                 "node",
                 "--master",
                 self.master,
