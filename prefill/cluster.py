@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,7 +128,7 @@ class LocalCluster:
                 logs,
             )
             self.children["master"] = master
-            self.start_node(logs)
+            self.log_dir = logs
             common = [
                 "--master",
                 master.address,
@@ -143,8 +144,23 @@ class LocalCluster:
                 str(self.threads),
                 *self.worker_args,
             ]
-            self.children["prefill"] = spawn("prefill", ["kvpool.cli", "prefill", *common], logs)
-            self.children["decode"] = spawn("decode", ["kvpool.cli", "decode", *common], logs)
+            # node and workers only need the master: start them together (each import costs seconds)
+            with ThreadPoolExecutor(3) as pool:
+                node = pool.submit(self.start_node, logs)
+                workers = {
+                    role: pool.submit(spawn, role, ["kvpool.cli", role, *common], logs)
+                    for role in ("prefill", "decode")
+                }
+                failures = []
+                for name, fut in (("node", node), *workers.items()):
+                    try:
+                        child = fut.result()
+                    except LaunchError as exc:
+                        failures.append(exc)
+                    else:
+                        self.children[name] = child
+                if failures:
+                    raise failures[0]
         except BaseException:
             self.stop()
             raise
