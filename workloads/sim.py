@@ -249,21 +249,30 @@ def simulate(
         clock.now = req.arrival_ms / 1000.0 + seq * 1e-6
         chain = builder.chain(req, with_output=config.store_output)
         prompt = chain.hashes[: chain.prompt_blocks]
+        # prefill looks up only blocks ending before the last prompt token (it must compute at least one
+        # token for the logits): blocks [0, cap). The block after them is probed without a touch, only
+        # to report the Mooncake-style prefix hit over all prompt blocks.
+        cap = min((req.input_length - 1) // block_size, len(prompt)) if req.input_length else 0
         # the fetch of the usable prefix is the only read that refreshes recency (as on the master, where
         # prefill acquires [0, p) + the checkpoint; probes and "already exists" puts do not touch)
-        m = idx.match_prefix(prompt, require_checkpoint=hybrid, touch=True)
+        m = idx.match_prefix(prompt[:cap], require_checkpoint=hybrid, touch=True)
         run, usable = m.mla_run_blocks, m.usable_blocks
+        full_run = run
+        if run == cap:
+            while full_run < len(prompt) and b"M" + prompt[full_run] in idx:
+                full_run += 1
         cnt = Counters()  # this request; added to its workload and tenant at the end
         sizes = chain.block_tokens
         run_tokens = sum(sizes[:run])
         usable_tokens = sum(sizes[:usable])
+        full_run_tokens = sum(sizes[:full_run])
         cnt.requests += 1
         cnt.input_tokens += req.input_length
         cnt.output_tokens += req.output_length
         cnt.input_blocks += chain.prompt_blocks
-        cnt.hit_blocks += run
+        cnt.hit_blocks += full_run
         cnt.usable_blocks += usable
-        cnt.mla_hit_tokens += run_tokens
+        cnt.mla_hit_tokens += full_run_tokens
         cnt.cached_tokens += usable_tokens
         cnt.lost_tokens += run_tokens - usable_tokens
         per_req["workload"].append(req.workload)
@@ -289,6 +298,7 @@ def simulate(
                     prefill_policy,
                     ck.end_of_output and config.store_output and req.output_tokens is not None,
                     req.input_length,
+                    block_size,
                     chain,
                     run,
                     usable,
@@ -363,6 +373,7 @@ def _checkpoint_positions(
     prefill_policy: PrefillCheckpointPolicy,
     end_of_output: bool,
     prompt_len: int,
+    bs: int,
     chain: Chain,
     run: int,
     usable: int,
@@ -370,7 +381,6 @@ def _checkpoint_positions(
     """Block counts c (checkpoint keyed by h_{c-1}) this request writes, ascending: the prefill's own
     boundaries over (usable, last full prompt block], then decode's end-of-output snapshot (the last block
     boundary crossed while decoding, i.e. the last block of prompt + reply[:-1], if past the prompt's)."""
-    bs = chain.block_tokens[0] if chain.block_tokens else 1
     out = [
         b // bs
         for b in prefill_policy.boundaries(
