@@ -12,7 +12,8 @@ hits are prefix hits, and no policy (prefix rule or not) can hit more blocks at 
 
 Limits: unit sizes (a trace's partial last block counts as a whole block, KDA checkpoints take no space),
 so on a hybrid spec it bounds the MLA run and therefore the usable prefix too. Hits are optimal in
-*blocks*; the token figure reported is the tokens of those blocks, not a separately optimised number.
+*blocks*; the token figures are the tokens of those blocks (``cached_tokens`` without the block holding
+the last prompt token, as prefill computes it anyway), not separately optimised numbers.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def optimum(
         for h in ch.hashes[: ch.prompt_blocks]:
             last_seen[h] = r
     cap = NEVER if capacity_blocks is None else capacity_blocks
+
+    def block_of(req: Request) -> int:
+        return req.block_size if req.tokens is None else block_size
+
     cache: dict[bytes, int] = {}
     heap: list[tuple[int, int, bytes]] = []
     per_workload: dict[str, Counters] = {}
@@ -83,15 +88,15 @@ def optimum(
                 break
             run += 1
         cnt = per_workload.setdefault(req.workload, Counters())
-        hit_tokens = sum(ch.block_tokens[:run])
+        usable = min(run, (req.input_length - 1) // block_of(req)) if req.input_length else 0
         cnt.requests += 1
         cnt.input_tokens += req.input_length
         cnt.output_tokens += req.output_length
         cnt.input_blocks += ch.prompt_blocks
         cnt.hit_blocks += run
-        cnt.usable_blocks += run
-        cnt.mla_hit_tokens += hit_tokens
-        cnt.cached_tokens += hit_tokens
+        cnt.usable_blocks += usable
+        cnt.mla_hit_tokens += sum(ch.block_tokens[:run])
+        cnt.cached_tokens += sum(ch.block_tokens[:usable])  # the last prompt token is always computed
         for depth, (h, nu) in enumerate(zip(ch.hashes, next_use[r], strict=True)):
             if nu == NEVER:
                 cache.pop(h, None)
