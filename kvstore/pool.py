@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import mmap
 import secrets
 from dataclasses import dataclass
@@ -152,14 +153,28 @@ class SharedPool:
         return self.buf[extent.offset : extent.offset + extent.size]
 
     def close(self) -> None:
-        """Release the mapping and unlink the segment (idempotent)."""
+        """Unlink the segment, then release the mapping (idempotent).
+
+        Unlinking first means the name never leaks. Releasing can fail with BufferError while a slice of the
+        pool is still referenced (a send or SSD write cut short by shutdown); after one garbage collection
+        the mapping is left to process exit rather than failing the shutdown.
+        """
         if self._shm is None:
             return
-        self.buf.release()
-        self._shm.close()
         with contextlib.suppress(FileNotFoundError):
             self._shm.unlink()
+        try:
+            _release(self.buf, self._shm)
+        except BufferError:
+            gc.collect()
+            with contextlib.suppress(BufferError):
+                _release(self.buf, self._shm)
         self._shm = None
+
+
+def _release(buf: memoryview, shm: shared_memory.SharedMemory) -> None:
+    buf.release()
+    shm.close()
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:
@@ -204,5 +219,5 @@ class ReaderMapping:
         self._mapped[first : last + 1] = b"\x01" * (last + 1 - first)
 
     def close(self) -> None:
-        self.buf.release()
-        self.shm.close()
+        with contextlib.suppress(BufferError):  # a caller still holds a slice: the mapping goes with it
+            _release(self.buf, self.shm)

@@ -91,7 +91,7 @@ def test_control_plane_health_info_inventory_delete(tmp_path):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert s.Info(node_pb2.NodeInfoRequest(), timeout=5).objects == 2
     finally:
-        assert node.stop() == 0
+        assert node.stop() == 0, node.stderr()
 
 
 def test_capacity_limit_is_a_typed_error(tmp_path):
@@ -116,7 +116,7 @@ def test_sigterm_unlinks_the_pool(tmp_path):
     seg = Path("/dev/shm") / node.ready["shm_name"]
     assert seg.stat().st_blocks * 512 >= 8 << 20  # prefaulted: every page is backed
     assert seg.exists()
-    assert node.stop() == 0
+    assert node.stop() == 0, node.stderr()
     assert not seg.exists()
 
 
@@ -140,7 +140,7 @@ def test_ssd_tier_demote_promote_and_readopt_after_restart(tmp_path):
             assert s.Promote(node_pb2.KeysRequest(keys=[keys[2]]), timeout=5).done == 1
             assert s.Demote(node_pb2.KeysRequest(keys=keys), timeout=10).done == 3
     finally:
-        assert node.stop() == 0
+        assert node.stop() == 0, node.stderr()
     assert len(list(ssd.glob("*.bin"))) == 3
     node = start_node(tmp_path, None, "8MiB", "tcp,shm", *extra)  # restart: the SSD tier is adopted
     try:
