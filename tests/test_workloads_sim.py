@@ -119,6 +119,7 @@ def test_bytes_capacity_is_respected_and_accounted(conversation: list[Request]) 
     written = d["mla_bytes_written"] + d["kda_bytes_written"]
     assert written - d["bytes_evicted"] == res.bytes_held
     assert d["checkpoints_written"] * spec.kda_bytes_per_checkpoint == d["kda_bytes_written"]
+    assert d["workloads"]["conversation"]["bytes_evicted"] == d["bytes_evicted"] > 0
     assert d["cached_tokens"] + d["lost_tokens"] <= d["mla_hit_tokens"]
 
 

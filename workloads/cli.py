@@ -232,7 +232,7 @@ def _print_sim_table(d: dict[str, Any]) -> None:
     )
     head = (
         f"{'workload':<14}{'requests':>9}{'block hit':>11}{'token hit':>11}{'MLA hit':>9}{'lost':>8}"
-        f"{'MLA written':>14}{'KDA written':>14}"
+        f"{'MLA written':>14}{'KDA written':>14}{'evicted':>14}"
     )
     print(head)
     print("-" * len(head))
@@ -242,6 +242,7 @@ def _print_sim_table(d: dict[str, Any]) -> None:
             f"{name:<14}{w['requests']:>9}{w['block_hit_rate']:>11.2%}{w['token_hit_rate']:>11.2%}"
             f"{w['mla_token_hit_rate']:>9.2%}{w['lost_token_fraction']:>8.2%}"
             f"{_fmt_bytes(w['mla_bytes_written']):>14}{_fmt_bytes(w['kda_bytes_written']):>14}"
+            f"{_fmt_bytes(w['bytes_evicted']):>14}"
         )
     print(
         f"evicted {d['objects_evicted']} objects / {_fmt_bytes(d['bytes_evicted'])}; "

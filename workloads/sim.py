@@ -138,6 +138,7 @@ class Counters:
     mla_bytes_written: int = 0
     kda_bytes_written: int = 0
     checkpoints_written: int = 0
+    bytes_evicted: int = 0  # of objects this workload / tenant wrote, whoever caused the eviction
 
     def add(self, other: Counters) -> None:
         for name in self.__slots__:  # type: ignore[attr-defined]
@@ -239,6 +240,7 @@ def simulate(
     per_workload: dict[str, Counters] = {}
     per_tenant: dict[str, Counters] = {}
     real_size: dict[bytes, int] = {}
+    owner: dict[bytes, tuple[Counters, Counters]] = {}  # object -> (its workload's, its tenant's) counters
     bytes_evicted = objects_evicted = refused = 0
     per_req: dict[str, list[Any]] = {k: [] for k in ("workload", "arrival_ms", "input", "cached", "output")}
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
@@ -282,6 +284,7 @@ def simulate(
         per_req["output"].append(req.output_length)
         # store the whole prompt (and the reply's blocks): what exists stays as it is, the rest is inserted
         keys = [b"M" + h for h in chain.hashes]
+        new_keys: list[bytes] = []
         try:
             for j, key in enumerate(keys):
                 if key in idx:
@@ -292,6 +295,7 @@ def simulate(
                     refused += 1
                     continue
                 real_size[key] = real
+                new_keys.append(key)
                 cnt.mla_bytes_written += real
             if hybrid:
                 for c in _checkpoint_positions(
@@ -310,23 +314,33 @@ def simulate(
                         refused += 1
                         continue
                     real_size[key] = spec.kda_bytes_per_checkpoint
+                    new_keys.append(key)
                     cnt.kda_bytes_written += spec.kda_bytes_per_checkpoint
                     cnt.checkpoints_written += 1
         except StoreIndexError as e:
             raise ReplayError(f"request {req.request_id}: the index refused an object ({e})") from e
-        for ev in idx.drain_events():
-            objects_evicted += 1
-            bytes_evicted += real_size.pop(ev.key, 0)
+        groups = []
         for group, name in ((per_workload, req.workload), (per_tenant, req.tenant)):
             into = group.get(name)
             if into is None:
                 into = group[name] = Counters()
             into.add(cnt)
+            groups.append(into)
+        mine = (groups[0], groups[1])
+        for key in new_keys:
+            owner[key] = mine
+        for ev in idx.drain_events():
+            size = real_size.pop(ev.key, 0)
+            objects_evicted += 1
+            bytes_evicted += size
+            for into in owner.pop(ev.key, ()):
+                into.bytes_evicted += size
         if progress is not None:
             progress(seq + 1, total_n)
     total = Counters()
     for c in per_workload.values():
         total.add(c)
+    assert total.bytes_evicted == bytes_evicted
     arrivals = [r.arrival_ms for r in requests]
     duration = (max(arrivals) - min(arrivals)) / 1000.0 if arrivals else 0.0
     return SimResult(
