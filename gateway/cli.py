@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import sys
 
@@ -113,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
             )
         await serving
 
+    # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, restoring the previous handler
+    # first; a no-op Python handler here turns that into a normal return, so a clean stop exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     asyncio.run(main())
     return 0 if server.started else 1
 

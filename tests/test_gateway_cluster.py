@@ -333,6 +333,54 @@ def test_demo_chats(up: UpProcess) -> None:
     assert "chat" in table and "%" in table
 
 
+def test_second_gateway_with_a_ttft_slo_answers_429_when_every_worker_is_busy(up: UpProcess) -> None:
+    """``kvpool gateway`` started on its own in front of the same workers, with an SLO no busy worker meets:
+    the first two concurrent long prompts take the two idle prefill workers, the third is refused."""
+    import concurrent.futures
+
+    workers = [s for s in up.state["services"] if s["role"] in ("prefill", "decode")]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvpool.gateway.cli",
+        "--port",
+        "0",
+        "--ttft-slo-s",
+        "0.01",
+        "--master",
+        up.service("master")["address"],
+        "--fingerprint",
+        workers[0]["ready"]["fingerprint"],
+    ]
+    for w in workers:
+        argv += [f"--{w['role']}", w["address"]]
+    gw = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(gw.stdout.readline())  # type: ignore[union-attr]
+        url = ready["url"]
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health", timeout=2).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def one(i: int) -> str:
+            try:
+                client.completions.create(model=MODEL, prompt=f"{i} cold prompt " * 300, max_tokens=1)
+            except openai.RateLimitError as exc:
+                assert "SLO" in exc.message
+                return "429"
+            return "ok"
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            outcomes = sorted(pool.map(one, range(4)))
+        assert "ok" in outcomes and "429" in outcomes, outcomes
+        assert 'kvpool_admission_rejected_total{reason="ttft_slo"}' in httpx.get(url + "/metrics").text
+    finally:
+        gw.terminate()
+        assert gw.wait(15) == 0
+
+
 def test_a_dead_prefill_worker_degrades_to_the_other(up: UpProcess, client: openai.OpenAI) -> None:
     victim = up.service("prefill-1")
     os.kill(victim["pid"], signal.SIGKILL)
