@@ -415,16 +415,18 @@ async def push_blocks(
     tenant: str = "",
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    ttl_ms: int = 0,
 ) -> PushStats:
     """Store MLA blocks ``[first, end)`` (rows of ``mla[layer]`` are absolute positions), keyed by h_i with
-    the previous block's key as parent (prefix-aware eviction). Duplicates are successes."""
+    the previous block's key as parent (prefix-aware eviction). Duplicates are successes. ``ttl_ms``: blocks
+    that only carry a no-cache request's prompt to its decode node expire like the tail."""
     B = schema.block_size
     items = []
     for i in range(first, end):
         latents = {layer: rows[i * B : (i + 1) * B].contiguous() for layer, rows in mla.items()}
         data = bytes(encode_mla_block(schema, i, latents, block_hash=hashes[i]))
         parent = mla_key(hashes[i - 1]) if i else b""
-        items.append(PutItem(mla_key(hashes[i]), data, common_pb2.MLA_BLOCK, tenant, parent))
+        items.append(PutItem(mla_key(hashes[i]), data, common_pb2.MLA_BLOCK, tenant, parent, ttl_ms))
     return await _put(store, items, timeout_s)
 
 

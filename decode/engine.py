@@ -128,6 +128,8 @@ class DecodeEngine:
             )
         else:
             info = ResumeInfo("state")
+        if self.store is not None and handoff.tail_stored:  # read (or bypassed): the TTL need not run out
+            await remove_tail(self.store, handoff.request_id, self.timeout_s)
         params = handoff.sampling
         B, L = self.block_size, handoff.prompt_tokens
         stop = StopChecker(self.tokenizer, params.stop)
@@ -135,36 +137,32 @@ class DecodeEngine:
         snapshot: KDACheckpoint | None = None
         finish = ""
         shown = ""
-        try:
-            while True:
-                tok = tokens[-1]
-                hit_stop = stop.push(tok)
-                delta = stop.text[len(shown) :] if stop.text.startswith(shown) else ""
-                shown = stop.text
-                yield TokenEvent(len(tokens) - 1, tok, delta)
-                if hit_stop or (tok in self.eos and not params.ignore_eos):
-                    finish = "stop"
-                    break
-                if len(tokens) >= params.max_tokens:
-                    finish = "length"
-                    break
-                logits = await self.batcher.step(tok, state)
-                if state.n_tokens % B == 0 and self.end_of_output_checkpoint:
-                    snapshot = state.checkpoint()
-                tokens.append(sample(logits, params, len(tokens)))
-            result = DecodeResult(
-                tokens=tokens,
-                text=stop.text,
-                finish_reason=finish,
-                prompt_tokens=L,
-                cached_tokens=handoff.cached_tokens,
-                resume=info,
-            )
-            if self.store is not None and info.store_error is None:
-                await self._push_output(handoff, tokens, state, snapshot, result)
-        finally:
-            if self.store is not None and handoff.tail_stored:
-                await remove_tail(self.store, handoff.request_id, self.timeout_s)
+        while True:
+            tok = tokens[-1]
+            hit_stop = stop.push(tok)
+            delta = stop.text[len(shown) :] if stop.text.startswith(shown) else ""
+            shown = stop.text
+            yield TokenEvent(len(tokens) - 1, tok, delta)
+            if hit_stop or (tok in self.eos and not params.ignore_eos):
+                finish = "stop"
+                break
+            if len(tokens) >= params.max_tokens:
+                finish = "length"
+                break
+            logits = await self.batcher.step(tok, state)
+            if state.n_tokens % B == 0 and self.end_of_output_checkpoint:
+                snapshot = state.checkpoint()
+            tokens.append(sample(logits, params, len(tokens)))
+        result = DecodeResult(
+            tokens=tokens,
+            text=stop.text,
+            finish_reason=finish,
+            prompt_tokens=L,
+            cached_tokens=handoff.cached_tokens,
+            resume=info,
+        )
+        if self.store is not None and handoff.use_cache and info.store_error is None:
+            await self._push_output(handoff, tokens, state, snapshot, result)
         result.decode_s = time.perf_counter() - t0
         yield result
 

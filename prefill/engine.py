@@ -137,12 +137,15 @@ class PrefillEngine:
             tail_key=tail_key(request.request_id),
             tail_stored=False,
             cached_tokens=start,
+            use_cache=request.use_cache,
         )
         push = PushStats()
         # A master that just failed the lookup would make every push wait out its deadline: skip them, and
         # decode recomputes (tail_stored stays False).
         if self.store is not None and fetch.error is None:
-            push = await self._push(request, hashes, result, boundaries, stored_run, use_store, handoff)
+            push = await self._push(
+                request, hashes, result, boundaries, stored_run, use_store, not keep_state, handoff
+            )
         return PrefillOutcome(
             first_token=first,
             logits=result.logits,
@@ -184,9 +187,11 @@ class PrefillEngine:
         boundaries: list[int],
         stored_run: int,
         use_store: bool,
+        with_tail: bool,
         handoff: Handoff,
     ) -> PushStats:
-        """Blocks, checkpoints and tail concurrently; the tail's success decides ``handoff.tail_stored``."""
+        """Blocks and checkpoints (``use_store``) and the tail (unless the state is handed over in memory),
+        concurrently; the tail's success decides ``handoff.tail_stored``."""
         assert self.store is not None
         B, L = self.block_size, len(request.prompt_ids)
         n_full = L // B
@@ -196,20 +201,24 @@ class PrefillEngine:
             mla={i: rows[n_full * B : L] for i, rows in result.mla.items()},
             kda=result.final,
         )
-        jobs = [
-            push_tail(
-                self.store,
-                self.schema,
-                request.request_id,
-                tail,
-                hashes,
-                request.tenant,
-                ttl_ms=self.tail_ttl_ms,
-                timeout_s=self.timeout_s,
+        jobs = []
+        if with_tail:
+            jobs.append(
+                push_tail(
+                    self.store,
+                    self.schema,
+                    request.request_id,
+                    tail,
+                    hashes,
+                    request.tenant,
+                    ttl_ms=self.tail_ttl_ms,
+                    timeout_s=self.timeout_s,
+                )
             )
-        ]
-        if use_store:
-            first_new = min(stored_run, n_full)
+        if use_store or with_tail:
+            # a no-cache request still has to get its prompt to decode: its blocks go out short-lived, with
+            # no checkpoint (no other hybrid request can resume from them), and it read nothing
+            first_new = min(stored_run, n_full) if use_store else 0
             jobs.append(
                 push_blocks(
                     self.store,
@@ -220,8 +229,10 @@ class PrefillEngine:
                     n_full,
                     request.tenant,
                     timeout_s=self.timeout_s,
+                    ttl_ms=0 if use_store else self.tail_ttl_ms,
                 )
             )
+        if use_store:
             ckpts = [result.checkpoints[b] for b in boundaries]
             jobs.append(
                 push_checkpoints(
@@ -230,7 +241,7 @@ class PrefillEngine:
             )
         t0 = time.perf_counter()
         results = await asyncio.gather(*jobs)
-        handoff.tail_stored = results[0].failed == 0
+        handoff.tail_stored = with_tail and results[0].failed == 0
         total = PushStats()
         for r in results:
             total.add(r)

@@ -18,7 +18,7 @@ class PrefillRequest:
     prompt_ids: list[int]
     tenant: str = ""  # cache salt: part of the hash root, so tenants never share blocks
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    use_cache: bool = True  # False: neither read nor write blocks/checkpoints (the reference path)
+    use_cache: bool = True  # False: read nothing, write no checkpoint; blocks only short-lived for decode
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Handoff:
     tail_key: bytes  # request-scoped object: partial block latents + KDA state at the prompt end
     tail_stored: bool  # False: decode must recompute (the push failed or the cache is off)
     cached_tokens: int = 0  # prompt tokens prefill reused from the store (usage.cached_tokens)
+    use_cache: bool = True  # False: decode writes nothing back either (the request opted out of the cache)
 
     @property
     def prompt_tokens(self) -> int:

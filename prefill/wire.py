@@ -71,6 +71,7 @@ def handoff_to_pb(h: Handoff) -> prefill_pb2.Handoff:
         tail_key=h.tail_key,
         tail_stored=h.tail_stored,
         cached_tokens=h.cached_tokens,
+        no_cache=not h.use_cache,
     )
 
 
@@ -85,6 +86,7 @@ def handoff_from_pb(m: prefill_pb2.Handoff) -> Handoff:
         tail_key=bytes(m.tail_key),
         tail_stored=bool(m.tail_stored),
         cached_tokens=int(m.cached_tokens),
+        use_cache=not m.no_cache,
     )
 
 

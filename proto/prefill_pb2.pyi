@@ -41,7 +41,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., no_cache: _Optional[bool] = ..., return_logits: _Optional[bool] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "tenant", "first_token", "sampling", "block_hashes", "tail_key", "tail_stored", "cached_tokens")
+    __slots__ = ("request_id", "prompt_ids", "tenant", "first_token", "sampling", "block_hashes", "tail_key", "tail_stored", "cached_tokens", "no_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class Handoff(_message.Message):
     TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
     TAIL_STORED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
@@ -60,7 +61,8 @@ class Handoff(_message.Message):
     tail_key: bytes
     tail_stored: bool
     cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., tail_stored: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    no_cache: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., tail_stored: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ...) -> None: ...
 
 class PrefillUsage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "lost_to_checkpoint_tokens", "recomputed_tokens", "bytes_fetched", "bytes_pushed", "checkpoints_pushed", "ttft_s", "total_s", "cache_error", "fetch_s", "compute_s", "push_s")

@@ -276,6 +276,27 @@ def test_cancelled_stream_still_deletes_the_tail(model):
     assert first.index == 0 and key not in store.meta
 
 
+def test_no_cache_requests_write_nothing_back(model, reference):
+    rng = random.Random(74)
+    store = MemoryStore()
+    colo = Colocated(model, store)
+    prompt = _rand(rng, 2 * B + 9)
+    sp = SamplingParams(max_tokens=70, ignore_eos=True)  # output crosses a block boundary
+    req = PrefillRequest("nc", prompt, "t", sp, use_cache=False)
+    in_memory = asyncio.run(colo.complete(req))  # the colocated reference: state handed over in memory
+    assert store.puts == 0 and in_memory.tokens == reference(prompt, sp).tokens
+
+    async def through_the_store():  # disaggregated shape: tail + short-lived blocks, no checkpoint
+        outcome = await colo.prefill.run(PrefillRequest("nc2", prompt, "t", sp, use_cache=False))
+        assert outcome.handoff.tail_stored and not outcome.handoff.use_cache
+        return [e async for e in colo.decode.generate(outcome.handoff)][-1]
+
+    final = asyncio.run(through_the_store())
+    assert final.tokens == in_memory.tokens and final.resume.path == "tail"
+    assert not any(k.startswith((KDA_TAG, TAIL_TAG)) for k in store.meta)  # tail read and removed
+    assert all(m.ttl_ms > 0 for m in store.meta.values()) and len(store.meta) == 2  # 2 blocks, expiring
+
+
 def test_bad_requests_are_typed(model):
     colo = Colocated(model, MemoryStore())
     for prompt, sampling in (
