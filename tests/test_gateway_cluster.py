@@ -393,3 +393,18 @@ def test_a_dead_prefill_worker_degrades_to_the_other(up: UpProcess, client: open
     rc, status = up.status()
     assert rc == 3
     assert {s["name"]: s["health"] for s in status["services"]}["prefill-1"] == "down"
+
+
+def test_without_any_decode_worker_requests_fail_fast_with_503(up: UpProcess, client: openai.OpenAI) -> None:
+    """Runs last: kills the only decode worker. A clear error within seconds, never a hang."""
+    os.kill(up.service("decode-0")["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    for _ in range(2):
+        with pytest.raises(openai.APIStatusError) as exc:
+            client.completions.create(model=MODEL, prompt="no decoder left " * 8, max_tokens=4)
+        assert exc.value.status_code == 503 and "decode" in exc.value.message
+    assert time.monotonic() - t0 < 15
+    deadline = time.monotonic() + 5
+    while httpx.get(up.url + "/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
