@@ -29,6 +29,7 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 1 << 30),  # a node's RegisterNode carries its whole inventory
 )
 
 _BY_STATUS: dict[grpc.StatusCode, type[StoreError]] = {

@@ -124,7 +124,13 @@ class StorageNode:
             self.endpoint.ucx_port = self.ucx.port
         if "shm" in cfg.transports:
             self.endpoint.shm_name = self.pool.name
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", 64 << 20),  # Delete/Demote batches from the master
+                ("grpc.max_send_message_length", 64 << 20),
+            ]
+        )
         node_pb2_grpc.add_StorageNodeServicer_to_server(
             StorageNodeService(self.store, lambda: self.endpoint), server
         )

@@ -9,6 +9,7 @@ guarantee; this is the in-process one). Checksums (xxh3-64) are checked when a p
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -314,7 +315,7 @@ class ObjectStore:
     async def _write_ssd(self, obj: StoredObject) -> bool:
         """Write the object's files in a thread; False if it was deleted meanwhile or the write failed."""
         assert self.ssd_path is not None and obj.extent is not None
-        base = self.ssd_path / obj.meta.key.hex()
+        base = self.ssd_path / ssd_file_stem(obj.meta.key)
         meta = common_pb2.ObjectMeta()
         meta.CopyFrom(obj.meta)
         meta.tier = common_pb2.SSD
@@ -386,6 +387,14 @@ class ObjectStore:
         for pid in stale:
             self.abort_put(self.pending.pop(pid))
         return len(stale)
+
+
+def ssd_file_stem(key: bytes) -> str:
+    """File name of a key's SSD copy: its hex when short, else a 160-bit digest (names are capped at 255
+    bytes; keys at 1024). The ``.meta`` file holds the real key, so the name is never parsed back."""
+    if len(key) <= 100:
+        return key.hex()
+    return "h" + hashlib.blake2b(key, digest_size=20).hexdigest()
 
 
 def _write_files(base: Path, data: memoryview, meta: bytes) -> None:

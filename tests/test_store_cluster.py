@@ -217,3 +217,39 @@ def test_ssd_tier_under_pressure_demotes_and_reads_back(tmp_path):
     finally:
         node.stop()
         master.stop()
+
+
+@pytest.mark.slow
+def test_node_registers_an_inventory_larger_than_grpc_default_limit(tmp_path):
+    """4,600 SSD objects with 1000-byte keys (> 4 MiB of inventory, gRPC's default message cap) adopted."""
+    import xxhash
+    from kvpool.kvstore.node_store import ssd_file_stem
+
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    n = 4_600
+    keys = [b"B" + i.to_bytes(4, "big") + b"k" * 995 for i in range(n)]
+    for key in keys:
+        blob = key[:8]
+        meta = common_pb2.ObjectMeta(
+            key=key,
+            kind=common_pb2.BLOB,
+            size=len(blob),
+            tier=common_pb2.SSD,
+            checksum=xxhash.xxh3_64_intdigest(blob),
+        )
+        stem = ssd_file_stem(key)
+        (ssd / f"{stem}.bin").write_bytes(blob)
+        (ssd / f"{stem}.meta").write_bytes(meta.SerializeToString())
+    assert sum(len(k) + 30 for k in keys) > 4 << 20
+    master = start_master(tmp_path, *MASTER_ARGS)
+    node = start_node(
+        tmp_path, master.address, "16MiB", "tcp", "--ssd-path", str(ssd), "--ssd-capacity", "64MiB"
+    )
+    try:
+        with StoreClient(master.address, "tcp") as c:
+            assert c.stats().objects == n
+            assert c.get(keys[1234]) == keys[1234][:8]
+    finally:
+        node.stop()
+        master.stop()
