@@ -103,6 +103,7 @@ class StorageNode:
         if config.prefault:
             self.pool.prefault()
         self.store = ObjectStore(self.pool, config.ssd_path, config.ssd_capacity, config.max_object)
+        self.store.auto_promote = config.master is None
         self.endpoint = common_pb2.NodeEndpoint(host=config.host, host_id=host_id())
         self.tcp: TcpDataServer | None = None
         self.ucx = None

@@ -74,6 +74,9 @@ class ObjectStore:
         self.ssd_capacity = ssd_capacity if ssd_path else 0
         self.ssd_used = 0
         self.counters: dict[str, int] = {}
+        # Promote SSD objects on read. Off when a master manages the tiers: it promotes in its index on
+        # acquire and orders Promote; a node promoting on its own would use DRAM the master does not count.
+        self.auto_promote = True
         self._stale_deletes: dict[bytes, float] = {}  # key -> until when a Delete targets a replaced copy
         if ssd_path is not None:
             ssd_path.mkdir(parents=True, exist_ok=True)
@@ -145,13 +148,14 @@ class ObjectStore:
 
     # --- reads -------------------------------------------------------------------------------------------
     async def acquire(self, key: bytes) -> StoredObject:
-        """Take a reader reference; an SSD-only object is promoted back to DRAM first when space allows."""
+        """Take a reader reference; an SSD-only object is first promoted to DRAM when space allows (and
+        ``auto_promote``), else it is read from its file."""
         obj = self.objects.get(key)
         if obj is None or obj.doomed:
             raise ObjectNotFoundError(f"key {key[:8].hex()}… not on this node")
         obj.readers += 1
         try:
-            if obj.extent is None:
+            if obj.extent is None and self.auto_promote:
                 await self._promote(obj, required=False)
         except BaseException:
             self.release(obj)
@@ -165,6 +169,8 @@ class ObjectStore:
         """
         obj = await self.acquire(key)
         try:
+            if obj.extent is None:  # shm readers need DRAM: promote even when the master manages tiers
+                await self._promote(obj, required=False)
             if obj.extent is None:
                 raise ObjectNotFoundError(f"key {key[:8].hex()}… is on SSD only and DRAM is full")
             self.count("locates")
