@@ -16,8 +16,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -140,37 +141,38 @@ class Gateway:
         return self.info.codec.check_ids(p)  # type: ignore[arg-type]
 
     # -- running ----------------------------------------------------------------------------------------
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    def acquire(self) -> Slot:
+        """A place among ``--max-concurrent`` requests (429 when none is free)."""
         if self.inflight >= self.settings.max_concurrent:
             self.metrics.rejected.labels("concurrency").inc()
             raise Overloaded(f"more than {self.settings.max_concurrent} requests in flight; retry later")
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
-        try:
-            yield
-        finally:
-            self.inflight -= 1
-            self.metrics.inflight.set(self.inflight)
+        return Slot(self)
 
     async def run(self, req: GenRequest, body: _Sampling, fmt: Formatter) -> Response:
-        slot = self.slot()
-        await slot.__aenter__()
+        slot = self.acquire()
         try:
             gen = await self.service.start(req)
         except GatewayError as exc:
             if exc.status == 429:
                 self.metrics.rejected.labels("ttft_slo" if "SLO" in exc.message else "backend").inc()
             self.metrics.requests.labels(req.workload, req.endpoint, str(exc.status)).inc()
-            await slot.__aexit__(None, None, None)
+            slot.release()
             raise
         except BaseException:
-            await slot.__aexit__(None, None, None)
+            slot.release()
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
+
+            def cleanup() -> None:  # also when the client left before the body started
+                gen.close()
+                slot.release()
+
+            return GuardedStream(
                 self._sse(gen, fmt, include_usage, slot),
+                cleanup,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -186,17 +188,18 @@ class Gateway:
             self.metrics.requests.labels(req.workload, req.endpoint, str(exc.status)).inc()
             raise
         finally:
-            await slot.__aexit__(None, None, None)
+            gen.close()
+            slot.release()
 
     def _remember(self, req: GenRequest, gen: Generation, text: str) -> None:
         if req.endpoint == "chat":
             self.memo.put(req.salt, text, gen.token_ids)
 
     async def _sse(
-        self, gen: Generation, fmt: Formatter, include_usage: bool, slot: object
+        self, gen: Generation, fmt: Formatter, include_usage: bool, slot: Slot
     ) -> AsyncIterator[str]:
         req = gen.req
-        status = "200"
+        status = "499"  # stays so if the client goes away mid-stream
         try:
             text = []
             for head in fmt.head(include_usage):
@@ -210,6 +213,7 @@ class Gateway:
             yield _data(fmt.last(gen.usage.finish_reason, include_usage))
             if include_usage:
                 yield _data(fmt.usage_chunk(gen))
+            status = "200"
             yield "data: [DONE]\n\n"
         except GatewayError as exc:
             status = str(exc.status)
@@ -217,7 +221,36 @@ class Gateway:
         finally:
             gen.close()
             self.metrics.requests.labels(req.workload, req.endpoint, status).inc()
-            await slot.__aexit__(None, None, None)  # type: ignore[attr-defined]
+            slot.release()
+
+
+class Slot:
+    """One admitted request; ``release`` is idempotent (several cleanup paths may reach it)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.gw.inflight -= 1
+            self.gw.metrics.inflight.set(self.gw.inflight)
+
+
+class GuardedStream(StreamingResponse):
+    """A StreamingResponse that always runs ``cleanup``: Starlette may cancel the response before the body
+    generator ever starts (client gone), and a never-started generator's ``finally`` never runs."""
+
+    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], None], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
 
 
 def _data(obj: dict) -> str:

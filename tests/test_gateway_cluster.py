@@ -333,6 +333,29 @@ def test_demo_chats(up: UpProcess) -> None:
     assert "chat" in table and "%" in table
 
 
+def test_a_client_leaving_mid_stream_frees_its_slot_and_the_decode_worker(up: UpProcess) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "leave early " * 20,
+        "max_tokens": 64,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for _ in range(3):
+        with httpx.stream("POST", up.url + "/v1/completions", json=body, headers=headers, timeout=30) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # first event, then hang up
+    deadline = time.monotonic() + 10
+    while True:
+        health = httpx.get(up.url + "/health", timeout=5).json()
+        busy = health["inflight"] + sum(w["inflight"] for w in health["workers"]["decode"])
+        if busy == 0:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(0.1)
+
+
 def test_second_gateway_with_a_ttft_slo_answers_429_when_every_worker_is_busy(up: UpProcess) -> None:
     """``kvpool gateway`` started on its own in front of the same workers, with an SLO no busy worker meets:
     the first two concurrent long prompts take the two idle prefill workers, the third is refused."""
