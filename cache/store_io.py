@@ -424,7 +424,7 @@ async def push_blocks(
     items = []
     for i in range(first, end):
         latents = {layer: rows[i * B : (i + 1) * B].contiguous() for layer, rows in mla.items()}
-        data = bytes(encode_mla_block(schema, i, latents, block_hash=hashes[i]))
+        data = encode_mla_block(schema, i, latents, block_hash=hashes[i])  # no extra copy: a bytearray
         parent = mla_key(hashes[i - 1]) if i else b""
         items.append(PutItem(mla_key(hashes[i]), data, common_pb2.MLA_BLOCK, tenant, parent, ttl_ms))
     return await _put(store, items, timeout_s)
@@ -446,7 +446,7 @@ async def push_checkpoints(
         if ck.n_tokens <= 0 or ck.n_tokens % B:
             raise ValueError(f"checkpoint at {ck.n_tokens} is not at a block end (B={B})")
         h = hashes[ck.n_tokens // B - 1]
-        data = bytes(encode_kda_checkpoint(schema, ck, block_hash=h))
+        data = encode_kda_checkpoint(schema, ck, block_hash=h)
         items.append(PutItem(kda_key(h), data, common_pb2.KDA_CHECKPOINT, tenant, mla_key(h)))
     return await _put(store, items, timeout_s)
 
@@ -463,7 +463,7 @@ async def push_tail(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> PushStats:
     """Store the request-scoped tail with a TTL (it only has to live until the decode node reads it)."""
-    data = bytes(encode_tail(schema, tail))
+    data = encode_tail(schema, tail)
     n_full = tail.start // schema.block_size
     parent = mla_key(hashes[n_full - 1]) if n_full else b""
     item = PutItem(tail_key(request_id), data, common_pb2.REQUEST_TAIL, tenant, parent, ttl_ms)
