@@ -340,7 +340,10 @@ def _decode_mla(
     if raw is None or isinstance(raw, Exception):
         return None
     try:
-        return decode_mla_block(raw, schema, expected_block=index, expected_hash=block_hash).latents
+        # views over the fetched buffer (alive until _assemble's cat, the one copy these rows need)
+        return decode_mla_block(
+            raw, schema, expected_block=index, expected_hash=block_hash, copy=False
+        ).latents
     except CacheUnitError:
         stats.corrupt += 1
         stats.bad_keys.append(key)
