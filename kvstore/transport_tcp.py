@@ -180,12 +180,14 @@ class TcpTransport(Transport):
             except OSError as exc:  # the node may have refused and closed: its error frame says why
                 try:
                     await asyncio.wait_for(self._read_response(conn, OP_PUT, rid, first=False), 1.0)
-                except StoreError:
-                    raise
+                except StoreError as err:
+                    if not isinstance(err, StoreUnavailableError | ProtocolError):
+                        raise  # a real error frame (too large, no space...)
                 except Exception:
-                    if conn.reused:
-                        raise _Stale from exc
-                    raise StoreUnavailableError(f"send to node failed: {exc}") from exc
+                    pass
+                if conn.reused:
+                    raise _Stale from exc
+                raise StoreUnavailableError(f"send to node failed: {exc}") from exc
             await self._read_response(conn, OP_PUT, rid, first=True)
 
         await self._run(node, meta.size, op)

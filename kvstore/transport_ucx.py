@@ -48,6 +48,8 @@ UCX_DEFAULTS = {
     "UCX_TCP_TX_SEG_SIZE": "512k",
     "UCX_TCP_RX_SEG_SIZE": "512k",
     "UCXPY_PROGRESS_MODE": "blocking",
+    # a restarted node rebinds its ucx port while old connections sit in TIME_WAIT (else UCXXBusyError)
+    "UCX_TCP_CM_REUSEADDR": "y",
 }
 
 _ucxx: ModuleType | None = None
@@ -99,14 +101,17 @@ class UcxTransport(Transport):
         self._max_idle = max_endpoints_per_peer
         self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
 
-    async def _acquire(self, node: common_pb2.NodeEndpoint) -> tuple[tuple[str, int], object]:
+    async def _acquire(
+        self, node: common_pb2.NodeEndpoint, fresh: bool = False
+    ) -> tuple[tuple[str, int], object, bool]:
+        """An endpoint to ``node`` and whether it was reused from the pool."""
         if not node.ucx_port:
             raise TransportUnavailableError(f"node {node.node_id} has no ucx listener")
         ucxx = load_ucxx()
         addr = (node.host, node.ucx_port)
         idle = self._idle.get(addr)
-        if idle:
-            return addr, idle.pop()
+        if idle and not fresh:
+            return addr, idle.pop(), True
         try:
             ep = await with_deadline(
                 ucxx.create_endpoint(node.host, node.ucx_port, connect_timeout=self.deadlines.connect_s),
@@ -117,7 +122,7 @@ class UcxTransport(Transport):
             raise
         except Exception as exc:
             raise StoreUnavailableError(f"ucx connect to {node.host}:{node.ucx_port}: {exc}") from exc
-        return addr, ep
+        return addr, ep, False
 
     def _release(self, addr: tuple[str, int], ep: object, ok: bool) -> None:
         idle = self._idle.setdefault(addr, [])
@@ -139,19 +144,27 @@ class UcxTransport(Transport):
             slots.release()
 
     async def _exchange_on_endpoint(self, node: common_pb2.NodeEndpoint, size: int, body) -> int:  # type: ignore[no-untyped-def]
-        addr, ep = await self._acquire(node)
-        ok = False
-        try:
-            result = await with_deadline(body(ep), self.deadlines.for_size(size), f"ucx transfer with {addr}")
-            ok = True
-            return result
-        except StoreError as exc:
-            ok = not isinstance(exc, StoreUnavailableError)  # an error reply keeps the endpoint in sync
-            raise
-        except Exception as exc:
-            raise StoreUnavailableError(f"ucx transfer with {addr[0]}:{addr[1]} failed: {exc}") from exc
-        finally:
-            self._release(addr, ep, ok)
+        """A pooled endpoint that fails with a ucx error (its node restarted) is replaced once by a fresh
+        one; safe because puts are idempotent. A dead node then fails the fresh connect at once."""
+        for attempt in (0, 1):
+            addr, ep, reused = await self._acquire(node, fresh=attempt == 1)
+            ok = False
+            try:
+                result = await with_deadline(
+                    body(ep), self.deadlines.for_size(size), f"ucx transfer with {addr}"
+                )
+                ok = True
+                return result
+            except StoreError as exc:
+                ok = not isinstance(exc, StoreUnavailableError)  # an error reply keeps the endpoint in sync
+                raise
+            except Exception as exc:
+                if reused and attempt == 0:
+                    continue
+                raise StoreUnavailableError(f"ucx transfer with {addr[0]}:{addr[1]} failed: {exc}") from exc
+            finally:
+                self._release(addr, ep, ok)
+        raise AssertionError("unreachable")
 
     async def put(
         self, node: common_pb2.NodeEndpoint, put_id: str, meta: common_pb2.ObjectMeta, data: Buffer

@@ -359,3 +359,39 @@ def test_shm_control_frames_bad_input(node, tmp_path):
         assert _read_error(s) == 10  # TransportUnavailableError
     finally:
         plain.stop()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.mark.parametrize("choice", ["tcp", "ucx"])
+def test_pooled_connection_to_a_restarted_node_is_replaced(tmp_path, choice):
+    """A node restarted on the same ports: the pooled connection is stale, the next op still works."""
+    grpc_port, tcp_port, ucx_port = _free_ports(3)
+    ports = ("--port", str(grpc_port), "--tcp-port", str(tcp_port), "--ucx-port", str(ucx_port))
+    proc = start_node(tmp_path, None, "8MiB", "tcp,ucx", *ports)
+
+    async def body(sel):
+        nonlocal proc
+        t = sel.for_node(proc.endpoint)
+        data = os.urandom(50_000)
+        meta = meta_for(data)
+        await t.put(proc.endpoint, "a", meta, data)
+        assert proc.stop() == 0
+        proc = start_node(tmp_path, None, "8MiB", "tcp,ucx", *ports)
+        await t.put(proc.endpoint, "b", meta, data)  # on the pooled (stale) connection first
+        out = bytearray(len(data))
+        await t.get_into(location(proc, meta), out)
+        assert out == data
+
+    try:
+        run(_with(choice, body))
+    finally:
+        proc.stop()
