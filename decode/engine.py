@@ -139,15 +139,14 @@ class DecodeEngine:
         shown = ""
         while True:
             tok = tokens[-1]
-            hit_stop = stop.push(tok)
-            delta = stop.text[len(shown) :] if stop.text.startswith(shown) else ""
-            shown = stop.text
-            yield TokenEvent(len(tokens) - 1, tok, delta)
-            if hit_stop or (tok in self.eos and not params.ignore_eos):
+            if stop.push(tok) or (tok in self.eos and not params.ignore_eos):
                 finish = "stop"
-                break
-            if len(tokens) >= params.max_tokens:
+            elif len(tokens) >= params.max_tokens:
                 finish = "length"
+            visible = stop.visible(final=bool(finish))
+            yield TokenEvent(len(tokens) - 1, tok, visible[len(shown) :])  # deltas add up to the text
+            shown = visible
+            if finish:
                 break
             logits = await self.batcher.step(tok, state)
             if state.n_tokens % B == 0 and self.end_of_output_checkpoint:

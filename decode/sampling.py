@@ -72,7 +72,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
 
 class StopChecker:
     """Stop strings over the decoded text (tokenizer-aware): ``push`` says whether generation must end and
-    ``text`` is the output with the stop string and anything after it cut (OpenAI semantics)."""
+    ``text`` is the output with the stop string and anything after it cut (OpenAI semantics).
+
+    ``visible(final)`` is what may be streamed so far: it holds back a trailing replacement character (an
+    incomplete multi-byte character that the next token may complete) and any tail that could be the start
+    of a stop string, so streamed deltas never have to be taken back and always add up to ``text``."""
 
     def __init__(self, tokenizer: object, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
@@ -93,3 +97,10 @@ class StopChecker:
             self.text = full[:cut]
             return True
         return False
+
+    def visible(self, final: bool) -> str:
+        if final:
+            return self.text
+        text = self.text.rstrip("\ufffd")
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold]

@@ -332,6 +332,29 @@ def test_stop_strings_cut_the_text():
     assert ended.index(True) == 6 and stop.text == "hel"
 
 
+def test_streamed_deltas_add_up_and_never_take_text_back():
+    """Held back: a possible stop-string start and an unfinished UTF-8 character ("€" is 3 bytes)."""
+    tok = ByteTokenizer(1024)
+    for text, stops, want in (
+        ("hello world", ("lo w",), "hel"),
+        ("a€b lo", (), "a€b lo"),
+        ("xyz", ("q",), "xyz"),
+    ):
+        stop = StopChecker(tok, stops)
+        ids = tok.encode(text)[1:]
+        shown, deltas = "", []
+        for i, t in enumerate(ids):
+            done = stop.push(t) or i == len(ids) - 1
+            visible = stop.visible(final=done)
+            assert visible.startswith(shown)
+            deltas.append(visible[len(shown) :])
+            shown = visible
+            if done:
+                break
+        assert "".join(deltas) == stop.text == want
+        assert "\ufffd" not in "".join(deltas)
+
+
 class WordTokenizer:
     """Each id is a word: stop strings then name exact token runs."""
 
