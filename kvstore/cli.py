@@ -39,8 +39,9 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity", default="1GiB", type=_size, help="DRAM pool size (default 1GiB)")
     p.add_argument(
         "--transport",
-        default="tcp,shm,ucx",
-        help=f"comma list of data planes among {','.join(TRANSPORTS)} (tcp is always on)",
+        default="auto",
+        help=f"comma list of data planes among {','.join(TRANSPORTS)} (tcp is always on); 'auto' = tcp,shm "
+        "plus ucx when ucxx works here (an explicit ucx that cannot start fails the node)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
     p.add_argument("--port", type=int, default=0, help="gRPC control port (0 = any)")
@@ -67,7 +68,12 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
 def _run_node(args: argparse.Namespace) -> int:
     from kvpool.kvstore.node import run
 
-    transports = tuple(t.strip() for t in args.transport.split(",") if t.strip())
+    if args.transport.strip() == "auto":
+        from kvpool.kvstore.transport_ucx import ucx_available
+
+        transports: tuple[str, ...] = ("tcp", "shm", "ucx") if ucx_available() else ("tcp", "shm")
+    else:
+        transports = tuple(t.strip() for t in args.transport.split(",") if t.strip())
     if "tcp" not in transports:
         transports = ("tcp", *transports)
     config = NodeConfig(
