@@ -116,6 +116,15 @@ async def one_request(
     ), "".join(text)
 
 
+def cold_document(rng: random.Random, tokens: int) -> str:
+    """A unique document (never cached): random words, about one byte-token per character."""
+    words = ["cache", "block", "prefix", "tenant", "decode", "prefill", "store", "node", "hash", "chunk"]
+    out: list[str] = []
+    while sum(len(w) + 1 for w in out) < tokens:
+        out.append(rng.choice(words) + str(rng.randrange(1000)))
+    return " ".join(out)
+
+
 async def client_loop(
     idx: int,
     url: str,
@@ -126,6 +135,8 @@ async def client_loop(
     max_tokens: int,
     salt: str,
     result: Result,
+    cold_fraction: float = 0.0,
+    cold_tokens: int = 1500,
 ) -> None:
     import openai
 
@@ -134,7 +145,10 @@ async def client_loop(
     try:
         while time.monotonic() < stop_at:
             messages = [{"role": "system", "content": rng.choice(SYSTEMS)}]
-            for _ in range(turns):
+            cold = rng.random() < cold_fraction  # a one-shot request over a fresh long document
+            if cold:
+                messages = [{"role": "system", "content": cold_document(rng, cold_tokens)}]
+            for _ in range(1 if cold else turns):
                 if time.monotonic() >= stop_at:
                     break
                 messages.append({"role": "user", "content": f"[{idx}] " + rng.choice(QUESTIONS)})
@@ -173,7 +187,19 @@ async def run_load(url: str, api_key: str, policy: str, args: argparse.Namespace
     t0 = time.monotonic()
     await asyncio.gather(
         *(
-            client_loop(i, url, api_key, model, stop_at, args.turns, args.max_tokens, salt, result)
+            client_loop(
+                i,
+                url,
+                api_key,
+                model,
+                stop_at,
+                args.turns,
+                args.max_tokens,
+                salt,
+                result,
+                args.cold_fraction,
+                args.cold_tokens,
+            )
             for i in range(args.clients)
         )
     )
@@ -215,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--turns", type=int, default=4, help="turns per conversation")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--cold-fraction",
+        type=float,
+        default=0.0,
+        help="share of conversations replaced by one cold request over a fresh long document",
+    )
+    p.add_argument("--cold-tokens", type=int, default=1500, help="length of those documents")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--routing", default="cache,rr", help="comma list of policies (fresh cluster each)")
@@ -228,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     out: dict = {
         "bench": "serve",
+        "cold_fraction": args.cold_fraction,
+        "cold_tokens": args.cold_tokens,
         "clients": args.clients,
         "duration_s": args.duration,
         "turns": args.turns,
