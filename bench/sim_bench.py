@@ -3,8 +3,8 @@
 Goal (issue "workloads"): every capacity point of a sweep replays the whole trace in <= 10 s on 2 cores,
 so a full policy x capacity sweep stays interactive. Each row is one fresh ``simulate`` (or ``optimum``)
 run over the full trace, timed with ``time.perf_counter`` (wall, the goal) and ``time.process_time`` (CPU,
-less sensitive to other work on a shared machine; the JSON line records the load average); the block-hash chain cache is per run, so
-each row pays its own key derivation, as a sweep does.
+less sensitive to other work on a shared machine; the JSON line records the load average); the
+block-hash chain cache is per run, so each row pays its own key derivation, as a sweep does.
 
     .venv/bin/python bench/sim_bench.py            # table, then one JSON line
     .venv/bin/python bench/sim_bench.py --json     # the JSON line only
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             r = rows[-1]
             print(
-                f"{name:<38}{secs:>8.2f} s (cpu {cpu:5.2f} s){r['requests_per_s']:>9,}/s  block hit {r['block_hit_rate']:.4f}"
+                f"{name:<38}{secs:>8.2f} s (cpu {cpu:5.2f} s){r['requests_per_s']:>9,}/s"
+                f"  block hit {r['block_hit_rate']:.4f}"
                 f"  token hit {r['token_hit_rate']:.4f}  {'ok' if r['meets_goal'] else 'SLOW'}",
                 flush=True,
             )
