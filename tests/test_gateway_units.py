@@ -188,3 +188,19 @@ def test_dns_specs_become_one_worker_per_address() -> None:
     found, decode = asyncio.run(go())
     assert found[0] == "127.0.0.1:1" and "127.0.0.1:50061" in found
     assert all(w.endswith(":50061") for w in found[1:]) and decode == []
+
+
+def test_concurrency_limit_answers_429_and_slots_release_once(codec: TextCodec) -> None:
+    from kvpool.gateway.app import Gateway
+    from kvpool.gateway.model_info import ModelInfo
+    from kvpool.gateway.settings import GatewaySettings
+
+    gw = Gateway(GatewaySettings(prefill=[], decode=[], max_concurrent=1), ModelInfo(codec, b"\0" * 32, None))  # type: ignore[arg-type]
+    slot = gw.acquire()
+    with pytest.raises(Overloaded, match="in flight"):
+        gw.acquire()
+    slot.release()
+    slot.release()  # a second cleanup path must not free a slot twice
+    assert gw.inflight == 0
+    gw.acquire()
+    assert gw.inflight == 1
