@@ -117,6 +117,53 @@ class ShmTransport(Transport):
         await self._one(node, Frame(OP_SEAL, aux=put_id.encode()))
         self.bytes_out += meta.size
 
+    async def batch_put(
+        self, node: common_pb2.NodeEndpoint, items: Sequence[tuple[str, common_pb2.ObjectMeta, Buffer]]
+    ) -> list[StoreError | None]:
+        """All RESERVEs pipelined, the copies, then all SEALs pipelined: two round trips for the batch."""
+        try:
+            self._check(node)
+        except StoreError as exc:
+            return [exc] * len(items)
+        results: list[StoreError | None] = [None] * len(items)
+        reserves = await self._control.control(
+            node,
+            [
+                Frame(
+                    OP_RESERVE,
+                    key=meta.key,
+                    aux=node_pb2.PutHeader(put_id=put_id, meta=meta).SerializeToString(),
+                )
+                for put_id, meta, _data in items
+            ],
+        )
+        to_seal: list[int] = []
+        for i, ((put_id, meta, data), reply) in enumerate(zip(items, reserves, strict=True)):
+            if isinstance(reply, StoreError):
+                results[i] = reply
+                continue
+            if reply.flags & FLAG_EXISTS:
+                continue
+            try:
+                view = as_bytes_view(data)
+                if len(view) != meta.size:
+                    raise BadRequestError(f"data is {len(view)} B, meta says {meta.size} B")
+                seg, offset, _size = self._extent(reply)
+                seg[offset : offset + meta.size] = view
+                to_seal.append(i)
+            except StoreError as exc:
+                results[i] = exc
+                await self._control.control(node, [Frame(OP_SEAL, aux=put_id.encode(), flags=FLAG_ABORT)])
+        if not to_seal:
+            return results
+        seals = await self._control.control(node, [Frame(OP_SEAL, aux=items[i][0].encode()) for i in to_seal])
+        for i, reply in zip(to_seal, seals, strict=True):
+            if isinstance(reply, StoreError):
+                results[i] = reply
+            else:
+                self.bytes_out += items[i][1].size
+        return results
+
     async def _get_into(self, location: common_pb2.ObjectLocation, out: memoryview) -> int:
         self._check(location.node)
         reply = await self._one(location.node, Frame(OP_LOCATE, key=location.meta.key))

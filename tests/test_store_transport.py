@@ -103,10 +103,13 @@ def test_batch_and_duplicates(node, choice):
         t = sel.for_node(node.endpoint)
         blobs = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in rng.integers(1, 300_000, 12)]
         metas = [meta_for(b) for b in blobs]
-        res = await t.batch_put(
-            node.endpoint, [(f"p{i}", m, b) for i, (m, b) in enumerate(zip(metas, blobs, strict=True))]
-        )
-        assert res == [None] * len(blobs)
+        bad_blob = os.urandom(5000)
+        bad = meta_for(bad_blob)
+        bad.checksum ^= 1
+        items = [(f"p{i}", m, b) for i, (m, b) in enumerate(zip(metas, blobs, strict=True))]
+        res = await t.batch_put(node.endpoint, [*items[:6], ("bad", bad, bad_blob), *items[6:]])
+        assert res[:6] == [None] * 6 and res[7:] == [None] * (len(blobs) - 6)  # one bad item fails alone
+        assert isinstance(res[6], ChecksumMismatchError)
         missing = meta_for(b"x" * 10)
         outs = [bytearray(m.size) for m in metas] + [bytearray(10)]
         got = await t.batch_get_into(
