@@ -175,6 +175,7 @@ def test_live_replay_records_cached_tokens_and_keeps_timing() -> None:
     body = log[1][1]
     assert body["prompt"] == [*base, 1, 2, 3] and body["stream"] is True and body["cache_salt"] == "a"
     assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 4
+    assert body["metadata"] == {"workload": "w", "tenant": "a"}
     s = summarize(outcomes)
     assert s["token_hit_rate"] == pytest.approx(192 / (200 + 203 + 70))
     assert s["errors"] == 0 and s["workloads"]["w"]["requests"] == 3

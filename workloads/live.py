@@ -3,11 +3,12 @@ what the server says it cached (``usage.prompt_tokens_details.cached_tokens``) a
 
 Wire format (OpenAI ``/v1/completions``; token-id prompts are part of that API): ``prompt`` = token ids,
 ``max_tokens`` = the record's output length, ``stream: true`` with ``stream_options.include_usage`` so
-the last SSE chunk carries usage, ``cache_salt`` = tenant (the simulator salts chains the same way).
+the last SSE chunk carries usage, ``cache_salt`` = tenant (the simulator salts chains the same way),
+``metadata.workload`` / ``x-workload`` and ``metadata.tenant`` for the gateway's per-workload metrics.
 A server that ignores streaming and answers one JSON body is accepted (TTFT = full latency).
 
-The kvpool gateway is not built yet; this client is tested against an in-process fake server
-(``httpx.MockTransport``) that speaks the same wire format.
+Tested against an in-process fake server (``httpx.MockTransport``) speaking the same wire format, and
+run by hand against ``kvpool up`` (docs/design/workloads.md §5).
 """
 
 from __future__ import annotations
@@ -113,12 +114,14 @@ async def _one(
         "stream_options": {"include_usage": True},
         "cache_salt": req.tenant,
         "user": req.tenant,
+        "metadata": {"workload": req.workload, "tenant": req.tenant},  # the gateway's metric labels
     }
     start = time.perf_counter()
     ttft = -1.0
     usage: tuple[int, int, int] | None = None
     try:
-        async with client.stream("POST", url, json=body, timeout=timeout_s) as resp:
+        headers = {"x-workload": req.workload}
+        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread())[:200].decode(errors="replace")
                 raise ReplayError(f"HTTP {resp.status_code}: {text}")
