@@ -404,6 +404,35 @@ def test_second_gateway_with_a_ttft_slo_answers_429_when_every_worker_is_busy(up
         assert gw.wait(15) == 0
 
 
+def _prefill_health(up: UpProcess) -> dict[str, bool]:
+    workers = httpx.get(up.url + "/health", timeout=5).json()["workers"]["prefill"]
+    return {w["address"]: w["healthy"] for w in workers}
+
+
+def test_a_stuck_prefill_worker_is_routed_around_then_readmitted(
+    up: UpProcess, client: openai.OpenAI
+) -> None:
+    """SIGSTOP: the process exists but answers nothing. The 1 s health deadline takes it out of rotation."""
+    stuck = up.service("prefill-0")
+    os.kill(stuck["pid"], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 6
+        while _prefill_health(up)[stuck["address"]]:
+            assert time.monotonic() < deadline, "stuck worker still marked healthy"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        for i in range(3):
+            r = client.completions.create(model=MODEL, prompt=f"while one is stuck {i} " * 8, max_tokens=4)
+            assert r.model_extra["kvpool"]["prefill_worker"] != stuck["address"]
+        assert time.monotonic() - t0 < 10
+    finally:
+        os.kill(stuck["pid"], signal.SIGCONT)
+    deadline = time.monotonic() + 6
+    while not _prefill_health(up)[stuck["address"]]:
+        assert time.monotonic() < deadline, "worker not readmitted after SIGCONT"
+        time.sleep(0.1)
+
+
 def test_a_dead_prefill_worker_degrades_to_the_other(up: UpProcess, client: openai.OpenAI) -> None:
     victim = up.service("prefill-1")
     os.kill(victim["pid"], signal.SIGKILL)
