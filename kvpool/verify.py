@@ -10,7 +10,9 @@ and at least that many blocks' bytes plus a checkpoint fetched). Second chat tur
 decode-computed blocks, which differ from a prefill by ~1e-7 (model.md §5): they count in
 ``identical`` by tokens and in ``max_logit_diff`` but are not expected to be bitwise.
 
-``--endpoint URL`` (OpenAI-compatible gateway) is not implemented yet and says so.
+``--endpoint URL`` sends the same prompts (as token ids, greedy, ``ignore_eos``) to an OpenAI-compatible
+server such as the kvpool gateway: there only the text and ``usage`` are visible, so requests are compared
+on their text and completion length, cached tokens on block alignment, and no logit difference is reported.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ class Row:
     prompt_tokens: int
     cached_tokens: int
     identical: bool
-    bitwise_logits: bool
-    max_logit_diff: float
+    bitwise_logits: bool | None  # None: not observable (endpoint mode)
+    max_logit_diff: float | None
     cached_verified: bool
     resume_path: str
 
@@ -71,8 +73,8 @@ class Report:
     requests: int = 0
     identical: int = 0
     identical_fraction: float = 0.0
-    max_logit_diff: float = 0.0
-    bitwise_first_logits: int = 0
+    max_logit_diff: float | None = 0.0
+    bitwise_first_logits: int | None = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_verified: bool = True
@@ -85,9 +87,24 @@ class Report:
         return (
             self.requests > 0
             and self.identical == self.requests
-            and self.max_logit_diff <= TOLERANCE
+            and (self.max_logit_diff is None or self.max_logit_diff <= TOLERANCE)
             and self.cached_tokens_verified
         )
+
+    def summarize(self, t0: float) -> Report:
+        rows = self.rows
+        self.requests = len(rows)
+        self.identical = sum(r.identical for r in rows)
+        self.identical_fraction = self.identical / max(len(rows), 1)
+        diffs = [r.max_logit_diff for r in rows if r.max_logit_diff is not None]
+        self.max_logit_diff = max(diffs, default=0.0) if diffs or not rows else None
+        bits = [r.bitwise_logits for r in rows if r.bitwise_logits is not None]
+        self.bitwise_first_logits = sum(bits) if bits or not rows else None
+        self.prompt_tokens = sum(r.prompt_tokens for r in rows)
+        self.cached_tokens = sum(r.cached_tokens for r in rows)
+        self.cached_tokens_verified = all(r.cached_verified for r in rows)
+        self.elapsed_s = time.perf_counter() - t0
+        return self
 
 
 def prompt_set() -> list[Case]:
@@ -111,6 +128,51 @@ def _check_cached(reply_usage: object, schema: object, block_size: int) -> bool:
     return reply_usage.bytes_fetched >= need  # type: ignore[attr-defined]
 
 
+class _Reference:
+    """The colocated no-cache run in this process, with the workers' thread count (restored on close)."""
+
+    def __init__(self, model_name: str, block_size: int, threads: int) -> None:
+        import torch
+
+        from kvpool.decode.colocated import Colocated
+        from kvpool.model.loader import load_model
+        from kvpool.model.tokenizer import load_tokenizer
+
+        self._saved = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+        torch.set_num_threads(threads)  # the workers' --threads: same kernels on both sides
+        torch.use_deterministic_algorithms(True)
+        self.model = load_model(model_name)
+        self.tokenizer = load_tokenizer(
+            None if model_name in ("tiny", "tiny8") else model_name, self.model.config
+        )
+        self.schema = self.model.cache_schema(block_size)
+        self.colocated = Colocated(self.model, None, block_size=block_size, tokenizer=self.tokenizer)
+
+    async def complete(self, name: str, ids: list[int], max_tokens: int) -> object:
+        from kvpool.decode.sampling import SamplingParams
+        from kvpool.prefill.handoff import PrefillRequest
+
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return await self.colocated.complete(PrefillRequest(f"ref-{name}", ids, "ref", sp, use_cache=False))
+
+    def close(self) -> None:
+        import torch
+
+        self.colocated.close()
+        torch.set_num_threads(self._saved[0])
+        torch.use_deterministic_algorithms(self._saved[1])
+
+
+async def _drive(ref: _Reference, one) -> None:  # type: ignore[no-untyped-def]
+    """Every case (and its second turn, built from the reference output) through ``one(name, ids, n)``."""
+    for case in prompt_set():
+        ids = ref.tokenizer.encode(case.text)
+        out = await one(case.name, ids, case.max_tokens)
+        if case.follow_up is not None:
+            turn2 = ids + out + ref.tokenizer.encode(case.follow_up)[1:]  # no second BOS mid-conversation
+            await one(f"{case.name}.turn2", turn2, 4)
+
+
 async def run_verify(
     model_name: str,
     prefill: str,
@@ -119,22 +181,14 @@ async def run_verify(
     tenant: str | None = None,
     threads: int = 1,
 ) -> Report:
+    """Disaggregated workers (gRPC) vs the reference: tokens, first-token logits, cached bytes."""
     import torch
 
     from kvpool.decode.client import DisaggClient
-    from kvpool.decode.colocated import Colocated
     from kvpool.decode.sampling import SamplingParams
-    from kvpool.model.loader import load_model
-    from kvpool.model.tokenizer import load_tokenizer
     from kvpool.prefill.handoff import PrefillRequest
 
-    saved = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(threads)  # the workers' --threads: same kernels on both sides
-    torch.use_deterministic_algorithms(True)
-    model = load_model(model_name)
-    tokenizer = load_tokenizer(None if model_name in ("tiny", "tiny8") else model_name, model.config)
-    schema = model.cache_schema(block_size)
-    reference = Colocated(model, None, block_size=block_size)
+    ref = _Reference(model_name, block_size, threads)
     client = DisaggClient(prefill, decode, timeout_s=120)
     tenant = tenant if tenant is not None else f"verify-{uuid.uuid4().hex[:8]}"
     report = Report()
@@ -143,44 +197,72 @@ async def run_verify(
     async def one(name: str, ids: list[int], max_tokens: int) -> list[int]:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         got = await client.complete(PrefillRequest(f"{tenant}-{name}", ids, tenant, sp))
-        ref = await reference.complete(PrefillRequest(f"ref-{name}", ids, tenant, sp, use_cache=False))
-        diff = float((got.first_logits - ref.first_logits).abs().max())
-        row = Row(
-            name=name,
-            prompt_tokens=len(ids),
-            cached_tokens=got.prefill.cached_tokens,
-            identical=got.tokens == ref.tokens,
-            bitwise_logits=torch.equal(got.first_logits, ref.first_logits),
-            max_logit_diff=diff,
-            cached_verified=_check_cached(got.prefill, schema, block_size),
-            resume_path=got.decode.resume_path,
+        want = await ref.complete(name, ids, max_tokens)
+        report.rows.append(
+            Row(
+                name=name,
+                prompt_tokens=len(ids),
+                cached_tokens=got.prefill.cached_tokens,
+                identical=got.tokens == want.tokens,
+                bitwise_logits=torch.equal(got.first_logits, want.first_logits),
+                max_logit_diff=float((got.first_logits - want.first_logits).abs().max()),
+                cached_verified=_check_cached(got.prefill, ref.schema, block_size),
+                resume_path=got.decode.resume_path,
+            )
         )
-        report.rows.append(row)
-        return got.tokens
+        return want.tokens
 
     try:
-        for case in prompt_set():
-            ids = tokenizer.encode(case.text)
-            out = await one(case.name, ids, case.max_tokens)
-            if case.follow_up is not None:
-                turn2 = ids + out + tokenizer.encode(case.follow_up)[1:]  # no second BOS mid-conversation
-                await one(f"{case.name}.turn2", turn2, 4)
+        await _drive(ref, one)
     finally:
         await client.close()
-        reference.close()
-        torch.set_num_threads(saved[0])
-        torch.use_deterministic_algorithms(saved[1])
-    rows = report.rows
-    report.requests = len(rows)
-    report.identical = sum(r.identical for r in rows)
-    report.identical_fraction = report.identical / max(len(rows), 1)
-    report.max_logit_diff = max((r.max_logit_diff for r in rows), default=0.0)
-    report.bitwise_first_logits = sum(r.bitwise_logits for r in rows)
-    report.prompt_tokens = sum(r.prompt_tokens for r in rows)
-    report.cached_tokens = sum(r.cached_tokens for r in rows)
-    report.cached_tokens_verified = all(r.cached_verified for r in rows)
-    report.elapsed_s = time.perf_counter() - t0
-    return report
+        ref.close()
+    return report.summarize(t0)
+
+
+async def run_verify_endpoint(
+    url: str,
+    model_name: str,
+    block_size: int = 64,
+    tenant: str | None = None,
+    threads: int = 1,
+    api_key: str | None = None,
+) -> Report:
+    """An OpenAI-compatible server vs the reference: text, completion length, cached-token alignment."""
+    from kvpool.decode.endpoint_client import EndpointClient
+
+    ref = _Reference(model_name, block_size, threads)
+    client = EndpointClient(url, api_key)
+    tenant = tenant if tenant is not None else f"verify-{uuid.uuid4().hex[:8]}"
+    report = Report(mode="endpoint")
+    t0 = time.perf_counter()
+
+    async def one(name: str, ids: list[int], max_tokens: int) -> list[int]:
+        got = await client.complete(ids, max_tokens, cache_salt=tenant)
+        want = await ref.complete(name, ids, max_tokens)
+        text = want.decode.text
+        report.rows.append(
+            Row(
+                name=name,
+                prompt_tokens=len(ids),
+                cached_tokens=got.cached_tokens,
+                identical=got.text == text and got.completion_tokens == len(want.tokens),
+                bitwise_logits=None,
+                max_logit_diff=None,
+                cached_verified=got.prompt_tokens == len(ids)
+                and got.cached_tokens % block_size == 0
+                and got.cached_tokens < len(ids),
+                resume_path="endpoint",
+            )
+        )
+        return want.tokens
+
+    try:
+        await _drive(ref, one)
+    finally:
+        await client.close()
+        ref.close()
+    return report.summarize(t0)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -188,7 +270,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "verify", help="check disaggregated + cache == plain model on a fixed prompt set"
     )
     p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
-    p.add_argument("--endpoint", default=None, help="OpenAI-compatible URL (not implemented yet)")
+    p.add_argument(
+        "--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
+    )
+    p.add_argument("--api-key", default=None, help="bearer key for --endpoint")
     p.add_argument(
         "--prefill", default=None, help="prefill worker HOST:PORT (default: start a local cluster)"
     )
@@ -205,15 +290,17 @@ def _print_table(report: Report) -> None:
     print(f"{'case':<14}{'prompt':>7}{'cached':>7}  {'tokens':<10}{'logits':<9}{'max diff':>10}  resume")
     for r in report.rows:
         same = "identical" if r.identical else "DIFFERENT"
-        bits = "bitwise" if r.bitwise_logits else "close"
+        bits = "n/a" if r.bitwise_logits is None else "bitwise" if r.bitwise_logits else "close"
+        diff = "n/a" if r.max_logit_diff is None else f"{r.max_logit_diff:.2e}"
         print(
             f"{r.name:<14}{r.prompt_tokens:>7}{r.cached_tokens:>7}  {same:<10}{bits:<9}"
-            f"{r.max_logit_diff:>10.2e}  {r.resume_path}{'' if r.cached_verified else '  CACHED MISMATCH'}"
+            f"{diff:>10}  {r.resume_path}{'' if r.cached_verified else '  CACHED MISMATCH'}"
         )
+    diff = "n/a" if report.max_logit_diff is None else f"{report.max_logit_diff:.2e}"
     print(
         f"{report.identical}/{report.requests} identical greedy continuations "
         f"({report.identical_fraction:.0%}), {report.bitwise_first_logits} bitwise first-token logits, "
-        f"max first-token logit diff {report.max_logit_diff:.2e}, cached {report.cached_tokens}/"
+        f"max first-token logit diff {diff}, cached {report.cached_tokens}/"
         f"{report.prompt_tokens} prompt tokens "
         f"({'verified' if report.cached_tokens_verified else 'MISMATCH'}) "
         f"in {report.elapsed_s:.1f}s: {'OK' if report.ok else 'FAIL'}"
@@ -221,13 +308,28 @@ def _print_table(report: Report) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.endpoint:
-        print("kvpool verify --endpoint: the OpenAI endpoint mode is not implemented yet", file=sys.stderr)
+    if args.endpoint and args.prefill:
+        print("kvpool verify: --endpoint and --prefill/--decode are exclusive", file=sys.stderr)
         return 2
     if (args.prefill is None) != (args.decode is None):
         print("kvpool verify: give both --prefill and --decode, or neither", file=sys.stderr)
         return 2
     cluster = None
+    if args.endpoint:
+        import httpx
+
+        from kvpool.decode.endpoint_client import EndpointError
+
+        try:
+            report = asyncio.run(
+                run_verify_endpoint(
+                    args.endpoint, args.model, args.block_size, threads=args.threads, api_key=args.api_key
+                )
+            )
+        except (EndpointError, httpx.HTTPError, OSError) as exc:
+            print(f"kvpool verify: {args.endpoint}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        return _emit(report, args.json)
     if args.prefill is None:
         from kvpool.prefill.cluster import LaunchError, LocalCluster
 
@@ -244,7 +346,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
-    if args.json:
+    return _emit(report, args.json)
+
+
+def _emit(report: Report, as_json: bool) -> int:
+    if as_json:
         out = asdict(report)
         out["rows"] = [asdict(r) for r in report.rows]
         out["ok"] = report.ok

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -33,13 +34,27 @@ def test_verify_json_on_a_local_cluster():
     assert all(r["cached_tokens"] > 0 for name, r in rows.items() if name.endswith("turn2"))
 
 
-def test_endpoint_mode_says_not_yet_and_half_addresses_are_refused(capsys):
+def test_argument_errors_and_a_dead_endpoint(capsys):
     from kvpool.cli import main
 
-    assert main(["verify", "--endpoint", "http://127.0.0.1:1/v1"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    assert main(["verify", "--endpoint", "http://127.0.0.1:1/v1"]) == 1
+    assert "ConnectError" in capsys.readouterr().err
     assert main(["verify", "--prefill", "127.0.0.1:1"]) == 2
     assert "both --prefill and --decode" in capsys.readouterr().err
+    assert main(["verify", "--endpoint", "http://x/v1", "--prefill", "a:1", "--decode", "b:2"]) == 2
+
+
+@pytest.mark.slow  # a whole `kvpool up` cluster: master, node, 2 prefill, 1 decode, gateway
+def test_verify_through_the_openai_gateway(tmp_path):
+    from kvpool.up import Cluster, load_config
+    from kvpool.verify import run_verify_endpoint
+
+    config = load_config(overrides={"gateway": {"port": 0}, "cluster": {"ready_timeout_s": 150}})
+    with Cluster(config, run_dir=tmp_path / "run") as cluster:
+        report = asyncio.run(run_verify_endpoint(cluster.base_url + "/v1", "tiny"))
+    assert report.mode == "endpoint" and report.ok, [r for r in report.rows if not r.identical]
+    assert report.identical == report.requests == len(prompt_set()) + 3
+    assert report.max_logit_diff is None and report.cached_tokens > report.prompt_tokens // 3
 
 
 def test_cached_tokens_check_needs_the_bytes():
