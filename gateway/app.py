@@ -326,6 +326,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if e.get("type") == "json_invalid":
         return f"Invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if not loc and e.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return "the request body must be a JSON object (Content-Type: application/json)", None
     param = ".".join(loc) or None
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{param or 'body'}: {e.get('msg', 'invalid')}{more}", param
@@ -364,7 +366,7 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = NotFound(str(exc.detail))
+        err = NotFound(str(exc.detail), code="method_not_allowed" if exc.status_code == 405 else None)
         err.status = exc.status_code
         return err.response()
 

@@ -246,9 +246,12 @@ def test_openai_client_maps_errors(up: UpProcess, client: openai.OpenAI) -> None
     with pytest.raises(openai.BadRequestError):
         chat(client, [{"role": "wizard", "content": "hi"}])
     assert _raw(up, "/v1/chat/completions", {"model": MODEL, "messages": []}, key="bad").status_code == 401
-    assert (
-        httpx.get(up.url + "/v1/nowhere", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
-    )
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(up.url + "/v1/nowhere", headers=auth).status_code == 404
+    r = httpx.post(up.url + "/v1/completions", data={"model": MODEL}, headers=auth)  # a form, not JSON
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = httpx.delete(up.url + "/v1/completions", headers=auth)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_metrics_by_workload_and_tenant(up: UpProcess, client: openai.OpenAI) -> None:
