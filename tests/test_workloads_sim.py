@@ -187,6 +187,23 @@ def test_the_last_prompt_token_is_always_computed() -> None:
     assert res.per_request["cached"] == [0, 128] and res.total.hit_blocks == 3
 
 
+def test_visibility_delay_hides_objects_of_requests_still_in_flight() -> None:
+    a = _tok_request("a", [*_blocks(1, 2, 3), 9], 0)
+    b = _tok_request("b", [*_blocks(1, 2, 3), 8], 100)  # 100 ms later
+    c = _tok_request("c", [*_blocks(1, 2, 3), 7], 1000)
+
+    def cached(delay_ms: float) -> list[int]:
+        cfg = SimConfig(spec=get_spec("tiny"), block_size=64, visibility_delay_ms=delay_ms)
+        return simulate([a, b, c], cfg).per_request["cached"]
+
+    assert cached(0) == [0, 192, 192]
+    assert cached(50) == [0, 192, 192]
+    assert cached(500) == [0, 0, 192]
+    assert cached(5000) == [0, 0, 0]
+    with pytest.raises(ReplayError, match="visibility delay"):
+        cached(-1)
+
+
 def test_interval_checkpoints() -> None:
     a = _tok_request("a", [*_blocks(1, 2, 3, 4, 5), 9], 0)
     b = _tok_request("b", [*_blocks(1, 2, 3, 9, 9), 9], 1)

@@ -204,6 +204,7 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
         store_output=not args.no_output_blocks,
+        visibility_delay_ms=args.visibility_delay_ms,
     )
     result = simulate(reqs, cfg, progress(f"replay {args.trace}"))
     if args.out:
@@ -550,6 +551,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--high-watermark", type=float, default=0.95)
     r.add_argument("--low-watermark", type=float, default=0.85)
     r.add_argument("--no-output-blocks", action="store_true", help="do not store blocks closed by replies")
+    r.add_argument(
+        "--visibility-delay-ms",
+        type=float,
+        default=0.0,
+        help="a request's objects become visible this long after its arrival (prefill + decode time)",
+    )
     r.add_argument("--limit", type=int, help="replay only the first N requests (by arrival)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     r.add_argument("--out", help="write the full result (with per-request detail, for `kvpool price`) here")

@@ -24,6 +24,7 @@ units. Eviction (policy, watermarks, leaf-first) is entirely the index's.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ class SimConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     store_output: bool = True
+    visibility_delay_ms: float = 0.0  # objects of a request become visible this long after its arrival
 
     def check(self) -> None:
         if self.policy not in POLICIES:
@@ -117,6 +119,8 @@ class SimConfig:
             raise ReplayError(f"capacity must be a positive integer, got {self.capacity!r}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ReplayError("need 0 < low watermark <= high watermark <= 1")
+        if not math.isfinite(self.visibility_delay_ms) or self.visibility_delay_ms < 0:
+            raise ReplayError(f"visibility delay must be >= 0 ms, got {self.visibility_delay_ms!r}")
         bs = self.block_size or self.spec.default_block_size
         if bs <= 0 or bs % 64:
             raise ReplayError(f"block size must be a positive multiple of 64, got {bs}")
@@ -207,155 +211,210 @@ class _Clock:
         return self.now
 
 
-def simulate(
-    requests: Sequence[Request],
-    config: SimConfig,
-    progress: Callable[[int, int], None] | None = None,
-) -> SimResult:
-    """Replay ``requests`` (sorted by arrival here, stable) through a fresh ``PrefixIndex``."""
-    config.check()
-    spec = config.spec
-    block_size = effective_block_size(requests, spec, config.block_size)
-    full_block_bytes = spec.mla_bytes_per_token * block_size
-    if config.capacity_unit == "blocks":
-        kda_size = math.ceil(spec.kda_bytes_per_checkpoint / full_block_bytes) if spec.hybrid else 0
-        capacity_bytes = None if config.capacity is None else config.capacity * full_block_bytes
-    else:
-        kda_size = spec.kda_bytes_per_checkpoint
-        capacity_bytes = config.capacity
-    clock = _Clock()
-    idx = PrefixIndex(
-        config.policy,
-        high_watermark=config.high_watermark,
-        low_watermark=config.low_watermark,
-        clock=clock,
-        keep_events=True,
-    )
-    idx.add_node(NODE, config.capacity if config.capacity is not None else INFINITE)
-    builder = ChainBuilder(spec.name, block_size)
-    ck = config.checkpoints
-    prefill_policy = ck.prefill_policy()
-    hybrid = spec.hybrid
-    in_blocks = config.capacity_unit == "blocks"
-    per_workload: dict[str, Counters] = {}
-    per_tenant: dict[str, Counters] = {}
-    real_size: dict[bytes, int] = {}
-    owner: dict[bytes, tuple[Counters, Counters]] = {}  # object -> (its workload's, its tenant's) counters
-    bytes_evicted = objects_evicted = refused = 0
-    per_req: dict[str, list[Any]] = {k: [] for k in ("workload", "arrival_ms", "input", "cached", "output")}
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
-    mla, kda = ObjectKind.MLA, ObjectKind.KDA
-    total_n = len(order)
-    for seq, i in enumerate(order):
-        req = requests[i]
-        clock.now = req.arrival_ms / 1000.0 + seq * 1e-6
-        chain = builder.chain(req, with_output=config.store_output)
+@dataclass(slots=True)
+class _Store:
+    """What a request will write once it finishes (decided at its lookup)."""
+
+    req: Request
+    chain: Chain
+    run: int
+    usable: int
+    owners: tuple[Counters, Counters]  # its workload's and tenant's counters
+
+
+class _Replay:
+    """One simulation's state: the index, the chains, the counters, the stores not yet visible."""
+
+    def __init__(self, requests: Sequence[Request], config: SimConfig) -> None:
+        config.check()
+        self.config = config
+        spec = self.spec = config.spec
+        self.block_size = effective_block_size(requests, spec, config.block_size)
+        full_block_bytes = spec.mla_bytes_per_token * self.block_size
+        if config.capacity_unit == "blocks":
+            self.kda_size = math.ceil(spec.kda_bytes_per_checkpoint / full_block_bytes) if spec.hybrid else 0
+            self.capacity_bytes = None if config.capacity is None else config.capacity * full_block_bytes
+        else:
+            self.kda_size = spec.kda_bytes_per_checkpoint
+            self.capacity_bytes = config.capacity
+        self.in_blocks = config.capacity_unit == "blocks"
+        self.clock = _Clock()
+        self.idx = PrefixIndex(
+            config.policy,
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            clock=self.clock,
+            keep_events=True,
+        )
+        self.idx.add_node(NODE, config.capacity if config.capacity is not None else INFINITE)
+        self.builder = ChainBuilder(spec.name, self.block_size)
+        self.prefill_policy = config.checkpoints.prefill_policy()
+        self.per_workload: dict[str, Counters] = {}
+        self.per_tenant: dict[str, Counters] = {}
+        self.real_size: dict[bytes, int] = {}
+        self.owner: dict[bytes, tuple[Counters, Counters]] = {}  # object -> its writer's counters
+        self.bytes_evicted = self.objects_evicted = self.refused = 0
+        self.per_req: dict[str, list[Any]] = {
+            k: [] for k in ("workload", "arrival_ms", "input", "cached", "output")
+        }
+
+    def _owners(self, req: Request) -> tuple[Counters, Counters]:
+        out = []
+        for group, name in ((self.per_workload, req.workload), (self.per_tenant, req.tenant)):
+            into = group.get(name)
+            if into is None:
+                into = group[name] = Counters()
+            out.append(into)
+        return out[0], out[1]
+
+    def lookup(self, req: Request) -> _Store:
+        """Match the prompt (as prefill would, at the index's current time) and count the hit."""
+        idx, bs = self.idx, self.block_size
+        chain = self.builder.chain(req, with_output=self.config.store_output)
         prompt = chain.hashes[: chain.prompt_blocks]
         # prefill looks up only blocks ending before the last prompt token (it must compute at least one
         # token for the logits): blocks [0, cap). The block after them is probed without a touch, only
         # to report the Mooncake-style prefix hit over all prompt blocks.
-        cap = min((req.input_length - 1) // block_size, len(prompt)) if req.input_length else 0
+        cap = min((req.input_length - 1) // bs, len(prompt)) if req.input_length else 0
         # the fetch of the usable prefix is the only read that refreshes recency (as on the master, where
         # prefill acquires [0, p) + the checkpoint; probes and "already exists" puts do not touch)
-        m = idx.match_prefix(prompt[:cap], require_checkpoint=hybrid, touch=True)
+        m = idx.match_prefix(prompt[:cap], require_checkpoint=self.spec.hybrid, touch=True)
         run, usable = m.mla_run_blocks, m.usable_blocks
         full_run = run
         if run == cap:
             while full_run < len(prompt) and b"M" + prompt[full_run] in idx:
                 full_run += 1
-        cnt = Counters()  # this request; added to its workload and tenant at the end
         sizes = chain.block_tokens
-        run_tokens = sum(sizes[:run])
-        usable_tokens = sum(sizes[:usable])
-        full_run_tokens = sum(sizes[:full_run])
-        cnt.requests += 1
-        cnt.input_tokens += req.input_length
-        cnt.output_tokens += req.output_length
-        cnt.input_blocks += chain.prompt_blocks
-        cnt.hit_blocks += full_run
-        cnt.usable_blocks += usable
-        cnt.mla_hit_tokens += full_run_tokens
-        cnt.cached_tokens += usable_tokens
-        cnt.lost_tokens += run_tokens - usable_tokens
-        per_req["workload"].append(req.workload)
-        per_req["arrival_ms"].append(req.arrival_ms)
-        per_req["input"].append(req.input_length)
-        per_req["cached"].append(usable_tokens)
-        per_req["output"].append(req.output_length)
-        # store the whole prompt (and the reply's blocks): what exists stays as it is, the rest is inserted
+        run_tokens, usable_tokens = sum(sizes[:run]), sum(sizes[:usable])
+        cnt = Counters(
+            requests=1,
+            input_tokens=req.input_length,
+            output_tokens=req.output_length,
+            input_blocks=chain.prompt_blocks,
+            hit_blocks=full_run,
+            usable_blocks=usable,
+            mla_hit_tokens=sum(sizes[:full_run]),
+            cached_tokens=usable_tokens,
+            lost_tokens=run_tokens - usable_tokens,
+        )
+        owners = self._owners(req)
+        for into in owners:
+            into.add(cnt)
+        for key, value in (
+            ("workload", req.workload),
+            ("arrival_ms", req.arrival_ms),
+            ("input", req.input_length),
+            ("cached", usable_tokens),
+            ("output", req.output_length),
+        ):
+            self.per_req[key].append(value)
+        return _Store(req, chain, run, usable, owners)
+
+    def store(self, st: _Store) -> None:
+        """Write the request's objects: the whole prompt (and the reply's blocks), then checkpoints; what
+        exists stays as it is (the master answers EXISTS without a touch)."""
+        idx, spec, req, chain = self.idx, self.spec, st.req, st.chain
         keys = [b"M" + h for h in chain.hashes]
-        new_keys: list[bytes] = []
+        written: list[tuple[bytes, int, bool]] = []  # key, real bytes, is checkpoint
         try:
             for j, key in enumerate(keys):
                 if key in idx:
                     continue
-                real = sizes[j] * spec.mla_bytes_per_token
+                real = chain.block_tokens[j] * spec.mla_bytes_per_token
                 parent = keys[j - 1] if j else b""
-                if not _insert(idx, key, mla, 1 if in_blocks else real, req.tenant, parent):
-                    refused += 1
-                    continue
-                real_size[key] = real
-                new_keys.append(key)
-                cnt.mla_bytes_written += real
-            if hybrid:
+                if self._insert(key, ObjectKind.MLA, 1 if self.in_blocks else real, req.tenant, parent):
+                    written.append((key, real, False))
+            if spec.hybrid:
+                ck = self.config.checkpoints
+                with_output = ck.end_of_output and self.config.store_output and req.output_tokens is not None
                 for c in _checkpoint_positions(
-                    prefill_policy,
-                    ck.end_of_output and config.store_output and req.output_tokens is not None,
+                    self.prefill_policy,
+                    with_output,
                     req.input_length,
-                    block_size,
+                    self.block_size,
                     chain,
-                    run,
-                    usable,
+                    st.run,
+                    st.usable,
                 ):
                     key = b"K" + chain.hashes[c - 1]
-                    if key in idx:
-                        continue
-                    if not _insert(idx, key, kda, kda_size, req.tenant, b""):
-                        refused += 1
-                        continue
-                    real_size[key] = spec.kda_bytes_per_checkpoint
-                    new_keys.append(key)
-                    cnt.kda_bytes_written += spec.kda_bytes_per_checkpoint
-                    cnt.checkpoints_written += 1
+                    if key not in idx and self._insert(key, ObjectKind.KDA, self.kda_size, req.tenant, b""):
+                        written.append((key, spec.kda_bytes_per_checkpoint, True))
         except StoreIndexError as e:
             raise ReplayError(f"request {req.request_id}: the index refused an object ({e})") from e
-        groups = []
-        for group, name in ((per_workload, req.workload), (per_tenant, req.tenant)):
-            into = group.get(name)
-            if into is None:
-                into = group[name] = Counters()
-            into.add(cnt)
-            groups.append(into)
-        mine = (groups[0], groups[1])
-        for key in new_keys:
-            owner[key] = mine
+        for key, real, is_ck in written:
+            self.real_size[key] = real
+            self.owner[key] = st.owners
+            for into in st.owners:
+                if is_ck:
+                    into.kda_bytes_written += real
+                    into.checkpoints_written += 1
+                else:
+                    into.mla_bytes_written += real
         for ev in idx.drain_events():
-            size = real_size.pop(ev.key, 0)
-            objects_evicted += 1
-            bytes_evicted += size
-            for into in owner.pop(ev.key, ()):
+            size = self.real_size.pop(ev.key, 0)
+            self.objects_evicted += 1
+            self.bytes_evicted += size
+            for into in self.owner.pop(ev.key, ()):
                 into.bytes_evicted += size
+
+    def _insert(self, key: bytes, kind: ObjectKind, size: int, tenant: str, parent: bytes) -> bool:
+        """Insert, or count a refusal when the index cannot hold the object (as a master's put would fail:
+        the request still runs, the object is simply not cached)."""
+        try:
+            self.idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent)
+        except CapacityError:
+            self.refused += 1
+            return False
+        return True
+
+
+def simulate(
+    requests: Sequence[Request],
+    config: SimConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """Replay ``requests`` (sorted by arrival here, stable) through a fresh ``PrefixIndex``.
+
+    With ``config.visibility_delay_ms`` > 0 a request's objects become visible that long after its
+    arrival (a stand-in for prefill + decode time), so requests arriving meanwhile miss them, as live.
+    """
+    r = _Replay(requests, config)
+    delay = config.visibility_delay_ms / 1000.0
+    pending: list[tuple[float, int, _Store]] = []  # (visible at, sequence, store)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
+    for seq, i in enumerate(order):
+        now = requests[i].arrival_ms / 1000.0 + seq * 1e-6
+        while pending and pending[0][0] <= now:
+            r.clock.now, _, st = heapq.heappop(pending)
+            r.store(st)
+        r.clock.now = now
+        st = r.lookup(requests[i])
+        if delay > 0:
+            heapq.heappush(pending, (now + delay, seq, st))
+        else:
+            r.store(st)
         if progress is not None:
-            progress(seq + 1, total_n)
+            progress(seq + 1, len(order))
+    while pending:
+        r.clock.now, _, st = heapq.heappop(pending)
+        r.store(st)
     total = Counters()
-    for c in per_workload.values():
+    for c in r.per_workload.values():
         total.add(c)
-    assert total.bytes_evicted == bytes_evicted
-    arrivals = [r.arrival_ms for r in requests]
-    duration = (max(arrivals) - min(arrivals)) / 1000.0 if arrivals else 0.0
+    arrivals = [q.arrival_ms for q in requests]
     return SimResult(
         config=config,
         total=total,
-        per_workload=per_workload,
-        per_tenant=per_tenant,
-        bytes_evicted=bytes_evicted,
-        objects_evicted=objects_evicted,
-        objects_refused=refused,
-        block_size=block_size,
-        bytes_held=sum(real_size.values()),
-        capacity_bytes=capacity_bytes,
-        duration_s=duration,
-        per_request=per_req,
+        per_workload=r.per_workload,
+        per_tenant=r.per_tenant,
+        bytes_evicted=r.bytes_evicted,
+        objects_evicted=r.objects_evicted,
+        objects_refused=r.refused,
+        block_size=r.block_size,
+        bytes_held=sum(r.real_size.values()),
+        capacity_bytes=r.capacity_bytes,
+        duration_s=(max(arrivals) - min(arrivals)) / 1000.0 if arrivals else 0.0,
+        per_request=r.per_req,
     )
 
 
@@ -371,16 +430,6 @@ def effective_block_size(requests: Sequence[Request], spec: ModelSpec, block_siz
             raise ReplayError(f"the trace's blocks are {ids} tokens; --block-size {block_size} cannot apply")
         return ids
     return block_size or spec.default_block_size
-
-
-def _insert(idx: PrefixIndex, key: bytes, kind: ObjectKind, size: int, tenant: str, parent: bytes) -> bool:
-    """Insert, or report False when the index cannot hold the object (as a master's put would fail: the
-    request still runs, the object is simply not cached)."""
-    try:
-        idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent)
-    except CapacityError:
-        return False
-    return True
 
 
 def _checkpoint_positions(
