@@ -132,6 +132,9 @@ class GatewayMetrics:
         self.store_evicted_bytes = Gauge(
             "kvpool_store_evicted_bytes", "bytes evicted since the master started", registry=r
         )
+        self.store_demotions = Gauge(
+            "kvpool_store_demotions", "objects moved DRAM -> SSD since the master started", registry=r
+        )
         self.store_up = Gauge("kvpool_store_up", "1 when the master answered the last Stats call", registry=r)
 
     def labels(self, workload: str | None, tenant: str | None) -> tuple[str, str]:
@@ -147,3 +150,4 @@ class GatewayMetrics:
         self.store_capacity.set(stats.capacity_bytes)
         self.store_evictions.set(stats.evictions)
         self.store_evicted_bytes.set(stats.evicted_bytes)
+        self.store_demotions.set(stats.demotions)

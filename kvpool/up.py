@@ -19,6 +19,7 @@ import contextlib
 import getpass
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +181,7 @@ class Cluster:
                         st["capacity"],
                         "--transport",
                         st.get("transport", "tcp,shm"),
+                        *self._ssd_args(i),
                     ],
                 )
                 for i in range(int(st.get("nodes", 1)))
@@ -238,6 +240,13 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def _ssd_args(self, i: int) -> list[str]:
+        """SSD tier of node ``i`` under the run dir when ``[store] ssd_capacity`` is set (removed at stop)."""
+        capacity = self.config["store"].get("ssd_capacity")
+        if not capacity:
+            return []
+        return ["--ssd-path", str(self.run_dir / f"ssd-{i}"), "--ssd-capacity", str(capacity)]
 
     def _gateway_argv(self, master: Service, workers: list[Service]) -> list[str]:
         g, cl = self.config["gateway"], self.config["cluster"]
@@ -339,6 +348,8 @@ class Cluster:
                     s.popen.kill()
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         s.popen.wait(5)
+        for ssd in self.run_dir.glob("ssd-*"):
+            shutil.rmtree(ssd, ignore_errors=True)
         for s in self.by_role("node"):
             name = s.ready.get("shm_name")
             if name:
