@@ -3,7 +3,10 @@
 A unit is ``MAGIC | u32 header length (LE) | msgpack header | zero padding to 64 B | payload``. The payload is
 the raw bytes of every tensor, each segment starting 64-byte aligned, in a fixed order (MLA layers ascending,
 then per KDA layer ``S`` then conv). Bytes are exact: ``S`` stays fp32 and latents keep their dtype, because a
-downcast state breaks bit-exact resume (model.md §5 rule 2).
+downcast state breaks bit-exact resume (model.md §5 rule 2). For a DSA model (``schema.dsa``) each MLA
+layer's segment is ``[rows, row_bytes]`` uint8 records ``[latent | indexer key]`` and the header's ``mla``
+section gains an ``indexer`` entry (dim, storage dtype, fp8 scale dtype, row bytes); dense units are
+unchanged, byte for byte.
 
 The header's last field is an xxh3-64 checksum over the whole unit except those 8 bytes, so a flipped bit
 anywhere (magic, header, padding, payload) is caught. A decoder rebuilds the header it would have written from
@@ -32,7 +35,7 @@ from kvpool.cache.errors import (
 )
 from kvpool.cache.hashing import canonical_tokens
 from kvpool.cache.keys import HASH_BYTES
-from kvpool.cache.schema import FORMAT_VERSION, CacheSchema
+from kvpool.cache.schema import FORMAT_VERSION, INDEX_KEY_FORMATS, CacheSchema
 from kvpool.model.state import KDACheckpoint, KDALayerState
 
 MAGIC = b"KVPU"
@@ -126,7 +129,24 @@ def _hash_field(block_hash: Any) -> bytes | None:
 
 
 def _mla_section(s: CacheSchema, rows: int) -> dict[str, Any]:
-    return {"layers": list(s.mla_layers), "dtype": s.mla_dtype, "shape": [rows, s.latent_dim]}
+    sec: dict[str, Any] = {"layers": list(s.mla_layers), "dtype": s.mla_dtype, "shape": [rows, s.latent_dim]}
+    if s.dsa:  # only DSA units have this key, so a dense unit's header is byte-identical to format v1's
+        if s.index_dtype not in INDEX_KEY_FORMATS:
+            raise SchemaMismatchError(f"unknown indexer key storage {s.index_dtype!r}")
+        sec["indexer"] = {
+            "dim": s.index_dim,
+            "dtype": s.index_dtype,
+            "scale": "float32" if s.index_dtype == "float8_e4m3fn" else None,  # power of two, per token
+            "row_bytes": s.mla_row_bytes,  # each row: latent bytes, then the key record
+        }
+    return sec
+
+
+def _mla_segment(s: CacheSchema, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of one MLA layer's payload: typed latents, or DSA byte records ``[latent | key]``."""
+    if s.dsa:
+        return (rows, s.mla_row_bytes), torch.uint8
+    return (rows, s.latent_dim), _dtype(s.mla_dtype)
 
 
 def _kda_section(s: CacheSchema) -> dict[str, Any]:
@@ -195,8 +215,9 @@ def _plan(
         off = _align(off + seg.nbytes)
 
     if mla is not None:
+        shape, dtype = _mla_segment(s, mla["shape"][0])
         for layer in s.mla_layers:
-            add(f"mla[{layer}]", tuple(mla["shape"]), _dtype(s.mla_dtype))
+            add(f"mla[{layer}]", shape, dtype)
     if kda is not None:
         for layer in s.kda_layers:
             add(f"kda[{layer}].recurrent", tuple(s.state_shape), torch.float32)
@@ -399,9 +420,11 @@ def _open(buf: Buffer, schema: CacheSchema, kind: str) -> tuple[memoryview, _Pla
         got, want = header.get(sec), plan.header[sec]
         if (got is None) != (want is None) or not isinstance(got, dict | None):
             raise CorruptUnitError(f"header section {sec!r} malformed")
-        for key in want or {}:
-            if got.get(key) != want[key]:
-                raise SchemaMismatchError(f"{sec}.{key}: unit has {got.get(key)!r}, schema has {want[key]!r}")
+        for key in sorted(set(want or {}) | set(got or {})):  # a missing/extra "indexer" is a schema clash
+            if got.get(key) != want.get(key):
+                raise SchemaMismatchError(
+                    f"{sec}.{key}: unit has {got.get(key)!r}, schema has {want.get(key)!r}"
+                )
     if plan.header_bytes[:-_CSUM] != raw[:-_CSUM]:
         raise CorruptUnitError("header differs from the canonical header for its fields")
     return mv, plan

@@ -76,6 +76,12 @@ class ModelConfig:
     qk_nope_head_dim: int = 32
     v_head_dim: int = 32
     attention_bias: bool = False
+    # DSA lightning indexer on every MLA layer (DeepSeek-V3.2 / K3.1); index_n_heads == 0 means dense MLA
+    index_n_heads: int = 0
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    index_cache_dtype: str = "bfloat16"  # how indexer keys are cached: bfloat16 | float8_e4m3fn | float32
+    rope_theta: float = 10000.0  # only the indexer rotates (Kimi MLA is NoPE)
     # tokens
     bos_token_id: int | None = 1
     eos_token_id: tuple[int, ...] = (2,)
@@ -116,6 +122,11 @@ class ModelConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def dsa(self) -> bool:
+        """True when every MLA layer carries a DSA lightning indexer (sparse attention over top-k latents)."""
+        return self.index_n_heads > 0
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -169,6 +180,8 @@ class ModelConfig:
                 raise ConfigError(f"topk_group={self.topk_group} not in [1, n_group={self.n_group}]")
             if self.num_experts // self.n_group < 2:
                 raise UnsupportedConfigError("grouped routing needs at least 2 experts per group")
+        if self.index_n_heads:
+            self._validate_dsa()
         if self.hidden_act != "silu":
             raise UnsupportedConfigError(f"hidden_act {self.hidden_act!r}: only 'silu' is implemented")
         if self.kda_gate_lower_bound is not None and not (
@@ -186,6 +199,27 @@ class ModelConfig:
         for tok in (self.bos_token_id, self.pad_token_id, *self.eos_token_id):
             if tok is not None and not 0 <= tok < self.vocab_size:
                 raise ConfigError(f"special token id {tok} outside vocab [0, {self.vocab_size})")
+
+    def _validate_dsa(self) -> None:
+        from .dsa import INDEX_CACHE_DTYPES
+
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise UnsupportedConfigError(
+                f"index_cache_dtype {self.index_cache_dtype!r} (supported: {', '.join(INDEX_CACHE_DTYPES)})"
+            )
+        r = self.qk_rope_head_dim
+        if r % 2 or r > self.index_head_dim:
+            raise ConfigError(
+                f"the indexer rotates its first qk_rope_head_dim={r} dims: must be even and <= "
+                f"index_head_dim={self.index_head_dim}"
+            )
+        theta = self.rope_theta
+        if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
+            raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
 
     # ------------------------------------------------------------------ HF I/O
     @classmethod
@@ -211,6 +245,17 @@ class ModelConfig:
             )
         if int(d.get("pretraining_tp", 1) or 1) != 1:
             raise UnsupportedConfigError("pretraining_tp != 1 is not supported")
+        dsa = d.get("index_n_heads") is not None or d.get("index_topk") is not None
+        if dsa:
+            rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+            if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise UnsupportedConfigError(
+                    f"DSA indexer with rope scaling {rope!r}: only default RoPE is implemented"
+                )
+            if d.get("indexer_types") not in (None, []) and set(d["indexer_types"]) != {"full"}:
+                raise UnsupportedConfigError(
+                    "indexer_types other than 'full' (layers sharing another layer's top-k) are not supported"
+                )
 
         try:
             n_layers = int(d.get("num_hidden_layers", 27))
@@ -294,7 +339,13 @@ class ModelConfig:
             "moe_layer_freq",
             "mla_use_nope",
             "model_type",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "index_cache_dtype",
         }
+        if dsa:  # RoPE only matters to the indexer; a dense (NoPE) model keeps these keys in `extra`
+            known |= {"rope_theta", "rope_scaling", "rope_parameters", "indexer_types"}
         try:
             return cls(
                 vocab_size=int(d.get("vocab_size", 163840)),
@@ -326,6 +377,15 @@ class ModelConfig:
                 qk_nope_head_dim=int(d.get("qk_nope_head_dim", 128)),
                 v_head_dim=int(d.get("v_head_dim", 128)),
                 attention_bias=bool(d.get("attention_bias", False)),
+                index_n_heads=int(d.get("index_n_heads") or 64) if dsa else 0,
+                index_head_dim=int(d.get("index_head_dim") or 128),
+                index_topk=int(d.get("index_topk") or 2048),
+                index_cache_dtype=str(d.get("index_cache_dtype") or "bfloat16"),
+                rope_theta=float(
+                    d.get("rope_theta")
+                    or ((d.get("rope_parameters") or {}).get("rope_theta") if dsa else None)
+                    or 10000.0
+                ),
                 bos_token_id=d.get("bos_token_id", 163584),
                 eos_token_id=eos_ids,
                 pad_token_id=d.get("pad_token_id", 163839),
@@ -374,7 +434,7 @@ class ModelConfig:
             lac["gate_lower_bound"] = self.kda_gate_lower_bound
         if self.kda_allow_neg_eigval:
             lac["allow_neg_eigval"] = True
-        return {
+        out = {
             "architectures": ["KimiLinearForCausalLM"],
             "model_type": "kimi_linear",
             "vocab_size": self.vocab_size,
@@ -412,6 +472,15 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "dtype": self.torch_dtype,
         }
+        if self.dsa:  # written only for DSA models: a dense model's config (and fingerprint) is unchanged
+            out.update(
+                index_n_heads=self.index_n_heads,
+                index_head_dim=self.index_head_dim,
+                index_topk=self.index_topk,
+                index_cache_dtype=self.index_cache_dtype,
+                rope_theta=self.rope_theta,
+            )
+        return out
 
     def canonical_json(self) -> bytes:
         """Deterministic bytes of the architecture (for the fingerprint): sorted keys, no whitespace."""

@@ -124,6 +124,7 @@ class HybridModel(nn.Module):
             raise ModelInputError(f"block_size must be a positive multiple of {SEGMENT}, got {block_size}")
         c = self.config
         name = str(self.dtype).removeprefix("torch.")
+        dsa = {"index_dim": c.index_head_dim, "index_dtype": c.index_cache_dtype} if c.dsa else {}
         return CacheSchema(
             fingerprint=self.fingerprint(),
             mla_layers=c.mla_layers,
@@ -134,7 +135,18 @@ class HybridModel(nn.Module):
             conv_shape=(c.kda_conv_kernel - 1, c.conv_dim),
             conv_dtype=name,
             block_size=block_size,
+            **dsa,
         )
+
+    def mla_row(self) -> tuple[int, torch.dtype]:
+        """Width and dtype of one cached MLA row: ``(latent_dim, model dtype)``, or for a DSA model the byte
+        record ``[latent | indexer key]``: ``(row_bytes, uint8)`` (model/dsa.py)."""
+        c = self.config
+        if not c.dsa:
+            return c.latent_dim, self.dtype
+        layer = self.model.layers[c.mla_layers[0]].self_attn
+        assert isinstance(layer, MLALayer)
+        return layer.row_format().row_bytes, torch.uint8
 
     # ------------------------------------------------------------------ validation
     def _token_tensor(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -200,12 +212,13 @@ class HybridModel(nn.Module):
                 )
         if set(mla) != set(c.mla_layers):
             raise BadStartStateError(f"MLA layers {sorted(mla)} != model's {list(c.mla_layers)}")
+        width, dtype = self.mla_row()
         for i, rows in mla.items():
-            if tuple(rows.shape) != (n, c.latent_dim) or rows.dtype != self.dtype:
+            if tuple(rows.shape) != (n, width) or rows.dtype != dtype:
                 # a silent cast would break exactness: latents must be in the dtype they were computed in
+                # (DSA: byte records [latent | indexer key], so a dense model's rows never fit and vice versa)
                 raise BadStartStateError(
-                    f"layer {i}: latents {rows.dtype} {tuple(rows.shape)}, "
-                    f"want {self.dtype} {(n, c.latent_dim)}"
+                    f"layer {i}: latents {rows.dtype} {tuple(rows.shape)}, want {dtype} {(n, width)}"
                 )
 
     def _check_boundaries(self, boundaries: Iterable[int], start: int, end: int) -> set[int]:
@@ -274,9 +287,8 @@ class HybridModel(nn.Module):
             kda = {
                 i: self.model.layers[i].self_attn.empty_state(self.dtype, self.device) for i in c.kda_layers
             }
-        latents = {
-            i: torch.empty(L, c.latent_dim, dtype=self.dtype, device=self.device) for i in c.mla_layers
-        }
+        width, row_dtype = self.mla_row()
+        latents = {i: torch.empty(L, width, dtype=row_dtype, device=self.device) for i in c.mla_layers}
         if p0:
             for i in c.mla_layers:
                 latents[i][:p0] = start.mla[i]

@@ -14,6 +14,7 @@ gives the same bytes (and fingerprint) on every machine.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -47,6 +48,21 @@ def tiny_config(num_layers: int = 4) -> ModelConfig:
         eos_token_id=(2,),
         pad_token_id=0,
         torch_dtype="float32",
+    )
+
+
+def tiny_dsa_config(num_layers: int = 4, index_cache_dtype: str = "bfloat16") -> ModelConfig:
+    """The tiny config with a DSA indexer on its MLA layers (reference model.md §4.1 "DSA variant"): indexer
+    4 heads x 32, ``index_topk`` 64 so selection is exercised beyond one segment, and ``q_lora_rank`` 64 so
+    the indexer query reads ``c_Q`` as in DeepSeek-V3.2 and K3 (which has q_lora 1536)."""
+    base = tiny_config(num_layers)
+    return replace(
+        base,
+        q_lora_rank=64,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=64,
+        index_cache_dtype=index_cache_dtype,
     )
 
 
@@ -87,9 +103,11 @@ def build_tiny(
     device: str | torch.device | None = "cpu",
     dtype: torch.dtype = torch.float32,
     num_layers: int = 4,
+    config: ModelConfig | None = None,
 ) -> HybridModel:
-    """The embedded default model (weights made on CPU, then moved, so every device gets the same bytes)."""
-    model = init_weights(HybridModel(tiny_config(num_layers), device="cpu"), seed)
+    """The embedded default model (weights made on CPU, then moved, so every device gets the same bytes);
+    ``config`` overrides the architecture (e.g. `tiny_dsa_config`)."""
+    model = init_weights(HybridModel(config or tiny_config(num_layers), device="cpu"), seed)
     return model.to(device=device if device not in (None, "auto") else _auto(), dtype=dtype)
 
 
