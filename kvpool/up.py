@@ -10,6 +10,8 @@ pids, ports and logs for ``kvpool status``.
 
 Why children get their own session: Ctrl-C in a terminal signals the whole foreground process group; the
 launcher, not the terminal, must decide the shutdown order (workers flush pushes before the store goes).
+Because they no longer share its fate through the terminal, each child also asks the kernel for SIGTERM
+when the launcher dies (Linux ``PR_SET_PDEATHSIG``): a ``kill -9`` of the launcher leaves no orphans.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,33 @@ POLL_S = 0.05
 
 class LaunchError(RuntimeError):
     """A service exited or stayed silent past its readiness deadline (the tail of its log is included)."""
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _child_setup_fn() -> Callable[[], None]:
+    """What runs in the child between fork and exec: own session, and SIGTERM when the launcher dies.
+
+    Everything is resolved here, in the parent: the child must not import (another thread of the parent may
+    have held the import lock at fork time). Linux only; elsewhere just the new session.
+    """
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def setup() -> None:
+        os.setsid()
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+            if os.getppid() != parent:  # the launcher died before prctl took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
 
 
 def runs_root() -> Path:
@@ -116,7 +146,7 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,
+                preexec_fn=_child_setup_fn(),
             )
         svc = Service(name, role, popen, log)
         self.services[name] = svc

@@ -1,0 +1,76 @@
+"""``kvpool.up`` launcher details that need no cluster: orphan-free children when the launcher is killed
+hard, readiness deadlines with the child's log in the error, config merging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpool.up import Cluster, LaunchError, load_config
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from kvpool.up import Cluster
+        c = Cluster({{"cluster": {{}}}}, Path({str(tmp_path)!r}))
+        child = c._spawn("sleeper", "test", ["http.server", "0", "--bind", "127.0.0.1"])
+        print(child.popen.pid, flush=True)
+        time.sleep(60)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child_pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
+    os.kill(child_pid, 0)  # running
+    assert os.getpgid(child_pid) != os.getpgid(launcher.pid)  # own session: a terminal Ctrl-C skips it
+    launcher.kill()
+    launcher.wait(10)
+    assert _gone(child_pid, 10), "child outlived its launcher"
+    assert (tmp_path / "sleeper.log").exists()
+
+
+def test_a_child_that_exits_early_fails_fast_with_its_log(tmp_path: Path) -> None:
+    c = Cluster({"cluster": {}}, tmp_path)
+    child = c._spawn("broken", "test", ["kvpool.kvstore.master_cli", "--no-such-flag"])
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="no-such-flag"):
+        c._wait_ready(child, 30)
+    assert time.monotonic() - t0 < 15
+
+
+def test_a_silent_child_hits_the_readiness_deadline(tmp_path: Path) -> None:
+    c = Cluster({"cluster": {}}, tmp_path)
+    child = c._spawn("silent", "test", ["http.server", "0", "--bind", "127.0.0.1"])
+    try:
+        with pytest.raises(LaunchError, match="not ready within 1s"):
+            c._wait_ready(child, 1.0)
+    finally:
+        child.popen.send_signal(signal.SIGTERM)
+        child.popen.wait(10)
+
+
+def test_user_config_is_merged_over_the_defaults(tmp_path: Path) -> None:
+    user = tmp_path / "mine.toml"
+    user.write_text('[gateway]\nrouting = "rr"\n[decode]\ncount = 2\n')
+    cfg = load_config(user, {"gateway": {"port": 0}})
+    assert cfg["gateway"]["routing"] == "rr" and cfg["gateway"]["port"] == 0
+    assert cfg["decode"]["count"] == 2 and cfg["prefill"]["count"] == 2  # untouched default
+    assert cfg["gateway"]["max_concurrent"] == 64
