@@ -67,6 +67,17 @@ SPECS: dict[str, ModelSpec] = {
         default_block_size=512,
         description="Kimi-K3 scale (69 KDA + 24 MLA), model.md §4.2; active params assumed 48 B",
     ),
+    "k3.1": ModelSpec(
+        name="k3.1",
+        # 24 MLA layers x (1152 B bf16 latent + 132 B DSA indexer key: 128 fp8 e4m3 + one fp32 scale),
+        # every MLA layer indexing (model.md §2.2, docs/design/dsa.md); 256 B per key if cached in bf16
+        mla_bytes_per_token=24 * (1152 + 132),  # 30,816
+        kda_bytes_per_checkpoint=449_372_160,  # KDA unchanged from K3
+        prefill_flops_per_token=2 * 48e9,  # ASSUMED as for k3 (the indexer adds < 1% of the linear FLOPs)
+        default_block_size=512,
+        description="Kimi-K3.1 scale: K3 + DSA lightning indexer on its 24 MLA layers (fp8 keys), "
+        "model.md §2.2/§4.2",
+    ),
 }
 
 
