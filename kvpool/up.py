@@ -126,7 +126,11 @@ class Service:
 
 
 class Cluster:
-    """Context manager: ``with Cluster(load_config()) as c: openai.OpenAI(base_url=c.base_url + "/v1")``."""
+    """Context manager: ``with Cluster(load_config()) as c: openai.OpenAI(base_url=c.base_url + "/v1")``.
+
+    Call ``start`` from a thread that outlives the cluster (the main thread, normally): the kernel ties the
+    children's death signal to the thread that spawned them.
+    """
 
     def __init__(self, config: dict[str, Any] | None = None, run_dir: Path | None = None) -> None:
         self.config = config or load_config()
