@@ -170,6 +170,16 @@ def test_loader_names_and_checkpoint_roundtrip(tmp_path):
     assert again.config == m.config and again.fingerprint() == m.fingerprint()
 
 
+def test_without_q_lora_the_indexer_reads_the_layer_input():
+    """Kimi-Linear-48B style (q_lora_rank null): wq_b maps hidden -> n_heads * d, and resume stays bitwise."""
+    m = build_tiny(config=replace(tiny_dsa_config(), q_lora_rank=None))
+    assert m.model.layers[3].self_attn.indexer.wq_b.in_features == 256
+    ids = _ids(160, 6)
+    full = m.prefill(ids, boundaries=(128,), logits="all")
+    rest = m.prefill(ids[128:], start=full.prefix(128), logits="all")
+    assert torch.equal(rest.logits, full.logits[128:]) and torch.equal(rest.mla[3], full.mla[3])
+
+
 def test_bf16_model_resume_is_bitwise():
     m = load_model("tiny-dsa-fp8", dtype=torch.bfloat16)
     ids = _ids(192, 5)

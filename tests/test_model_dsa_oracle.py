@@ -150,3 +150,26 @@ def test_sparse_path_with_everything_selected_equals_dense(oracle):
     full = torch.zeros(64, 128).masked_fill(torch.ones(64, 128).triu(65).bool(), float("-inf"))
     idx, valid = select_topk(full, 128)
     assert (layer._sparse(q_lat, kv, idx, valid) - dense).abs().max().item() < 1e-6
+
+
+@torch.no_grad()
+def test_decode_steps_match_oracle_rows(oracle, monkeypatch):
+    """Single-token steps (the decode path: T = 1, gather over its own top-k) for the last 16 positions,
+    against the oracle's rows wherever the selected sets agree (margin guard as above)."""
+    attn, x, pe, mask = oracle
+    _nope(monkeypatch)
+    ours = _ours(attn, TOPK)
+    ref = _oracle_out(attn, x, pe, mask, TOPK)
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    theirs = attn.indexer(x, q_resid, pe, mask[:, 0], None)[0].long()
+    _, past = _run_segments(ours, x[0, : T - 16])
+    compared = 0
+    for t in range(T - 16, T):
+        y, new = ours(x[0, t : t + 1], past)
+        past = torch.cat([past, new])
+        q, w = ours.indexer.queries(q_resid[0, t : t + 1], x[0, t : t + 1], torch.tensor([t]))
+        mine, _ = select_topk(ours.indexer.scores(q, w, ours.row_format().keys(past), t), TOPK)
+        if set(mine[0].tolist()) == set(theirs[t].tolist()):
+            compared += 1
+            assert (y[0] - ref[t]).abs().max().item() < 1e-5, f"decode step at {t} differs"
+    assert compared >= 12
