@@ -173,3 +173,55 @@ def test_decode_steps_match_oracle_rows(oracle, monkeypatch):
             compared += 1
             assert (y[0] - ref[t]).abs().max().item() < 1e-5, f"decode step at {t} differs"
     assert compared >= 12
+
+
+def test_whole_model_matches_deepseek_v32_when_topk_covers_context(monkeypatch):
+    """A pure-MLA HybridModel with the indexer vs ``DeepseekV32ForCausalLM`` (MLA RoPE off) on the same
+    weights: prefill logits over the canonical segments, then greedy decode through the DSA byte-record
+    cache (the indexer keys are computed, stored and carried; with index_topk >= context it selects all)."""
+    from kvpool.model.config import DENSE, MLA
+    from kvpool.model.hybrid import HybridModel
+
+    _nope(monkeypatch)
+    n = 200
+    hf_cfg = transformers.DeepseekV32Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=4096,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(3)
+    hf = transformers.DeepseekV32ForCausalLM(hf_cfg).eval()
+    cfg = replace(
+        tiny_dsa_config(),
+        num_hidden_layers=2,
+        layer_types=(MLA, MLA),
+        mlp_layer_types=(DENSE, DENSE),
+        rms_norm_eps=hf_cfg.rms_norm_eps,
+        index_topk=4096,
+        index_cache_dtype="float32",
+    )
+    ours = HybridModel(cfg)
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    ids = torch.randint(3, 1024, (1, n), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        gen = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[0, n:]
+    got = ours.prefill(ids[0], logits="all").logits
+    assert (got - ref).abs().max().item() < 1e-4
+    assert ours.generate(ids[0].tolist(), 8, eos_ids=()) == gen.tolist()
