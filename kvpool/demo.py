@@ -1,11 +1,14 @@
 """``kvpool demo``: the main job on the embedded tiny model, end to end on one machine.
 
 What it shows, in order:
-1. greedy generation from the embedded default model (no download);
-2. the cache contract the whole service rests on: the prompt is cut at a block boundary, the MLA blocks and
+1. the service: ``kvpool up`` starts master, storage node, prefill and decode workers and the gateway as
+   separate processes on loopback; multi-turn chats of three workloads go through the official ``openai``
+   client; cached tokens per turn and a per-workload hit-rate table are printed; the cluster shuts down;
+2. greedy generation from the embedded default model (no download), in-process;
+3. the cache contract the whole service rests on: the prompt is cut at a block boundary, the MLA blocks and
    the KDA checkpoint there go through the wire format (bytes, checksummed headers), and resuming from those
    bytes gives *bitwise* the same logits and continuation as the uncut run;
-3. what one cache unit costs, for the tiny model (measured from the codec) and at Kimi-Linear-48B / K3 scale.
+4. what one cache unit costs, for the tiny model (measured from the codec) and at Kimi-Linear-48B / K3 scale.
 """
 
 from __future__ import annotations
@@ -27,12 +30,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--turns", type=int, default=3, help="turns per demo chat")
+    p.add_argument("--no-cluster", action="store_true", help="skip the multi-process cluster part")
     p.add_argument("--json", action="store_true", help="also print one JSON summary line")
     p.set_defaults(func=run_demo)
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB"
+
+
+def run_cluster_part(turns: int) -> dict:
+    """Cluster up → chats through the openai client → table → cluster down."""
+    from kvpool.gateway.demo_chats import run_local
+
+    print("[cluster] starting master, storage node, 2 prefill, 1 decode and the gateway on 127.0.0.1 ...")
+    r = run_local(turns=turns)
+    print(f"[cluster] up in {r['up_s']:.1f} s at {r['base_url']} (logs in {r['run_dir']})")
+    for chat in r["results"]:
+        print(f"\n  workload {chat['workload']}:")
+        for i, (answer, cached, prompt) in enumerate(
+            zip(chat["answers"], chat["cached_tokens"], chat["prompt_tokens"], strict=True)
+        ):
+            print(f"    turn {i + 1}: prompt {prompt:4d} tok, cached {cached:4d}  answer {answer!r}")
+    print("\n[cluster] per-workload cache-hit rate (tokens):")
+    print("  " + r["table"].replace("\n", "\n  "))
+    print(f"[cluster] chats took {r['chats_s']:.1f} s; shut down cleanly in {r['down_s']:.1f} s\n")
+    return r
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -45,9 +69,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvpool.model.tokenizer import load_tokenizer
     from kvpool.workloads.specs import SPECS
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    torch.use_deterministic_algorithms(True)
     t0 = time.perf_counter()
+    cluster = None if args.no_cluster else run_cluster_part(args.turns)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
     model = load_model(args.model, device=args.device)
     tok = load_tokenizer(None, model.config)
     schema = model.cache_schema(block_size=64)
@@ -130,6 +155,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     "resume_bitwise": same_logits,
                     "continuation_identical": cont == out,
                     "reused_tokens": p,
+                    "cluster_hit_table": None if cluster is None else cluster["table"],
                     "prompt_tokens": len(prompt),
                 }
             )
