@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import DENSE, KDA, KDA_CHUNK, ModelConfig
 from .decode_state import DecodeState
+from .dsa import IndexKeyFormat
 from .errors import (
     BadBoundaryError,
     BadStartStateError,
@@ -144,9 +145,8 @@ class HybridModel(nn.Module):
         c = self.config
         if not c.dsa:
             return c.latent_dim, self.dtype
-        layer = self.model.layers[c.mla_layers[0]].self_attn
-        assert isinstance(layer, MLALayer)
-        return layer.row_format().row_bytes, torch.uint8
+        fmt = IndexKeyFormat(c.latent_dim, self.dtype, c.index_head_dim, c.index_cache_dtype)
+        return fmt.row_bytes, torch.uint8
 
     # ------------------------------------------------------------------ validation
     def _token_tensor(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
