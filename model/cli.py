@@ -22,7 +22,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="greedy generation with the hybrid model")
     p.add_argument(
-        "--model", default="tiny", help="'tiny' (embedded default) or a Kimi-Linear checkpoint dir"
+        "--model",
+        default="tiny",
+        help="'tiny' (embedded default), 'tiny8', 'tiny-dsa', 'tiny-dsa-fp8' or a Kimi-Linear checkpoint dir",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with tokenizer.json or the byte fallback)")
