@@ -198,7 +198,7 @@ def hash_chain(n: int, seed: bytes = b"store-bench") -> list[bytes]:
 
 async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
     from kvpool.cache.keys import kda_key, mla_key
-    from kvpool.kvstore.client import AsyncStoreClient, PutItem
+    from kvpool.kvstore.client import AsyncStoreClient, LocationColumns, PutItem
     from kvpool.proto import common_pb2
 
     hashes = hash_chain(CHAIN_BLOCKS)
@@ -218,14 +218,30 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
                 raise RuntimeError(f"inserting the chain failed: {errors[0]}")
         times: list[float] = []
         for i in range(10 + calls):
+            # compact locations (one LocationTable, decoded into numpy columns inside the timed window)
             t0 = time.perf_counter()
-            reply = await client.match_prefix(hashes, require_checkpoint=True)
+            reply = await client.match_prefix(hashes, require_checkpoint=True, compact=True)
+            cols = LocationColumns(reply.table)
             dt = time.perf_counter() - t0
             if reply.usable_blocks != CHAIN_BLOCKS or reply.mla_run_blocks != CHAIN_BLOCKS:
                 raise VerifyError(f"match_prefix returned usable={reply.usable_blocks} "
                                   f"run={reply.mla_run_blocks}, expected {CHAIN_BLOCKS}")
+            if len(cols) != CHAIN_BLOCKS + 1 or cols.key(CHAIN_BLOCKS - 1) != items[CHAIN_BLOCKS - 1].key \
+                    or int(cols.size.sum()) != BLOCK_PAYLOAD * (CHAIN_BLOCKS + 1):
+                raise VerifyError("match_prefix locations do not match the chain that was put")
             if i >= 10:
                 times.append(dt)
+        # the same call with one ObjectLocation message per block (what callers that do not ask for the
+        # compact table get): context, not the goal figure
+        full: list[float] = []
+        for i in range(3 + max(5, calls // 10)):
+            t0 = time.perf_counter()
+            reply = await client.match_prefix(hashes, require_checkpoint=True)
+            dt = time.perf_counter() - t0
+            if len(reply.mla) != CHAIN_BLOCKS:
+                raise VerifyError(f"full match_prefix listed {len(reply.mla)} locations")
+            if i >= 3:
+                full.append(dt)
         # the same call for a 1-block chain: the gRPC + client floor, to tell chain cost from RPC cost
         floor: list[float] = []
         for i in range(10 + calls):
@@ -239,6 +255,8 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
     times.sort()
     return {"chain_blocks": CHAIN_BLOCKS, "calls": calls, "usable_blocks": CHAIN_BLOCKS,
             "one_block_p50_ms": round(statistics.median(floor) * 1e3, 3),
+            "locations": "compact LocationTable (match_prefix(compact=True)), decoded with LocationColumns",
+            "full_locations_p50_ms": round(statistics.median(full) * 1e3, 3),
             "p50_ms": round(statistics.median(times) * 1e3, 3),
             "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),
             "min_ms": round(times[0] * 1e3, 3), "require_checkpoint": True}

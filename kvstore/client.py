@@ -27,12 +27,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import xxhash
 from kvpool.kvstore.client_rpc import CHANNEL_OPTIONS, raise_typed
 from kvpool.kvstore.errors import (
     CapacityExceededError,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    ProtocolError,
     StoreError,
     StoreUnavailableError,
 )
@@ -55,6 +57,60 @@ class PutItem:
     tenant: str | None = None
     parent: bytes = b""
     ttl_ms: int = 0
+
+
+class LocationColumns:
+    """A ``LocationTable`` (``match_prefix(compact=True)``) as numpy views over the reply's bytes.
+
+    Decoding is O(number of distinct nodes), not O(rows): routers and schedulers read the columns
+    (``size``, ``tier``, ``node_index``...) as arrays; a fetch turns the rows it needs into
+    ``ObjectLocation`` messages with ``locations()`` only then.
+    """
+
+    def __init__(self, table: master_pb2.LocationTable) -> None:
+        self.rows = table.rows
+        self.nodes = list(table.nodes)
+        self.node_index = np.frombuffer(table.node_index, dtype="<u2")
+        self.key_width = table.key_width
+        self.keys_blob = table.keys
+        self.kind = np.frombuffer(table.kind, dtype=np.uint8)
+        self.tier = np.frombuffer(table.tier, dtype=np.uint8)
+        self.size = np.frombuffer(table.size, dtype="<u8")
+        self.checksum = np.frombuffer(table.checksum, dtype="<u8")
+        self.tenants = list(table.tenants)
+        self.tenant_index = np.frombuffer(table.tenant_index, dtype="<u2") if table.tenant_index else None
+        self.ttl_ms = np.frombuffer(table.ttl_ms, dtype="<u4") if table.ttl_ms else None
+        for name in ("node_index", "kind", "tier", "size", "checksum"):
+            got = len(getattr(self, name))
+            if got != self.rows:
+                raise ProtocolError(f"LocationTable column {name} has {got} rows, not {self.rows}")
+        if len(self.keys_blob) != self.rows * self.key_width:
+            raise ProtocolError("LocationTable keys do not match rows * key_width")
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def key(self, i: int) -> bytes:
+        w = self.key_width
+        return self.keys_blob[i * w : (i + 1) * w]
+
+    def location(self, i: int) -> common_pb2.ObjectLocation:
+        loc = common_pb2.ObjectLocation(node=self.nodes[int(self.node_index[i])])
+        m = loc.meta
+        m.key = self.key(i)
+        m.kind = int(self.kind[i])
+        m.tier = int(self.tier[i])
+        m.size = int(self.size[i])
+        m.checksum = int(self.checksum[i])
+        if self.tenant_index is not None:
+            m.tenant = self.tenants[int(self.tenant_index[i])]
+        if self.ttl_ms is not None:
+            m.ttl_ms = int(self.ttl_ms[i])
+        return loc
+
+    def locations(self, start: int = 0, stop: int | None = None) -> list[common_pb2.ObjectLocation]:
+        """Rows ``[start, stop)`` as ObjectLocation messages (what ``fetch_into`` takes)."""
+        return [self.location(i) for i in range(*slice(start, stop).indices(self.rows))]
 
 
 class AsyncStoreClient:
@@ -395,14 +451,21 @@ class AsyncStoreClient:
         require_checkpoint: bool = True,
         acquire: bool = False,
         lease_ms: int | None = None,
+        compact: bool = False,
     ) -> master_pb2.MatchPrefixReply:
-        """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``."""
+        """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``.
+
+        ``compact=True``: the locations come as ``reply.table`` (read it with ``LocationColumns``; rows
+        ``[0, usable_blocks)`` are the MLA blocks, then the checkpoint) and ``mla``/``checkpoint`` stay
+        empty: ~0.5 ms instead of ~5 ms for a 2,000-block chain.
+        """
         req = master_pb2.MatchPrefixRequest(
             block_hashes=list(block_hashes),
             tenant=self.tenant if tenant is None else tenant,
             require_checkpoint=require_checkpoint,
             acquire=acquire,
             lease_ms=lease_ms or self.lease_ms,
+            compact=compact,
         )
         return await self._timed("match_prefix", self._rpc("MatchPrefix", req))
 
@@ -513,9 +576,10 @@ class StoreClient:
         require_checkpoint: bool = True,
         acquire: bool = False,
         lease_ms: int | None = None,
+        compact: bool = False,
     ) -> master_pb2.MatchPrefixReply:
         return self._call(
-            self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms)
+            self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms, compact)
         )
 
     def release(self, lease_id: str) -> None:

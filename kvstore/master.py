@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+import numpy as np
 from kvpool.kvstore.index import (
     MAX_KEY_BYTES,
     BadObjectError,
@@ -380,6 +381,10 @@ class MasterCore:
         if req.counts_only and not req.acquire:
             reply.usable_blocks_on_ssd = self.index.count_on_tier(m.mla_keys, Tier.SSD)
             return reply
+        if req.compact:
+            table, n_mla = reply.table, m.usable_blocks
+            reply.usable_blocks_on_ssd = _fill_table(table, self.index, keys, n_mla, self._endpoint)
+            return reply
         rows = self.index.rows(keys)  # all present: the index was not changed since the match
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
         on_ssd = 0
@@ -602,6 +607,54 @@ def _fill_location(loc: common_pb2.ObjectLocation, info: ObjectInfo, ep: common_
     m.ttl_ms = info.ttl_ms
     m.tier = int(info.tier)
     loc.node.CopyFrom(ep)
+
+
+def _fill_table(
+    table: master_pb2.LocationTable,
+    index: PrefixIndex,
+    keys: list[bytes],
+    n_mla: int,
+    endpoint: Callable[[str], common_pb2.NodeEndpoint],
+) -> int:
+    """Fill a column-wise ``LocationTable`` for ``keys`` (all committed: the caller just matched them);
+    returns how many of the first ``n_mla`` rows sit on SSD.
+
+    Why it reads the index's columns directly: a 2,000-block MatchPrefix spent ~7 ms building one
+    ObjectLocation per block (``index.rows`` alone ~0.9 ms) against ~0.1 ms for a numpy gather of the same
+    columns, and the MatchPrefix latency goal is 1 ms end to end. Same fields as ``_fill_row``.
+    """
+    slots = index._slot
+    idx = np.fromiter(map(slots.__getitem__, keys), dtype=np.int64, count=len(keys))
+    cols = index._cols
+    table.rows = len(keys)
+    if not keys:
+        return 0
+    node_ids, node_index = np.unique(cols.node[idx], return_inverse=True)
+    for nid in node_ids.tolist():
+        table.nodes.append(endpoint(index._node_names[nid]))
+    table.node_index = node_index.astype("<u2").tobytes()
+    width = len(keys[0])
+    if any(len(k) != width for k in keys):
+        raise InvalidRequest("matched keys differ in length")  # cannot happen: tag + fixed-size hash
+    table.key_width = width
+    table.keys = b"".join(keys)
+    table.kind = cols.kind[idx].astype("u1").tobytes()
+    tiers = cols.tier[idx]
+    table.tier = tiers.astype("u1").tobytes()
+    table.size = cols.size[idx].astype("<u8").tobytes()
+    table.checksum = cols.checksum[idx].astype("<u8").tobytes()
+    tenants = cols.tenant[idx]
+    if tenants.any():
+        tenant_ids, tenant_index = np.unique(tenants, return_inverse=True)
+        table.tenants.extend(index._tenants[t] for t in tenant_ids.tolist())
+        table.tenant_index = tenant_index.astype("<u2").tobytes()
+    ttl = index._ttl
+    if ttl and any(s in ttl for s in idx.tolist()):
+        now = index._clock()
+        table.ttl_ms = np.array(
+            [max(1, int((ttl[s] - now) * 1000)) if s in ttl else 0 for s in idx.tolist()], dtype="<u4"
+        ).tobytes()
+    return int(np.count_nonzero(tiers[:n_mla] == Tier.SSD))
 
 
 def _fill_row(loc: common_pb2.ObjectLocation, row: LocationRow, ep: common_pb2.NodeEndpoint) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/master.proto\x12\tkvpool.v1\x1a\x12proto/common.proto\"\x9f\x01\n\x13RegisterNodeRequest\x12%\n\x04node\x18\x01 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x02 \x01(\x04\x12\x1a\n\x12ssd_capacity_bytes\x18\x03 \x01(\x04\x12(\n\tinventory\x18\x04 \x03(\x0b\x32\x15.kvpool.v1.ObjectMeta\"d\n\x11RegisterNodeReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x17\n\x0fnode_timeout_ms\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x64opted_objects\x18\x03 \x01(\x04\"k\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64ram_used_bytes\x18\x02 \x01(\x04\x12\x16\n\x0essd_used_bytes\x18\x03 \x01(\x04\x12\x15\n\rfragmentation\x18\x04 \x01(\x01\"$\n\x0eHeartbeatReply\x12\x12\n\nreregister\x18\x01 \x01(\x08\"R\n\x0fPutStartRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta\x12\x1a\n\x12replace_if_corrupt\x18\x02 \x01(\x08\"\xd8\x01\n\rPutStartReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.kvpool.v1.PutStartReply.Status\x12\x0e\n\x06put_id\x18\x02 \x01(\t\x12%\n\x04node\x18\x03 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\"J\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07STARTED\x10\x01\x12\n\n\x06\x45XISTS\x10\x02\x12\x0f\n\x0bIN_PROGRESS\x10\x03\"\"\n\x10PutCommitRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\t\"\x10\n\x0ePutCommitReply\"1\n\x0fPutAbortRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rPutAbortReply\"\x8e\x01\n\x12MatchPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x1a\n\x12require_checkpoint\x18\x03 \x01(\x08\x12\x0f\n\x07\x61\x63quire\x18\x04 \x01(\x08\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x13\n\x0b\x63ounts_only\x18\x06 \x01(\x08\"\xe3\x01\n\x10MatchPrefixReply\x12\x15\n\rusable_blocks\x18\x01 \x01(\r\x12\x16\n\x0emla_run_blocks\x18\x02 \x01(\r\x12&\n\x03mla\x18\x03 \x03(\x0b\x32\x19.kvpool.v1.ObjectLocation\x12-\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x19.kvpool.v1.ObjectLocation\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x19\n\x11\x63heckpoint_blocks\x18\x06 \x03(\r\x12\x1c\n\x14usable_blocks_on_ssd\x18\x07 \x01(\r\"@\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0f\n\x07\x61\x63quire\x18\x02 \x01(\x08\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"Z\n\x0bLookupReply\x12(\n\x05\x66ound\x18\x01 \x03(\x0b\x32\x19.kvpool.v1.ObjectLocation\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\x12\x10\n\x08lease_id\x18\x03 \x01(\t\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x0e\n\x0cReleaseReply\"\x1d\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\r\"*\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\x1a\n\x08PinReply\x12\x0e\n\x06pinned\x18\x01 \x01(\r\"4\n\x0fSetQuotaRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tmax_bytes\x18\x02 \x01(\x04\"\x0f\n\rSetQuotaReply\"\x0e\n\x0cStatsRequest\"\xb8\x04\n\nStatsReply\x12\x0f\n\x07objects\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x11\n\tevictions\x18\x04 \x01(\x04\x12\x15\n\revicted_bytes\x18\x05 \x01(\x04\x12\r\n\x05nodes\x18\x06 \x01(\r\x12\x15\n\ractive_leases\x18\x07 \x01(\r\x12\x14\n\x0cpending_puts\x18\x08 \x01(\r\x12?\n\x0e\x62ytes_per_tier\x18\t \x03(\x0b\x32\'.kvpool.v1.StatsReply.BytesPerTierEntry\x12\x43\n\x10\x62ytes_per_tenant\x18\n \x03(\x0b\x32).kvpool.v1.StatsReply.BytesPerTenantEntry\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x35\n\x08\x63ounters\x18\x0c \x03(\x0b\x32#.kvpool.v1.StatsReply.CountersEntry\x12\x11\n\tdemotions\x18\r \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x0e \x01(\x04\x1a\x33\n\x11\x42ytesPerTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13\x42ytesPerTenantEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x94\x06\n\x06Master\x12L\n\x0cRegisterNode\x12\x1e.kvpool.v1.RegisterNodeRequest\x1a\x1c.kvpool.v1.RegisterNodeReply\x12\x43\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x19.kvpool.v1.HeartbeatReply\x12@\n\x08PutStart\x12\x1a.kvpool.v1.PutStartRequest\x1a\x18.kvpool.v1.PutStartReply\x12\x43\n\tPutCommit\x12\x1b.kvpool.v1.PutCommitRequest\x1a\x19.kvpool.v1.PutCommitReply\x12@\n\x08PutAbort\x12\x1a.kvpool.v1.PutAbortRequest\x1a\x18.kvpool.v1.PutAbortReply\x12I\n\x0bMatchPrefix\x12\x1d.kvpool.v1.MatchPrefixRequest\x1a\x1b.kvpool.v1.MatchPrefixReply\x12:\n\x06Lookup\x12\x18.kvpool.v1.LookupRequest\x1a\x16.kvpool.v1.LookupReply\x12=\n\x07Release\x12\x19.kvpool.v1.ReleaseRequest\x1a\x17.kvpool.v1.ReleaseReply\x12:\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x16.kvpool.v1.RemoveReply\x12\x31\n\x03Pin\x12\x15.kvpool.v1.PinRequest\x1a\x13.kvpool.v1.PinReply\x12@\n\x08SetQuota\x12\x1a.kvpool.v1.SetQuotaRequest\x1a\x18.kvpool.v1.SetQuotaReply\x12\x37\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x15.kvpool.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/master.proto\x12\tkvpool.v1\x1a\x12proto/common.proto\"\x9f\x01\n\x13RegisterNodeRequest\x12%\n\x04node\x18\x01 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x02 \x01(\x04\x12\x1a\n\x12ssd_capacity_bytes\x18\x03 \x01(\x04\x12(\n\tinventory\x18\x04 \x03(\x0b\x32\x15.kvpool.v1.ObjectMeta\"d\n\x11RegisterNodeReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x17\n\x0fnode_timeout_ms\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x64opted_objects\x18\x03 \x01(\x04\"k\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64ram_used_bytes\x18\x02 \x01(\x04\x12\x16\n\x0essd_used_bytes\x18\x03 \x01(\x04\x12\x15\n\rfragmentation\x18\x04 \x01(\x01\"$\n\x0eHeartbeatReply\x12\x12\n\nreregister\x18\x01 \x01(\x08\"R\n\x0fPutStartRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta\x12\x1a\n\x12replace_if_corrupt\x18\x02 \x01(\x08\"\xd8\x01\n\rPutStartReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.kvpool.v1.PutStartReply.Status\x12\x0e\n\x06put_id\x18\x02 \x01(\t\x12%\n\x04node\x18\x03 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\"J\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07STARTED\x10\x01\x12\n\n\x06\x45XISTS\x10\x02\x12\x0f\n\x0bIN_PROGRESS\x10\x03\"\"\n\x10PutCommitRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\t\"\x10\n\x0ePutCommitReply\"1\n\x0fPutAbortRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rPutAbortReply\"\x9f\x01\n\x12MatchPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x1a\n\x12require_checkpoint\x18\x03 \x01(\x08\x12\x0f\n\x07\x61\x63quire\x18\x04 \x01(\x08\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x13\n\x0b\x63ounts_only\x18\x06 \x01(\x08\x12\x0f\n\x07\x63ompact\x18\x07 \x01(\x08\"\x8c\x02\n\x10MatchPrefixReply\x12\x15\n\rusable_blocks\x18\x01 \x01(\r\x12\x16\n\x0emla_run_blocks\x18\x02 \x01(\r\x12&\n\x03mla\x18\x03 \x03(\x0b\x32\x19.kvpool.v1.ObjectLocation\x12-\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x19.kvpool.v1.ObjectLocation\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x19\n\x11\x63heckpoint_blocks\x18\x06 \x03(\r\x12\x1c\n\x14usable_blocks_on_ssd\x18\x07 \x01(\r\x12\'\n\x05table\x18\x08 \x01(\x0b\x32\x18.kvpool.v1.LocationTable\"\xed\x01\n\rLocationTable\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12&\n\x05nodes\x18\x02 \x03(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x12\n\nnode_index\x18\x03 \x01(\x0c\x12\x11\n\tkey_width\x18\x04 \x01(\r\x12\x0c\n\x04keys\x18\x05 \x01(\x0c\x12\x0c\n\x04kind\x18\x06 \x01(\x0c\x12\x0c\n\x04tier\x18\x07 \x01(\x0c\x12\x0c\n\x04size\x18\x08 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\t \x01(\x0c\x12\x0f\n\x07tenants\x18\n \x03(\t\x12\x14\n\x0ctenant_index\x18\x0b \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x0c \x01(\x0c\"@\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0f\n\x07\x61\x63quire\x18\x02 \x01(\x08\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"Z\n\x0bLookupReply\x12(\n\x05\x66ound\x18\x01 \x03(\x0b\x32\x19.kvpool.v1.ObjectLocation\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\x12\x10\n\x08lease_id\x18\x03 \x01(\t\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x0e\n\x0cReleaseReply\"\x1d\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\r\"*\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\x1a\n\x08PinReply\x12\x0e\n\x06pinned\x18\x01 \x01(\r\"4\n\x0fSetQuotaRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tmax_bytes\x18\x02 \x01(\x04\"\x0f\n\rSetQuotaReply\"\x0e\n\x0cStatsRequest\"\xb8\x04\n\nStatsReply\x12\x0f\n\x07objects\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x11\n\tevictions\x18\x04 \x01(\x04\x12\x15\n\revicted_bytes\x18\x05 \x01(\x04\x12\r\n\x05nodes\x18\x06 \x01(\r\x12\x15\n\ractive_leases\x18\x07 \x01(\r\x12\x14\n\x0cpending_puts\x18\x08 \x01(\r\x12?\n\x0e\x62ytes_per_tier\x18\t \x03(\x0b\x32\'.kvpool.v1.StatsReply.BytesPerTierEntry\x12\x43\n\x10\x62ytes_per_tenant\x18\n \x03(\x0b\x32).kvpool.v1.StatsReply.BytesPerTenantEntry\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x35\n\x08\x63ounters\x18\x0c \x03(\x0b\x32#.kvpool.v1.StatsReply.CountersEntry\x12\x11\n\tdemotions\x18\r \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x0e \x01(\x04\x1a\x33\n\x11\x42ytesPerTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13\x42ytesPerTenantEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x94\x06\n\x06Master\x12L\n\x0cRegisterNode\x12\x1e.kvpool.v1.RegisterNodeRequest\x1a\x1c.kvpool.v1.RegisterNodeReply\x12\x43\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x19.kvpool.v1.HeartbeatReply\x12@\n\x08PutStart\x12\x1a.kvpool.v1.PutStartRequest\x1a\x18.kvpool.v1.PutStartReply\x12\x43\n\tPutCommit\x12\x1b.kvpool.v1.PutCommitRequest\x1a\x19.kvpool.v1.PutCommitReply\x12@\n\x08PutAbort\x12\x1a.kvpool.v1.PutAbortRequest\x1a\x18.kvpool.v1.PutAbortReply\x12I\n\x0bMatchPrefix\x12\x1d.kvpool.v1.MatchPrefixRequest\x1a\x1b.kvpool.v1.MatchPrefixReply\x12:\n\x06Lookup\x12\x18.kvpool.v1.LookupRequest\x1a\x16.kvpool.v1.LookupReply\x12=\n\x07Release\x12\x19.kvpool.v1.ReleaseRequest\x1a\x17.kvpool.v1.ReleaseReply\x12:\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x16.kvpool.v1.RemoveReply\x12\x31\n\x03Pin\x12\x15.kvpool.v1.PinRequest\x1a\x13.kvpool.v1.PinReply\x12@\n\x08SetQuota\x12\x1a.kvpool.v1.SetQuotaRequest\x1a\x18.kvpool.v1.SetQuotaReply\x12\x37\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x15.kvpool.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -61,39 +61,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTABORTREPLY']._serialized_start=872
   _globals['_PUTABORTREPLY']._serialized_end=887
   _globals['_MATCHPREFIXREQUEST']._serialized_start=890
-  _globals['_MATCHPREFIXREQUEST']._serialized_end=1032
-  _globals['_MATCHPREFIXREPLY']._serialized_start=1035
-  _globals['_MATCHPREFIXREPLY']._serialized_end=1262
-  _globals['_LOOKUPREQUEST']._serialized_start=1264
-  _globals['_LOOKUPREQUEST']._serialized_end=1328
-  _globals['_LOOKUPREPLY']._serialized_start=1330
-  _globals['_LOOKUPREPLY']._serialized_end=1420
-  _globals['_RELEASEREQUEST']._serialized_start=1422
-  _globals['_RELEASEREQUEST']._serialized_end=1456
-  _globals['_RELEASEREPLY']._serialized_start=1458
-  _globals['_RELEASEREPLY']._serialized_end=1472
-  _globals['_REMOVEREQUEST']._serialized_start=1474
-  _globals['_REMOVEREQUEST']._serialized_end=1503
-  _globals['_REMOVEREPLY']._serialized_start=1505
-  _globals['_REMOVEREPLY']._serialized_end=1535
-  _globals['_PINREQUEST']._serialized_start=1537
-  _globals['_PINREQUEST']._serialized_end=1579
-  _globals['_PINREPLY']._serialized_start=1581
-  _globals['_PINREPLY']._serialized_end=1607
-  _globals['_SETQUOTAREQUEST']._serialized_start=1609
-  _globals['_SETQUOTAREQUEST']._serialized_end=1661
-  _globals['_SETQUOTAREPLY']._serialized_start=1663
-  _globals['_SETQUOTAREPLY']._serialized_end=1678
-  _globals['_STATSREQUEST']._serialized_start=1680
-  _globals['_STATSREQUEST']._serialized_end=1694
-  _globals['_STATSREPLY']._serialized_start=1697
-  _globals['_STATSREPLY']._serialized_end=2265
-  _globals['_STATSREPLY_BYTESPERTIERENTRY']._serialized_start=2110
-  _globals['_STATSREPLY_BYTESPERTIERENTRY']._serialized_end=2161
-  _globals['_STATSREPLY_BYTESPERTENANTENTRY']._serialized_start=2163
-  _globals['_STATSREPLY_BYTESPERTENANTENTRY']._serialized_end=2216
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=2218
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=2265
-  _globals['_MASTER']._serialized_start=2268
-  _globals['_MASTER']._serialized_end=3056
+  _globals['_MATCHPREFIXREQUEST']._serialized_end=1049
+  _globals['_MATCHPREFIXREPLY']._serialized_start=1052
+  _globals['_MATCHPREFIXREPLY']._serialized_end=1320
+  _globals['_LOCATIONTABLE']._serialized_start=1323
+  _globals['_LOCATIONTABLE']._serialized_end=1560
+  _globals['_LOOKUPREQUEST']._serialized_start=1562
+  _globals['_LOOKUPREQUEST']._serialized_end=1626
+  _globals['_LOOKUPREPLY']._serialized_start=1628
+  _globals['_LOOKUPREPLY']._serialized_end=1718
+  _globals['_RELEASEREQUEST']._serialized_start=1720
+  _globals['_RELEASEREQUEST']._serialized_end=1754
+  _globals['_RELEASEREPLY']._serialized_start=1756
+  _globals['_RELEASEREPLY']._serialized_end=1770
+  _globals['_REMOVEREQUEST']._serialized_start=1772
+  _globals['_REMOVEREQUEST']._serialized_end=1801
+  _globals['_REMOVEREPLY']._serialized_start=1803
+  _globals['_REMOVEREPLY']._serialized_end=1833
+  _globals['_PINREQUEST']._serialized_start=1835
+  _globals['_PINREQUEST']._serialized_end=1877
+  _globals['_PINREPLY']._serialized_start=1879
+  _globals['_PINREPLY']._serialized_end=1905
+  _globals['_SETQUOTAREQUEST']._serialized_start=1907
+  _globals['_SETQUOTAREQUEST']._serialized_end=1959
+  _globals['_SETQUOTAREPLY']._serialized_start=1961
+  _globals['_SETQUOTAREPLY']._serialized_end=1976
+  _globals['_STATSREQUEST']._serialized_start=1978
+  _globals['_STATSREQUEST']._serialized_end=1992
+  _globals['_STATSREPLY']._serialized_start=1995
+  _globals['_STATSREPLY']._serialized_end=2563
+  _globals['_STATSREPLY_BYTESPERTIERENTRY']._serialized_start=2408
+  _globals['_STATSREPLY_BYTESPERTIERENTRY']._serialized_end=2459
+  _globals['_STATSREPLY_BYTESPERTENANTENTRY']._serialized_start=2461
+  _globals['_STATSREPLY_BYTESPERTENANTENTRY']._serialized_end=2514
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=2516
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=2563
+  _globals['_MASTER']._serialized_start=2566
+  _globals['_MASTER']._serialized_end=3354
 # @@protoc_insertion_point(module_scope)

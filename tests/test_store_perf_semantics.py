@@ -1,0 +1,96 @@
+"""The store's fast paths keep the slow paths' semantics: same answers, same pins, same errors."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvpool.cache.keys import kda_key, mla_key
+from kvpool.kvstore.client import LocationColumns
+from kvpool.kvstore.master import MasterCore
+from kvpool.proto import common_pb2, master_pb2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 50.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _chain(n: int) -> list[bytes]:
+    out, prev = [], b"perf"
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev)
+    return out
+
+
+def _register(core: MasterCore, node_id: str, inventory: list[common_pb2.ObjectMeta]) -> None:
+    ep = common_pb2.NodeEndpoint(node_id=node_id, host="127.0.0.1", grpc_port=9, tcp_port=10, shm_name="s")
+    core.register_node(
+        master_pb2.RegisterNodeRequest(node=ep, dram_capacity_bytes=1 << 30, inventory=inventory)
+    )
+
+
+def _core_with_chain(n: int) -> tuple[MasterCore, list[bytes]]:
+    core = MasterCore(clock=Clock())
+    hs = _chain(n)
+    inv: dict[str, list[common_pb2.ObjectMeta]] = {"a": [], "b": []}
+    parent = b""
+    for i, h in enumerate(hs):
+        meta = common_pb2.ObjectMeta(
+            key=mla_key(h),
+            kind=common_pb2.MLA_BLOCK,
+            size=100 + i,
+            checksum=1000 + i,
+            parent=parent,
+            tenant="t1" if i % 3 == 0 else "",
+            ttl_ms=60_000 if i % 5 == 0 else 0,
+        )
+        inv["a" if i % 2 else "b"].append(meta)
+        parent = meta.key
+    ck = common_pb2.ObjectMeta(key=kda_key(hs[-1]), kind=common_pb2.KDA_CHECKPOINT, size=7, checksum=9)
+    inv["a"].append(ck)
+    for node_id, metas in inv.items():
+        _register(core, node_id, metas)
+    return core, hs
+
+
+def test_compact_match_prefix_carries_the_same_locations() -> None:
+    core, hs = _core_with_chain(40)
+    req = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True)
+    full = core.match_prefix(req)
+    req.compact = True
+    compact = core.match_prefix(req)
+    assert not compact.mla and not compact.HasField("checkpoint")
+    assert (
+        (compact.usable_blocks, compact.mla_run_blocks)
+        == (full.usable_blocks, full.mla_run_blocks)
+        == (40, 40)
+    )
+    assert list(compact.checkpoint_blocks) == list(full.checkpoint_blocks)
+    assert compact.usable_blocks_on_ssd == full.usable_blocks_on_ssd
+    cols = LocationColumns(compact.table)
+    assert len(cols) == 41 and len(cols.nodes) == 2
+    assert cols.locations(0, 40) == list(full.mla)
+    assert cols.location(40) == full.checkpoint
+    assert int(cols.size.sum()) == sum(loc.meta.size for loc in full.mla) + full.checkpoint.meta.size
+
+
+def test_compact_match_prefix_acquire_pins_like_the_full_one() -> None:
+    core, hs = _core_with_chain(10)
+    reply = core.match_prefix(
+        master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True, acquire=True, compact=True)
+    )
+    assert reply.lease_id and reply.table.rows == 11
+    assert core.stats(master_pb2.StatsRequest()).active_leases == 1
+    core.release(master_pb2.ReleaseRequest(lease_id=reply.lease_id))
+    assert core.stats(master_pb2.StatsRequest()).active_leases == 0
+
+
+def test_compact_match_prefix_of_nothing_is_empty() -> None:
+    core, _hs = _core_with_chain(3)
+    reply = core.match_prefix(master_pb2.MatchPrefixRequest(block_hashes=[b"\x01" * 32], compact=True))
+    assert reply.usable_blocks == 0 and reply.table.rows == 0
+    assert len(LocationColumns(reply.table)) == 0
