@@ -8,6 +8,8 @@ queue per process: requests arriving while a batch computes join the next one (c
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import torch
 from kvpool.model.decode_state import DecodeState
@@ -23,6 +25,7 @@ class StepBatcher:
         self.steps = 0
         self.batches = 0
         self.max_batch_seen = 0
+        self.on_step: Callable[[int, float], None] | None = None  # (batch size, seconds) per model call
 
     async def step(self, token: int, state: DecodeState) -> torch.Tensor:
         """Feed ``token`` at ``state.n_tokens`` (state advanced in place); returns the next logits."""
@@ -39,6 +42,7 @@ class StepBatcher:
             live = [item for item in batch if not item[2].cancelled()]
             if not live:
                 continue
+            t0 = time.perf_counter()
             try:
                 logits = await self.runner.decode_batch([t for t, _, _ in live], [s for _, s, _ in live])
             except Exception as exc:  # a bad state fails its batch; each request sees the error
@@ -46,6 +50,8 @@ class StepBatcher:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
+            if self.on_step is not None:
+                self.on_step(len(live), time.perf_counter() - t0)
             self.steps += len(live)
             self.batches += 1
             self.max_batch_seen = max(self.max_batch_seen, len(live))

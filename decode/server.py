@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from kvpool.decode.engine import DecodeEngine, DecodeResult
 from kvpool.prefill.errors import BadRequestError, CacheFetchError
+from kvpool.prefill.metrics import DecodeMetrics
 from kvpool.prefill.wire import handoff_from_pb
 from kvpool.prefill.worker import request_deadline
 from kvpool.proto import decode_pb2, decode_pb2_grpc
@@ -31,28 +32,57 @@ def final_chunk(r: DecodeResult) -> decode_pb2.GenerateChunk:
 
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: DecodeEngine, request_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, engine: DecodeEngine, request_timeout_s: float = 120.0, metrics: DecodeMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.request_timeout_s = request_timeout_s
+        self.metrics = metrics
+        if metrics is not None:
+            engine.batcher.on_step = metrics.on_step
+
+    def _count(self, status: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(status).inc()
 
     async def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.GenerateChunk]:
+        m = self.metrics
         if not request.HasField("handoff"):
+            self._count("bad_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "BadRequestError: handoff is required")
         handoff = handoff_from_pb(request.handoff)
+        if m is not None:
+            m.active.inc()
         try:
             async with asyncio.timeout(request_deadline(context, self.request_timeout_s)):
                 async for event in self.engine.generate(handoff):
                     if isinstance(event, DecodeResult):
+                        if m is not None:
+                            m.observe(event)
                         yield final_chunk(event)
                     else:
+                        if m is not None:
+                            m.output_tokens.inc()
                         yield decode_pb2.GenerateChunk(
                             index=event.index, token_id=event.token, text=event.text
                         )
         except BadRequestError as exc:
+            self._count("bad_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"BadRequestError: {exc}")
         except CacheFetchError as exc:
+            self._count("cache_fetch_failed")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"CacheFetchError: {exc}")
         except TimeoutError:
+            self._count("timeout")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode did not finish in time")
+        except asyncio.CancelledError:  # the client went away (the gateway cancels on disconnect)
+            self._count("cancelled")
+            raise
+        except Exception:
+            self._count("error")
+            raise
+        finally:
+            if m is not None:
+                m.active.dec()

@@ -69,6 +69,15 @@ def _child_setup_fn() -> Callable[[], None]:
     return setup
 
 
+def _metrics_args(section: dict, i: int) -> list[str]:
+    """``--metrics-port`` of instance ``i`` when the section sets ``metrics_port`` >= 0: 0 = any free port,
+    a fixed port P gives instance i port P + i; absent, empty or negative = off."""
+    port = section.get("metrics_port")
+    if port is None or port == "" or int(port) < 0:
+        return []
+    return ["--metrics-port", str(int(port) + i if int(port) else 0)]
+
+
 def runs_root() -> Path:
     """Where run dirs and ``current.json`` live: ``$KVPOOL_RUNS`` or ``<tmp>/kvpool-<user>``."""
     env = os.environ.get("KVPOOL_RUNS")
@@ -108,6 +117,14 @@ class Service:
     def address(self) -> str:
         return f"{self.ready.get('host', '127.0.0.1')}:{self.port}"
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Prometheus endpoint: the gateway's ``/metrics``, or ``metrics_port`` of the readiness line."""
+        if self.role == "gateway":
+            return f"{self.ready['url']}/metrics" if self.ready.get("url") else None
+        port = self.ready.get("metrics_port")
+        return f"http://{self.ready.get('host', '127.0.0.1')}:{port}/metrics" if port else None
+
     def alive(self) -> bool:
         return self.popen.poll() is None
 
@@ -120,6 +137,7 @@ class Service:
             "role": self.role,
             "pid": self.popen.pid,
             "address": self.address,
+            "metrics": self.metrics_url,
             "log": str(self.log),
             "ready": self.ready,
         }
@@ -216,6 +234,7 @@ class Cluster:
                         "--transport",
                         st.get("transport", "tcp,shm"),
                         *self._ssd_args(i),
+                        *_metrics_args(st, i),
                     ],
                 )
                 for i in range(int(st.get("nodes", 1)))
@@ -242,6 +261,7 @@ class Cluster:
                         pf.get("transport", "auto"),
                         "--checkpoint-policy",
                         pf.get("checkpoint_policy", "end,junction"),
+                        *_metrics_args(pf, i),
                         *pf.get("args", []),
                     ],
                 )
@@ -258,6 +278,7 @@ class Cluster:
                         dc.get("transport", "auto"),
                         "--max-batch",
                         str(dc.get("max_batch", 64)),
+                        *_metrics_args(dc, i),
                         *dc.get("args", []),
                     ],
                 )
@@ -452,7 +473,7 @@ def run_up(args: argparse.Namespace) -> int:
             f"logs in {cluster.run_dir}"
         )
         for s in cluster.services.values():
-            print(f"  {s.name:<10} pid {s.popen.pid:<8} {s.address}")
+            print(f"  {s.name:<10} pid {s.popen.pid:<8} {s.address:<22} {s.metrics_url or ''}")
         print(f"OpenAI API: {cluster.base_url}/v1   (Ctrl-C to stop; `kvpool status` to inspect)", flush=True)
         reported: set[str] = set()
         while True:
@@ -523,6 +544,7 @@ def run_status(args: argparse.Namespace) -> int:
             "role": s["role"],
             "pid": s["pid"],
             "address": s["address"],
+            "metrics": s.get("metrics"),
             "health": service_health(s),
             "log": s["log"],
         }
@@ -535,5 +557,8 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         print(f"run dir {state['run_dir']}   gateway {state['gateway_url']}   routing {state.get('routing')}")
         for r in rows:
-            print(f"  {r['name']:<10} {r['role']:<8} pid {r['pid']:<8} {r['address']:<22} {r['health']}")
+            print(
+                f"  {r['name']:<10} {r['role']:<8} pid {r['pid']:<8} {r['address']:<22} {r['health']:<10} "
+                f"{r['metrics'] or '-'}"
+            )
     return 0 if all(r["health"] == "up" for r in rows) else 3

@@ -49,6 +49,13 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ucx-port", type=int, default=0, help="ucx listener port (0 = any)")
     p.add_argument("--ssd-path", type=Path, default=None, help="directory of the SSD tier (off if unset)")
     p.add_argument("--ssd-capacity", type=_size, default=0, help="SSD tier size")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, see the readiness line; "
+        "absent or negative = off)",
+    )
     p.add_argument("--node-id", default=None, help="stable node id (default hostname-grpcport)")
     p.add_argument("--max-object", type=_size, default=None, help="largest object (default: capacity)")
     p.add_argument(
@@ -90,6 +97,7 @@ def _run_node(args: argparse.Namespace) -> int:
         max_object=args.max_object,
         frame_timeout_s=args.frame_timeout,
         prefault=not args.no_prefault,
+        metrics_port=args.metrics_port if args.metrics_port is not None and args.metrics_port >= 0 else None,
     )
     return run(config)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpool.kvstore.node_master import MasterLink
+from kvpool.kvstore.node_metrics import MetricsHttpServer, TransportBytes, TransportTap, node_registry
 from kvpool.kvstore.node_service import StorageNodeService
 from kvpool.kvstore.node_store import ObjectStore
 from kvpool.kvstore.node_tcp import TcpDataServer
@@ -87,6 +88,7 @@ class NodeConfig:
     max_object: int | None = None
     frame_timeout_s: float = 5.0
     prefault: bool = True
+    metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
 
 
 class StorageNode:
@@ -110,18 +112,28 @@ class StorageNode:
         self.grpc_server: grpc.aio.Server | None = None
         self.master: MasterLink | None = None
         self._reaper: asyncio.Task | None = None
+        self.transport_bytes = TransportBytes()
+        self.metrics: MetricsHttpServer | None = None
 
     async def start(self) -> None:
         cfg = self.config
         self.tcp = TcpDataServer(
-            self.store, cfg.host, cfg.tcp_port, cfg.frame_timeout_s, shm_enabled="shm" in cfg.transports
+            TransportTap(self.store, "tcp", self.transport_bytes),  # type: ignore[arg-type]
+            cfg.host,
+            cfg.tcp_port,
+            cfg.frame_timeout_s,
+            shm_enabled="shm" in cfg.transports,
         )
         self.tcp.start()
         self.endpoint.tcp_port = self.tcp.port
         if "ucx" in cfg.transports:
             from kvpool.kvstore.node_ucx import UcxDataServer  # ucxx only when asked for
 
-            self.ucx = UcxDataServer(self.store, cfg.ucx_port, cfg.frame_timeout_s)
+            self.ucx = UcxDataServer(
+                TransportTap(self.store, "ucx", self.transport_bytes),  # type: ignore[arg-type]
+                cfg.ucx_port,
+                cfg.frame_timeout_s,
+            )
             self.endpoint.ucx_port = self.ucx.port
         if "shm" in cfg.transports:
             self.endpoint.shm_name = self.pool.name
@@ -133,7 +145,11 @@ class StorageNode:
             ]
         )
         node_pb2_grpc.add_StorageNodeServicer_to_server(
-            StorageNodeService(self.store, lambda: self.endpoint), server
+            StorageNodeService(
+                TransportTap(self.store, "grpc", self.transport_bytes),  # type: ignore[arg-type]
+                lambda: self.endpoint,
+            ),
+            server,
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -146,6 +162,10 @@ class StorageNode:
         self.endpoint.node_id = cfg.node_id or f"{socket.gethostname()}-{port}"
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set("kvpool.v1.StorageNode", health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port is not None and cfg.metrics_port >= 0:
+            registry = node_registry(self.store, self.transport_bytes, lambda: self.endpoint.node_id)
+            self.metrics = MetricsHttpServer(registry, cfg.host, cfg.metrics_port)
+            await self.metrics.start()
         self._reaper = asyncio.get_running_loop().create_task(self._reap_reservations())
         if cfg.master:
             self.master = MasterLink(cfg.master, self.store, self.endpoint)
@@ -171,6 +191,7 @@ class StorageNode:
             "host_id": ep.host_id,
             "pid": os.getpid(),
             "capacity": self.pool.capacity,
+            "metrics_port": self.metrics.port if self.metrics else None,
         }
 
     async def stop(self) -> None:
@@ -178,6 +199,8 @@ class StorageNode:
             self._reaper.cancel()
         if self.master:
             await self.master.close()
+        if self.metrics:
+            await self.metrics.stop()
         if self.grpc_server:
             await self.grpc_server.stop(grace=0.5)
         if self.ucx:

@@ -106,6 +106,7 @@ class LocalCluster:
     transport: str = "tcp"
     threads: int = 1  # torch threads of both workers (the reference must use the same)
     worker_args: tuple[str, ...] = ()
+    node_args: tuple[str, ...] = ()  # extra ``kvpool store node`` flags (``--metrics-port 0``...)
     log_dir: Path | None = None
     children: dict[str, Child] = field(default_factory=dict)
 
@@ -180,6 +181,7 @@ class LocalCluster:
                 self.node_capacity,
                 "--transport",
                 "tcp,shm",
+                *self.node_args,
             ],
             logs or self.log_dir or Path(tempfile.mkdtemp(prefix="kvpool-cluster-")),
         )

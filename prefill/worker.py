@@ -21,6 +21,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpool.cache.store_io import DEFAULT_TIMEOUT_S
 from kvpool.kvstore.client import AsyncStoreClient
+from kvpool.kvstore.node_metrics import MetricsHttpServer
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import load_tokenizer
@@ -50,6 +51,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="torch threads; the same on every worker and reference for bitwise equality (1: robust when "
         "cores are shared, OpenMP spinning with 2 threads on a loaded box is 10x slower)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, see the readiness line; "
+        "absent or negative = off)",
     )
     p.add_argument("--log-level", default="WARNING")
 
@@ -121,12 +129,17 @@ class WorkerServer:
             await self._server.stop(grace_s)
 
 
-async def serve_until_signal(server: WorkerServer, ready: dict, on_stop: Callable[[], object]) -> int:
-    """Start, print the readiness line, run until SIGTERM/SIGINT, stop gracefully."""
+async def serve_until_signal(
+    server: WorkerServer, ready: dict, on_stop: Callable[[], object], metrics: MetricsHttpServer | None = None
+) -> int:
+    """Start (the gRPC server, then ``metrics`` when given), print the readiness line (with
+    ``metrics_port``), run until SIGTERM/SIGINT, stop gracefully."""
     try:
         port = await server.start()
+        ready = {**ready, "metrics_port": await metrics.start() if metrics is not None else None}
     except OSError as exc:
         print(f"kvpool worker: {exc}", file=sys.stderr)
+        await server.stop(0)
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -134,6 +147,8 @@ async def serve_until_signal(server: WorkerServer, ready: dict, on_stop: Callabl
         loop.add_signal_handler(sig, stop.set)
     print(json.dumps({"ready": True, "host": server.host, "port": port, **ready}), flush=True)
     await stop.wait()
+    if metrics is not None:
+        await metrics.stop()
     await server.stop()
     result = on_stop()
     if asyncio.iscoroutine(result):
@@ -166,6 +181,7 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
     from kvpool.decode.server import SERVICE_NAME as DECODE_SERVICE
     from kvpool.decode.server import DecodeService
     from kvpool.prefill.engine import PrefillEngine
+    from kvpool.prefill.metrics import WorkerMetrics
     from kvpool.prefill.model_runner import ModelRunner
     from kvpool.prefill.policy import CheckpointPolicy
     from kvpool.prefill.server import SERVICE_NAME as PREFILL_SERVICE
@@ -179,6 +195,8 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
         print(f"kvpool {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     runner = ModelRunner(rt.model)
+    metrics_on = args.metrics_port is not None and args.metrics_port >= 0
+    metrics = WorkerMetrics(roles, {"model": args.model}) if metrics_on else None
     services: dict[str, Callable[[grpc.aio.Server], None]] = {}
     if "prefill" in roles:
         prefill = PrefillService(
@@ -192,6 +210,7 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
                 on_cache_error=args.on_cache_error,
             ),
             args.request_timeout,
+            metrics.prefill if metrics else None,
         )
         services[PREFILL_SERVICE] = lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, s)
     if "decode" in roles:
@@ -207,6 +226,7 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
                 batcher=StepBatcher(runner, args.max_batch),
             ),
             args.request_timeout,
+            metrics.decode if metrics else None,
         )
         services[DECODE_SERVICE] = lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(decode, s)
 
@@ -216,4 +236,5 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
         runner.close()
 
     server = WorkerServer(services, args.host, args.port)
-    return await serve_until_signal(server, ready_fields("+".join(roles), args, rt.model), close)
+    http = MetricsHttpServer(metrics.registry, args.host, args.metrics_port) if metrics else None
+    return await serve_until_signal(server, ready_fields("+".join(roles), args, rt.model), close, http)
