@@ -54,6 +54,9 @@ class PendingPut:
     meta: common_pb2.ObjectMeta
     extent: Extent
     deadline: float = field(default=0.0)
+    # xxh3-64 of the bytes as they landed, computed chunk by chunk by the receiver (tcp) while each chunk
+    # was still in cache; None = finish_put hashes the whole extent itself
+    landed_checksum: int | None = None
 
 
 class ObjectStore:
@@ -125,8 +128,11 @@ class ObjectStore:
         return obj.ssd_file is not None and obj.ssd_file.exists()  # verified when it is read back
 
     def finish_put(self, pending: PendingPut) -> None:
-        """Verify the landed bytes against the declared checksum and publish the object."""
-        got = checksum_of(self.pool.view(pending.extent))
+        """Verify the landed bytes against the declared checksum and publish the object (the receiver's
+        ``pending.landed_checksum`` when it hashed the bytes as they arrived, else the whole extent)."""
+        got = pending.landed_checksum
+        if got is None:
+            got = checksum_of(self.pool.view(pending.extent))
         if got != pending.meta.checksum:
             self.pool.allocator.free(pending.extent)
             self.count("puts_checksum_rejected")

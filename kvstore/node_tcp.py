@@ -26,7 +26,7 @@ from kvpool.kvstore.errors import (
     TransportUnavailableError,
 )
 from kvpool.kvstore.node_store import ObjectStore
-from kvpool.kvstore.transport_base import recv_exactly_into
+from kvpool.kvstore.transport_base import recv_exactly_into, recv_hashing_into
 from kvpool.kvstore.transport_frame import (
     EXTENT,
     FLAG_ABORT,
@@ -220,7 +220,9 @@ class TcpDataServer:
             await loop.sock_sendall(conn, encode(Frame(OP_PUT | RESPONSE, request_id=frame.request_id)))
             return
         try:
-            await recv_exactly_into(loop, conn, self.store.pool.view(pending.extent))
+            pending.landed_checksum = await recv_hashing_into(
+                loop, conn, self.store.pool.view(pending.extent)
+            )
         except BaseException:
             self.store.abort_put(pending)
             raise

@@ -123,6 +123,24 @@ async def recv_exactly_into(loop: asyncio.AbstractEventLoop, sock: socket.socket
         got += n
 
 
+async def recv_hashing_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> int:
+    """``recv_exactly_into`` that also returns the xxh3-64 of what landed in ``view``.
+
+    Each chunk is hashed right after it arrives, while it is still in cache and while the kernel keeps
+    filling the socket buffer, instead of re-reading the whole object from memory afterwards.
+    """
+    hasher = xxhash.xxh3_64()
+    got = 0
+    total = len(view)
+    while got < total:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise ProtocolError(f"connection closed after {got} of {total} bytes")
+        hasher.update(view[got : got + n])
+        got += n
+    return hasher.intdigest()
+
+
 async def with_deadline(coro, seconds: float, what: str):  # type: ignore[no-untyped-def]
     """Await ``coro`` within ``seconds`` or raise ``TransportTimeoutError`` naming ``what``."""
     try:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
+import pytest
 from kvpool.cache.keys import kda_key, mla_key
-from kvpool.kvstore.client import LocationColumns
+from kvpool.kvstore.client import LocationColumns, StoreClient
+from kvpool.kvstore.errors import ObjectNotFoundError
 from kvpool.kvstore.master import MasterCore
 from kvpool.proto import common_pb2, master_pb2
+from store_helpers import start_master, start_node
 
 
 class Clock:
@@ -94,3 +98,39 @@ def test_compact_match_prefix_of_nothing_is_empty() -> None:
     reply = core.match_prefix(master_pb2.MatchPrefixRequest(block_hashes=[b"\x01" * 32], compact=True))
     assert reply.usable_blocks == 0 and reply.table.rows == 0
     assert len(LocationColumns(reply.table)) == 0
+
+
+# --- overlapped gets (the transfer starts while the master's Lookup is in flight) -----------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("perf-cluster")
+    master = start_master(logs, "--heartbeat-ms", "200", "--node-timeout-ms", "1500")
+    node = start_node(logs, master.address, "64MiB", "tcp,shm")
+    yield master, node
+    node.stop()
+    master.stop()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_overlapped_get_answers_like_lookup_then_fetch(cluster, transport) -> None:
+    master, _node = cluster
+    key = f"perf/{transport}/{os.urandom(4).hex()}".encode()
+    first, second = os.urandom(300_000), os.urandom(200_000)
+    with StoreClient(master.address, transport) as a, StoreClient(master.address, transport) as b:
+        assert a.put(key, first) is True  # a now knows where the key lives
+        assert a.get(key) == first
+        assert a.metrics().get("get.overlapped", 0) >= 1
+        # removed by someone else: a's remembered location must not resurrect it
+        assert b.remove([key]) == 1
+        with pytest.raises(ObjectNotFoundError):
+            a.get(key)
+        # replaced by someone else with other bytes: a gets the new object, never the old one
+        assert a.put(key, first) is True
+        b.remove([key])
+        assert b.put(key, second) is True
+        out = bytearray(len(second))
+        assert a.get_into(key, out) == len(second) and out == second
+        assert a.get(key) == second
+        assert a.metrics().get("get.overlap_discarded", 0) >= 1
