@@ -202,6 +202,13 @@ def test_visibility_delay_hides_objects_of_requests_still_in_flight() -> None:
     assert cached(5000) == [0, 0, 0]
     with pytest.raises(ReplayError, match="visibility delay"):
         cached(-1)
+    # per request (e.g. measured TTFTs): a is slow (visible at 500 ms, after b looked), b fast
+    cfg = SimConfig(spec=get_spec("tiny"), block_size=64, visibility_delay_ms=5000)
+    # given in the caller's order (c, a, b), not arrival order
+    res = simulate([c, a, b], cfg, visibility_delays_ms=[0, 500, 10])
+    assert res.per_request["cached"] == [0, 0, 192]  # per_request follows arrival order: a, b, c
+    with pytest.raises(ReplayError, match="visibility delays"):
+        simulate([a, b], cfg, visibility_delays_ms=[0])
 
 
 def test_interval_checkpoints() -> None:

@@ -8,7 +8,7 @@ the last SSE chunk carries usage, ``cache_salt`` = tenant (the simulator salts c
 A server that ignores streaming and answers one JSON body is accepted (TTFT = full latency).
 
 Tested against an in-process fake server (``httpx.MockTransport``) speaking the same wire format, and
-run by hand against ``kvpool up`` (docs/design/workloads.md §5).
+against ``kvpool up`` next to the simulator (tests/test_workloads_live_vs_sim.py; design doc §5).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class LiveOutcome:
     ttft_ms: float
     e2e_ms: float
     error: str = ""
+    sent_ms: float = 0.0  # when it was sent, ms after the replay started (pacing + waiting for a slot)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -79,6 +80,7 @@ def summarize(outcomes: Sequence[LiveOutcome]) -> dict[str, Any]:
         "cached": [o.cached_tokens for o in outcomes],
         "output": [o.output_tokens for o in outcomes],
         "ttft_ms": [round(o.ttft_ms, 3) for o in outcomes],
+        "sent_ms": [round(o.sent_ms, 3) for o in outcomes],
     }
     return out
 
@@ -188,7 +190,9 @@ async def replay_live_async(
                 if delay > 0:
                     await asyncio.sleep(delay)
             async with sem:
+                sent_ms = (time.perf_counter() - start) * 1000
                 out = await _one(client, url, model, req, timeout_s)
+            out.sent_ms = sent_ms
             done += 1
             if progress is not None:
                 progress(done, len(reqs))

@@ -372,14 +372,25 @@ def simulate(
     requests: Sequence[Request],
     config: SimConfig,
     progress: Callable[[int, int], None] | None = None,
+    visibility_delays_ms: Sequence[float] | None = None,
 ) -> SimResult:
     """Replay ``requests`` (sorted by arrival here, stable) through a fresh ``PrefixIndex``.
 
     With ``config.visibility_delay_ms`` > 0 a request's objects become visible that long after its
     arrival (a stand-in for prefill + decode time), so requests arriving meanwhile miss them, as live.
+    ``visibility_delays_ms`` (one per request, in the order given) overrides it per request, e.g. with
+    each request's measured TTFT from a live replay (prefill has pushed by its first token).
     """
     r = _Replay(requests, config)
-    delay = config.visibility_delay_ms / 1000.0
+    if visibility_delays_ms is not None:
+        if len(visibility_delays_ms) != len(requests):
+            raise ReplayError(f"{len(visibility_delays_ms)} visibility delays for {len(requests)} requests")
+        if not all(math.isfinite(d) and d >= 0 for d in visibility_delays_ms):
+            raise ReplayError("visibility delays must be finite and >= 0 ms")
+    delays = [
+        (config.visibility_delay_ms if visibility_delays_ms is None else visibility_delays_ms[i]) / 1000.0
+        for i in range(len(requests))
+    ]
     pending: list[tuple[float, int, _Store]] = []  # (visible at, sequence, store)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
     for seq, i in enumerate(order):
@@ -389,8 +400,8 @@ def simulate(
             r.store(st)
         r.clock.now = now
         st = r.lookup(requests[i])
-        if delay > 0:
-            heapq.heappush(pending, (now + delay, seq, st))
+        if delays[i] > 0:
+            heapq.heappush(pending, (now + delays[i], seq, st))
         else:
             r.store(st)
         if progress is not None:
