@@ -221,7 +221,7 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
             # compact locations (one LocationTable, decoded into numpy columns inside the timed window)
             t0 = time.perf_counter()
             reply = await client.match_prefix(hashes, require_checkpoint=True, compact=True)
-            cols = LocationColumns(reply.table)
+            cols = LocationColumns.of_match(reply, hashes)
             dt = time.perf_counter() - t0
             if reply.usable_blocks != CHAIN_BLOCKS or reply.mla_run_blocks != CHAIN_BLOCKS:
                 raise VerifyError(f"match_prefix returned usable={reply.usable_blocks} "
@@ -255,7 +255,7 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
     times.sort()
     return {"chain_blocks": CHAIN_BLOCKS, "calls": calls, "usable_blocks": CHAIN_BLOCKS,
             "one_block_p50_ms": round(statistics.median(floor) * 1e3, 3),
-            "locations": "compact LocationTable (match_prefix(compact=True)), decoded with LocationColumns",
+            "locations": "compact LocationTable (compact=True), decoded by LocationColumns.of_match",
             "full_locations_p50_ms": round(statistics.median(full) * 1e3, 3),
             "p50_ms": round(statistics.median(times) * 1e3, 3),
             "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 import xxhash
+from kvpool.cache.keys import KDA_TAG, MLA_TAG
 from kvpool.kvstore.client_rpc import CHANNEL_OPTIONS, raise_typed
 from kvpool.kvstore.errors import (
     CapacityExceededError,
@@ -69,8 +70,15 @@ class LocationColumns:
     ``ObjectLocation`` messages with ``locations()`` only then.
     """
 
-    def __init__(self, table: master_pb2.LocationTable) -> None:
+    def __init__(
+        self,
+        table: master_pb2.LocationTable,
+        block_hashes: Sequence[bytes] | None = None,
+        usable_blocks: int = 0,
+    ) -> None:
         self.rows = table.rows
+        self._hashes = block_hashes
+        self._usable = usable_blocks
         self.nodes = list(table.nodes)
         self.node_index = np.frombuffer(table.node_index, dtype="<u2")
         self.key_width = table.key_width
@@ -86,15 +94,30 @@ class LocationColumns:
             got = len(getattr(self, name))
             if got != self.rows:
                 raise ProtocolError(f"LocationTable column {name} has {got} rows, not {self.rows}")
-        if len(self.keys_blob) != self.rows * self.key_width:
-            raise ProtocolError("LocationTable keys do not match rows * key_width")
+        if self.keys_blob or self.rows == 0:
+            if len(self.keys_blob) != self.rows * self.key_width:
+                raise ProtocolError("LocationTable keys do not match rows * key_width")
+        elif block_hashes is None or not usable_blocks or len(block_hashes) < usable_blocks:
+            raise ProtocolError("LocationTable without keys: use LocationColumns.of_match(reply, hashes)")
+
+    @classmethod
+    def of_match(cls, reply: master_pb2.MatchPrefixReply, block_hashes: Sequence[bytes]) -> LocationColumns:
+        """The compact locations of a ``match_prefix(block_hashes, compact=True)`` reply."""
+        return cls(reply.table, block_hashes, reply.usable_blocks)
 
     def __len__(self) -> int:
         return self.rows
 
     def key(self, i: int) -> bytes:
-        w = self.key_width
-        return self.keys_blob[i * w : (i + 1) * w]
+        if not 0 <= i < self.rows:
+            raise IndexError(f"row {i} of {self.rows}")
+        if self.keys_blob:
+            w = self.key_width
+            return self.keys_blob[i * w : (i + 1) * w]
+        assert self._hashes is not None
+        if i < self._usable:
+            return MLA_TAG + bytes(self._hashes[i])
+        return KDA_TAG + bytes(self._hashes[self._usable - 1])
 
     def location(self, i: int) -> common_pb2.ObjectLocation:
         loc = common_pb2.ObjectLocation(node=self.nodes[int(self.node_index[i])])
@@ -519,7 +542,8 @@ class AsyncStoreClient:
     ) -> master_pb2.MatchPrefixReply:
         """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``.
 
-        ``compact=True``: the locations come as ``reply.table`` (read it with ``LocationColumns``; rows
+        ``compact=True``: the locations come as ``reply.table`` (``LocationColumns.of_match(reply,
+        block_hashes)``; rows
         ``[0, usable_blocks)`` are the MLA blocks, then the checkpoint) and ``mla``/``checkpoint`` stay
         empty: ~0.5 ms instead of ~5 ms for a 2,000-block chain.
         """

@@ -383,7 +383,11 @@ class MasterCore:
             return reply
         if req.compact:
             table, n_mla = reply.table, m.usable_blocks
-            reply.usable_blocks_on_ssd = _fill_table(table, self.index, keys, n_mla, self._endpoint)
+            # keys left out: the caller sent the hashes, so row i is MLA_TAG + hash i (checkpoint: KDA_TAG +
+            # the last usable hash); 66 KB less per 2,000 blocks, ~40 us of the 1 ms goal
+            reply.usable_blocks_on_ssd = _fill_table(
+                table, self.index, keys, n_mla, self._endpoint, with_keys=False
+            )
             return reply
         rows = self.index.rows(keys)  # all present: the index was not changed since the match
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
@@ -615,6 +619,7 @@ def _fill_table(
     keys: list[bytes],
     n_mla: int,
     endpoint: Callable[[str], common_pb2.NodeEndpoint],
+    with_keys: bool = True,
 ) -> int:
     """Fill a column-wise ``LocationTable`` for ``keys`` (all committed: the caller just matched them);
     returns how many of the first ``n_mla`` rows sit on SSD.
@@ -629,15 +634,21 @@ def _fill_table(
     table.rows = len(keys)
     if not keys:
         return 0
-    node_ids, node_index = np.unique(cols.node[idx], return_inverse=True)
+    nodes = cols.node[idx]
+    if (nodes == nodes[0]).all():  # the common case: one node holds the whole chain
+        node_ids, node_index = nodes[:1], np.zeros(len(keys), dtype="<u2")
+    else:
+        node_ids, node_index = np.unique(nodes, return_inverse=True)
     for nid in node_ids.tolist():
         table.nodes.append(endpoint(index._node_names[nid]))
     table.node_index = node_index.astype("<u2").tobytes()
-    width = len(keys[0])
-    if any(len(k) != width for k in keys):
-        raise InvalidRequest("matched keys differ in length")  # cannot happen: tag + fixed-size hash
-    table.key_width = width
-    table.keys = b"".join(keys)
+    if with_keys:
+        width = len(keys[0])
+        blob = b"".join(keys)
+        if len(blob) != width * len(keys):  # cannot happen: every key is a kind tag + a validated hash
+            raise InvalidRequest("matched keys differ in length")
+        table.key_width = width
+        table.keys = blob
     table.kind = cols.kind[idx].astype("u1").tobytes()
     tiers = cols.tier[idx]
     table.tier = tiers.astype("u1").tobytes()

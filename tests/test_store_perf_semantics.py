@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import pytest
 from kvpool.cache.keys import kda_key, mla_key
@@ -75,7 +76,7 @@ def test_compact_match_prefix_carries_the_same_locations() -> None:
     )
     assert list(compact.checkpoint_blocks) == list(full.checkpoint_blocks)
     assert compact.usable_blocks_on_ssd == full.usable_blocks_on_ssd
-    cols = LocationColumns(compact.table)
+    cols = LocationColumns.of_match(compact, hs)
     assert len(cols) == 41 and len(cols.nodes) == 2
     assert cols.locations(0, 40) == list(full.mla)
     assert cols.location(40) == full.checkpoint
@@ -97,7 +98,7 @@ def test_compact_match_prefix_of_nothing_is_empty() -> None:
     core, _hs = _core_with_chain(3)
     reply = core.match_prefix(master_pb2.MatchPrefixRequest(block_hashes=[b"\x01" * 32], compact=True))
     assert reply.usable_blocks == 0 and reply.table.rows == 0
-    assert len(LocationColumns(reply.table)) == 0
+    assert len(LocationColumns.of_match(reply, [b"\x01" * 32])) == 0
 
 
 # --- overlapped gets (the transfer starts while the master's Lookup is in flight) -----------------------
@@ -126,9 +127,13 @@ def test_overlapped_get_answers_like_lookup_then_fetch(cluster, transport) -> No
         assert b.remove([key]) == 1
         with pytest.raises(ObjectNotFoundError):
             a.get(key)
-        # replaced by someone else with other bytes: a gets the new object, never the old one
+        # replaced by someone else with other bytes: a gets the new object, never the old one. (The master's
+        # Delete reaches the node asynchronously; a re-put with other bytes before it lands is refused by
+        # the node as ObjectExistsError, a separate, older race: give the Delete time to land.)
+        time.sleep(0.5)
         assert a.put(key, first) is True
         b.remove([key])
+        time.sleep(0.5)
         assert b.put(key, second) is True
         out = bytearray(len(second))
         assert a.get_into(key, out) == len(second) and out == second
