@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import gc
 import mmap
 import secrets
+import threading
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -196,12 +198,52 @@ class ReaderMapping:
     """
 
     CHUNK = 2 << 20
+    BACKGROUND_STEP = 16 << 20  # per madvise call of the background mapper
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, background: bool = False) -> None:
         self.shm = attach_segment(name)
         self.buf: memoryview = self.shm.buf
         self._mapped = bytearray(-(-len(self.buf) // self.CHUNK))
         self._supported = True
+        self._stop = threading.Event()
+        self._mapper: threading.Thread | None = None
+        if background:
+            self._start_mapper()
+
+    def _start_mapper(self) -> None:
+        """Map the whole segment in a background thread, so that puts into fresh extents do not pay the
+        1.25 ms per 4 MB ``prepare`` on the request path (measured: a fresh-region 4 MB shm put 3.1 ms,
+        most of it that madvise). libc's madvise is called through ctypes, which releases the GIL
+        (``mmap.madvise`` holds it), so the event loop keeps running; ``prepare`` stays correct for
+        regions the mapper has not reached yet. Costs page tables (~2 MiB per GiB of pool) in this process.
+        """
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            madvise = libc.madvise
+            madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            anchor = ctypes.c_char.from_buffer(self.buf)
+            base = ctypes.addressof(anchor)
+            del anchor  # no lasting export of the buffer: close() must be able to release it
+        except (OSError, AttributeError, TypeError, ValueError):
+            return
+        total = len(self.buf)
+        per = max(1, self.BACKGROUND_STEP // self.CHUNK)
+
+        def run() -> None:
+            for first in range(0, len(self._mapped), per):
+                if self._stop.is_set():
+                    return
+                last = min(first + per, len(self._mapped))
+                if all(self._mapped[first:last]):
+                    continue
+                start = first * self.CHUNK
+                length = min(last * self.CHUNK, total) - start
+                if madvise(base + start, length, MADV_POPULATE_WRITE) != 0:
+                    return  # kernel without MADV_POPULATE: prepare() falls back to faulting
+                self._mapped[first:last] = b"\x01" * (last - first)
+
+        self._mapper = threading.Thread(target=run, name="kvpool-shm-mapper", daemon=True)
+        self._mapper.start()
 
     def prepare(self, offset: int, size: int) -> None:
         if not self._supported or size <= 0:
@@ -219,5 +261,8 @@ class ReaderMapping:
         self._mapped[first : last + 1] = b"\x01" * (last + 1 - first)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._mapper is not None:
+            self._mapper.join(5.0)  # at most one madvise step (~10 ms) is in flight
         with contextlib.suppress(BufferError):  # a caller still holds a slice: the mapping goes with it
             _release(self.buf, self.shm)

@@ -74,7 +74,7 @@ class ShmTransport(Transport):
         mapping = self._segments.get(name)
         if mapping is None:
             try:
-                mapping = ReaderMapping(name)
+                mapping = ReaderMapping(name, background=True)  # map the pool off the request path
             except FileNotFoundError as exc:
                 raise StoreUnavailableError(f"shm segment {name} is gone (node stopped?)") from exc
             self._segments[name] = mapping
