@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -42,6 +43,7 @@ from kvpool.kvstore.errors import (
 )
 from kvpool.kvstore.transport_base import DEFAULT_DEADLINES, Buffer, Deadlines, Transport, as_bytes_view
 from kvpool.kvstore.transport_select import TransportSelector
+from kvpool.kvstore.transport_shm import ShmTransport
 from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
 
 T = TypeVar("T")
@@ -166,6 +168,7 @@ class AsyncStoreClient:
         # key -> where this client last saw the object (its own puts, its lookups): lets a get start the
         # transfer while the master's Lookup is in flight (see _read_into)
         self._where: OrderedDict[bytes, common_pb2.ObjectLocation] = OrderedDict()
+        self._last_put_node: common_pb2.NodeEndpoint | None = None  # where shm puts reserve speculatively
 
     # --- plumbing ----------------------------------------------------------------------------------------
     @property
@@ -249,20 +252,79 @@ class AsyncStoreClient:
     async def _put(self, item: PutItem, replace_if_corrupt: bool = False) -> bool:
         view = as_bytes_view(item.data)
         meta = self._meta(item.key, view, item.kind, item.tenant, item.parent, item.ttl_ms)
-        start = await self._rpc(
-            "PutStart", master_pb2.PutStartRequest(meta=meta, replace_if_corrupt=replace_if_corrupt)
-        )
-        if start.status != master_pb2.PutStartReply.STARTED:
-            return False  # EXISTS / IN_PROGRESS: someone else stored (or is storing) the same object
+        shm, guess, spec, token = None, self._last_put_node, None, ""
+        if guess is not None and not replace_if_corrupt:
+            with contextlib.suppress(StoreError):
+                t = self.transports.for_node(guess)
+                if isinstance(t, ShmTransport):
+                    shm, token = t, f"spec-{secrets.token_hex(8)}"
+                    spec = asyncio.get_running_loop().create_task(
+                        shm.reserve_and_copy(guess, token, meta, view)
+                    )
         try:
-            transport = self.transports.for_node(start.node)
-            await self._transfer(transport, start, meta, view)
+            start = await self._rpc(
+                "PutStart", master_pb2.PutStartRequest(meta=meta, replace_if_corrupt=replace_if_corrupt)
+            )
+        except BaseException:
+            await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+            raise
+        if start.status != master_pb2.PutStartReply.STARTED:
+            await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+            return False  # EXISTS / IN_PROGRESS: someone else stored (or is storing) the same object
+        self._last_put_node = start.node
+        try:
+            if not await self._finish_speculative_put(shm, guess, spec, token, start, meta):
+                transport = self.transports.for_node(start.node)
+                await self._transfer(transport, start, meta, view)
         except BaseException as exc:
             await self._abort(start.put_id, exc)
             raise
         await self._rpc("PutCommit", master_pb2.PutCommitRequest(put_id=start.put_id))
         self._remember(common_pb2.ObjectLocation(meta=meta, node=start.node))
         return True
+
+    async def _finish_speculative_put(
+        self,
+        shm: ShmTransport | None,
+        guess: common_pb2.NodeEndpoint | None,
+        spec: asyncio.Task[bool] | None,
+        token: str,
+        start: Any,
+        meta: common_pb2.ObjectMeta,
+    ) -> bool:
+        """shm puts: the RESERVE + copy ran on the node of this client's previous put while PutStart was in
+        flight (one round trip and the copy off the critical path). Kept only if the master placed the put
+        on that same node; then SEAL publishes it (the node verifies the checksum) exactly as the plain
+        path would. Otherwise the reservation is aborted and the caller runs the plain transfer. A
+        speculative RESERVE never touches a copy the node already holds (FLAG_SPECULATIVE: a plain RESERVE
+        would replace a corrupt copy, which only the master may order); then the plain path runs.
+        """
+        if spec is None or shm is None or guess is None:
+            return False
+        await _settle(spec)
+        ok = not spec.cancelled() and spec.exception() is None
+        if ok and spec.result() and start.node.node_id == guess.node_id:
+            await shm.seal(guess, token, meta.size)
+            self._count("put.overlapped")
+            return True
+        await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+        self._count("put.overlap_discarded")
+        return False
+
+    async def _drop_speculative_put(
+        self,
+        shm: ShmTransport | None,
+        guess: common_pb2.NodeEndpoint | None,
+        spec: asyncio.Task[bool] | None,
+        token: str,
+        size: int,
+    ) -> None:
+        if spec is None or shm is None or guess is None:
+            return
+        await _settle(spec)
+        if not spec.cancelled() and spec.exception() is None and spec.result():
+            with contextlib.suppress(StoreError):  # else the node's reaper frees it at its deadline
+                await shm.seal(guess, token, size, abort=True)
 
     def _remember(self, loc: common_pb2.ObjectLocation) -> None:
         where = self._where

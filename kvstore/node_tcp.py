@@ -31,6 +31,7 @@ from kvpool.kvstore.transport_frame import (
     EXTENT,
     FLAG_ABORT,
     FLAG_EXISTS,
+    FLAG_SPECULATIVE,
     HEADER_SIZE,
     OP_GET,
     OP_LOCATE,
@@ -190,7 +191,11 @@ class TcpDataServer:
                     header.ParseFromString(frame.aux)
                 except Exception as exc:
                     raise BadRequestError(f"bad PutHeader: {exc}") from exc
-                pending = self.store.reserve(header.put_id, header.meta, self.reservation_ttl_s)
+                existing = self.store.objects.get(header.meta.key)
+                if frame.flags & FLAG_SPECULATIVE and existing is not None and not existing.doomed:
+                    pending = None  # leave any copy here alone: the client falls back to the plain path
+                else:
+                    pending = self.store.reserve(header.put_id, header.meta, self.reservation_ttl_s)
                 if pending is None:
                     reply.flags = FLAG_EXISTS
                 else:

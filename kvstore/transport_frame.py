@@ -38,6 +38,9 @@ RESPONSE = 0x80
 OPS = (OP_PUT, OP_GET, OP_PING, OP_LOCATE, OP_RESERVE, OP_SEAL)
 FLAG_EXISTS = 1
 FLAG_ABORT = 1
+# RESERVE request: made before the master placed the put; if the key is here at all, answer FLAG_EXISTS and
+# touch nothing (a plain RESERVE of a key whose copy is corrupt replaces it, which only the master may order)
+FLAG_SPECULATIVE = 2
 EXTENT = struct.Struct("<QQ")
 
 STATUS_OK = 0

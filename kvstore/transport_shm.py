@@ -36,6 +36,7 @@ from kvpool.kvstore.transport_frame import (
     EXTENT,
     FLAG_ABORT,
     FLAG_EXISTS,
+    FLAG_SPECULATIVE,
     OP_LOCATE,
     OP_RESERVE,
     OP_SEAL,
@@ -95,6 +96,39 @@ class ShmTransport(Transport):
         if isinstance(reply, StoreError):
             raise reply
         return reply
+
+    async def reserve_and_copy(
+        self, node: common_pb2.NodeEndpoint, token: str, meta: common_pb2.ObjectMeta, data: Buffer
+    ) -> bool:
+        """First half of a put: RESERVE under ``token`` and copy the bytes in; nothing is published until
+        ``seal(node, token)``. False when the node already holds this object (nothing reserved).
+
+        Lets the client do this while the master's PutStart is in flight (the node keys reservations by
+        the caller's token and never checks master put ids); an unused reservation is aborted by the
+        client, or freed by the node's reaper at its deadline if the client vanished.
+        """
+        self._check(node)
+        view = as_bytes_view(data)
+        if len(view) != meta.size:
+            raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
+        header = node_pb2.PutHeader(put_id=token, meta=meta).SerializeToString()
+        reply = await self._one(node, Frame(OP_RESERVE, key=meta.key, aux=header, flags=FLAG_SPECULATIVE))
+        if reply.flags & FLAG_EXISTS:
+            return False
+        try:
+            seg, offset, _size = self._extent(reply)
+            seg[offset : offset + meta.size] = view
+        except BaseException:
+            with contextlib.suppress(StoreError):
+                await self._one(node, Frame(OP_SEAL, aux=token.encode(), flags=FLAG_ABORT))
+            raise
+        return True
+
+    async def seal(self, node: common_pb2.NodeEndpoint, token: str, size: int, abort: bool = False) -> None:
+        """Publish (the node verifies the checksum) or abort a ``reserve_and_copy`` reservation."""
+        await self._one(node, Frame(OP_SEAL, aux=token.encode(), flags=FLAG_ABORT if abort else 0))
+        if not abort:
+            self.bytes_out += size
 
     async def put(
         self, node: common_pb2.NodeEndpoint, put_id: str, meta: common_pb2.ObjectMeta, data: Buffer

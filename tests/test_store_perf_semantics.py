@@ -139,3 +139,26 @@ def test_overlapped_get_answers_like_lookup_then_fetch(cluster, transport) -> No
         assert a.get_into(key, out) == len(second) and out == second
         assert a.get(key) == second
         assert a.metrics().get("get.overlap_discarded", 0) >= 1
+
+
+def test_speculative_shm_reservation_is_aborted_when_the_put_is_a_duplicate(cluster) -> None:
+    import grpc
+    from kvpool.proto import node_pb2, node_pb2_grpc
+
+    master, node = cluster
+    data = os.urandom(100_000)
+    key = f"perf/dup/{os.urandom(4).hex()}".encode()
+
+    def dram_used() -> int:
+        with grpc.insecure_channel(node.grpc_target) as ch:
+            reply = node_pb2_grpc.StorageNodeStub(ch).Info(node_pb2.NodeInfoRequest(), timeout=5)
+        return reply.dram_used_bytes
+
+    with StoreClient(master.address, "shm") as c:
+        assert c.put(key + b"/first", data) is True  # the client now knows a node to reserve on
+        assert c.put(key, data) is True
+        assert c.metrics().get("put.overlapped", 0) >= 1
+        used = dram_used()
+        assert c.put(key, data) is False  # EXISTS at the master: nothing stays reserved
+        assert dram_used() == used
+        assert c.get(key) == data
