@@ -54,7 +54,7 @@ def timed(fns: list[Callable[[], object]], reps: int) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", choices=["tiny", "tiny8"])
+    ap.add_argument("--model", default="tiny", choices=["tiny", "tiny8", "tiny-dsa", "tiny-dsa-fp8"])
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)

@@ -23,16 +23,19 @@ class ModelInfo:
 
 
 def model_config(model: str) -> ModelConfig:
-    if model in ("tiny", "tiny8"):
-        from kvpool.model.tiny import tiny_config
+    from kvpool.model.loader import tiny_model_config
 
-        return tiny_config(8 if model == "tiny8" else 4)
+    config = tiny_model_config(model)
+    if config is not None:
+        return config
     return ModelConfig.from_json_file(Path(model) / "config.json")
 
 
 def load_model_info(model: str, fingerprint_hex: str | None) -> ModelInfo:
     config = model_config(model)
-    tokenizer = load_tokenizer(None if model in ("tiny", "tiny8") else model, config)
+    from kvpool.model.loader import TINY_MODELS
+
+    tokenizer = load_tokenizer(None if model in TINY_MODELS else model, config)
     if fingerprint_hex:
         fingerprint = bytes.fromhex(fingerprint_hex)
     else:

@@ -135,6 +135,7 @@ class _Reference:
         import torch
 
         from kvpool.decode.colocated import Colocated
+        from kvpool.model import loader
         from kvpool.model.loader import load_model
         from kvpool.model.tokenizer import load_tokenizer
 
@@ -143,7 +144,7 @@ class _Reference:
         torch.use_deterministic_algorithms(True)
         self.model = load_model(model_name)
         self.tokenizer = load_tokenizer(
-            None if model_name in ("tiny", "tiny8") else model_name, self.model.config
+            None if model_name in loader.TINY_MODELS else model_name, self.model.config
         )
         self.schema = self.model.cache_schema(block_size)
         self.colocated = Colocated(self.model, None, block_size=block_size, tokenizer=self.tokenizer)
@@ -269,7 +270,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "verify", help="check disaggregated + cache == plain model on a fixed prompt set"
     )
-    p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny | tiny8 | tiny-dsa | tiny-dsa-fp8 | a Kimi-Linear checkpoint directory",
+    )
     p.add_argument(
         "--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
     )

@@ -175,10 +175,16 @@ def test_metric_labels_are_capped_and_salts_hashed() -> None:
     )
 
 
-def test_dns_specs_become_one_worker_per_address() -> None:
+def test_dns_specs_become_one_worker_per_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.gateway import workers
+
+    # The resolver runs in the default executor: under load 2 s is not always enough for `localhost`, and a
+    # name that needs a real DNS server can block the executor (so asyncio.run's shutdown) for minutes on a
+    # machine without one. This test is about the bookkeeping: the bad spec fails before any lookup.
+    monkeypatch.setattr(workers, "DNS_TIMEOUT_S", 15.0)
+
     async def go() -> tuple[list[str], list[str]]:
-        pool = WorkerPool(["127.0.0.1:1", "dns:localhost:50061"], ["dns:no-such-host.invalid:1"])
-        pool.start()
+        pool = WorkerPool(["127.0.0.1:1", "dns:localhost:50061"], ["dns:no-such-host.invalid:notaport"])
         await pool.refresh_dns()
         found = sorted(w.address for w in pool.prefill)
         decode = [w.address for w in pool.decode]
@@ -186,8 +192,8 @@ def test_dns_specs_become_one_worker_per_address() -> None:
         return found, decode
 
     found, decode = asyncio.run(go())
-    assert found[0] == "127.0.0.1:1" and "127.0.0.1:50061" in found
-    assert all(w.endswith(":50061") for w in found[1:]) and decode == []
+    assert "127.0.0.1:50061" in found
+    assert all(w.endswith(":50061") for w in found) and decode == []
 
 
 def test_concurrency_limit_answers_429_and_slots_release_once(codec: TextCodec) -> None:

@@ -396,17 +396,19 @@ def test_async_stub_works_too(master: MasterProcess, node: ProbeNode) -> None:
 def test_large_inventory_adoption(tmp_path: Path) -> None:
     """A node holding 200k objects (a ~15 MB RegisterNode, over gRPC's 4 MB default) is adopted in one
     call, and the stall it causes does not get a heartbeating neighbour declared dead."""
-    m = MasterProcess(tmp_path, "--heartbeat-ms", "100", "--node-timeout-ms", "800")
+    # The inventory is built before any heartbeat starts: building 200k protobufs holds this process's GIL,
+    # which would starve the probe's own heartbeat thread and test the test, not the master.
+    hs = chain(200_000, "big")
+    inventory, parent = [], b""
+    for h in hs:
+        inventory.append(meta(mla_key(h), 1 << 20, common_pb2.MLA_BLOCK, parent=parent))
+        parent = mla_key(h)
+    m = MasterProcess(tmp_path, "--heartbeat-ms", "100", "--node-timeout-ms", "1500")
     big = ProbeNode("big", m, dram=1 << 40)
     small = ProbeNode("small", m, dram=1 << 20)
     try:
         small.register()
         small.start_heartbeats()
-        hs = chain(200_000, "big")
-        inventory, parent = [], b""
-        for h in hs:
-            inventory.append(meta(mla_key(h), 1 << 20, common_pb2.MLA_BLOCK, parent=parent))
-            parent = mla_key(h)
         t = time.monotonic()
         assert big.register(inventory).adopted_objects == 200_000
         took = time.monotonic() - t
