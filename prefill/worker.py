@@ -76,7 +76,9 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     torch.use_deterministic_algorithms(True)
     model = load_model(args.model)
     model.cache_schema(args.block_size)  # rejects a block size off the 64-token grid before serving
-    model_dir = None if args.model in ("tiny", "tiny8") else args.model
+    from kvpool.model.loader import TINY_MODELS
+
+    model_dir = None if args.model in TINY_MODELS else args.model
     tokenizer = load_tokenizer(model_dir, model.config)
     store = (
         None
