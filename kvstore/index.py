@@ -71,6 +71,7 @@ _DEPTH_MAX = 0xFFFF
 _LIVE = 1
 _PENDING = 2
 _PINNED = 4
+_CKPT = 8  # on a committed slot keyed MLA_TAG + h: the key KDA_TAG + h is committed too (match_prefix)
 
 
 class ObjectKind(IntEnum):
@@ -301,6 +302,7 @@ class PrefixIndex:
         self._slot: dict[bytes, int] = {}  # committed objects
         self._pending: dict[bytes, int] = {}  # two-phase puts not yet committed
         self._orphans: dict[bytes, int] = {}  # absent anchor key -> live dependents waiting for it
+        self._odd_twins = 0  # live objects keyed KDA_TAG + hash whose kind is not KDA (see _mark_checkpoint)
         self._tenants: list[str] = [""]
         self._tenant_ids: dict[str, int] = {"": 0}
         self._tenant_bytes: dict[int, int] = {}
@@ -445,10 +447,14 @@ class PrefixIndex:
         c.checksum[slot] = checksum
         c.last_use[slot] = now
         c.freq[slot] = 1.0  # a write is the first use, identical under every policy (no per-insert call)
-        c.deps[slot] = self._orphans.pop(key, 0)
+        deps = c.deps[slot] = self._orphans.pop(key, 0)
         self._link_anchor(slot, key, kind, parent)
         (self._pending if pending else self._slot)[key] = slot
         self._keys[slot] = key
+        if kind != ObjectKind.KDA and len(key) == 1 + HASH_BYTES and key[:1] == KDA_TAG:
+            self._odd_twins += 1
+        if not pending:
+            self._mark_checkpoint(slot, key, deps)
         node.used[tier] += size
         self._tenant_bytes[tid] = self._tenant_bytes.get(tid, 0) + size
         if ttl_ms:
@@ -464,6 +470,7 @@ class PrefixIndex:
             raise UnknownKeyError(f"no pending put for key {key[:9].hex()}…")
         self._cols.flags[slot] &= ~np.uint8(_PENDING)
         self._slot[key] = slot
+        self._mark_checkpoint(slot, key, int(self._cols.deps[slot]))
         now = self._clock()
         self._cols.last_use[slot] = now  # recency counts from visibility; the write was the one use
         # never evict what was just written: the writer has not even been told it succeeded
@@ -538,19 +545,26 @@ class PrefixIndex:
         ``touch=True`` marks the usable objects as used (recency/frequency); plain lookups must leave it
         False so that probing never keeps objects alive.
         """
-        slots = self._slot
+        # One dict probe per block: whether KDA_TAG + h is committed too is the _CKPT bit of the MLA slot,
+        # read for the whole run with one numpy gather (half the key building and hashing of probing both).
+        get = self._slot.get
         keys: list[bytes] = []
-        checkpoints: list[int] = []
+        found: list[int] = []
         for h in block_hashes:
             if len(h) != HASH_BYTES:
                 raise BadObjectError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
             mk = MLA_TAG + h
-            if mk not in slots:
+            s = get(mk)
+            if s is None:
                 break
             keys.append(mk)
-            if KDA_TAG + h in slots:
-                checkpoints.append(len(keys))
+            found.append(s)
         run = len(keys)
+        if run:
+            mla = np.array(found, dtype=np.int64)
+            checkpoints = (np.flatnonzero(self._cols.flags[mla] & _CKPT) + 1).tolist()
+        else:
+            checkpoints = []
         if require_checkpoint:
             usable = checkpoints[-1] if checkpoints else 0
             ck = KDA_TAG + keys[usable - 1][1:] if usable else None
@@ -558,10 +572,10 @@ class PrefixIndex:
             usable, ck = run, None
         used = tuple(keys[:usable])
         if touch and usable:
-            idx = [slots[k] for k in used]
+            idx = mla[:usable]
             if ck is not None:
-                idx.append(slots[ck])
-            self.policy.touch(self._cols, np.array(idx, dtype=np.int64), self._clock())
+                idx = np.append(idx, self._slot[ck])
+            self.policy.touch(self._cols, idx, self._clock())
         return PrefixMatch(usable, run, tuple(checkpoints), used, ck)
 
     def get(self, key: bytes) -> ObjectInfo | None:
@@ -771,6 +785,26 @@ class PrefixIndex:
         slot = self._slot.get(key)
         return self._pending.get(key) if slot is None else slot
 
+    def _mark_checkpoint(self, slot: int, key: bytes, deps: int) -> None:
+        """Keep the _CKPT bit true as ``key`` becomes committed (``deps``: its dependents now): set on an
+        MLA-tagged slot whose KDA-tagged twin is committed, or on the committed MLA-tagged twin of a
+        KDA-tagged key. By key tag, not kind, exactly like the lookups match_prefix used to make.
+
+        A pending or fresh slot never has the bit (insert writes the flags, _drop clears them). A KDA object
+        depends on its MLA block, so a committed KDA twin means ``deps`` > 0; only a twin of another kind
+        (``_odd_twins``, a blob under a KDA-tagged key) forces the lookup when there are no dependents. This
+        keeps the common insert (a new leaf block) free of building and hashing a second key."""
+        if len(key) != 1 + HASH_BYTES:
+            return
+        tag = key[:1]
+        if tag == MLA_TAG:
+            if (deps or self._odd_twins) and KDA_TAG + key[1:] in self._slot:
+                self._cols.flags[slot] |= np.uint8(_CKPT)
+        elif tag == KDA_TAG:
+            m = self._slot.get(MLA_TAG + key[1:])
+            if m is not None:
+                self._cols.flags[m] |= np.uint8(_CKPT)
+
     def _alloc_slot(self) -> int:
         if self._free:
             return self._free.pop()
@@ -831,8 +865,15 @@ class PrefixIndex:
         c = self._cols
         key = self._keys[slot]
         assert key is not None
-        if self._slot.pop(key, None) is None:
+        committed = self._slot.pop(key, None) is not None
+        if not committed:
             self._pending.pop(key, None)
+        if len(key) == 1 + HASH_BYTES and key[:1] == KDA_TAG:
+            if c.kind[slot] != ObjectKind.KDA:
+                self._odd_twins -= 1
+            m = self._slot.get(MLA_TAG + key[1:]) if committed else None
+            if m is not None:
+                c.flags[m] &= ~np.uint8(_CKPT)
         anchor = self._anchors[slot]
         if anchor is not None:
             a = self._find(anchor)
