@@ -404,7 +404,7 @@ class MasterCore:
     def lookup(self, req: master_pb2.LookupRequest) -> master_pb2.LookupReply:
         keys = _check_keys(req.keys)
         lease_ms = self._lease_ms(req.lease_ms)
-        infos = self.index.lookup(keys, touch=req.acquire)
+        infos = self.index.lookup(keys, touch=req.acquire or req.touch)
         reply = master_pb2.LookupReply()
         found = [i for i in infos if i is not None]
         if req.acquire and found:

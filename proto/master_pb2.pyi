@@ -167,14 +167,16 @@ class LocationTable(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeEndpoint, _Mapping]]] = ..., node_index: _Optional[bytes] = ..., key_width: _Optional[int] = ..., keys: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., tier: _Optional[bytes] = ..., size: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., tenants: _Optional[_Iterable[str]] = ..., tenant_index: _Optional[bytes] = ..., ttl_ms: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "acquire", "lease_ms")
+    __slots__ = ("keys", "acquire", "lease_ms", "touch")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOUCH_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     acquire: bool
     lease_ms: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    touch: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., touch: _Optional[bool] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("found", "missing", "lease_id")
