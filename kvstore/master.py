@@ -86,6 +86,7 @@ class MasterConfig:
     node_call_timeout_ms: int = 2000
     sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
     state_path: Path | None = None  # quotas and pins persisted here (JSON), None = not persisted
+    wire_port: int = 0  # master wire listener (kvstore/master_wire.py): 0 = any free port, -1 = off
 
     def validate(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -97,6 +98,8 @@ class MasterConfig:
             raise ValueError("node_timeout_ms must exceed heartbeat_ms")
         if not 0 < self.sweep_ms * 2 <= self.node_timeout_ms:
             raise ValueError("sweep_ms must be at most half of node_timeout_ms")
+        if not -1 <= self.wire_port <= 65535:
+            raise ValueError("wire_port must be -1 (off), 0 (any free port) or a port number")
 
 
 class NodeAction(StrEnum):
@@ -413,6 +416,10 @@ class MasterCore:
                 reply.lease_id = f"{self.instance}:{lease.lease_id}"
             self._promote_on_hit([i for i in found if i.tier == Tier.SSD])
             infos = self.index.lookup(keys)
+        if req.touch and not req.acquire:  # a use report: the reads are done, their locations are not needed
+            reply.missing.extend(k for k, info in zip(keys, infos, strict=True) if info is None)
+            self._count("touch_reports")
+            return reply
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
         for key, info in zip(keys, infos, strict=True):
             if info is None:

@@ -27,7 +27,8 @@ class _NodeWorker:
         self.address = f"{endpoint.host}:{endpoint.grpc_port}"
         self.channel = grpc.aio.insecure_channel(self.address)
         self.stub = node_pb2_grpc.StorageNodeStub(self.channel)
-        self.queue: list[tuple[NodeAction, list[bytes]]] = []
+        # (action, keys, done): ``done`` resolves once the call was attempted (delivered or failed)
+        self.queue: list[tuple[NodeAction, list[bytes], asyncio.Future[None]]] = []
         self.task: asyncio.Task[None] | None = None
 
 
@@ -46,15 +47,24 @@ class NodeNotifier:
         self._on_missing = on_missing
         self._workers: dict[str, _NodeWorker] = {}
 
-    def submit(self, batches: list[PendingActions]) -> None:
+    def submit(self, batches: list[PendingActions]) -> list[asyncio.Future[None]]:
+        """Queue the calls; the returned futures resolve as each one has been attempted. Most callers
+        ignore them (the master never waits for nodes while answering); ``Remove`` waits, bounded, so that
+        a removed key is gone from its node before the client hears "removed" (clients read known keys
+        straight from nodes)."""
+        loop = asyncio.get_running_loop()
+        done: list[asyncio.Future[None]] = []
         for batch in batches:
             worker = self._worker(batch.node)
             for action in (NodeAction.PROMOTE, NodeAction.DEMOTE, NodeAction.DELETE):
                 keys = batch.keys.get(action)
                 if keys:
-                    worker.queue.append((action, keys))
+                    fut: asyncio.Future[None] = loop.create_future()
+                    worker.queue.append((action, keys, fut))
+                    done.append(fut)
             if worker.task is None or worker.task.done():
-                worker.task = asyncio.get_running_loop().create_task(self._drain(worker))
+                worker.task = loop.create_task(self._drain(worker))
+        return done
 
     async def idle(self, timeout_s: float = 5.0) -> None:
         """Wait (bounded) until every queued call has been sent; used at shutdown and by tests."""
@@ -67,6 +77,11 @@ class NodeNotifier:
             if worker.task is not None:
                 worker.task.cancel()
         await asyncio.gather(*(w.task for w in self._workers.values() if w.task), return_exceptions=True)
+        for worker in self._workers.values():  # nobody may wait on a call that will never be made
+            for _action, _keys, done in worker.queue:
+                if not done.done():
+                    done.set_result(None)
+            worker.queue.clear()
         await asyncio.gather(*(w.channel.close() for w in self._workers.values()), return_exceptions=True)
         self._workers.clear()
 
@@ -81,25 +96,37 @@ class NodeNotifier:
 
     async def _drain(self, worker: _NodeWorker) -> None:
         while worker.queue:
-            action, keys = worker.queue.pop(0)
-            for start in range(0, len(keys), MAX_KEYS_PER_NODE_CALL):
-                chunk = keys[start : start + MAX_KEYS_PER_NODE_CALL]
-                method = {
-                    NodeAction.DELETE: worker.stub.Delete,
-                    NodeAction.DEMOTE: worker.stub.Demote,
-                    NodeAction.PROMOTE: worker.stub.Promote,
-                }[action]
+            action, keys, done = worker.queue.pop(0)
+            try:
+                await self._deliver(worker, action, keys)
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+    async def _deliver(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes]) -> None:
+        for start in range(0, len(keys), MAX_KEYS_PER_NODE_CALL):
+            chunk = keys[start : start + MAX_KEYS_PER_NODE_CALL]
+            method = {
+                NodeAction.DELETE: worker.stub.Delete,
+                NodeAction.DEMOTE: worker.stub.Demote,
+                NodeAction.PROMOTE: worker.stub.Promote,
+            }[action]
+            try:
+                reply = await method(node_pb2.KeysRequest(keys=chunk), timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                self._count(f"node_{action.value}_failed", len(chunk))
+                log.warning(
+                    "%s of %d keys on %s failed: %s",
+                    action.value,
+                    len(chunk),
+                    worker.address,
+                    exc.code().name,
+                )
+                continue
+            self._count(f"node_{action.value}_done", reply.done)
+            self._count(f"node_{action.value}_missing", len(reply.missing))
+            if reply.missing and self._on_missing is not None:
                 try:
-                    reply = await method(node_pb2.KeysRequest(keys=chunk), timeout=self.timeout_s)
-                except grpc.aio.AioRpcError as exc:
-                    self._count(f"node_{action.value}_failed", len(chunk))
-                    log.warning("%s of %d keys on %s failed: %s", action.value, len(chunk), worker.address,
-                                exc.code().name)
-                    continue
-                self._count(f"node_{action.value}_done", reply.done)
-                self._count(f"node_{action.value}_missing", len(reply.missing))
-                if reply.missing and self._on_missing is not None:
-                    try:
-                        self._on_missing(worker.node_id, action, list(reply.missing))
-                    except Exception:  # reconciliation is best effort; the worker must keep draining
-                        log.exception("handling missing keys from %s failed", worker.address)
+                    self._on_missing(worker.node_id, action, list(reply.missing))
+                except Exception:  # reconciliation is best effort; the worker must keep draining
+                    log.exception("handling missing keys from %s failed", worker.address)

@@ -35,7 +35,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.core = core
         self.notifier = notifier
 
-    async def _run(self, fn: Callable[[Req], Any], request: Req, context: grpc.aio.ServicerContext) -> Any:
+    async def _run(
+        self,
+        fn: Callable[[Req], Any],
+        request: Req,
+        context: grpc.aio.ServicerContext,
+        wait_nodes: bool = False,
+    ) -> Any:
         try:
             reply = fn(request)
         except MasterError as exc:
@@ -47,7 +53,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         actions = self.core.take_actions()
         if actions:
-            self.notifier.submit(actions)
+            done = self.notifier.submit(actions)
+            if wait_nodes and done:  # bounded: a dead node is dropped by the sweep anyway
+                await asyncio.wait(done, timeout=self.notifier.timeout_s)
         return reply
 
     async def RegisterNode(self, request, context):
@@ -75,7 +83,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return await self._run(self.core.release, request, context)
 
     async def Remove(self, request, context):
-        return await self._run(self.core.remove, request, context)
+        # answer only once the nodes dropped the keys: clients read keys they know straight from nodes,
+        # and a removed key must never be readable again after "removed"
+        return await self._run(self.core.remove, request, context, wait_nodes=True)
 
     async def Pin(self, request, context):
         return await self._run(self.core.pin, request, context)

@@ -64,9 +64,18 @@ class TransportSelector:
             return str(exc)
         return None
 
+    @staticmethod
+    def _node_key(node) -> str:  # type: ignore[no-untyped-def]
+        return f"{node.node_id}|{node.host}|{node.tcp_port}|{node.shm_name}|{node.ucx_port}"
+
+    def decided(self, node) -> Transport | None:  # type: ignore[no-untyped-def]
+        """The transport already chosen for ``node``, or None: never probes, so any thread may ask."""
+        name = self._decided.get(self._node_key(node))
+        return None if name is None else self.backends.get(name)
+
     def for_node(self, node) -> Transport:  # type: ignore[no-untyped-def]
         """The transport for ``node`` (a ``NodeEndpoint``)."""
-        key = f"{node.node_id}|{node.host}|{node.tcp_port}|{node.shm_name}|{node.ucx_port}"
+        key = self._node_key(node)
         name = self._decided.get(key)
         if name is None:
             if self.choice == "auto":

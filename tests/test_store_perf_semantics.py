@@ -101,7 +101,7 @@ def test_compact_match_prefix_of_nothing_is_empty() -> None:
     assert len(LocationColumns.of_match(reply, [b"\x01" * 32])) == 0
 
 
-# --- overlapped gets (the transfer starts while the master's Lookup is in flight) -----------------------
+# --- direct gets (a key whose node the client knows is read without asking the master) ------------------
 
 
 @pytest.fixture(scope="module")
@@ -115,30 +115,47 @@ def cluster(tmp_path_factory):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_overlapped_get_answers_like_lookup_then_fetch(cluster, transport) -> None:
+def test_direct_get_answers_like_lookup_then_fetch(cluster, transport) -> None:
     master, _node = cluster
     key = f"perf/{transport}/{os.urandom(4).hex()}".encode()
     first, second = os.urandom(300_000), os.urandom(200_000)
     with StoreClient(master.address, transport) as a, StoreClient(master.address, transport) as b:
         assert a.put(key, first) is True  # a now knows where the key lives
         assert a.get(key) == first
-        assert a.metrics().get("get.overlapped", 0) >= 1
-        # removed by someone else: a's remembered location must not resurrect it
+        assert a.metrics().get("get.direct", 0) >= 1
+        # removed by someone else: Remove answers only after the node dropped the key, so a's remembered
+        # location must not resurrect it, not even for a moment
         assert b.remove([key]) == 1
         with pytest.raises(ObjectNotFoundError):
             a.get(key)
-        # replaced by someone else with other bytes: a gets the new object, never the old one. (The master's
-        # Delete reaches the node asynchronously; a re-put with other bytes before it lands is refused by
-        # the node as ObjectExistsError, a separate, older race: give the Delete time to land.)
-        time.sleep(0.5)
+        with pytest.raises(ObjectNotFoundError):
+            a.get_into(key, bytearray(len(first)))
+        # replaced by someone else with other bytes: a gets the new object, never the old one
         assert a.put(key, first) is True
-        b.remove([key])
-        time.sleep(0.5)
+        assert b.remove([key]) == 1
         assert b.put(key, second) is True
         out = bytearray(len(second))
         assert a.get_into(key, out) == len(second) and out == second
         assert a.get(key) == second
-        assert a.metrics().get("get.overlap_discarded", 0) >= 1
+        assert a.metrics().get("get.direct_fallback", 0) >= 1
+
+
+def test_direct_reads_are_reported_to_the_eviction_policy(cluster) -> None:
+    """Reads that never reached the master still count as uses: the client reports them in batches."""
+    master, _node = cluster
+    keys = [f"perf/touch/{i}/{os.urandom(4).hex()}".encode() for i in range(3)]
+    with StoreClient(master.address, "tcp") as c:
+        for k in keys:
+            c.put(k, os.urandom(1000))
+        before = c.stats().counters.get("touch_reports", 0)
+        for _ in range(2):
+            for k in keys:
+                c.get(k)
+        assert c.metrics().get("get.direct", 0) >= 6
+        deadline = time.monotonic() + 5
+        while c.stats().counters.get("touch_reports", 0) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats().counters.get("touch_reports", 0) > before
 
 
 def test_speculative_shm_reservation_is_aborted_when_the_put_is_a_duplicate(cluster) -> None:
