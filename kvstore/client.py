@@ -50,7 +50,7 @@ from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
 
 T = TypeVar("T")
 CAPACITY_RETRIES = 4  # 50+100+200+400 ms: covers a master->node Delete in flight
-LOCATION_CACHE = 16_384  # keys whose last known location is remembered for overlapped gets (<1 KB each)
+LOCATION_CACHE = 16_384  # keys whose last known location is remembered for direct reads (<1 KB each)
 ObjectKind = common_pb2.ObjectKind
 
 
