@@ -65,6 +65,13 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
         help="seconds a started data-plane frame may take (plus size at 100 MB/s)",
     )
     p.add_argument(
+        "--stamp-slots",
+        type=int,
+        default=None,
+        help="objects that can carry an shm read stamp at once (default capacity/4KiB + 1024; 0 = none: "
+        "same-host readers always LOCATE)",
+    )
+    p.add_argument(
         "--no-prefault",
         action="store_true",
         help="do not back the pool's pages at startup (faster start, slower first puts)",
@@ -97,6 +104,7 @@ def _run_node(args: argparse.Namespace) -> int:
         max_object=args.max_object,
         frame_timeout_s=args.frame_timeout,
         prefault=not args.no_prefault,
+        stamp_slots=args.stamp_slots,
         metrics_port=args.metrics_port if args.metrics_port is not None and args.metrics_port >= 0 else None,
     )
     return run(config)

@@ -89,6 +89,7 @@ class NodeConfig:
     frame_timeout_s: float = 5.0
     prefault: bool = True
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
+    stamp_slots: int | None = None  # shm read stamps (objects at once); None = capacity // 4 KiB + 1024
 
 
 class StorageNode:
@@ -101,7 +102,7 @@ class StorageNode:
                 f"transports must include tcp and be among {TRANSPORTS}, got {config.transports}"
             )
         self.config = config
-        self.pool = SharedPool(config.capacity)
+        self.pool = SharedPool(config.capacity, stamp_slots=config.stamp_slots)
         if config.prefault:
             self.pool.prefault()
         self.store = ObjectStore(self.pool, config.ssd_path, config.ssd_capacity, config.max_object)

@@ -4,6 +4,11 @@ All methods run on the node's single asyncio loop, so the table needs no locks. 
 the object; a Delete or Demote arriving mid-read defers freeing the extent until the last reader leaves, so a
 transfer never streams bytes that were reallocated under it (the master's read-pin lease is the cross-process
 guarantee; this is the in-process one). Checksums (xxh3-64) are checked when a put lands and on every read.
+
+Generation stamps (``shm_stamps``, in the pool segment): an object gets a slot and a fresh generation when
+it becomes readable in DRAM (``_publish``) and loses it the moment it stops being readable (``_retire``:
+Delete, Demote, drop, corrupt replace) — before its extent can be freed, and without waiting for tcp/ucx
+readers that defer the free — so a same-host reader never trusts a remembered extent of a retired object.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class StoredObject:
     doomed: bool = False  # deleted while being read: free when the last reader leaves
     demoted: bool = False  # moved to SSD while being read: free the extent when the last reader leaves
     busy: bool = False  # an SSD write or read of it is running in a worker thread
+    slot: int = 0  # stamp slot in the pool segment; meaningful only while generation != 0
+    generation: int = 0  # 0 = no stamp (not in DRAM, retired, or no free slot): shm readers LOCATE
 
 
 @dataclass
@@ -88,6 +95,20 @@ class ObjectStore:
     # --- bookkeeping -------------------------------------------------------------------------------------
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
+
+    def _publish(self, obj: StoredObject) -> None:
+        """Stamp an object whose DRAM bytes are complete and verified (readers may now skip LOCATE)."""
+        if obj.extent is None or obj.generation:
+            return
+        obj.slot, obj.generation = self.pool.stamps.stamp(obj.extent.offset, obj.meta.size, obj.meta.checksum)
+        if not obj.generation:
+            self.count("stamps_exhausted")
+
+    def _retire(self, obj: StoredObject) -> None:
+        """Clear the object's stamp: from now on shm readers must LOCATE (call before freeing the extent)."""
+        if obj.generation:
+            self.pool.stamps.clear(obj.slot, obj.generation)
+            obj.generation = 0
 
     @property
     def dram_used(self) -> int:
@@ -144,7 +165,9 @@ class ObjectStore:
             self.pool.allocator.free(pending.extent)
             self.count("puts_duplicate")
             return
-        self.objects[pending.meta.key] = StoredObject(pending.meta, pending.extent)
+        obj = StoredObject(pending.meta, pending.extent)
+        self.objects[pending.meta.key] = obj
+        self._publish(obj)
         self.count("puts")
         self.count("bytes_in", pending.meta.size)
 
@@ -179,6 +202,7 @@ class ObjectStore:
                 await self._promote(obj, required=False)
             if obj.extent is None:
                 raise ObjectNotFoundError(f"key {key[:8].hex()}… is on SSD only and DRAM is full")
+            self._publish(obj)  # an object that found no free stamp slot earlier may get one now
             self.count("locates")
             return obj.extent
         finally:
@@ -190,19 +214,21 @@ class ObjectStore:
             if obj.doomed:
                 self._drop(obj)
             elif obj.demoted and obj.extent is not None:
+                self._retire(obj)  # already done by demote(); the extent must never be freed stamped
                 self.pool.allocator.free(obj.extent)
                 obj.extent = None
                 obj.demoted = False
 
-    async def read(self, obj: StoredObject) -> memoryview | bytes:
+    async def read(self, obj: StoredObject, verify: bool = True) -> memoryview | bytes:
         """The object's bytes, verified: a view of its extent, or the SSD file's bytes (read off the loop)
-        when it could not be promoted. The caller holds a reader reference (``acquire``)."""
+        when it could not be promoted. The caller holds a reader reference (``acquire``). ``verify=False``:
+        the caller hashes the bytes chunk by chunk as it sends them (tcp) and reports a mismatch itself."""
         if obj.extent is not None:
             data: memoryview | bytes = self.pool.view(obj.extent)
         else:
             assert obj.ssd_file is not None
             data = await asyncio.to_thread(obj.ssd_file.read_bytes)
-        if checksum_of(data) != obj.meta.checksum:
+        if verify and checksum_of(data) != obj.meta.checksum:
             self.count("reads_corrupt")
             raise CorruptObjectError(f"key {obj.meta.key[:8].hex()}… failed its checksum on the node")
         self.count("gets")
@@ -223,6 +249,7 @@ class ObjectStore:
                 missing.append(key)
                 continue
             done += 1
+            self._retire(obj)  # shm readers stop at once, even while tcp/ucx readers defer the free
             if obj.readers:
                 obj.doomed = True
             else:
@@ -231,6 +258,7 @@ class ObjectStore:
         return done, missing
 
     def _drop(self, obj: StoredObject) -> None:
+        self._retire(obj)
         if self.objects.get(obj.meta.key) is obj:
             del self.objects[obj.meta.key]
         if obj.extent is not None:
@@ -259,6 +287,7 @@ class ObjectStore:
                     missing.append(key)
                     continue
             if obj.extent is not None:
+                self._retire(obj)  # readers of the DRAM copy stop now, even if a send defers the free
                 if obj.readers:
                     obj.demoted = True
                 else:
@@ -293,8 +322,9 @@ class ObjectStore:
     async def _promote(self, obj: StoredObject, required: bool) -> None:
         """Bring an SSD object into DRAM (file read in a thread). Caller holds a reader reference."""
         if obj.extent is not None:
-            obj.demoted = False
+            obj.demoted = False  # demoted while being sent: the extent is still ours, readable again
             obj.meta.tier = common_pb2.DRAM
+            self._publish(obj)
             return
         if obj.busy:
             return  # a promotion or demotion of it is in flight: serve from the file this time
@@ -321,6 +351,7 @@ class ObjectStore:
         obj.extent = extent
         obj.meta.tier = common_pb2.DRAM
         self._remove_ssd_file(obj)
+        self._publish(obj)
         self.count("promotes")
 
     # --- SSD files: <hex key>.bin + <hex key>.meta (so a restarted node re-adopts its SSD tier) ------------

@@ -10,6 +10,11 @@ A fixed 48-byte little-endian header, then ``key`` and ``aux`` bytes, then ``pay
   instead of sending bytes nobody can receive).
 * Responses set ``op |= RESPONSE``; ``status`` is 0 or an error code from ``kvpool.kvstore.errors``, with the
   message in aux. A GET response carries the payload and its checksum.
+* shm control (no payload): LOCATE, RESERVE and SEAL replies carry ``EXTENT`` = (offset, size, slot,
+  generation) followed by the segment name in aux (see ``ShmExtent``); generation 0 = no stamp (RESERVE of a
+  not yet readable put, or the node ran out of stamp slots). A reader keeps (segment, offset, size, slot,
+  generation) as a hint and later validates it against the node's stamp table (``shm_stamps``) instead of
+  sending LOCATE again. Node and client are in this repo and change in lockstep.
 
 Fixed sizes let the node reject garbage after 48 bytes and let ucx receive control messages into one
 preallocated buffer (ucx tag receives must know the length).
@@ -31,9 +36,13 @@ OP_PUT = 1
 OP_GET = 2
 OP_PING = 3
 # shm control (payload-less): where an object lies in the pool, reserve an extent for a put, seal/abort it
-OP_LOCATE = 4  # key → aux = EXTENT(offset, size) + shm name, checksum = the object's
-OP_RESERVE = 5  # aux = PutHeader → aux = EXTENT(offset, size) + shm name; flags FLAG_EXISTS = nothing to copy
-OP_SEAL = 6  # aux = put_id; flags FLAG_ABORT = free the reservation instead
+OP_LOCATE = 4  # key → aux = EXTENT + shm name, checksum = the object's
+# aux = PutHeader → aux = EXTENT (generation 0: not readable yet) + shm name; flags FLAG_EXISTS = nothing to
+# copy (aux then describes the copy already there when it is stamped, else is empty; checksum = its checksum)
+OP_RESERVE = 5
+# aux = put_id; flags FLAG_ABORT = free the reservation instead; reply aux = EXTENT + shm name of the sealed
+# object (so a put leaves a read hint behind), checksum = its checksum; empty aux for an abort
+OP_SEAL = 6
 RESPONSE = 0x80
 OPS = (OP_PUT, OP_GET, OP_PING, OP_LOCATE, OP_RESERVE, OP_SEAL)
 FLAG_EXISTS = 1
@@ -41,7 +50,7 @@ FLAG_ABORT = 1
 # RESERVE request: made before the master placed the put; if the key is here at all, answer FLAG_EXISTS and
 # touch nothing (a plain RESERVE of a key whose copy is corrupt replaces it, which only the master may order)
 FLAG_SPECULATIVE = 2
-EXTENT = struct.Struct("<QQ")
+EXTENT = struct.Struct("<QQQQ")  # offset, size, stamp slot, generation (0 = no stamp)
 
 STATUS_OK = 0
 STATUS_READY = 0xFE  # ucx put: node reserved the extent, send the payload
@@ -115,6 +124,27 @@ def decode_control(buf: bytes | bytearray | memoryview) -> Frame:
     frame.key = bytes(buf[start : start + key_len])
     frame.aux = bytes(buf[start + key_len : start + key_len + aux_len])
     return frame
+
+
+@dataclass(frozen=True)
+class ShmExtent:
+    """Where an object lies in a node's shm segment, and its stamp (``generation`` 0 = none)."""
+
+    segment: str
+    offset: int
+    size: int
+    slot: int = 0
+    generation: int = 0
+
+    def pack(self) -> bytes:
+        return EXTENT.pack(self.offset, self.size, self.slot, self.generation) + self.segment.encode()
+
+    @classmethod
+    def unpack(cls, aux: bytes) -> ShmExtent:
+        if len(aux) <= EXTENT.size:
+            raise FrameError(f"shm extent reply of {len(aux)} B carries no segment name")
+        offset, size, slot, generation = EXTENT.unpack_from(aux)
+        return cls(aux[EXTENT.size :].decode(), offset, size, slot, generation)
 
 
 def error_frame(op: int, code: int, message: str, request_id: int = 0) -> Frame:
