@@ -86,20 +86,25 @@ class StampTable:
         # one word array over the whole table; a fresh segment is zero-filled, i.e. every slot empty
         self._words = np.frombuffer(buf, dtype=np.uint64, count=slots * SLOT_WORDS, offset=self.offset)
         TRAILER.pack_into(buf, len(buf) - TRAILER_SIZE, MAGIC, self.offset, slots, SLOT_SIZE)
-        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._fresh = 0  # slots [fresh, slots) were never used; recycled ones wait in _free
+        self._free: list[int] = []  # (memory grows with peak use, not with the slot count)
         self._next_generation = 1
         self.exhausted = 0  # objects that found no free slot (read via LOCATE)
 
     @property
     def in_use(self) -> int:
-        return self.slots - len(self._free)
+        return self._fresh - len(self._free)
 
     def stamp(self, offset: int, size: int, checksum: int) -> tuple[int, int]:
         """A slot and a fresh generation for an object that just became readable; ``(0, 0)`` when full."""
-        if not self._free:
+        if self._free:
+            slot = self._free.pop()
+        elif self._fresh < self.slots:
+            slot = self._fresh
+            self._fresh += 1
+        else:
             self.exhausted += 1
             return 0, 0
-        slot = self._free.pop()
         generation = self._next_generation
         self._next_generation += 1
         base = slot * SLOT_WORDS
