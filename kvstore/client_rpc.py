@@ -3,6 +3,7 @@
 The node (and, by convention, the master) put the error class name first in the status details
 (``"ObjectTooLargeError: ..."``); when that name is one of ours the exact class comes back, otherwise the
 status code decides. UNAVAILABLE → ``StoreUnavailableError``, DEADLINE_EXCEEDED → ``TransportTimeoutError``.
+The master wire (``master_wire``) reports failures as the same code + message and maps them here too.
 """
 
 from __future__ import annotations
@@ -45,16 +46,23 @@ _BY_STATUS: dict[grpc.StatusCode, type[StoreError]] = {
 }
 
 
-def typed_error(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str = "") -> StoreError:
-    """The typed store error for a failed gRPC call."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else "") or ""
+def typed_error_from(code: grpc.StatusCode, details: str, where: str = "") -> StoreError:
+    """The typed store error for a call that failed with ``code`` and ``details``, however it travelled
+    (a gRPC status, or a master wire reply frame carrying the same code and message): one mapping, so a
+    caller sees the same class whichever channel answered."""
     name = details.split(":", 1)[0].strip()
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, StoreError)):
         cls = _BY_STATUS.get(code, StoreError)
     prefix = f"{where}: " if where else ""
     return cls(f"{prefix}{code.name}: {details}")
+
+
+def typed_error(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str = "") -> StoreError:
+    """The typed store error for a failed gRPC call."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    return typed_error_from(code, details, where)
 
 
 def raise_typed(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str = "") -> NoReturn:

@@ -1,7 +1,8 @@
 """``kvpool store master``: run the master until SIGTERM/SIGINT.
 
-Prints exactly one JSON line ``{"ready": true, "port": N, ...}`` on stdout once it serves (``--port 0``
-picks a free port), so launchers and tests read the port instead of guessing; logs go to stderr.
+Prints exactly one JSON line ``{"ready": true, "port": N, "wire_port": W, ...}`` on stdout once it serves
+(``--port 0`` / ``--wire-port 0`` pick free ports; ``wire_port`` is null with ``--wire-port -1``), so
+launchers and tests read the ports instead of guessing; logs go to stderr.
 ``python -m kvpool.kvstore.master_cli [flags]`` is the same command without loading the other command
 groups (the model's imports take seconds), which is what tests and benchmarks spawn.
 """
@@ -33,24 +34,52 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
     d = MasterConfig()
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument(
+        "--wire-port",
+        type=int,
+        default=d.wire_port,
+        help="master wire port, the clients' fast channel for hot calls "
+        "(0 = any free port, -1 = off: clients use gRPC)",
+    )
     p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES), help="eviction policy")
     p.add_argument("--high-watermark", type=float, default=d.high_watermark, help="evict above this fill")
     p.add_argument("--low-watermark", type=float, default=d.low_watermark, help="evict down to this fill")
     p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms, help="node heartbeat interval")
-    p.add_argument("--node-timeout-ms", type=int, default=d.node_timeout_ms,
-                   help="a node silent this long is dropped with its objects")
+    p.add_argument(
+        "--node-timeout-ms",
+        type=int,
+        default=d.node_timeout_ms,
+        help="a node silent this long is dropped with its objects",
+    )
     p.add_argument("--lease-ms", type=int, default=d.lease_ms, help="default read-pin lease")
     p.add_argument("--max-lease-ms", type=int, default=d.max_lease_ms, help="longest lease a client may ask")
-    p.add_argument("--put-deadline-ms", type=int, default=d.put_deadline_ms,
-                   help="a started put not committed in time is aborted")
-    p.add_argument("--node-call-timeout-ms", type=int, default=d.node_call_timeout_ms,
-                   help="deadline of Delete/Demote/Promote calls to nodes")
-    p.add_argument("--sweep-ms", type=int, default=d.sweep_ms,
-                   help="period of dead-node / abandoned-put / expiry sweeps")
-    p.add_argument("--state-file", type=Path, default=None,
-                   help="persist tenant quotas and soft pins here (JSON) so they survive a restart")
-    p.add_argument("--metrics-port", type=int, default=-1,
-                   help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, -1 = off)")
+    p.add_argument(
+        "--put-deadline-ms",
+        type=int,
+        default=d.put_deadline_ms,
+        help="a started put not committed in time is aborted",
+    )
+    p.add_argument(
+        "--node-call-timeout-ms",
+        type=int,
+        default=d.node_call_timeout_ms,
+        help="deadline of Delete/Demote/Promote calls to nodes",
+    )
+    p.add_argument(
+        "--sweep-ms", type=int, default=d.sweep_ms, help="period of dead-node / abandoned-put / expiry sweeps"
+    )
+    p.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        help="persist tenant quotas and soft pins here (JSON) so they survive a restart",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=-1,
+        help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, -1 = off)",
+    )
     p.add_argument("--log-level", default="INFO", help="stderr log level")
 
 
@@ -67,12 +96,14 @@ def config_from_args(args: argparse.Namespace) -> MasterConfig:
         node_call_timeout_ms=args.node_call_timeout_ms,
         sweep_ms=args.sweep_ms,
         state_path=args.state_file,
+        wire_port=args.wire_port,
     )
 
 
 def run_master(args: argparse.Namespace) -> int:
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
-                        format="%(asctime)s master %(levelname)s %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s master %(levelname)s %(message)s"
+    )
     try:
         config = config_from_args(args)
         config.validate()
@@ -104,6 +135,7 @@ async def _serve(config: MasterConfig, host: str, port: int, metrics_port: int) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ready = {"ready": True, "port": bound, "host": host, "policy": config.policy}
+    ready["wire_port"] = server.wire_port or None
     ready["metrics_port"] = bound_metrics
     print(json.dumps(ready), flush=True)
     await stop.wait()

@@ -1,10 +1,12 @@
-"""gRPC server for the Master service (grpc.aio) plus the standard gRPC health service.
+"""gRPC server for the Master service (grpc.aio), the standard gRPC health service, and the master wire
+listener (``master_wire``: the clients' hot calls without gRPC's per-call cost) next to them.
 
 Every handler runs the synchronous :class:`~kvpool.kvstore.master.MasterCore` method on the event loop
-(one thread: no locks), maps :class:`~kvpool.kvstore.master.MasterError` to its status code with the
-message, and turns any unexpected exception into INTERNAL without taking the server down. Node orders the
-call produced are handed to :class:`~kvpool.kvstore.master_nodes.NodeNotifier` right away. A background
-task runs :meth:`MasterCore.sweep` (dead nodes, abandoned puts, lease/pin/TTL expiry) every
+(one thread: no locks) through :class:`~kvpool.kvstore.master_dispatch.CoreDispatch`, shared with the
+wire: a :class:`~kvpool.kvstore.master.MasterError` becomes its status code with the message, any other
+exception INTERNAL without taking the server down, and the node orders the call produced go to the
+:class:`~kvpool.kvstore.master_nodes.NodeNotifier` right away. ``Describe`` tells clients the wire port. A
+background task runs :meth:`MasterCore.sweep` (dead nodes, abandoned puts, lease/pin/TTL expiry) every
 ``sweep_interval_s``. Sync and async client stubs both work against it.
 """
 
@@ -17,9 +19,12 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kvpool.kvstore.master import MasterConfig, MasterCore, MasterError, NodeAction
+from kvpool.kvstore.master import MasterConfig, MasterCore, NodeAction
+from kvpool.kvstore.master_dispatch import CoreCallError, CoreDispatch
 from kvpool.kvstore.master_nodes import NodeNotifier
-from kvpool.proto import master_pb2_grpc
+from kvpool.kvstore.master_wire import METHODS as WIRE_METHODS
+from kvpool.kvstore.master_wire import MasterWireServer
+from kvpool.proto import master_pb2, master_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -29,33 +34,20 @@ Req = TypeVar("Req")
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
-    """Adapter from gRPC calls to MasterCore methods."""
+    """Adapter from gRPC calls to MasterCore methods (through the :class:`CoreDispatch` the wire shares)."""
 
-    def __init__(self, core: MasterCore, notifier: NodeNotifier) -> None:
+    def __init__(self, core: MasterCore, notifier: NodeNotifier, wire_port: int = 0) -> None:
         self.core = core
         self.notifier = notifier
+        self.dispatch = CoreDispatch(core, notifier)
+        self.wire_port = wire_port  # 0: no wire listener
 
-    async def _run(
-        self,
-        fn: Callable[[Req], Any],
-        request: Req,
-        context: grpc.aio.ServicerContext,
-        wait_nodes: bool = False,
-    ) -> Any:
+    async def _run(self, fn: Callable[[Req], Any], request: Req, context: grpc.aio.ServicerContext) -> Any:
         try:
-            reply = fn(request)
-        except MasterError as exc:
-            self.core.count(f"rpc_{exc.code.lower()}")
-            await context.abort(grpc.StatusCode[exc.code], str(exc))
-        except Exception as exc:  # a bug must cost one call, never the server
-            log.exception("%s failed", getattr(fn, "__name__", fn))
-            self.core.count("rpc_internal")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        actions = self.core.take_actions()
-        if actions:
-            done = self.notifier.submit(actions)
-            if wait_nodes and done:  # bounded: a dead node is dropped by the sweep anyway
-                await asyncio.wait(done, timeout=self.notifier.timeout_s)
+            reply, done = self.dispatch.run(fn, request)
+        except CoreCallError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        await self.dispatch.settle(done)  # Remove: only once its nodes dropped the keys (WAITS_FOR_NODES)
         return reply
 
     async def RegisterNode(self, request, context):
@@ -83,9 +75,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return await self._run(self.core.release, request, context)
 
     async def Remove(self, request, context):
-        # answer only once the nodes dropped the keys: clients read keys they know straight from nodes,
-        # and a removed key must never be readable again after "removed"
-        return await self._run(self.core.remove, request, context, wait_nodes=True)
+        return await self._run(self.core.remove, request, context)
 
     async def Pin(self, request, context):
         return await self._run(self.core.pin, request, context)
@@ -96,9 +86,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def Stats(self, request, context):
         return await self._run(self.core.stats, request, context)
 
+    async def Describe(self, request, context):
+        return master_pb2.DescribeReply(
+            wire_port=self.wire_port,
+            instance=self.core.instance,
+            wire_methods=sorted(WIRE_METHODS) if self.wire_port else [],
+        )
+
 
 class MasterServer:
-    """A running master: ``port = await server.start()`` ... ``await server.stop()``."""
+    """A running master: ``port = await server.start()`` ... ``await server.stop()``; ``wire_port`` is the
+    wire listener's port once started (0 when ``config.wire_port == -1``)."""
 
     def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
         self.config = config or MasterConfig()
@@ -107,13 +105,27 @@ class MasterServer:
         self.core = MasterCore(self.config)
         timeout_s = self.config.node_call_timeout_ms / 1000.0
         self.notifier = NodeNotifier(timeout_s, self.core.count, self._on_missing)
+        self.dispatch = CoreDispatch(self.core, self.notifier)
         self.health = health.aio.HealthServicer()
         self.sweep_interval_s = self.config.sweep_ms / 1000.0
         self.port = 0
+        self.wire_port = 0
+        self.wire: MasterWireServer | None = None
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
+        if self.config.wire_port >= 0:
+            self.wire = MasterWireServer(self.core, self.notifier)
+            self.wire_port = await self.wire.start(self.host, self.config.wire_port)
+        try:
+            return await self._start_grpc()
+        except BaseException:
+            if self.wire is not None:
+                await self.wire.close()
+            raise
+
+    async def _start_grpc(self) -> int:
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -121,7 +133,8 @@ class MasterServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(self.core, self.notifier), server)
+        servicer = MasterServicer(self.core, self.notifier, self.wire_port)
+        master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
         if self.port == 0:
@@ -131,7 +144,13 @@ class MasterServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
-        log.info("master serving on %s:%d (policy %s)", self.host, self.port, self.config.policy)
+        log.info(
+            "master serving on %s:%d, wire %s (policy %s)",
+            self.host,
+            self.port,
+            self.wire_port or "off",
+            self.config.policy,
+        )
         return self.port
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -140,6 +159,8 @@ class MasterServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
+        if self.wire is not None:
+            await self.wire.close()
         if self._server is not None:
             await self._server.stop(grace_s)
         await self.notifier.idle(timeout_s=grace_s)
@@ -151,19 +172,14 @@ class MasterServer:
 
     def _on_missing(self, node_id: str, action: NodeAction, keys: list[bytes]) -> None:
         self.core.node_could_not(node_id, action, keys)
-        actions = self.core.take_actions()
-        if actions:
-            self.notifier.submit(actions)
+        self.dispatch.flush()
 
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(self.sweep_interval_s)
             try:
                 self.core.sweep()
-                actions = self.core.take_actions()
-                if actions:
-                    self.notifier.submit(actions)
+                self.dispatch.flush()
             except Exception:  # keep sweeping: one bad pass must not stop dead-node detection
                 log.exception("master sweep failed")
                 self.core.count("sweep_errors")
-

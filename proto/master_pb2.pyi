@@ -8,6 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("wire_port", "instance", "wire_methods")
+    WIRE_PORT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_METHODS_FIELD_NUMBER: _ClassVar[int]
+    wire_port: int
+    instance: str
+    wire_methods: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, wire_port: _Optional[int] = ..., instance: _Optional[str] = ..., wire_methods: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "dram_capacity_bytes", "ssd_capacity_bytes", "inventory")
     NODE_FIELD_NUMBER: _ClassVar[int]

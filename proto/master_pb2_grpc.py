@@ -94,6 +94,11 @@ class MasterStub:
                 request_serializer=proto_dot_master__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_master__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/kvpool.v1.Master/Describe',
+                request_serializer=proto_dot_master__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=proto_dot_master__pb2.DescribeReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -179,6 +184,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """--- discovery ---
+        What else this master serves: clients ask once, then send their hot calls over the wire (below).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +254,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_master__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_master__pb2.StatsReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=proto_dot_master__pb2.DescribeRequest.FromString,
+                    response_serializer=proto_dot_master__pb2.DescribeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -567,6 +585,33 @@ class Master:
             '/kvpool.v1.Master/Stats',
             proto_dot_master__pb2.StatsRequest.SerializeToString,
             proto_dot_master__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/Describe',
+            proto_dot_master__pb2.DescribeRequest.SerializeToString,
+            proto_dot_master__pb2.DescribeReply.FromString,
             options,
             channel_credentials,
             insecure,
