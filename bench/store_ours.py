@@ -199,7 +199,8 @@ def hash_chain(n: int, seed: bytes = b"store-bench") -> list[bytes]:
 async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
     from kvpool.cache.keys import kda_key, mla_key
     from kvpool.kvstore.client import AsyncStoreClient, LocationColumns, PutItem
-    from kvpool.proto import common_pb2
+    from kvpool.kvstore.master_link import MasterLink
+    from kvpool.proto import common_pb2, master_pb2
 
     hashes = hash_chain(CHAIN_BLOCKS)
     payload = bytes(BLOCK_PAYLOAD)
@@ -242,6 +243,22 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
                 raise VerifyError(f"full match_prefix listed {len(reply.mla)} locations")
             if i >= 3:
                 full.append(dt)
+        # the same compact call over the master wire (MasterLink; docs/design/store_master.md "Wire
+        # protocol"): reported next to the goal figure, which stays the client's call above
+        wire: list[float] = []
+        req = master_pb2.MatchPrefixRequest(block_hashes=hashes, require_checkpoint=True, compact=True)
+        async with MasterLink(master, rpc_timeout_s=30) as link:
+            for i in range(10 + calls):
+                t0 = time.perf_counter()
+                reply = await link.call("MatchPrefix", req)
+                cols = LocationColumns.of_match(reply, hashes)
+                dt = time.perf_counter() - t0
+                if reply.usable_blocks != CHAIN_BLOCKS or len(cols) != CHAIN_BLOCKS + 1:
+                    raise VerifyError(f"wire match_prefix: usable={reply.usable_blocks}, {len(cols)} rows")
+                if i >= 10:
+                    wire.append(dt)
+            if link.wire is None:
+                raise VerifyError("the master advertised no wire: wire_p50_ms would be a gRPC figure")
         # the same call for a 1-block chain: the gRPC + client floor, to tell chain cost from RPC cost
         floor: list[float] = []
         for i in range(10 + calls):
@@ -257,6 +274,7 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
             "one_block_p50_ms": round(statistics.median(floor) * 1e3, 3),
             "locations": "compact LocationTable (compact=True), decoded by LocationColumns.of_match",
             "full_locations_p50_ms": round(statistics.median(full) * 1e3, 3),
+            "wire_p50_ms": round(statistics.median(wire) * 1e3, 3),
             "p50_ms": round(statistics.median(times) * 1e3, 3),
             "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),
             "min_ms": round(times[0] * 1e3, 3), "require_checkpoint": True}
