@@ -159,15 +159,18 @@ def test_node_metrics_count_shm_ssd_tiers_and_checksum_failures(tmp_path) -> Non
         async def traffic() -> None:
             pairs_all = list(zip(metas, blobs, strict=True))
             for choice, pairs in (("tcp", pairs_all[:2]), ("shm", pairs_all[2:])):
-                sel = TransportSelector(choice)
+                # gets from a second reader: the putter's own shm gets would be served from the node's
+                # generation stamps with no LOCATE, which the node cannot count
+                sel, reader = TransportSelector(choice), TransportSelector(choice)
                 try:
                     t = sel.for_node(node.endpoint)
                     for m, b in pairs:
                         await t.put(node.endpoint, "p", m, b)
                         out = bytearray(m.size)
-                        await t.get_into(location(node, m), out)
+                        await reader.for_node(node.endpoint).get_into(location(node, m), out)
                 finally:
                     await sel.close()
+                    await reader.close()
             bad = common_pb2.ObjectMeta(key=b"Bbad", kind=common_pb2.BLOB, size=10, checksum=1)
             sel = TransportSelector("tcp")
             try:
