@@ -38,7 +38,7 @@ OP_PING = 3
 # shm control (payload-less): where an object lies in the pool, reserve an extent for a put, seal/abort it
 OP_LOCATE = 4  # key → aux = EXTENT + shm name, checksum = the object's
 # aux = PutHeader → aux = EXTENT (generation 0: not readable yet) + shm name; flags FLAG_EXISTS = nothing to
-# copy (aux then describes the copy already there when it is stamped, else is empty; checksum = its checksum)
+# copy (aux then describes the copy already there when it is in DRAM, else is empty; checksum = its checksum)
 OP_RESERVE = 5
 # aux = put_id; flags FLAG_ABORT = free the reservation instead; reply aux = EXTENT + shm name of the sealed
 # object (so a put leaves a read hint behind), checksum = its checksum; empty aux for an abort
