@@ -152,13 +152,16 @@ class MasterLink:
                 raise_typed(exc, "master Describe")
             reply = master_pb2.DescribeReply()  # an older master: gRPC only
         old, self._wire = self._wire, None
-        if old is not None:
-            await old.close()
         if reply.wire_port and self.use_wire:
-            self._wire = MasterWireClient(host_of(self.address), reply.wire_port, self.connect_timeout_s)
+            if old is not None and old.port == reply.wire_port:
+                self._wire, old = old, None  # same listener: keep the connection other calls may be using
+            else:
+                self._wire = MasterWireClient(host_of(self.address), reply.wire_port, self.connect_timeout_s)
             self._wire_methods = frozenset(reply.wire_methods)
         else:
             self._wire_methods = frozenset()
+        if old is not None:  # the master moved its wire (a restart) or turned it off
+            await old.close()
         self._described = True
         return reply
 

@@ -379,8 +379,8 @@ class _ClientConnection(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(error)
         blocked, self.write_blocked = self.write_blocked, None
-        if blocked is not None and not blocked.done():
-            blocked.set_exception(error)
+        if blocked is not None and not blocked.done():  # its waiters see ``closed``: nothing was sent
+            blocked.set_result(None)
 
     def send(self, method_id: int, body: bytes) -> tuple[int, asyncio.Future[tuple[int, bytes]]]:
         assert self.transport is not None
@@ -437,8 +437,8 @@ class MasterWireClient:
         try:
             if conn.write_blocked is not None:  # the master is not reading: wait, bounded, for room
                 await asyncio.wait_for(asyncio.shield(conn.write_blocked), max(deadline - loop.time(), 0.0))
-            if conn.closed:
-                raise StoreUnavailableError(f"master wire: connection to {self.host}:{self.port} lost")
+            if conn.closed:  # lost before this request went out
+                raise WireConnectError(f"master wire: connection to {self.host}:{self.port} lost")
             request_id, fut = conn.send(method.method_id, body)
             error = TransportTimeoutError(f"master {name}: no wire reply within {timeout_s:.3f}s")
             timer = loop.call_at(deadline, _expire, fut, error)

@@ -446,3 +446,32 @@ def test_host_of_addresses() -> None:
     assert host_of("kvpool-master:50051") == "kvpool-master"
     assert host_of("[::1]:50051") == "::1"
     assert host_of("dns:///master.svc:50051") == "master.svc"
+
+
+def test_a_send_blocked_by_a_stalled_master_ends_at_the_deadline(master: MasterProcess) -> None:
+    """A stopped master stops reading: the kernel buffers fill, sends queue up in the client, and every
+    call still ends at its deadline (TransportTimeoutError), never later."""
+
+    async def run() -> None:
+        async with MasterLink(master.address) as link:
+            wire_port = (await link.describe()).wire_port
+        client = MasterWireClient("127.0.0.1", wire_port)
+        big = master_pb2.MatchPrefixRequest(block_hashes=[bytes([i % 251]) * 32 for i in range(65_536)])
+        try:
+            await client.call("Stats", master_pb2.StatsRequest(), T)
+            os.kill(master.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                results = await asyncio.gather(
+                    *(client.call("MatchPrefix", big, 0.5) for _ in range(20)), return_exceptions=True
+                )
+                elapsed = time.monotonic() - t0
+            finally:
+                os.kill(master.proc.pid, signal.SIGCONT)
+            assert all(isinstance(r, TransportTimeoutError) for r in results), results[:3]
+            assert elapsed < 1.5
+            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "lru"
+        finally:
+            await client.close()
+
+    asyncio.run(run())
