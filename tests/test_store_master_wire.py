@@ -24,7 +24,9 @@ from kvpool.kvstore.errors import (
     TransportTimeoutError,
 )
 from kvpool.kvstore.master import MasterConfig, MasterCore
+from kvpool.kvstore.master_dispatch import CoreCallError, CoreDispatch
 from kvpool.kvstore.master_link import MasterLink, host_of
+from kvpool.kvstore.master_nodes import NodeNotifier
 from kvpool.kvstore.master_server import MasterServer
 from kvpool.kvstore.master_testing import MasterProcess, ProbeNode
 from kvpool.kvstore.master_wire import (
@@ -40,6 +42,7 @@ from kvpool.kvstore.node_procs import start_master
 from kvpool.proto import common_pb2, master_pb2
 
 T = 5.0
+Cluster = tuple[MasterProcess, ProbeNode]
 HOT = {"PutStart", "PutCommit", "PutAbort", "Lookup", "Release", "MatchPrefix", "Remove", "Pin", "Stats"}
 
 
@@ -52,14 +55,20 @@ def meta(k: bytes, parent: bytes = b"", kind: int = common_pb2.MLA_BLOCK) -> com
 
 
 @pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A master child process and a probe node (a real gRPC node endpoint recording the master's orders)."""
     m = MasterProcess(tmp_path_factory.mktemp("wire-master"))
     node = ProbeNode("wire-node", m, dram=1 << 30)
     node.register()
     node.start_heartbeats()
-    yield m
+    yield m, node
     node.close()
     m.terminate()
+
+
+@pytest.fixture(scope="module")
+def master(cluster: Cluster) -> MasterProcess:
+    return cluster[0]
 
 
 async def _put(link: MasterLink, m: common_pb2.ObjectMeta) -> None:
@@ -93,7 +102,9 @@ def test_readiness_line_and_describe_report_the_wire_port(tmp_path: Path) -> Non
         assert proc.stop() == 0
 
 
-def test_every_method_round_trips_and_equals_the_grpc_answer(master: MasterProcess) -> None:
+def test_every_method_round_trips_and_equals_the_grpc_answer(cluster: Cluster) -> None:
+    master, node = cluster
+
     async def run() -> None:
         async with MasterLink(master.address) as wire, MasterLink(master.address, use_wire=False) as grpc_:
 
@@ -157,6 +168,7 @@ def test_every_method_round_trips_and_equals_the_grpc_answer(master: MasterProce
                 "Remove", master_pb2.RemoveRequest(keys=[a]), master_pb2.RemoveRequest(keys=[b, key(99)])
             )
             assert g == w and w.removed == 1
+            assert {a, b} <= set(node.orders("delete"))  # answered only after the node was told (as gRPC)
             assert wire.counters.get("grpc_calls", 0) == 0 and wire.counters["wire_calls"] >= 14
             assert grpc_.wire is None and "wire_calls" not in grpc_.counters
 
@@ -280,6 +292,24 @@ def test_undecodable_body_is_a_bad_request_on_a_connection_that_keeps_working(ma
             writer.close()
 
     asyncio.run(run())
+
+
+def test_dispatch_turns_a_bug_into_internal_and_counts_it() -> None:
+    core = MasterCore(MasterConfig())
+    dispatch = CoreDispatch(core, NodeNotifier(1.0, core.count))
+
+    def broken(_request: object) -> None:
+        raise ZeroDivisionError("boom")
+
+    with pytest.raises(CoreCallError) as err:
+        dispatch.run(broken, master_pb2.StatsRequest())
+    assert err.value.code == "INTERNAL" and err.value.message == "ZeroDivisionError: boom"
+    with pytest.raises(CoreCallError) as err:
+        dispatch.run(core.lookup, master_pb2.LookupRequest(keys=[b""]))
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert core.counters["rpc_internal"] == 1 and core.counters["rpc_invalid_argument"] == 1
+    reply, wait_for = dispatch.run(core.stats, master_pb2.StatsRequest())
+    assert reply.policy == "lru" and wait_for == []
 
 
 def test_truncated_frame_is_closed_at_the_frame_deadline() -> None:
