@@ -235,14 +235,23 @@ class _ServerConnection(asyncio.Protocol):
             self._waiting.add(task)
             task.add_done_callback(self._waiting.discard)
         else:
-            self._out.append(encode(method.method_id, STATUS_OK, request_id, reply.SerializeToString()))
+            self._reply_ok(method, request_id, reply)
 
     async def _reply_when_settled(
         self, method: WireMethod, request_id: int, reply: Message, done: list[asyncio.Future[None]]
     ) -> None:
         await self.server.dispatch.settle(done)
-        self._out.append(encode(method.method_id, STATUS_OK, request_id, reply.SerializeToString()))
+        self._reply_ok(method, request_id, reply)
         self._flush()
+
+    def _reply_ok(self, method: WireMethod, request_id: int, reply: Message) -> None:
+        body = reply.SerializeToString()
+        if len(body) > self.server.max_body:  # as gRPC refuses a reply over the clients' receive limit
+            self.server.count("rpc_resource_exhausted")
+            why = f"{method.name} reply of {len(body)} B exceeds the {self.server.max_body} B message limit"
+            self._reply_error(method, request_id, "RESOURCE_EXHAUSTED", why)
+            return
+        self._out.append(encode(method.method_id, STATUS_OK, request_id, body))
 
     def _reply_error(self, method: WireMethod, request_id: int, code: str, message: str) -> None:
         body = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]

@@ -19,6 +19,7 @@ import pytest
 from kvpool.cache.keys import mla_key
 from kvpool.kvstore.errors import (
     BadRequestError,
+    CapacityExceededError,
     ObjectNotFoundError,
     StoreUnavailableError,
     TransportTimeoutError,
@@ -336,6 +337,33 @@ def test_truncated_frame_is_closed_at_the_frame_deadline() -> None:
             ] == 3
             await client.close()
         finally:
+            await wire.close()
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_a_reply_over_the_size_limit_is_refused_not_a_dropped_connection() -> None:
+    async def run() -> None:
+        server = MasterServer(MasterConfig(wire_port=-1))
+        await server.start()
+        wire = MasterWireServer(server.core, server.notifier, max_body=4096)
+        client = MasterWireClient("127.0.0.1", await wire.start("127.0.0.1", 0))
+        try:
+            core = server.core
+            node = common_pb2.NodeEndpoint(node_id="n1", host="127.0.0.1", grpc_port=9, tcp_port=9)
+            core.register_node(master_pb2.RegisterNodeRequest(node=node, dram_capacity_bytes=1 << 30))
+            keys = [key(i, b"z") for i in range(80)]
+            for k in keys:
+                put = core.put_start(master_pb2.PutStartRequest(meta=meta(k)))
+                core.put_commit(master_pb2.PutCommitRequest(put_id=put.put_id))
+            lookup = master_pb2.LookupRequest(keys=keys)
+            assert lookup.ByteSize() < 4096 < core.lookup(lookup).ByteSize()
+            with pytest.raises(CapacityExceededError, match="RESOURCE_EXHAUSTED"):
+                await client.call("Lookup", lookup, T)
+            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "lru"
+        finally:
+            await client.close()
             await wire.close()
             await server.stop(0)
 
