@@ -12,8 +12,10 @@ master without ``Describe`` (older) or with the wire off (``wire_port`` 0) is us
 When the wire fails:
 
 * the connection could not be opened (``WireConnectError``): nothing was sent, so the call goes over gRPC
-  whatever it is (this is also how a restarted master on a new wire port is survived), and the next call
-  asks ``Describe`` again;
+  whatever it is (this is also how a restarted master on a new wire port is survived). Calls then stay on
+  gRPC for a backoff (1 s, doubling to 30 s while the wire keeps failing) before ``Describe`` is asked
+  again, so a wire port the client cannot reach (a Service without it, a firewall) costs one connect
+  timeout per backoff, not one per call;
 * the connection broke with the call in flight: the master may or may not have run it. Only idempotent
   reads (:data:`RETRY_OVER_GRPC`) are retried, once, over gRPC. ``PutStart``/``PutCommit`` (and every other
   write) raise ``StoreUnavailableError`` instead: a silent retry could start a second put of the key
@@ -40,6 +42,7 @@ from kvpool.proto import master_pb2, master_pb2_grpc
 # Read-only calls a second execution cannot harm: retried over gRPC when the wire breaks mid-call.
 RETRY_OVER_GRPC = frozenset({"Lookup", "MatchPrefix", "Stats", "Describe"})
 MIN_RETRY_S = 0.05  # a retry with less time left than this is not worth starting
+WIRE_BACKOFF_S = (1.0, 30.0)  # gRPC only for this long after the wire could not be reached (doubling)
 
 
 def host_of(address: str) -> str:
@@ -74,6 +77,8 @@ class MasterLink:
         self._wire: MasterWireClient | None = None
         self._wire_methods: frozenset[str] = frozenset()
         self._described = not use_wire  # nothing to discover when the wire is not wanted
+        self._backoff_s = 0.0
+        self._wire_retry_at = 0.0  # loop time before which calls skip the wire (see WIRE_BACKOFF_S)
         self._describing: asyncio.Lock | None = None
 
     @property
@@ -100,6 +105,8 @@ class MasterLink:
             reply = await wire.call(name, request, max(deadline - loop.time(), 0.0))
         except WireConnectError:
             self._forget_wire()
+            self._backoff_s = min(max(self._backoff_s * 2, WIRE_BACKOFF_S[0]), WIRE_BACKOFF_S[1])
+            self._wire_retry_at = loop.time() + self._backoff_s
             self._count("wire_unreachable")
             return await self._grpc(name, request, deadline)
         except TransportTimeoutError:
@@ -114,6 +121,7 @@ class MasterLink:
             self._count("wire_calls")
             raise
         self._count("wire_calls")
+        self._backoff_s = 0.0
         return reply
 
     async def describe(self, timeout_s: float | None = None) -> master_pb2.DescribeReply:
@@ -138,6 +146,8 @@ class MasterLink:
         if name not in WIRE_METHODS:
             return None
         if not self._described:
+            if asyncio.get_running_loop().time() < self._wire_retry_at:
+                return None
             async with self._lock():
                 if not self._described:
                     await self._discover(timeout_s)

@@ -475,6 +475,10 @@ def test_link_retries_only_idempotent_calls_over_grpc_when_the_wire_breaks() -> 
             start = await link.call("PutStart", master_pb2.PutStartRequest(meta=meta(key(8))))
             assert start.status == master_pb2.PutStartReply.STARTED
             assert link.counters["wire_unreachable"] == 1 and server.core.stats().pending_puts == 1
+            describes, grpc_calls = link.counters["describes"], link.counters["grpc_calls"]
+            await link.call("Lookup", master_pb2.LookupRequest(keys=[key(7)]))  # within the 1 s backoff:
+            assert link.counters["describes"] == describes  # gRPC, no Describe, no connect attempt
+            assert link.counters["grpc_calls"] == grpc_calls + 1 and link.counters["wire_unreachable"] == 1
         finally:
             await link.close()
             await server.stop(0)
