@@ -28,11 +28,9 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 import numpy as np
 import xxhash
 from kvpool.cache.keys import KDA_TAG, MLA_TAG
-from kvpool.kvstore.client_rpc import CHANNEL_OPTIONS, raise_typed
 from kvpool.kvstore.client_touch import TouchReporter
 from kvpool.kvstore.errors import (
     CapacityExceededError,
@@ -43,10 +41,11 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportTimeoutError,
 )
+from kvpool.kvstore.master_link import MasterLink
 from kvpool.kvstore.transport_base import DEFAULT_DEADLINES, Buffer, Deadlines, Transport, as_bytes_view
 from kvpool.kvstore.transport_select import TransportSelector
 from kvpool.kvstore.transport_shm import ShmTransport
-from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.proto import common_pb2, master_pb2
 
 T = TypeVar("T")
 CAPACITY_RETRIES = 4  # 50+100+200+400 ms: covers a master->node Delete in flight
@@ -157,14 +156,15 @@ class AsyncStoreClient:
         lease_ms: int = 10_000,
         rpc_timeout_s: float = 5.0,
         deadlines: Deadlines = DEFAULT_DEADLINES,
+        master_wire: bool = True,
     ) -> None:
         self.master_address = master
         self.tenant = tenant
         self.lease_ms = lease_ms
         self.rpc_timeout_s = rpc_timeout_s
         self.transports = TransportSelector(transport, deadlines)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: master_pb2_grpc.MasterStub | None = None
+        self.master_wire = master_wire
+        self._link: MasterLink | None = None
         self._counters: dict[str, float] = {}
         self._counters_lock = threading.Lock()
         self._pending_releases: set[asyncio.Task] = set()
@@ -176,17 +176,14 @@ class AsyncStoreClient:
 
     # --- plumbing ----------------------------------------------------------------------------------------
     @property
-    def master(self) -> master_pb2_grpc.MasterStub:
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.master_address, options=CHANNEL_OPTIONS)
-            self._stub = master_pb2_grpc.MasterStub(self._channel)
-        return self._stub
+    def master(self) -> MasterLink:
+        """The link to the master: its binary wire when the master advertises one, else gRPC."""
+        if self._link is None:
+            self._link = MasterLink(self.master_address, self.rpc_timeout_s, use_wire=self.master_wire)
+        return self._link
 
     async def _rpc(self, name: str, request: Any) -> Any:
-        try:
-            return await getattr(self.master, name)(request, timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise_typed(exc, f"master {name}")
+        return await self.master.call(name, request)
 
     def _count(self, name: str, n: float = 1) -> None:
         with self._counters_lock:  # the sync client's same-host fast path counts from the caller's thread
@@ -227,9 +224,9 @@ class AsyncStoreClient:
             with contextlib.suppress(StoreError, asyncio.TimeoutError):
                 await self._touches.close(self.rpc_timeout_s)
         await self.transports.close()
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = self._stub = None
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
 
     async def __aenter__(self) -> AsyncStoreClient:
         return self
