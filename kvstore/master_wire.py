@@ -349,6 +349,7 @@ class _ClientConnection(asyncio.Protocol):
         self.closed = False
         self.write_blocked: asyncio.Future[None] | None = None  # set while the kernel buffer is full
         self._next_id = 0
+        self._out: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -395,10 +396,18 @@ class _ClientConnection(asyncio.Protocol):
         assert self.transport is not None
         self._next_id += 1
         request_id = self._next_id
-        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
         self.pending[request_id] = fut
-        self.transport.write(encode(method_id, STATUS_OK, request_id, body))
+        if not self._out:  # calls made in one loop pass (a gathered batch) leave in one write
+            loop.call_soon(self._flush)
+        self._out.append(encode(method_id, STATUS_OK, request_id, body))
         return request_id, fut
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and not self.closed and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
 
 def _expire(fut: asyncio.Future[Any], error: TransportTimeoutError) -> None:
