@@ -105,8 +105,9 @@ class MasterLink:
             reply = await wire.call(name, request, max(deadline - loop.time(), 0.0))
         except WireConnectError:
             self._forget_wire()
-            self._backoff_s = min(max(self._backoff_s * 2, WIRE_BACKOFF_S[0]), WIRE_BACKOFF_S[1])
-            self._wire_retry_at = loop.time() + self._backoff_s
+            if loop.time() >= self._wire_retry_at:  # one step per failed attempt, not per waiting call
+                self._backoff_s = min(max(self._backoff_s * 2, WIRE_BACKOFF_S[0]), WIRE_BACKOFF_S[1])
+                self._wire_retry_at = loop.time() + self._backoff_s
             self._count("wire_unreachable")
             return await self._grpc(name, request, deadline)
         except TransportTimeoutError:

@@ -410,6 +410,12 @@ class _ClientConnection(asyncio.Protocol):
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
 
+def _consume_error(attempt: asyncio.Future[Any]) -> None:
+    """Mark a failed connect attempt's error as seen (its callers may all have timed out already)."""
+    if not attempt.cancelled():
+        attempt.exception()
+
+
 def _expire(fut: asyncio.Future[Any], error: TransportTimeoutError) -> None:
     if not fut.done():
         fut.set_exception(error)
@@ -433,7 +439,8 @@ class MasterWireClient:
         self.connect_timeout_s = connect_timeout_s
         self.max_body = max_body
         self._conn: _ClientConnection | None = None
-        self._connecting: asyncio.Lock | None = None
+        self._connecting: asyncio.Future[_ClientConnection] | None = None
+        self._generation = 0  # bumped by close(): a connect that finishes later is dropped
 
     @property
     def in_flight(self) -> int:
@@ -479,20 +486,18 @@ class MasterWireClient:
             raise StoreUnavailableError(f"master {name}: undecodable wire reply: {exc}") from exc
 
     async def _connection(self, deadline: float, timeout_s: float) -> _ClientConnection:
+        """The open connection, or one attempt to open it shared by every call that arrives meanwhile (a
+        gathered batch against an unreachable port fails once, after one connect timeout, not in turn)."""
         conn = self._conn
         if conn is not None and not conn.closed:
             return conn
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        loop = asyncio.get_running_loop()
+        attempt = self._connecting
+        if attempt is None or attempt.done():
+            attempt = self._connecting = asyncio.ensure_future(self._connect(self.connect_timeout_s))
+            attempt.add_done_callback(_consume_error)
         try:
-            async with asyncio.timeout_at(deadline), self._connecting:
-                conn = self._conn
-                if conn is None or conn.closed:
-                    conn = self._conn = await self._connect(
-                        min(self.connect_timeout_s, deadline - loop.time())
-                    )
-                return conn
+            async with asyncio.timeout_at(deadline):
+                return await asyncio.shield(attempt)
         except TimeoutError as exc:
             if isinstance(exc, TransportTimeoutError):
                 raise
@@ -504,10 +509,11 @@ class MasterWireClient:
     async def _connect(self, timeout_s: float) -> _ClientConnection:
         loop = asyncio.get_running_loop()
         where = f"{self.host}:{self.port}"
+        generation = self._generation
         try:
             _transport, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: _ClientConnection(self.max_body), self.host, self.port),
-                max(timeout_s, 0.0),
+                timeout_s,
             )
         except TimeoutError as exc:
             raise WireConnectError(
@@ -515,10 +521,15 @@ class MasterWireClient:
             ) from exc
         except OSError as exc:
             raise WireConnectError(f"master wire: cannot connect to {where}: {exc}") from exc
+        if generation != self._generation:  # close() ran meanwhile: nobody may be left holding a socket
+            conn.fail(StoreUnavailableError("master wire: client closed"))
+            raise WireConnectError(f"master wire: client closed while connecting to {where}")
+        self._conn = conn
         return conn
 
     async def close(self) -> None:
         """Drop the connection; calls still in flight fail with StoreUnavailableError."""
+        self._generation += 1
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.fail(StoreUnavailableError("master wire: client closed"))

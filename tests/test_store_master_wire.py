@@ -486,6 +486,45 @@ def test_link_retries_only_idempotent_calls_over_grpc_when_the_wire_breaks() -> 
     asyncio.run(run())
 
 
+def test_an_unreachable_wire_port_costs_a_batch_one_connect_timeout() -> None:
+    """The advertised port accepts no connection (a full backlog: SYNs are dropped, as behind a firewall).
+    A gathered batch shares one connect attempt and then goes over gRPC, all within ~one connect timeout."""
+
+    async def run() -> None:
+        server = MasterServer(MasterConfig())
+        await server.start()
+        assert server.wire is not None
+        port = server.wire_port
+        await server.wire.close()
+        hole = socket.socket()
+        hole.bind(("127.0.0.1", port))
+        hole.listen(0)
+        fillers = []
+        for _ in range(4):  # fill the accept queue; later SYNs go unanswered
+            f = socket.socket()
+            f.setblocking(False)
+            f.connect_ex(("127.0.0.1", port))
+            fillers.append(f)
+        link = MasterLink(f"127.0.0.1:{server.port}", rpc_timeout_s=T, connect_timeout_s=0.3)
+        try:
+            await link.describe()
+            t0 = time.monotonic()
+            replies = await asyncio.gather(
+                *(link.call("Lookup", master_pb2.LookupRequest(keys=[key(i, b"u")])) for i in range(50))
+            )
+            assert time.monotonic() - t0 < 2.0
+            assert all(list(r.missing) == [key(i, b"u")] for i, r in enumerate(replies))
+            assert link.counters["wire_unreachable"] == 50 and link.counters["grpc_calls"] == 50
+            assert link.counters["describes"] == 1
+        finally:
+            await link.close()
+            for s in (*fillers, hole):
+                s.close()
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
 def test_link_timeouts_are_typed_and_bounded(master: MasterProcess) -> None:
     async def run() -> None:
         async with MasterLink(master.address, rpc_timeout_s=0.5) as link:
