@@ -17,10 +17,13 @@ When the wire fails:
   again, so a wire port the client cannot reach (a Service without it, a firewall) costs one connect
   timeout per backoff, not one per call;
 * the connection broke with the call in flight: the master may or may not have run it. Only idempotent
-  reads (:data:`RETRY_OVER_GRPC`) are retried, once, over gRPC. ``PutStart``/``PutCommit`` (and every other
-  write) raise ``StoreUnavailableError`` instead: a silent retry could start a second put of the key
-  (reserving bytes on a node until its deadline) or commit a put the first attempt already committed or
-  that the sweep meanwhile aborted, and the caller's own retry/abort logic must see that it happened;
+  reads (:data:`RETRY_OVER_GRPC`) are retried, once, over gRPC. (With ``acquire=true`` a Lookup or
+  MatchPrefix the master did run holds a second lease nobody releases; it ends at its deadline,
+  ``lease_ms``, so the cost is objects protected from eviction a little longer, never a wrong answer.)
+  ``PutStart``/``PutCommit`` (and every other write) raise ``StoreUnavailableError`` instead: a silent
+  retry could start a second put of the key (reserving bytes on a node until its deadline) or commit a
+  put the first attempt already committed or that the sweep meanwhile aborted, and the caller's own
+  retry/abort logic must see that it happened;
 * a deadline passed (``TransportTimeoutError``): raised, never retried (the call's time is spent).
 
 Every wait is bounded by ``rpc_timeout_s`` per call, retry included (the retry gets what is left).
