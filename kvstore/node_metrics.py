@@ -111,8 +111,8 @@ class TransportTap:
         if self._store.counters.get("puts", 0) > before:  # landed (not a duplicate)
             self._counts.add(self._transport, "in", pending.meta.size)
 
-    async def read(self, obj):  # type: ignore[no-untyped-def]
-        data = await self._store.read(obj)
+    async def read(self, obj, verify: bool = True):  # type: ignore[no-untyped-def]
+        data = await self._store.read(obj, verify)
         self._counts.add(self._transport, "out", obj.meta.size)
         return data
 

@@ -1,7 +1,9 @@
 """The node's tcp data plane: raw non-blocking asyncio sockets, frames from ``transport_frame``.
 
-Payloads land straight in the shared-memory extent (``sock_recv_into`` on a view of the pool) and leave
-straight from it (``sock_sendall`` of the view): no intermediate copies, never ``readexactly``.
+Payloads land straight in the shared-memory extent (``sock_recv_into`` on a view of the pool, hashed chunk by
+chunk as they land) and leave straight from it: no intermediate copies, never ``readexactly``. A GET is
+streamed: each ``SEND_CHUNK`` is hashed, then sent, and a trailer frame after the payload carries the node's
+verdict (``FLAG_TRAILER``), so the first byte leaves at once instead of after a whole-object hash.
 Requests on one connection are served in order, so clients pipeline a batch and read the responses back
 in order.
 
@@ -18,15 +20,17 @@ import contextlib
 import logging
 import socket
 
+import xxhash
 from kvpool.kvstore.errors import (
     BadRequestError,
+    CorruptObjectError,
     ProtocolError,
     StoreError,
     TransportTimeoutError,
     TransportUnavailableError,
 )
 from kvpool.kvstore.node_store import ObjectStore
-from kvpool.kvstore.transport_base import recv_exactly_into, recv_hashing_into
+from kvpool.kvstore.transport_base import FLAG_TRAILER, recv_exactly_into, recv_hashing_into, send_parts
 from kvpool.kvstore.transport_frame import (
     FLAG_ABORT,
     FLAG_EXISTS,
@@ -45,11 +49,11 @@ from kvpool.kvstore.transport_frame import (
     encode,
     error_frame,
 )
-from kvpool.proto import node_pb2
+from kvpool.proto import common_pb2, node_pb2
 
 log = logging.getLogger(__name__)
 DRAIN_LIMIT = 64 << 20  # refused payloads up to this size are read and dropped to keep the stream in sync
-SMALL_SEND = 64 << 10  # below this, header and payload go out in one send
+SEND_CHUNK = 1 << 20  # a GET payload is hashed, then sent, this much at a time (still in L2 when sent)
 
 
 class _CloseConnection(Exception):
@@ -278,25 +282,54 @@ class TcpDataServer:
             await self._send_error(conn, OP_GET, exc, frame.request_id)
             return
         try:
-            if obj.meta.size > frame.payload_len:
-                raise BadRequestError(
-                    f"object is {obj.meta.size} B, the reader's buffer {frame.payload_len} B"
-                )
-            data = await self.store.read(obj)
-            head = encode(
-                Frame(
-                    OP_GET | RESPONSE,
-                    request_id=frame.request_id,
-                    payload_len=len(data),
-                    checksum=obj.meta.checksum,
-                )
-            )
-            if len(data) <= SMALL_SEND:
-                await loop.sock_sendall(conn, head + bytes(data))
-            else:
-                await loop.sock_sendall(conn, head)
-                await loop.sock_sendall(conn, data)
-        except StoreError as exc:
-            await self._send_error(conn, OP_GET, exc, frame.request_id)
+            try:
+                if obj.meta.size > frame.payload_len:
+                    raise BadRequestError(
+                        f"object is {obj.meta.size} B, the reader's buffer {frame.payload_len} B"
+                    )
+                data = memoryview(await self.store.read(obj, verify=False))  # verified as it streams
+            except StoreError as exc:
+                await self._send_error(conn, OP_GET, exc, frame.request_id)
+                return
+            await self._stream(loop, conn, frame.request_id, obj.meta, data)
         finally:
             self.store.release(obj)
+
+    async def _stream(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        request_id: int,
+        meta: common_pb2.ObjectMeta,
+        data: memoryview,
+    ) -> None:
+        """Header, payload, trailer. Each ``SEND_CHUNK`` is hashed just before it is sent, so the first byte
+        leaves at once instead of after a whole-object hash, and the send copies bytes the hash just pulled
+        into cache. The trailer carries the verdict: a copy that fails its checksum here is reported as
+        ``CorruptObjectError`` (counted as today); the reader also verifies end to end on its own."""
+        head = Frame(
+            OP_GET | RESPONSE,
+            flags=FLAG_TRAILER,
+            request_id=request_id,
+            payload_len=len(data),
+            checksum=meta.checksum,
+        )
+        hasher = xxhash.xxh3_64()
+        parts: list[bytes | memoryview] = [encode(head)]
+        for start in range(0, len(data), SEND_CHUNK):
+            chunk = data[start : start + SEND_CHUNK]
+            hasher.update(chunk)
+            parts.append(chunk)
+            if start + SEND_CHUNK < len(data):  # the last chunk leaves together with the trailer
+                await send_parts(loop, conn, parts)
+                parts = []
+        digest = hasher.intdigest()
+        if digest == meta.checksum:
+            trailer = Frame(OP_GET | RESPONSE, request_id=request_id, checksum=digest)
+        else:
+            self.store.count("reads_corrupt")
+            msg = f"key {meta.key[:8].hex()}… failed its checksum on the node"
+            trailer = error_frame(OP_GET, CorruptObjectError.code, msg, request_id)
+            trailer.checksum = digest
+        parts.append(encode(trailer))
+        await send_parts(loop, conn, parts)

@@ -34,6 +34,11 @@ class Deadlines:
 
 
 DEFAULT_DEADLINES = Deadlines()
+HASH_CHUNK = 512 << 10  # receive (and hash) at most this much at a time: the chunk is still in L2
+# GET response flag (tcp): the payload is followed by a trailer frame, same op and request id, whose status
+# is the node's verdict on the bytes it just streamed (it hashes them chunk by chunk as they leave instead of
+# verifying the whole object before the first byte) and whose checksum is the node's digest of them
+FLAG_TRAILER = 4
 
 
 def as_bytes_view(buf: object) -> memoryview:
@@ -48,8 +53,12 @@ def as_bytes_view(buf: object) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def verify_checksum(view: Buffer, expected: int, key: bytes) -> None:
-    if xxhash.xxh3_64_intdigest(view) != expected:
+def verify_checksum(view: Buffer, expected: int, key: bytes, digest: int | None = None) -> None:
+    """``CorruptObjectError`` unless ``view`` hashes to ``expected``; ``digest`` = the xxh3-64 the receiver
+    already computed chunk by chunk as the bytes landed (then ``view`` is not read again)."""
+    if digest is None:
+        digest = xxhash.xxh3_64_intdigest(view)
+    if digest != expected:
         raise CorruptObjectError(f"key {key[:8].hex()}… failed its checksum after transfer")
 
 
@@ -73,13 +82,20 @@ class Transport(ABC):
     async def _get_into(self, location: common_pb2.ObjectLocation, out: memoryview) -> int:
         """Copy the object into ``out`` without verifying; returns its size."""
 
+    async def _get_into_hashed(
+        self, location: common_pb2.ObjectLocation, out: memoryview
+    ) -> tuple[int, int | None]:
+        """``_get_into`` plus the xxh3-64 of the received bytes when the backend hashed them as they landed
+        (cache-hot, overlapped with the transfer); None = ``get_into`` hashes ``out`` afterwards."""
+        return await self._get_into(location, out), None
+
     async def get_into(self, location: common_pb2.ObjectLocation, out: Buffer) -> int:
         """Copy the object at ``location`` into ``out`` and verify its checksum; returns the size."""
         view = as_bytes_view(out)
         if len(view) < location.meta.size:
             raise ValueError(f"buffer of {len(view)} B is smaller than the object ({location.meta.size} B)")
-        n = await self._get_into(location, view)
-        verify_checksum(view[:n], location.meta.checksum, location.meta.key)
+        n, digest = await self._get_into_hashed(location, view)
+        verify_checksum(view[:n], location.meta.checksum, location.meta.key, digest)
         self.bytes_in += n
         return n
 
@@ -127,13 +143,14 @@ async def recv_hashing_into(loop: asyncio.AbstractEventLoop, sock: socket.socket
     """``recv_exactly_into`` that also returns the xxh3-64 of what landed in ``view``.
 
     Each chunk is hashed right after it arrives, while it is still in cache and while the kernel keeps
-    filling the socket buffer, instead of re-reading the whole object from memory afterwards.
+    filling the socket buffer, instead of re-reading the whole object from memory afterwards. Receives are
+    capped at ``HASH_CHUNK`` so a chunk is still in L2 when it is hashed.
     """
     hasher = xxhash.xxh3_64()
     got = 0
     total = len(view)
     while got < total:
-        n = await loop.sock_recv_into(sock, view[got:])
+        n = await loop.sock_recv_into(sock, view[got : got + HASH_CHUNK])
         if n == 0:
             raise ProtocolError(f"connection closed after {got} of {total} bytes")
         hasher.update(view[got : got + n])
@@ -141,9 +158,32 @@ async def recv_hashing_into(loop: asyncio.AbstractEventLoop, sock: socket.socket
     return hasher.intdigest()
 
 
-async def with_deadline(coro, seconds: float, what: str):  # type: ignore[no-untyped-def]
-    """Await ``coro`` within ``seconds`` or raise ``TransportTimeoutError`` naming ``what``."""
+async def send_parts(loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: Sequence[Buffer]) -> None:
+    """Send ``parts`` back to back, starting with one ``sendmsg`` (writev) of all of them.
+
+    A header and its payload then leave in one system call (and one TCP segment train) instead of two
+    ``sock_sendall`` calls; whatever the socket buffer could not take goes out with ``sock_sendall``.
+    """
     try:
-        return await asyncio.wait_for(coro, seconds)
+        sent = sock.sendmsg(parts)
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    for part in parts:
+        size = len(part)
+        if sent >= size:
+            sent -= size
+            continue
+        await loop.sock_sendall(sock, memoryview(part)[sent:] if sent else part)
+        sent = 0
+
+
+async def with_deadline(coro, seconds: float, what: str):  # type: ignore[no-untyped-def]
+    """Await ``coro`` within ``seconds`` or raise ``TransportTimeoutError`` naming ``what``.
+
+    ``asyncio.timeout`` runs ``coro`` in the caller's task; ``wait_for`` (3.11) wraps it in a new task,
+    which costs a task and an extra loop iteration on every transfer."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await coro
     except TimeoutError:
         raise TransportTimeoutError(f"{what}: no progress within {seconds:.1f} s") from None

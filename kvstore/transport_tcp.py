@@ -1,7 +1,9 @@
 """tcp transport (client side): asyncio non-blocking sockets, pooled connections, pipelined batches.
 
-Payloads go out with ``sock_sendall`` straight from the caller's buffer and come in with ``sock_recv_into``
-straight into the caller's buffer (never ``readexactly``: 0.5-1.2 GB/s vs 3-4.7 GB/s measured). A batch is
+Payloads go out straight from the caller's buffer (header and payload in one ``sendmsg``) and come in with
+``sock_recv_into`` straight into the caller's buffer (never ``readexactly``: 0.5-1.2 GB/s vs 3-4.7 GB/s
+measured), hashed chunk by chunk as they land; a GET ends with the node's trailer (its own verdict on the
+bytes it streamed: a corrupt copy there is ``CorruptObjectError`` and the connection stays usable). A batch is
 pipelined on one connection: a writer task sends every request while the reader takes the responses in order,
 so a batch costs one round trip, not one per object (Mooncake's tcp path is RTT-bound, issue #3446).
 
@@ -26,11 +28,14 @@ from kvpool.kvstore.errors import (
 )
 from kvpool.kvstore.transport_base import (
     DEFAULT_DEADLINES,
+    FLAG_TRAILER,
     Buffer,
     Deadlines,
     Transport,
     as_bytes_view,
     recv_exactly_into,
+    recv_hashing_into,
+    send_parts,
     verify_checksum,
     with_deadline,
 )
@@ -174,9 +179,7 @@ class TcpTransport(Transport):
         async def op(conn: _Conn) -> None:
             rid = self._rid()
             try:
-                await loop.sock_sendall(conn.sock, self._put_frame(put_id, meta, rid))
-                if meta.size:
-                    await loop.sock_sendall(conn.sock, view)
+                await send_parts(loop, conn.sock, [self._put_frame(put_id, meta, rid), view])
             except OSError as exc:  # the node may have refused and closed: its error frame says why
                 try:
                     await asyncio.wait_for(self._read_response(conn, OP_PUT, rid, first=False), 1.0)
@@ -194,9 +197,14 @@ class TcpTransport(Transport):
         self.bytes_out += meta.size
 
     async def _get_into(self, location: common_pb2.ObjectLocation, out: memoryview) -> int:
+        return (await self._get_into_hashed(location, out))[0]
+
+    async def _get_into_hashed(
+        self, location: common_pb2.ObjectLocation, out: memoryview
+    ) -> tuple[int, int | None]:
         loop = asyncio.get_running_loop()
 
-        async def op(conn: _Conn) -> int:
+        async def op(conn: _Conn) -> tuple[int, int]:
             rid = self._rid()
             await loop.sock_sendall(
                 conn.sock, encode(Frame(OP_GET, key=location.meta.key, request_id=rid, payload_len=len(out)))
@@ -205,15 +213,19 @@ class TcpTransport(Transport):
 
         return await self._run(location.node, location.meta.size, op)
 
-    async def _read_get_payload(self, conn: _Conn, rid: int, out: memoryview, first: bool) -> int:
+    async def _read_get_payload(self, conn: _Conn, rid: int, out: memoryview, first: bool) -> tuple[int, int]:
+        """Header, payload (hashed chunk by chunk as it lands), then the node's trailer when it sends one:
+        the size and the digest of the received bytes, or the node's typed error (its copy is corrupt)."""
         frame = await self._read_response(conn, OP_GET, rid, first)
         if frame.payload_len > len(out):
             raise ProtocolError(f"node announced {frame.payload_len} B for a {len(out)} B buffer")
         try:
-            await recv_exactly_into(asyncio.get_running_loop(), conn.sock, out[: frame.payload_len])
+            digest = await recv_hashing_into(asyncio.get_running_loop(), conn.sock, out[: frame.payload_len])
         except ProtocolError as exc:
             raise StoreUnavailableError(f"node closed the connection mid-payload: {exc}") from exc
-        return frame.payload_len
+        if frame.flags & FLAG_TRAILER:
+            await self._read_response(conn, OP_GET, rid, first=False)
+        return frame.payload_len, digest
 
     # --- pipelined batches -------------------------------------------------------------------------------
     async def batch_put(
@@ -228,9 +240,7 @@ class TcpTransport(Transport):
 
             async def writer() -> None:
                 for (put_id, meta, _data), view, rid in zip(items, views, rids, strict=True):
-                    await loop.sock_sendall(conn.sock, self._put_frame(put_id, meta, rid))
-                    if meta.size:
-                        await loop.sock_sendall(conn.sock, view)
+                    await send_parts(loop, conn.sock, [self._put_frame(put_id, meta, rid), view])
 
             return await self._pipeline(conn, writer, [(OP_PUT, rid, None) for rid in rids])
 
@@ -286,10 +296,13 @@ class TcpTransport(Transport):
             except StoreError as exc:
                 got = [exc] * len(idx)
             for i, r in zip(idx, got, strict=True):
-                if isinstance(r, int):
+                if isinstance(r, tuple):
+                    size, digest = r
                     try:
-                        verify_checksum(views[i][:r], items[i][0].meta.checksum, items[i][0].meta.key)
-                        self.bytes_in += r
+                        meta = items[i][0].meta
+                        verify_checksum(views[i][:size], meta.checksum, meta.key, digest)
+                        self.bytes_in += size
+                        r = size
                     except StoreError as exc:
                         r = exc
                 results[i] = r
