@@ -234,7 +234,7 @@ def median_row(rounds: list[Row]) -> Row:
 def median_extra(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """match_prefix / memory figures: the first round's record with its latencies replaced by medians."""
     out = dict(rounds[0])
-    for k in ("p50_ms", "p99_ms", "min_ms", "one_block_p50_ms"):
+    for k in ("p50_ms", "p99_ms", "min_ms", "one_block_p50_ms", "grpc_p50_ms", "full_locations_p50_ms"):
         vals = [r[k] for r in rounds if isinstance(r.get(k), int | float)]
         if vals:
             out[k] = round(statistics.median(vals), 3)
@@ -345,10 +345,11 @@ def main(argv: list[str] | None = None) -> int:
             print(render_table(ordered, plan.sizes_mb))
         mp, mem = extras.get("match_prefix"), extras.get("master_memory")
         if mp:
-            print(f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain over gRPC: "
+            print(f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain through the client (master wire): "
                   f"p50 {mp.get('p50_ms')} ms, "
                   f"p99 {mp.get('p99_ms')} ms ({mp.get('calls')} calls; usable={mp.get('usable_blocks')}; "
-                  f"1-block call p50 {mp.get('one_block_p50_ms')} ms)")
+                  f"1-block call p50 {mp.get('one_block_p50_ms')} ms; same call over gRPC p50 "
+                  f"{mp.get('grpc_p50_ms')} ms)")
         if mem:
             print(f"master memory: {mem.get('bytes_per_object')} B/object over {mem.get('objects')} objects "
                   f"({mem.get('method')})")
