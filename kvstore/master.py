@@ -38,6 +38,7 @@ from kvpool.kvstore.index import (
     UnknownKeyError,
     UnknownNodeError,
 )
+from kvpool.kvstore.malloc_ctl import fix_mmap_threshold, release_free_heap
 from kvpool.kvstore.master_state import StateStore
 from kvpool.proto import common_pb2, master_pb2
 
@@ -47,6 +48,16 @@ MAX_KEYS_PER_CALL = 100_000
 MAX_BLOCKS_PER_MATCH = 1 << 16  # 65,536 blocks x 512 tokens: far beyond any context
 MAX_TENANT_CHARS = 256
 MAX_PIN_MS = 24 * 3600 * 1000
+# An inventory this large is a bulk load: the index is sized for it up front and the freed request memory
+# is returned to the OS afterwards (smaller ones grow the index as puts do; their garbage is noise).
+BULK_ADOPTION_OBJECTS = 4096
+# From the first bulk load on, blocks this big are their own mappings (kvstore/malloc_ctl.py): above every
+# per-call message of the hot paths (a 2,000-block MatchPrefix reply is ~0.2 MB), below the index's
+# columns, slot lists and dict tables at scale and below a large inventory message.
+BULK_MMAP_THRESHOLD = 1 << 20
+# Sweeps that trim after a bulk load: the request is freed only after its reply went out, which a sweep
+# can precede; a trim with nothing to release costs ~0.03 ms, the first one after 1 M objects ~4 ms.
+TRIM_SWEEPS_AFTER_BULK = 3
 
 
 class MasterError(Exception):
@@ -156,6 +167,8 @@ class MasterCore:
         self._outbox: dict[str, dict[bytes, NodeAction]] = {}
         self._last_sweep = clock()
         self.counters: dict[str, int] = {}
+        self._trim_sweeps_left = 0  # after a bulk adoption: sweeps that return freed memory to the OS
+        self._mmap_threshold_fixed = False
         self.state = StateStore(self.config.state_path)  # StateFileError if unreadable: refuse to start
         for tenant, max_bytes in self.state.state.quotas.items():
             self.index.set_quota(tenant, max_bytes)
@@ -175,12 +188,18 @@ class MasterCore:
             self._forget_node(ep.node_id, reason="reregistered")
         self.index.add_node(ep.node_id, req.dram_capacity_bytes, req.ssd_capacity_bytes)
         self._nodes[ep.node_id] = _NodeRecord(_copy(ep), self._clock())
+        inventory = req.inventory
+        bulk = len(inventory) >= BULK_ADOPTION_OBJECTS
+        if bulk:
+            self._prepare_bulk_adoption(len(inventory))
         adopted = 0
-        for meta in req.inventory:
+        for meta in inventory:
             if self._adopt(ep.node_id, meta):
                 adopted += 1
         self.index.evict()  # once everything is linked: leaf-first is only meaningful on a complete forest
         self._absorb_index_events()
+        if bulk:  # not now: the request still lives (the caller holds it), trimming would keep its pages
+            self._trim_sweeps_left = TRIM_SWEEPS_AFTER_BULK
         self._count("nodes_registered")
         self._count("objects_adopted", adopted)
         log.info("node %s registered: %d objects adopted of %d", ep.node_id, adopted, len(req.inventory))
@@ -217,6 +236,22 @@ class MasterCore:
             return False
         self._restore_pin(meta.key)
         return True
+
+    def _prepare_bulk_adoption(self, objects: int) -> None:
+        """Before adopting a large inventory: size the index for it once, and (first time) pin the mmap
+        threshold so the big blocks of this and later loads go back to the OS when freed (design §7)."""
+        if not self._mmap_threshold_fixed:
+            self._mmap_threshold_fixed = fix_mmap_threshold(BULK_MMAP_THRESHOLD)
+        self.index.reserve(objects)
+
+    def _release_adoption_garbage(self) -> None:
+        """Run by the sweep for a few rounds after a bulk adoption, by when its request has been freed:
+        hand the pages it occupied back to the OS (``kvstore/malloc_ctl.py``). Never on a put/get path."""
+        if not self._trim_sweeps_left:
+            return
+        self._trim_sweeps_left -= 1
+        if release_free_heap():
+            self._count("heap_trims")
 
     def _restore_pin(self, key: bytes) -> None:
         """Re-apply a pin that outlived an earlier master (or an earlier copy of the object)."""
@@ -530,6 +565,7 @@ class MasterCore:
             self._count("puts_abandoned")
         self.index.expire()
         self._absorb_index_events()
+        self._release_adoption_garbage()
 
     def take_actions(self) -> list[PendingActions]:
         """Everything queued for nodes since the last call, grouped per node and action."""
