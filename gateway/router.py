@@ -24,11 +24,12 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-import grpc
 from kvpool.cache.hashing import hash_blocks, root_hash
 from kvpool.gateway.errors import BackendUnavailable, Overloaded
 from kvpool.gateway.workers import Worker, WorkerPool
-from kvpool.proto import master_pb2, master_pb2_grpc
+from kvpool.kvstore.errors import StoreError
+from kvpool.kvstore.master_link import MasterLink
+from kvpool.proto import master_pb2
 
 log = logging.getLogger("kvpool.gateway")
 POLICIES = ("cache", "rr")
@@ -73,7 +74,11 @@ class Plan:
 
 
 class PrefixProbe:
-    """``MatchPrefix(counts_only=true)`` against the master under a short deadline."""
+    """``MatchPrefix(counts_only=true)`` against the master under a short deadline.
+
+    Goes through ``MasterLink``: the master's binary wire when it advertises one (~0.1 ms per call instead
+    of ~0.5 ms of Python gRPC, which the gateway pays once per request before routing), else gRPC.
+    """
 
     def __init__(
         self, master: str | None, fingerprint: bytes, block_size: int, timeout_s: float = 0.5
@@ -82,31 +87,29 @@ class PrefixProbe:
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.master = master
-        self.channel: grpc.aio.Channel | None = None
-        self.stub: master_pb2_grpc.MasterStub | None = None
+        self.link: MasterLink | None = None
 
     def connect(self) -> PrefixProbe:
-        """Open the channel (inside the serving event loop: grpc.aio channels are bound to their loop)."""
+        """Make the link (inside the serving event loop: its connections are bound to their loop)."""
         if self.master:
-            self.channel = grpc.aio.insecure_channel(self.master)
-            self.stub = master_pb2_grpc.MasterStub(self.channel)
+            self.link = MasterLink(self.master, self.timeout_s)
         return self
 
     async def lookup(self, prompt: list[int], tenant: str) -> Lookup:
         B = self.block_size
         n = (len(prompt) - 1) // B  # prefill always computes the last token: at most (L-1)//B blocks reused
-        if self.stub is None or n <= 0:
-            return Lookup(ok=self.stub is not None)
+        if self.link is None or n <= 0:
+            return Lookup(ok=self.link is not None)
         hashes = hash_blocks(prompt[: n * B], B, root_hash(self.fingerprint, tenant))
         try:
-            r = await self.stub.MatchPrefix(
+            r = await self.link.call(
+                "MatchPrefix",
                 master_pb2.MatchPrefixRequest(
                     block_hashes=hashes, tenant=tenant, require_checkpoint=True, counts_only=True
                 ),
-                timeout=self.timeout_s,
             )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("MatchPrefix failed (%s); routing as if nothing were cached", exc.code().name)
+        except StoreError as exc:
+            log.warning("MatchPrefix failed (%s); routing as if nothing were cached", exc)
             return Lookup(ok=False)
         return Lookup(
             cached_tokens=r.usable_blocks * B,
@@ -115,16 +118,16 @@ class PrefixProbe:
         )
 
     async def stats(self) -> master_pb2.StatsReply | None:
-        if self.stub is None:
+        if self.link is None:
             return None
         try:
-            return await self.stub.Stats(master_pb2.StatsRequest(), timeout=self.timeout_s)
-        except grpc.aio.AioRpcError:
+            return await self.link.call("Stats", master_pb2.StatsRequest())
+        except StoreError:
             return None
 
     async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
+        if self.link is not None:
+            await self.link.close()
 
 
 class Router:
