@@ -49,6 +49,30 @@ def _percentiles(samples_s: list[float]) -> dict[str, float]:
     }
 
 
+def _pymalloc_bytes(obj: object) -> int:
+    """What a small object really occupies: pymalloc serves it from 16-byte size classes (a 33-byte key,
+    66 bytes of object, takes 80)."""
+    size = sys.getsizeof(obj)
+    return (size + 15) & ~15 if size <= 512 else size
+
+
+def index_breakdown(idx: PrefixIndex) -> dict[str, float]:
+    """Bytes per indexed object by structure (why the RSS figure is what it is; design §7)."""
+    n = max(1, len(idx))
+    keys = [k for k in idx._keys if k is not None]
+    cols = idx._cols
+    return {
+        name: round(b / n, 1)
+        for name, b in (
+            ("key_objects", sum(map(_pymalloc_bytes, keys))),
+            ("slot_ints", sum(_pymalloc_bytes(s) for s in idx._slot.values() if s > 256)),
+            ("dict", sys.getsizeof(idx._slot)),
+            ("slot_lists", sys.getsizeof(idx._keys) + sys.getsizeof(idx._anchors)),
+            ("columns", sum(getattr(cols, name).nbytes for name, _ in cols.SPEC)),
+        )
+    }
+
+
 def _memory_child(n: int, chain: int, reps: int, queue: mp.Queue) -> None:
     """Fresh process: index n MLA blocks in chains of ``chain`` (+ a checkpoint every 32 blocks), report
     RSS per object, then time match_prefix on the full index."""
@@ -74,6 +98,7 @@ def _memory_child(n: int, chain: int, reps: int, queue: mp.Queue) -> None:
     insert_s = time.perf_counter() - start
     gc.collect()
     rss1 = proc.memory_info().rss
+    breakdown = index_breakdown(idx)
     # the first chain of the index: `chain` MLA blocks, checkpoints every 32
     first: list[bytes] = []
     h = seed
@@ -92,6 +117,7 @@ def _memory_child(n: int, chain: int, reps: int, queue: mp.Queue) -> None:
         {
             "objects": len(idx),
             "rss_bytes_per_object": round((rss1 - rss0) / len(idx), 1),
+            "bytes_per_object_by_structure": breakdown,
             "insert_us_per_object": round(insert_s / len(idx) * 1e6, 2),
             "match_usable_blocks": m.usable_blocks,
             "match_prefix_in_process_probe": _percentiles(samples_probe),

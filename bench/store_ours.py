@@ -348,9 +348,16 @@ def _measure_master_memory(objects: int, master: str, pid: int) -> dict[str, Any
         if stats.objects < objects:
             raise VerifyError(f"master indexes {stats.objects} objects, expected {objects}")
         after = _settled_rss(pid, stub, master_pb2)
-    return {"objects": objects, "fake_nodes": node, "method": "RegisterNode inventories, RSS delta",
-            "rss_before_mb": round(before / MB, 1), "rss_after_mb": round(after / MB, 1),
-            "bytes_per_object": round((after - before) / objects, 1)}
+        trims = stub.Stats(master_pb2.StatsRequest(), timeout=30).counters.get("heap_trims", 0)
+    return {
+        "objects": objects,
+        "fake_nodes": node,
+        "method": "RegisterNode inventories, RSS delta",
+        "rss_before_mb": round(before / MB, 1),
+        "rss_after_mb": round(after / MB, 1),
+        "bytes_per_object": round((after - before) / objects, 1),
+        "heap_trims": trims,  # the master returned a bulk load's freed memory to the OS (malloc_ctl.py)
+    }
 
 
 def _master_process_memory(objects: int) -> dict[str, Any]:
@@ -363,11 +370,11 @@ def _master_process_memory(objects: int) -> dict[str, Any]:
 def section_master_memory(plan: Plan) -> dict[str, Any]:
     """Master resident memory per indexed object with ``plan.objects`` objects (default 1 M).
 
-    The master's owner ships ``bench/master_bench.py``; when it is there its ``bench_memory`` (the index
-    filled in a fresh process) is the figure the goal is judged on, so both benches report one number.
-    The whole-master-process measurement (RegisterNode inventories into a real ``kvpool store master``,
-    RSS delta) runs too, as a cross-check that includes gRPC and allocator overhead; without
-    master_bench it is the figure.
+    Two measurements, and the goal is judged on the larger: the whole master process (RegisterNode
+    inventories into a real ``kvpool store master``, RSS delta: gRPC, protobuf and allocator overhead
+    included, the way a restarted master re-indexes its nodes) and, when ``bench/master_bench.py`` is
+    there, its ``bench_memory`` (the index filled by one-by-one inserts in a fresh process, the way puts
+    build it). Either one over the budget fails the goal.
     """
     try:
         import master_bench
@@ -377,8 +384,15 @@ def section_master_memory(plan: Plan) -> dict[str, Any]:
     if master_bench is None or not hasattr(master_bench, "bench_memory"):
         return {"rows": [], "master_memory": process}
     mb = master_bench.bench_memory(plan.objects, CHAIN_BLOCKS, 10)
-    res = {"objects": mb["objects"], "bytes_per_object": mb["rss_bytes_per_object"],
-           "method": "bench/master_bench.py bench_memory: PrefixIndex filled in a fresh process, RSS delta",
-           "insert_us_per_object": mb.get("insert_us_per_object"),
-           "master_process": process}
+    index_alone = mb["rss_bytes_per_object"]
+    res = {
+        "objects": mb["objects"],
+        "bytes_per_object": max(index_alone, process["bytes_per_object"]),
+        "method": "the larger of: whole master process fed RegisterNode inventories (master_process), and "
+        "bench/master_bench.py bench_memory, PrefixIndex filled by inserts in a fresh process (index_alone)",
+        "index_alone_bytes_per_object": index_alone,
+        "index_alone_by_structure": mb.get("bytes_per_object_by_structure"),
+        "insert_us_per_object": mb.get("insert_us_per_object"),
+        "master_process": process,
+    }
     return {"rows": [], "master_memory": res}

@@ -14,6 +14,7 @@ API (all sizes in bytes, all durations in ms, ``now`` always from ``clock()`` in
                ttl_ms=0, pending=False, evict=True, avoid_node=None) -> node_id
                                                         # pending=True: reserved, invisible until commit()
     idx.commit(key); idx.remove(key, reason="removed") -> bool
+    idx.reserve(objects)                                # size once for a bulk load (a node's inventory)
     idx.match_prefix(block_hashes, require_checkpoint=True, touch=False) -> PrefixMatch
     idx.lookup(keys, touch=False) -> list[ObjectInfo | None]; idx.get(key) -> ObjectInfo | None
     idx.acquire(keys, lease_ms=None) -> Lease | None; idx.release(lease_id) -> bool     # read pins
