@@ -298,8 +298,9 @@ def _fake_inventory(start: int, count: int) -> list[Any]:
         key = mla_key(hashlib.sha256(i.to_bytes(8, "little")).digest())
         if i % 1000 == 0:
             parent = b""
-        metas.append(common_pb2.ObjectMeta(key=key, kind=common_pb2.MLA_BLOCK, size=1 << 20,
-                                           checksum=i, parent=parent))
+        metas.append(
+            common_pb2.ObjectMeta(key=key, kind=common_pb2.MLA_BLOCK, size=1 << 20, checksum=i, parent=parent)
+        )
         parent = key
     return metas
 
@@ -334,10 +335,13 @@ def _measure_master_memory(objects: int, master: str, pid: int) -> dict[str, Any
         while done < objects:
             count = min(MEMORY_CHUNK, objects - done)
             inventory = _fake_inventory(done, count)
-            ep = common_pb2.NodeEndpoint(node_id=f"bench-fake-{node}", host=HOST, grpc_port=1, tcp_port=1,
-                                         host_id="bench-fake")
-            reply = stub.RegisterNode(master_pb2.RegisterNodeRequest(node=ep, dram_capacity_bytes=1 << 50,
-                                                                     inventory=inventory), timeout=300)
+            ep = common_pb2.NodeEndpoint(
+                node_id=f"bench-fake-{node}", host=HOST, grpc_port=1, tcp_port=1, host_id="bench-fake"
+            )
+            reply = stub.RegisterNode(
+                master_pb2.RegisterNodeRequest(node=ep, dram_capacity_bytes=1 << 50, inventory=inventory),
+                timeout=300,
+            )
             if reply.adopted_objects != count:
                 raise VerifyError(f"master adopted {reply.adopted_objects} of {count} objects")
             del inventory
@@ -362,8 +366,9 @@ def _measure_master_memory(objects: int, master: str, pid: int) -> dict[str, Any
 
 def _master_process_memory(objects: int) -> dict[str, Any]:
     with children() as procs, tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
-        master, pid = start_master(procs, Path(tmp), "--node-timeout-ms", "3600000",
-                                   "--heartbeat-ms", "600000")
+        master, pid = start_master(
+            procs, Path(tmp), "--node-timeout-ms", "3600000", "--heartbeat-ms", "600000"
+        )
         return _measure_master_memory(objects, master, pid)
 
 
