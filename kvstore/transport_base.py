@@ -9,6 +9,7 @@ connect/latency allowance plus the size at a floor rate, so a dead or stalled pe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -35,6 +36,8 @@ class Deadlines:
 
 DEFAULT_DEADLINES = Deadlines()
 HASH_CHUNK = 512 << 10  # receive (and hash) at most this much at a time: the chunk is still in L2
+RECV_LOWAT = 1 << 20  # a GET's reader is woken once this much of a large payload is queued (SO_RCVLOWAT)
+LOWAT_MIN = 256 << 10  # smaller payloads arrive in a few segments: not worth two setsockopt calls
 # GET response flag (tcp): the payload is followed by a trailer frame, same op and request id, whose status
 # is the node's verdict on the bytes it just streamed (it hashes them chunk by chunk as they leave instead of
 # verifying the whole object before the first byte) and whose checksum is the node's digest of them
@@ -139,22 +142,39 @@ async def recv_exactly_into(loop: asyncio.AbstractEventLoop, sock: socket.socket
         got += n
 
 
-async def recv_hashing_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> int:
+async def recv_hashing_into(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, lowat: int = 0
+) -> int:
     """``recv_exactly_into`` that also returns the xxh3-64 of what landed in ``view``.
 
     Each chunk is hashed right after it arrives, while it is still in cache and while the kernel keeps
     filling the socket buffer, instead of re-reading the whole object from memory afterwards. Receives are
     capped at ``HASH_CHUNK`` so a chunk is still in L2 when it is hashed.
+
+    ``lowat`` > 0 (a client's GET): a payload of at least ``LOWAT_MIN`` raises the socket's ``SO_RCVLOWAT``
+    to ``lowat`` (at most what is still due), so the event loop is woken once per that much queued instead
+    of for every few segments; each asyncio wake-up costs tens of microseconds. The watermark goes back to 1
+    before returning, so the next frame header wakes the loop as usual.
     """
     hasher = xxhash.xxh3_64()
     got = 0
     total = len(view)
-    while got < total:
-        n = await loop.sock_recv_into(sock, view[got : got + HASH_CHUNK])
-        if n == 0:
-            raise ProtocolError(f"connection closed after {got} of {total} bytes")
-        hasher.update(view[got : got + n])
-        got += n
+    current = 1
+    try:
+        while got < total:
+            want = min(lowat, total - got) if lowat and total >= LOWAT_MIN else 1
+            if want != current:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                current = want
+            n = await loop.sock_recv_into(sock, view[got : got + HASH_CHUNK])
+            if n == 0:
+                raise ProtocolError(f"connection closed after {got} of {total} bytes")
+            hasher.update(view[got : got + n])
+            got += n
+    finally:
+        if current != 1:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     return hasher.intdigest()
 
 

@@ -29,6 +29,7 @@ from kvpool.kvstore.errors import (
 from kvpool.kvstore.transport_base import (
     DEFAULT_DEADLINES,
     FLAG_TRAILER,
+    RECV_LOWAT,
     Buffer,
     Deadlines,
     Transport,
@@ -220,7 +221,9 @@ class TcpTransport(Transport):
         if frame.payload_len > len(out):
             raise ProtocolError(f"node announced {frame.payload_len} B for a {len(out)} B buffer")
         try:
-            digest = await recv_hashing_into(asyncio.get_running_loop(), conn.sock, out[: frame.payload_len])
+            digest = await recv_hashing_into(
+                asyncio.get_running_loop(), conn.sock, out[: frame.payload_len], RECV_LOWAT
+            )
         except ProtocolError as exc:
             raise StoreUnavailableError(f"node closed the connection mid-payload: {exc}") from exc
         if frame.flags & FLAG_TRAILER:

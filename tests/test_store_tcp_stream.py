@@ -171,3 +171,27 @@ def test_reader_checks_end_to_end_even_when_the_node_is_satisfied(node):
             await t.close()
 
     asyncio.run(body())
+
+
+def test_large_get_restores_the_receive_watermark_of_the_pooled_connection(node):
+    """A large GET raises SO_RCVLOWAT while its payload streams in; the pooled connection must wake for a
+    48-byte header again afterwards, or the next small GET on it would wait for its whole deadline."""
+    big = os.urandom(3 << 20)
+    small = os.urandom(5000)
+    m_big, m_small = put(node, big), put(node, small)
+
+    async def body() -> None:
+        t = TcpTransport(FAST)
+        try:
+            out = bytearray(len(big))
+            assert await t.get_into(location(node, m_big), out) == len(big) and out == big
+            (sock,) = [s for idle in t._idle.values() for s in idle]
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+            start = asyncio.get_running_loop().time()
+            out = bytearray(5000)
+            assert await t.get_into(location(node, m_small), out) == 5000 and out == small
+            assert asyncio.get_running_loop().time() - start < 0.5
+        finally:
+            await t.close()
+
+    asyncio.run(body())
