@@ -123,12 +123,13 @@ class TcpDataServer:
                 n = await loop.sock_recv_into(conn, hview)
                 if n == 0:
                     return
-                try:
-                    async with asyncio.timeout(self.frame_timeout_s):
-                        await recv_exactly_into(loop, conn, hview[n:])
-                except TimeoutError:
-                    await self._send_error(conn, 0, TransportTimeoutError("truncated frame header"))
-                    return
+                if n < HEADER_SIZE:  # (no timer for the usual case: the whole header came in one piece)
+                    try:
+                        async with asyncio.timeout(self.frame_timeout_s):
+                            await recv_exactly_into(loop, conn, hview[n:])
+                    except TimeoutError:
+                        await self._send_error(conn, 0, TransportTimeoutError("truncated frame header"))
+                        return
                 try:
                     frame, key_len, aux_len = decode_header(header)
                     if frame.op & RESPONSE:
