@@ -501,9 +501,13 @@ class AsyncStoreClient:
             buf = bytearray(cached.meta.size) if out is None else out
             try:
                 n = await self._fetch(cached, buf)
-            except TransportTimeoutError:
+            except TransportTimeoutError as exc:
                 self._where.pop(key, None)
-                raise  # the node is stalled: asking the master would only lead back to it
+                self._count("get.direct_fallback")
+                # the node stalled (or is dead and does not refuse connections, as ucx listeners do):
+                # the master knows whether it still holds the key; if it still names that node, a second
+                # transfer would only wait out the same deadline again
+                return await self._read_via_master(key, out, stalled=(cached.node.node_id, exc))
             except StoreError:
                 self._where.pop(key, None)
                 self._count("get.direct_fallback")
@@ -545,7 +549,9 @@ class AsyncStoreClient:
         except StoreError:
             self._count("failures.touch_report")
 
-    async def _read_via_master(self, key: bytes, out: Buffer | None) -> int | bytearray:
+    async def _read_via_master(
+        self, key: bytes, out: Buffer | None, stalled: tuple[str, TransportTimeoutError] | None = None
+    ) -> int | bytearray:
         reply = await self._lookup([key], acquire=True)
         try:
             try:
@@ -553,6 +559,8 @@ class AsyncStoreClient:
             except ObjectNotFoundError:
                 self._where.pop(key, None)
                 raise
+            if stalled is not None and loc.node.node_id == stalled[0]:
+                raise stalled[1]
             self._remember(loc)
             if out is None:
                 buf = bytearray(loc.meta.size)

@@ -12,7 +12,7 @@ import time
 import pytest
 from kvpool.cache.keys import mla_key
 from kvpool.kvstore.client import StoreClient
-from kvpool.kvstore.errors import ObjectNotFoundError, StoreUnavailableError
+from kvpool.kvstore.errors import ObjectNotFoundError, StoreUnavailableError, TransportTimeoutError
 from kvpool.kvstore.transport_base import Deadlines
 from kvpool.proto import common_pb2
 from store_helpers import start_master, start_node
@@ -86,6 +86,40 @@ def test_node_killed_mid_get(master, tmp_path, choice):
             print(f"{choice}: error {outcome[0]!r}; index cleaned {cleaned:.2f} s after the failed read")
     finally:
         node.kill()
+
+
+@pytest.mark.parametrize("choice", ["tcp", "ucx"])
+def test_direct_read_of_a_stalled_or_dead_node(tmp_path, choice):
+    """A client that knows where a key lives reads it straight from the node. If that node is frozen, the
+    get fails with TransportTimeoutError after ONE transfer deadline (the master still names the same node,
+    so there is no second wait); once the master has dropped the dead node, a get of another remembered key
+    is ObjectNotFoundError, never a timeout (a dead node's ucx listener does not refuse: connects time out,
+    and the master's answer decides)."""
+    deadlines = Deadlines(connect_s=1.0, base_s=1.0)
+    # a master that keeps a silent node for 4 s: the freeze must not look like a death yet
+    slow = start_master(tmp_path, "--heartbeat-ms", "200", "--node-timeout-ms", "4000")
+    node = start_node(tmp_path, slow.address, "64MiB")
+    try:
+        with StoreClient(slow.address, choice, deadlines=deadlines) as c:
+            stalled, dead = b"B" + os.urandom(16), b"B" + os.urandom(16)
+            data = os.urandom(1 << 20)
+            c.put(stalled, data)
+            c.put(dead, data)
+            assert c.get(stalled) == data and c.metrics().get("get.direct", 0) >= 1
+            os.kill(node.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(TransportTimeoutError):
+                c.get(stalled)
+            took = time.monotonic() - t0
+            assert took < 1.9, took  # one 1 s deadline plus slack; two would be over 2 s
+            os.kill(node.pid, signal.SIGKILL)
+            wait_for(lambda: not c.exists(dead), 4 + 3)
+            with pytest.raises(ObjectNotFoundError):
+                c.get(dead)  # still remembered: the direct read fails, the master says the key is gone
+            assert c.metrics().get("get.direct_fallback", 0) >= 2
+    finally:
+        node.kill()
+        slow.stop()
 
 
 def _free_port() -> int:
