@@ -38,14 +38,20 @@ get/set on an aligned uint64 element is a plain 8-byte move, never a byte loop l
 * A node that dies keeps its last stamps in the reader's mapping: readers also refuse a segment that has
   been unlinked (``st_nlink == 0``), which a stopped or killed node's segment is.
 
-Other architectures (weaker ordering) would need explicit fences around these accesses; kvpool targets x86.
+Other architectures (weaker ordering) would need explicit fences around these accesses, which Python
+cannot issue: there ``READS_TRUSTED`` is False and readers never use stamps (every shm get asks the node
+with a LOCATE frame, which is correct everywhere).
 """
 
 from __future__ import annotations
 
+import platform
 import struct
 
 import numpy as np
+
+# whether this CPU's memory ordering makes the stamp protocol sound for readers (see above)
+READS_TRUSTED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 SLOT_WORDS = 4  # generation, offset, size, checksum (u64 each)
 SLOT_SIZE = SLOT_WORDS * 8

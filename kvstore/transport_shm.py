@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
+from kvpool.kvstore import shm_stamps
 from kvpool.kvstore.errors import (
     BadRequestError,
     ProtocolError,
@@ -188,6 +189,8 @@ class ShmTransport(Transport):
         mismatch is not a ``CorruptObjectError``: the object may have been legitimately deleted or
         replaced; the hint is dropped and None returned. On None, ``out``'s contents are unspecified.
         """
+        if not shm_stamps.READS_TRUSTED:
+            return None
         hint_key = (node.node_id, key)
         hint = self._hints.get(hint_key)
         if hint is None:

@@ -356,3 +356,25 @@ def test_stopped_node_stamps_are_not_trusted(tmp_path):
         run_with_shm(body)
     finally:
         proc.stop()
+
+
+def test_cpus_without_x86_ordering_never_trust_stamps(node, stub, monkeypatch):
+    """Where the stamp protocol is not sound (weaker memory ordering than x86), readers ignore their hints:
+    every get asks the node (LOCATE) and still returns the right bytes."""
+    from kvpool.kvstore import shm_stamps
+
+    monkeypatch.setattr(shm_stamps, "READS_TRUSTED", False)
+    data = os.urandom(300_000)
+    m = meta_for(data)
+
+    async def body(sel):  # type: ignore[no-untyped-def]
+        t = shm_of(sel, node)
+        await t.put(node.endpoint, "untrusted", m, data)
+        before = counter(stub, "locates")
+        out = bytearray(len(data))
+        assert t.read_cached(node.endpoint, m.key, m.checksum, m.size, out) is None
+        for _ in range(2):
+            assert await t.get_into(location(node, m), out) == len(data) and bytes(out) == data
+        assert counter(stub, "locates") == before + 2 and t.fast_hits == 0
+
+    run_with_shm(body)
