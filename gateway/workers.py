@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -84,6 +85,37 @@ def _channel(address: str) -> grpc.aio.Channel:
     )
 
 
+def resolve(host: str, port: int) -> asyncio.Future[list]:
+    """``getaddrinfo`` in a daemon thread of its own, as an awaitable future.
+
+    Why not ``loop.getaddrinfo``: that runs in asyncio's default executor, whose threads ``asyncio.run``
+    joins at shutdown (Python 3.11 has no timeout there) and the interpreter joins at exit. ``wait_for``
+    gives up on a hung resolver, but its thread stays blocked in the C library, so the gateway could not
+    stop. A daemon thread per lookup is abandoned instead: nothing waits for it.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[list] = loop.create_future()
+
+    def settle(result: list | None, exc: BaseException | None) -> None:
+        if fut.done():  # the caller gave up (timeout, cancellation)
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result or [])
+
+    def work() -> None:
+        try:
+            result, exc = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), None
+        except OSError as err:
+            result, exc = None, err
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=work, name=f"gateway-dns-{host}", daemon=True).start()
+    return fut
+
+
 @dataclass
 class WorkerPool:
     """All workers of both roles; ``start`` launches the health poller, ``close`` stops it + channels."""
@@ -107,14 +139,11 @@ class WorkerPool:
 
     async def refresh_dns(self) -> None:
         """Re-resolve every ``dns:HOST:PORT`` spec; add new addresses, drop idle vanished ones."""
-        loop = asyncio.get_running_loop()
         for role, addresses in (("prefill", self.prefill_addresses), ("decode", self.decode_addresses)):
             for spec in (a for a in addresses if a.startswith(DNS_PREFIX)):
                 host, _, port = spec.removeprefix(DNS_PREFIX).rpartition(":")
                 try:
-                    infos = await asyncio.wait_for(
-                        loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM), DNS_TIMEOUT_S
-                    )
+                    infos = await asyncio.wait_for(resolve(host, int(port)), DNS_TIMEOUT_S)
                 except (OSError, TimeoutError, ValueError) as exc:
                     log.warning("cannot resolve %s: %s", spec, exc)
                     continue

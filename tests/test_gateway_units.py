@@ -4,6 +4,7 @@ request guard. The cluster tests cover the same code end to end; these pin the r
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -178,9 +179,7 @@ def test_metric_labels_are_capped_and_salts_hashed() -> None:
 def test_dns_specs_become_one_worker_per_address(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpool.gateway import workers
 
-    # The resolver runs in the default executor: under load 2 s is not always enough for `localhost`, and a
-    # name that needs a real DNS server can block the executor (so asyncio.run's shutdown) for minutes on a
-    # machine without one. This test is about the bookkeeping: the bad spec fails before any lookup.
+    # under load 2 s is not always enough for `localhost`; the bad spec fails before any lookup
     monkeypatch.setattr(workers, "DNS_TIMEOUT_S", 15.0)
 
     async def go() -> tuple[list[str], list[str]]:
@@ -194,6 +193,38 @@ def test_dns_specs_become_one_worker_per_address(monkeypatch: pytest.MonkeyPatch
     found, decode = asyncio.run(go())
     assert "127.0.0.1:50061" in found
     assert all(w.endswith(":50061") for w in found) and decode == []
+
+
+def test_a_hung_resolver_neither_blocks_refresh_nor_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resolver that never answers (no DNS server reachable) costs one DNS deadline per refresh, and
+    ``asyncio.run`` still returns at once: the lookup thread is abandoned, not joined."""
+    import socket as socket_module
+    import threading
+
+    from kvpool.gateway import workers
+
+    release = threading.Event()
+
+    def hung_getaddrinfo(*args: object, **kwargs: object) -> list:
+        release.wait(30)
+        raise OSError("resolver gave up")
+
+    monkeypatch.setattr(socket_module, "getaddrinfo", hung_getaddrinfo)
+    monkeypatch.setattr(workers, "DNS_TIMEOUT_S", 0.3)
+
+    async def go() -> list[str]:
+        pool = WorkerPool(["dns:prefill.example:50061"], [])
+        await pool.refresh_dns()
+        addresses = [w.address for w in pool.prefill]
+        await pool.close()
+        return addresses
+
+    t0 = time.monotonic()
+    try:
+        assert asyncio.run(go()) == []
+        assert time.monotonic() - t0 < 3.0  # one 0.3 s deadline; the default executor would wait 30 s
+    finally:
+        release.set()
 
 
 def test_concurrency_limit_answers_429_and_slots_release_once(codec: TextCodec) -> None:
