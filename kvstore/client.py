@@ -49,6 +49,7 @@ from kvpool.proto import common_pb2, master_pb2
 
 T = TypeVar("T")
 CAPACITY_RETRIES = 4  # 50+100+200+400 ms: covers a master->node Delete in flight
+TOUCH_FLUSH_AT_CLOSE_S = 1.0  # last use reports at close: worth a short wait, not a master's deadline
 LOCATION_CACHE = 16_384  # keys whose last known location is remembered for direct reads (<1 KB each)
 ObjectKind = common_pb2.ObjectKind
 
@@ -220,9 +221,9 @@ class AsyncStoreClient:
     async def close(self) -> None:
         if self._pending_releases:
             await asyncio.wait(self._pending_releases, timeout=self.rpc_timeout_s)
-        if self._touches is not None:
+        if self._touches is not None:  # best effort: a dead master must not make close() slow
             with contextlib.suppress(StoreError, asyncio.TimeoutError):
-                await self._touches.close(self.rpc_timeout_s)
+                await self._touches.close(min(TOUCH_FLUSH_AT_CLOSE_S, self.rpc_timeout_s))
         await self.transports.close()
         if self._link is not None:
             await self._link.close()
