@@ -39,7 +39,8 @@ from google.protobuf.message import Message
 from kvpool.kvstore.client_rpc import CHANNEL_OPTIONS, raise_typed
 from kvpool.kvstore.errors import StoreError, StoreUnavailableError, TransportTimeoutError
 from kvpool.kvstore.master_wire import METHODS as WIRE_METHODS
-from kvpool.kvstore.master_wire import MasterWireClient, WireConnectError
+from kvpool.kvstore.master_wire import WireConnectError
+from kvpool.kvstore.master_wire_client import MasterWireClient
 from kvpool.proto import master_pb2, master_pb2_grpc
 
 # Read-only calls a second execution cannot harm: retried over gRPC when the wire breaks mid-call.

@@ -23,7 +23,7 @@ from kvpool.kvstore.master import MasterConfig, MasterCore, NodeAction
 from kvpool.kvstore.master_dispatch import CoreCallError, CoreDispatch
 from kvpool.kvstore.master_nodes import NodeNotifier
 from kvpool.kvstore.master_wire import METHODS as WIRE_METHODS
-from kvpool.kvstore.master_wire import MasterWireServer
+from kvpool.kvstore.master_wire_server import MasterWireServer
 from kvpool.proto import master_pb2, master_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Master wire (kvstore/master_wire.py) and MasterLink (kvstore/master_link.py) against real masters.
+"""Master wire (kvstore/master_wire*.py) and MasterLink (kvstore/master_link.py) against real masters.
 
 A master child process (``kvpool store master``, readiness line) for the protocol and failure cases; an
 in-process ``MasterServer`` on the test's loop where the test must control the listener itself (a frame
@@ -30,15 +30,9 @@ from kvpool.kvstore.master_link import MasterLink, host_of
 from kvpool.kvstore.master_nodes import NodeNotifier
 from kvpool.kvstore.master_server import MasterServer
 from kvpool.kvstore.master_testing import MasterProcess, ProbeNode
-from kvpool.kvstore.master_wire import (
-    HEADER,
-    MAGIC,
-    MAX_BODY,
-    METHODS,
-    MasterWireClient,
-    MasterWireServer,
-    WireConnectError,
-)
+from kvpool.kvstore.master_wire import HEADER, MAGIC, MAX_BODY, METHODS, WireConnectError
+from kvpool.kvstore.master_wire_client import MasterWireClient
+from kvpool.kvstore.master_wire_server import MasterWireServer
 from kvpool.kvstore.node_procs import start_master
 from kvpool.proto import common_pb2, master_pb2
 
