@@ -368,31 +368,21 @@ class ShmTransport(Transport):
         return ext
 
     async def _get_into(self, location: common_pb2.ObjectLocation, out: memoryview) -> int:
+        """LOCATE + copy (``get_into`` verifies). The reply refreshes the read hint right away: a hint is
+        only ever used by ``read_cached``, which verifies the stamp and the checksum itself."""
         self._check(location.node)
         self.locates += 1
         reply = await self._one(location.node, Frame(OP_LOCATE, key=location.meta.key))
-        return self._copy_located(reply, out).size
+        ext = self._copy_located(reply, out)
+        self._remember(location.node, location.meta.key, ext, reply.checksum)
+        return ext.size
 
     async def get_into(self, location: common_pb2.ObjectLocation, out: Buffer) -> int:
-        """``read_cached`` when a valid hint exists, else LOCATE + copy + verify (which refreshes the hint).
-
-        A checksum failure after a fresh LOCATE is a ``CorruptObjectError`` as on every transport.
-        """
-        view = as_bytes_view(out)
+        """``read_cached`` when a valid hint exists, else LOCATE + copy + verify (a checksum failure after a
+        fresh LOCATE is a ``CorruptObjectError`` as on every transport)."""
         meta = location.meta
-        if len(view) < meta.size:
-            raise ValueError(f"buffer of {len(view)} B is smaller than the object ({meta.size} B)")
-        n = self.read_cached(location.node, meta.key, meta.checksum, meta.size, view)
-        if n is not None:
-            return n
-        self._check(location.node)
-        self.locates += 1
-        reply = await self._one(location.node, Frame(OP_LOCATE, key=meta.key))
-        ext = self._copy_located(reply, view)
-        verify_checksum(view[: ext.size], meta.checksum, meta.key)
-        self.bytes_in += ext.size
-        self._remember(location.node, meta.key, ext, reply.checksum)
-        return ext.size
+        n = self.read_cached(location.node, meta.key, meta.checksum, meta.size, out)
+        return await super().get_into(location, out) if n is None else n
 
     async def batch_get_into(
         self, items: Sequence[tuple[common_pb2.ObjectLocation, Buffer]]
