@@ -36,10 +36,9 @@ Req = TypeVar("Req")
 class MasterServicer(master_pb2_grpc.MasterServicer):
     """Adapter from gRPC calls to MasterCore methods (through the :class:`CoreDispatch` the wire shares)."""
 
-    def __init__(self, core: MasterCore, notifier: NodeNotifier, wire_port: int = 0) -> None:
-        self.core = core
-        self.notifier = notifier
-        self.dispatch = CoreDispatch(core, notifier)
+    def __init__(self, dispatch: CoreDispatch, wire_port: int = 0) -> None:
+        self.core = dispatch.core
+        self.dispatch = dispatch
         self.wire_port = wire_port  # 0: no wire listener
 
     async def _run(self, fn: Callable[[Req], Any], request: Req, context: grpc.aio.ServicerContext) -> Any:
@@ -116,7 +115,7 @@ class MasterServer:
 
     async def start(self) -> int:
         if self.config.wire_port >= 0:
-            self.wire = MasterWireServer(self.core, self.notifier)
+            self.wire = MasterWireServer(self.dispatch)
             self.wire_port = await self.wire.start(self.host, self.config.wire_port)
         try:
             return await self._start_grpc()
@@ -133,7 +132,7 @@ class MasterServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        servicer = MasterServicer(self.core, self.notifier, self.wire_port)
+        servicer = MasterServicer(self.dispatch, self.wire_port)
         master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")

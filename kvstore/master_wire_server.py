@@ -12,9 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
-from kvpool.kvstore.master import MasterCore
 from kvpool.kvstore.master_dispatch import CoreCallError, CoreDispatch
-from kvpool.kvstore.master_nodes import NodeNotifier
 from kvpool.kvstore.master_wire import (
     BY_ID,
     FRAME_TIMEOUT_S,
@@ -163,16 +161,15 @@ class MasterWireServer:
 
     def __init__(
         self,
-        core: MasterCore,
-        notifier: NodeNotifier,
+        dispatch: CoreDispatch,
         *,
         frame_timeout_s: float = FRAME_TIMEOUT_S,
         max_body: int = MAX_BODY,
     ) -> None:
-        self.core = core
-        self.dispatch = CoreDispatch(core, notifier)
+        self.core = dispatch.core
+        self.dispatch = dispatch
         self.handlers: dict[int, Callable[[Any], Any]] = {
-            m.method_id: getattr(core, m.core_method) for m in METHODS.values()
+            m.method_id: getattr(self.core, m.core_method) for m in METHODS.values()
         }
         self.frame_timeout_s = frame_timeout_s
         self.max_body = max_body

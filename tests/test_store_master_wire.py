@@ -311,7 +311,7 @@ def test_truncated_frame_is_closed_at_the_frame_deadline() -> None:
     async def run() -> None:
         server = MasterServer(MasterConfig(wire_port=-1))
         await server.start()
-        wire = MasterWireServer(server.core, server.notifier, frame_timeout_s=0.3)
+        wire = MasterWireServer(server.dispatch, frame_timeout_s=0.3)
         port = await wire.start("127.0.0.1", 0)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -341,7 +341,7 @@ def test_a_reply_over_the_size_limit_is_refused_not_a_dropped_connection() -> No
     async def run() -> None:
         server = MasterServer(MasterConfig(wire_port=-1))
         await server.start()
-        wire = MasterWireServer(server.core, server.notifier, max_body=4096)
+        wire = MasterWireServer(server.dispatch, max_body=4096)
         client = MasterWireClient("127.0.0.1", await wire.start("127.0.0.1", 0))
         try:
             core = server.core
