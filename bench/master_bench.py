@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import psutil
-from kvpool.cache.keys import kda_key, mla_key
-from kvpool.kvstore.index import ObjectKind, PrefixIndex
+from kvpool.kvstore.index.prefix_index import ObjectKind, PrefixIndex
+from kvpool.kvstore.keys import kda_key, mla_key
 
 CHAIN_BLOCKS = 2000
 KDA_BYTES = 429 << 20  # K3 checkpoint (design §3)
@@ -139,7 +139,7 @@ def bench_memory(n: int, chain: int, reps: int) -> dict:
 
 def bench_core(chain: int, reps: int) -> dict:
     """MasterCore.match_prefix: index work plus building the reply protos (what the RPC handler runs)."""
-    from kvpool.kvstore.master import MasterCore
+    from kvpool.kvstore.master.core import MasterCore
     from kvpool.proto import common_pb2, master_pb2
 
     core = MasterCore()
@@ -187,8 +187,9 @@ def _chain_metas(hs: list[bytes]) -> list:
 
 def bench_grpc(chain: int, reps: int) -> dict:
     """A real master child process; one node adopts a 2,000-block chain; MatchPrefix over loopback."""
-    from kvpool.kvstore.master_testing import MasterProcess, ProbeNode
     from kvpool.proto import master_pb2
+
+    from tests.harness.master_proc import MasterProcess, ProbeNode
 
     with tempfile.TemporaryDirectory() as tmp:
         master = MasterProcess(Path(tmp), "--node-timeout-ms", "600000", "--heartbeat-ms", "1000")

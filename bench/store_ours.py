@@ -2,7 +2,8 @@
 
 Everything runs against real processes started through the project's CLIs (``kvpool store master`` and
 ``kvpool store node``), waiting on their JSON readiness lines, with the bench process as the client
-(``kvpool.kvstore.client.AsyncStoreClient`` with the transport forced, so an unusable transport is an
+(``kvpool.kvstore.client.store_client.AsyncStoreClient`` with the transport forced, so an unusable
+transport is an
 error, not a silent fallback to another one). Timing and verification follow ``store_common``.
 """
 
@@ -72,8 +73,14 @@ def _spawn(procs: list[subprocess.Popen[Any]], args: list[str], log_dir: Path, n
     env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
     err_path = log_dir / f"{name}.stderr"
     with err_path.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", *_entry(args)], stdout=subprocess.PIPE,
-                                stderr=err, env=env, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *_entry(args)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
     procs.append(proc)
     try:
         ready = read_json_line(proc, READY_TIMEOUT_S, "ready")
@@ -94,11 +101,27 @@ def start_master(procs: list[subprocess.Popen[Any]], log_dir: Path, *extra: str)
     return f"{ready.get('host', HOST)}:{ready['port']}", int(ready["pid"])
 
 
-def start_node(procs: list[subprocess.Popen[Any]], log_dir: Path, master: str, capacity: int,
-               transports: str) -> dict[str, Any]:
+def start_node(
+    procs: list[subprocess.Popen[Any]], log_dir: Path, master: str, capacity: int, transports: str
+) -> dict[str, Any]:
     """A ``kvpool store node`` registered with ``master`` (its readiness line comes after registration)."""
-    return _spawn(procs, ["store", "node", "--master", master, "--host", HOST, "--capacity", str(capacity),
-                          "--transport", transports], log_dir, "node")
+    return _spawn(
+        procs,
+        [
+            "store",
+            "node",
+            "--master",
+            master,
+            "--host",
+            HOST,
+            "--capacity",
+            str(capacity),
+            "--transport",
+            transports,
+        ],
+        log_dir,
+        "node",
+    )
 
 
 # ------------------------------------------------------------------------------------ put/get per transport
@@ -111,7 +134,7 @@ def _capacity_for(plan: Plan) -> int:
 
 
 async def _measure_transport(plan: Plan, master: str, transport: str) -> Row:
-    from kvpool.kvstore.client import AsyncStoreClient
+    from kvpool.kvstore.client.store_client import AsyncStoreClient
 
     row = Row(transport, f"kvpool {transport}", note="master + storage node processes, AsyncStoreClient")
     async with AsyncStoreClient(master, transport=transport) as client:
@@ -129,8 +152,9 @@ async def _measure_transport(plan: Plan, master: str, transport: str) -> Row:
                 if not await client.put(keys[i], src):
                     raise VerifyError(f"put of fresh key {keys[i]!r} reported an existing object")
 
-            async def put_verify(i: int, n: int = n, src: np.ndarray = src, back: np.ndarray = back,
-                                 keys: list[bytes] = keys) -> None:
+            async def put_verify(
+                i: int, n: int = n, src: np.ndarray = src, back: np.ndarray = back, keys: list[bytes] = keys
+            ) -> None:
                 back[:8] = 0
                 if await client.get_into(keys[i], back) != n:
                     raise VerifyError("read-back size mismatch")
@@ -197,8 +221,8 @@ def hash_chain(n: int, seed: bytes = b"store-bench") -> list[bytes]:
 
 
 async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
-    from kvpool.cache.keys import kda_key, mla_key
-    from kvpool.kvstore.client import AsyncStoreClient, LocationColumns, PutItem
+    from kvpool.kvstore.client.store_client import AsyncStoreClient, LocationColumns, PutItem
+    from kvpool.kvstore.keys import kda_key, mla_key
     from kvpool.proto import common_pb2
 
     hashes = hash_chain(CHAIN_BLOCKS)
@@ -211,6 +235,7 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
         parent = key
     items.append(PutItem(kda_key(hashes[-1]), payload, kind=common_pb2.KDA_CHECKPOINT, parent=parent))
     calls = 50 if plan.quick else 500
+
     # the goal figure (p50_ms) is the shipped client's call, which goes over the master wire
     # (docs/design/store_master.md "Wire protocol"); the same call forced onto gRPC is grpc_p50_ms
     async def compact_calls(client: AsyncStoreClient) -> list[float]:
@@ -222,10 +247,15 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
             cols = LocationColumns.of_match(reply, hashes)
             dt = time.perf_counter() - t0
             if reply.usable_blocks != CHAIN_BLOCKS or reply.mla_run_blocks != CHAIN_BLOCKS:
-                raise VerifyError(f"match_prefix returned usable={reply.usable_blocks} "
-                                  f"run={reply.mla_run_blocks}, expected {CHAIN_BLOCKS}")
-            if len(cols) != CHAIN_BLOCKS + 1 or cols.key(CHAIN_BLOCKS - 1) != items[CHAIN_BLOCKS - 1].key \
-                    or int(cols.size.sum()) != BLOCK_PAYLOAD * (CHAIN_BLOCKS + 1):
+                raise VerifyError(
+                    f"match_prefix returned usable={reply.usable_blocks} "
+                    f"run={reply.mla_run_blocks}, expected {CHAIN_BLOCKS}"
+                )
+            if (
+                len(cols) != CHAIN_BLOCKS + 1
+                or cols.key(CHAIN_BLOCKS - 1) != items[CHAIN_BLOCKS - 1].key
+                or int(cols.size.sum()) != BLOCK_PAYLOAD * (CHAIN_BLOCKS + 1)
+            ):
                 raise VerifyError("match_prefix locations do not match the chain that was put")
             if i >= 10:
                 out.append(dt)
@@ -233,7 +263,7 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
 
     async with AsyncStoreClient(master, transport="tcp", rpc_timeout_s=30) as client:
         for lo in range(0, len(items), 250):
-            errors = [e for e in await client.batch_put(items[lo:lo + 250]) if e is not None]
+            errors = [e for e in await client.batch_put(items[lo : lo + 250]) if e is not None]
             if errors:
                 raise RuntimeError(f"inserting the chain failed: {errors[0]}")
         times = await compact_calls(client)
@@ -263,14 +293,20 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
             if i >= 10:
                 floor.append(dt)
     times.sort()
-    return {"chain_blocks": CHAIN_BLOCKS, "calls": calls, "usable_blocks": CHAIN_BLOCKS,
-            "one_block_p50_ms": round(statistics.median(floor) * 1e3, 3),
-            "locations": "compact LocationTable (compact=True), decoded by LocationColumns.of_match",
-            "full_locations_p50_ms": round(statistics.median(full) * 1e3, 3),
-            "grpc_p50_ms": round(statistics.median(over_grpc) * 1e3, 3),
-            "p50_ms": round(statistics.median(times) * 1e3, 3), "channel": "master wire (client default)",
-            "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),
-            "min_ms": round(times[0] * 1e3, 3), "require_checkpoint": True}
+    return {
+        "chain_blocks": CHAIN_BLOCKS,
+        "calls": calls,
+        "usable_blocks": CHAIN_BLOCKS,
+        "one_block_p50_ms": round(statistics.median(floor) * 1e3, 3),
+        "locations": "compact LocationTable (compact=True), decoded by LocationColumns.of_match",
+        "full_locations_p50_ms": round(statistics.median(full) * 1e3, 3),
+        "grpc_p50_ms": round(statistics.median(over_grpc) * 1e3, 3),
+        "p50_ms": round(statistics.median(times) * 1e3, 3),
+        "channel": "master wire (client default)",
+        "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),
+        "min_ms": round(times[0] * 1e3, 3),
+        "require_checkpoint": True,
+    }
 
 
 def section_match_prefix(plan: Plan) -> dict[str, Any]:
@@ -289,7 +325,7 @@ def section_match_prefix(plan: Plan) -> dict[str, Any]:
 
 def _fake_inventory(start: int, count: int) -> list[Any]:
     """``count`` MLA-block metas in chains of 1,000 (realistic 33-byte keys with parent links)."""
-    from kvpool.cache.keys import mla_key
+    from kvpool.kvstore.keys import mla_key
     from kvpool.proto import common_pb2
 
     metas = []

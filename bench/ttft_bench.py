@@ -39,10 +39,10 @@ def _rand(rng: random.Random, n: int) -> list[int]:
 
 async def _measure(args: argparse.Namespace, cluster: object) -> dict:
     import torch
-    from kvpool.decode.client import DisaggClient
-    from kvpool.decode.sampling import SamplingParams
     from kvpool.model.loader import load_model
-    from kvpool.prefill.handoff import PrefillRequest
+    from kvpool.worker.client import DisaggClient
+    from kvpool.worker.handoff import PrefillRequest
+    from kvpool.worker.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="auto", help="workers' store data plane: auto|tcp|shm|ucx")
     p.add_argument("--link-gbps", type=float, default=25.0, help="network rate for the floor (Gbit/s)")
     args = p.parse_args(argv)
-    from kvpool.prefill.cluster import LocalCluster
+    from kvpool.cluster import LocalCluster
 
     with LocalCluster(
         model=args.model,

@@ -16,8 +16,8 @@ from typing import NewType
 
 import cbor2
 from kvpool.cache.errors import HashInputError
-from kvpool.cache.keys import HASH_BYTES
-from kvpool.cache.schema import FORMAT_VERSION
+from kvpool.kvstore.keys import HASH_BYTES
+from kvpool.model.cache_schema import FORMAT_VERSION
 
 BlockHash = NewType("BlockHash", bytes)  # 32-byte SHA-256 digest naming the prefix a block closes
 

@@ -34,8 +34,8 @@ from kvpool.cache.errors import (
     UnsupportedVersionError,
 )
 from kvpool.cache.hashing import canonical_tokens
-from kvpool.cache.keys import HASH_BYTES
-from kvpool.cache.schema import FORMAT_VERSION, INDEX_KEY_FORMATS, CacheSchema
+from kvpool.kvstore.keys import HASH_BYTES
+from kvpool.model.cache_schema import FORMAT_VERSION, INDEX_KEY_FORMATS, CacheSchema
 from kvpool.model.state import KDACheckpoint, KDALayerState
 
 MAGIC = b"KVPU"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 from kvpool.model.decode_state import DecodeState
-from kvpool.prefill.model_runner import ModelRunner
+from kvpool.worker.model_runner import ModelRunner
 
 
 class StepBatcher:

@@ -19,8 +19,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvpool.cache.hashing import hash_blocks, root_hash
-from kvpool.cache.keys import tail_key
-from kvpool.cache.store_io import (
+from kvpool.decode.batcher import StepBatcher
+from kvpool.decode.resume import ResumeInfo, resume
+from kvpool.kvstore.keys import tail_key
+from kvpool.model.decode_state import DecodeState
+from kvpool.model.state import KDACheckpoint
+from kvpool.worker.errors import ON_CACHE_ERROR, BadRequestError
+from kvpool.worker.handoff import Handoff
+from kvpool.worker.model_runner import ModelRunner
+from kvpool.worker.sampling import StopChecker, sample
+from kvpool.worker.store_io import (
     DEFAULT_TIMEOUT_S,
     CacheStore,
     PushStats,
@@ -28,15 +36,6 @@ from kvpool.cache.store_io import (
     push_checkpoints,
     remove_tail,
 )
-from kvpool.decode.batcher import StepBatcher
-from kvpool.decode.resume import ResumeInfo, resume
-from kvpool.decode.sampling import StopChecker, sample
-from kvpool.model.decode_state import DecodeState
-from kvpool.model.state import KDACheckpoint
-from kvpool.prefill.engine import ON_CACHE_ERROR
-from kvpool.prefill.errors import BadRequestError
-from kvpool.prefill.handoff import Handoff
-from kvpool.prefill.model_runner import ModelRunner
 
 
 @dataclass

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvpool.cache.schema import CacheSchema
-from kvpool.cache.store_io import DEFAULT_TIMEOUT_S, CacheStore, fetch_prefix, fetch_tail
+from kvpool.model.cache_schema import CacheSchema
 from kvpool.model.decode_state import DecodeState
-from kvpool.prefill.errors import CacheFetchError
-from kvpool.prefill.handoff import Handoff
-from kvpool.prefill.model_runner import ModelRunner
+from kvpool.worker.errors import CacheFetchError
+from kvpool.worker.handoff import Handoff
+from kvpool.worker.model_runner import ModelRunner
+from kvpool.worker.store_io import DEFAULT_TIMEOUT_S, CacheStore, fetch_prefix, fetch_tail
 
 
 @dataclass

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 from kvpool.decode.engine import DecodeEngine, DecodeResult
-from kvpool.prefill.errors import BadRequestError, CacheFetchError
-from kvpool.prefill.metrics import DecodeMetrics
-from kvpool.prefill.wire import handoff_from_pb
-from kvpool.prefill.worker import request_deadline
+from kvpool.decode.metrics import DecodeMetrics
 from kvpool.proto import decode_pb2, decode_pb2_grpc
+from kvpool.worker.errors import BadRequestError, CacheFetchError
+from kvpool.worker.process import request_deadline
+from kvpool.worker.wire import handoff_from_pb
 
 SERVICE_NAME = "kvpool.v1.Decode"
 

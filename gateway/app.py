@@ -24,7 +24,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from kvpool.decode.sampling import SamplingParams
 from kvpool.gateway.chat_template import AnswerMemo, render_chat
 from kvpool.gateway.errors import (
     GatewayError,
@@ -42,6 +41,7 @@ from kvpool.gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sa
 from kvpool.gateway.service import Generation, GenRequest, Service
 from kvpool.gateway.settings import GatewaySettings
 from kvpool.gateway.workers import WorkerPool
+from kvpool.worker.sampling import SamplingParams
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from kvpool.cache.hashing import hash_blocks, root_hash
 from kvpool.gateway.errors import BackendUnavailable, Overloaded
 from kvpool.gateway.workers import Worker, WorkerPool
+from kvpool.kvstore.client.master_link import MasterLink
 from kvpool.kvstore.errors import StoreError
-from kvpool.kvstore.master_link import MasterLink
 from kvpool.proto import master_pb2
 
 log = logging.getLogger("kvpool.gateway")

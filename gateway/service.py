@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-from kvpool.decode.sampling import SamplingParams
 from kvpool.gateway.errors import BackendTimeout, BackendUnavailable, GatewayError, InvalidRequest, Overloaded
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.router import Lookup, Plan, Router
 from kvpool.gateway.workers import Worker
-from kvpool.prefill.handoff import PrefillRequest
-from kvpool.prefill.wire import request_to_pb
 from kvpool.proto import decode_pb2, prefill_pb2
+from kvpool.worker.handoff import PrefillRequest
+from kvpool.worker.sampling import SamplingParams
+from kvpool.worker.wire import request_to_pb
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 

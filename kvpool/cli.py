@@ -15,8 +15,7 @@ COMMAND_MODULES = (
     "kvpool.model.cli",  # generate
     "kvpool.kvstore.cli",  # store master|node|...
     "kvpool.workloads.cli",  # replay, price, report, trace
-    "kvpool.prefill.cli",  # prefill (worker)
-    "kvpool.decode.cli",  # decode (worker)
+    "kvpool.serve",  # prefill, decode (workers)
     "kvpool.verify",  # verify
     "kvpool.demo",  # demo
     "kvpool.gateway.cli",  # gateway

@@ -62,7 +62,7 @@ def run_cluster_part(turns: int) -> dict:
 def run_demo(args: argparse.Namespace) -> int:
     from kvpool.cache import units
     from kvpool.cache.hashing import hash_blocks, root_hash
-    from kvpool.cache.keys import kda_key, mla_key
+    from kvpool.kvstore.keys import kda_key, mla_key
     from kvpool.model.decode_state import DecodeState
     from kvpool.model.loader import load_model
     from kvpool.model.state import PrefixState

@@ -204,7 +204,7 @@ class Cluster:
                 "master",
                 "master",
                 [
-                    "kvpool.kvstore.master_cli",
+                    "kvpool.kvstore.master.cli",
                     "--port",
                     str(m.get("port", 0)),
                     "--metrics-port",

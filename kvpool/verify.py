@@ -134,7 +134,7 @@ class _Reference:
     def __init__(self, model_name: str, block_size: int, threads: int) -> None:
         import torch
 
-        from kvpool.decode.colocated import Colocated
+        from kvpool.colocated import Colocated
         from kvpool.model import loader
         from kvpool.model.loader import load_model
         from kvpool.model.tokenizer import load_tokenizer
@@ -150,8 +150,8 @@ class _Reference:
         self.colocated = Colocated(self.model, None, block_size=block_size, tokenizer=self.tokenizer)
 
     async def complete(self, name: str, ids: list[int], max_tokens: int) -> object:
-        from kvpool.decode.sampling import SamplingParams
-        from kvpool.prefill.handoff import PrefillRequest
+        from kvpool.worker.handoff import PrefillRequest
+        from kvpool.worker.sampling import SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         return await self.colocated.complete(PrefillRequest(f"ref-{name}", ids, "ref", sp, use_cache=False))
@@ -185,9 +185,9 @@ async def run_verify(
     """Disaggregated workers (gRPC) vs the reference: tokens, first-token logits, cached bytes."""
     import torch
 
-    from kvpool.decode.client import DisaggClient
-    from kvpool.decode.sampling import SamplingParams
-    from kvpool.prefill.handoff import PrefillRequest
+    from kvpool.worker.client import DisaggClient
+    from kvpool.worker.handoff import PrefillRequest
+    from kvpool.worker.sampling import SamplingParams
 
     ref = _Reference(model_name, block_size, threads)
     client = DisaggClient(prefill, decode, timeout_s=120)
@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         return _emit(report, args.json)
     if args.prefill is None:
-        from kvpool.prefill.cluster import LaunchError, LocalCluster
+        from kvpool.cluster import LaunchError, LocalCluster
 
         try:
             cluster = LocalCluster(model=args.model, block_size=args.block_size, threads=args.threads).start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvpool.kvstore.node import TRANSPORTS, NodeConfig, parse_size
+from kvpool.kvstore.node.process import TRANSPORTS, NodeConfig, parse_size
 
 
 def _size(text: str) -> int:
@@ -21,9 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     store_sub = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND")
     _add_node_parser(store_sub)
     try:
-        from kvpool.kvstore.master_cli import add_master_parser
+        from kvpool.kvstore.master.cli import add_master_parser
     except ModuleNotFoundError as exc:  # master not in this tree yet; its own import errors still surface
-        if exc.name != "kvpool.kvstore.master_cli":
+        if exc.name != "kvpool.kvstore.master.cli":
             raise
     else:
         add_master_parser(store_sub)
@@ -80,10 +80,10 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
 
 
 def _run_node(args: argparse.Namespace) -> int:
-    from kvpool.kvstore.node import run
+    from kvpool.kvstore.node.process import run
 
     if args.transport.strip() == "auto":
-        from kvpool.kvstore.transport_ucx import ucx_available
+        from kvpool.kvstore.transport.ucx import ucx_available
 
         transports: tuple[str, ...] = ("tcp", "shm", "ucx") if ucx_available() else ("tcp", "shm")
     else:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvpool.cache.schema import INDEX_KEY_FORMATS, index_key_record_bytes
+from kvpool.model.cache_schema import INDEX_KEY_FORMATS, index_key_record_bytes
 from torch import nn
 
 from .config import ModelConfig

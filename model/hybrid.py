@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
-from kvpool.cache.schema import CacheSchema
+from kvpool.model.cache_schema import CacheSchema
 from torch import nn
 
 from .config import DENSE, KDA, KDA_CHUNK, ModelConfig

@@ -18,8 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 from kvpool.cache.hashing import hash_blocks, root_hash
-from kvpool.cache.keys import tail_key
-from kvpool.cache.store_io import (
+from kvpool.cache.units import RequestTail
+from kvpool.kvstore.keys import tail_key
+from kvpool.model.decode_state import DecodeState
+from kvpool.model.prefill_result import PrefillResult
+from kvpool.model.state import PrefixState
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
+from kvpool.worker.errors import ON_CACHE_ERROR, BadRequestError, CacheFetchError
+from kvpool.worker.handoff import Handoff, PrefillRequest
+from kvpool.worker.model_runner import ModelRunner
+from kvpool.worker.sampling import sample
+from kvpool.worker.store_io import (
     DEFAULT_TAIL_TTL_MS,
     DEFAULT_TIMEOUT_S,
     CacheStore,
@@ -31,17 +40,6 @@ from kvpool.cache.store_io import (
     push_checkpoints,
     push_tail,
 )
-from kvpool.cache.units import RequestTail
-from kvpool.decode.sampling import sample
-from kvpool.model.decode_state import DecodeState
-from kvpool.model.prefill_result import PrefillResult
-from kvpool.model.state import PrefixState
-from kvpool.prefill.errors import BadRequestError, CacheFetchError
-from kvpool.prefill.handoff import Handoff, PrefillRequest
-from kvpool.prefill.model_runner import ModelRunner
-from kvpool.prefill.policy import CheckpointPolicy
-
-ON_CACHE_ERROR = ("recompute", "fail")
 
 
 @dataclass

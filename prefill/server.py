@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import torch
 from kvpool.model.errors import ModelInputError
-from kvpool.prefill.engine import PrefillEngine
-from kvpool.prefill.errors import BadRequestError, CacheFetchError
+from kvpool.prefill.engine import PrefillEngine, PrefillOutcome
 from kvpool.prefill.metrics import PrefillMetrics
-from kvpool.prefill.wire import outcome_to_reply, request_from_pb
-from kvpool.prefill.worker import request_deadline
 from kvpool.proto import prefill_pb2, prefill_pb2_grpc
+from kvpool.worker.errors import BadRequestError, CacheFetchError
+from kvpool.worker.process import request_deadline
+from kvpool.worker.wire import handoff_to_pb, request_from_pb
 
 SERVICE_NAME = "kvpool.v1.Prefill"
 
@@ -54,3 +55,28 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if self.metrics is not None:
             self.metrics.observe(outcome)
         return outcome_to_reply(outcome, request.return_logits)
+
+
+def outcome_to_reply(o: PrefillOutcome, return_logits: bool = False) -> prefill_pb2.PrefillReply:
+    usage = prefill_pb2.PrefillUsage(
+        prompt_tokens=o.handoff.prompt_tokens,
+        cached_tokens=o.cached_tokens,
+        computed_tokens=o.computed_tokens,
+        lost_to_checkpoint_tokens=o.lost_to_checkpoint,
+        recomputed_tokens=o.recomputed_tokens,
+        bytes_fetched=o.fetch.bytes_fetched,
+        bytes_pushed=o.push.bytes_pushed,
+        checkpoints_pushed=o.checkpoints_pushed,
+        ttft_s=o.ttft_s,
+        total_s=o.total_s,
+        cache_error=o.fetch.error or "",
+        fetch_s=o.fetch.seconds,
+        compute_s=o.compute_s,
+        push_s=o.push.seconds,
+    )
+    logits = b""
+    if return_logits:
+        logits = o.logits.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return prefill_pb2.PrefillReply(
+        handoff=handoff_to_pb(o.handoff), first_token=o.first_token, usage=usage, first_logits=logits
+    )

@@ -1,12 +1,13 @@
-"""Store test helpers: the process launchers (``kvpool.kvstore.node_procs``) plus small conveniences."""
+"""Store test helpers: the process launchers (``tests.harness.store_procs``) plus small conveniences."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool.kvstore import node_procs
-from kvpool.kvstore.node_procs import MasterProc, NodeProc, Proc, start_master
 from kvpool.proto import common_pb2
+
+from tests.harness import store_procs as node_procs
+from tests.harness.store_procs import MasterProc, NodeProc, Proc, start_master
 
 __all__ = ["MasterProc", "NodeProc", "Proc", "location", "start_master", "start_node"]
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 import xxhash
 from kvpool.cache.errors import SchemaMismatchError
-from kvpool.cache.schema import CacheSchema, index_key_record_bytes
 from kvpool.cache.units import (
     RequestTail,
     decode_kda_checkpoint,
@@ -22,6 +21,7 @@ from kvpool.cache.units import (
     encode_tail,
     mla_block_unit_size,
 )
+from kvpool.model.cache_schema import CacheSchema, index_key_record_bytes
 from kvpool.model.loader import load_model
 from kvpool.model.state import KDACheckpoint, KDALayerState, PrefixState
 

@@ -4,7 +4,7 @@ byte accounting (which pricing reads) really charging them."""
 from __future__ import annotations
 
 import pytest
-from kvpool.cache.schema import CacheSchema
+from kvpool.model.cache_schema import CacheSchema
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import bundled_trace, read_mooncake

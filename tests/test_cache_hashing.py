@@ -20,8 +20,8 @@ from kvpool.cache.hashing import (
     root_hash,
     usable_tokens,
 )
-from kvpool.cache.keys import block_hash_of, kda_key, mla_key
-from kvpool.cache.schema import FORMAT_VERSION
+from kvpool.kvstore.keys import block_hash_of, kda_key, mla_key
+from kvpool.model.cache_schema import FORMAT_VERSION
 
 FP = bytes(range(32))
 TOKENS = list(range(1000, 1000 + 300))  # 4 full blocks of 64 + a 44-token tail

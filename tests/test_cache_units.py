@@ -20,7 +20,6 @@ from kvpool.cache.errors import (
     UnsupportedVersionError,
 )
 from kvpool.cache.hashing import hash_blocks, root_hash, usable_tokens
-from kvpool.cache.schema import CacheSchema
 from kvpool.cache.units import (
     MLABlock,
     RequestTail,
@@ -34,6 +33,7 @@ from kvpool.cache.units import (
     mla_block_unit_size,
     tail_unit_size,
 )
+from kvpool.model.cache_schema import CacheSchema
 from kvpool.model.state import KDACheckpoint, KDALayerState
 
 FP = bytes(range(32))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpool.cache.schema import CacheSchema
+from kvpool.model.cache_schema import CacheSchema
 from kvpool.model.config import KDA, MLA, ModelConfig
 from kvpool.model.decode_state import DecodeState
 from kvpool.model.errors import (

@@ -14,15 +14,15 @@ import httpx
 import pytest
 import xxhash
 import yaml
-from kvpool.decode.client import DisaggClient
-from kvpool.decode.sampling import SamplingParams
-from kvpool.kvstore.transport_select import TransportSelector
-from kvpool.prefill.cluster import LocalCluster
-from kvpool.prefill.handoff import PrefillRequest
+from kvpool.kvstore.transport.select import TransportSelector
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.worker.client import DisaggClient
+from kvpool.worker.handoff import PrefillRequest
+from kvpool.worker.sampling import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 from store_helpers import location, start_node
 
+from kvpool.cluster import LocalCluster
 from kvpool.up import Cluster, load_config, run_status
 
 Samples = dict[tuple[str, frozenset], float]

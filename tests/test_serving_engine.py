@@ -12,17 +12,18 @@ import cbor2
 import pytest
 import torch
 from kvpool.cache.errors import CacheUnitError
-from kvpool.cache.keys import KDA_TAG, MLA_TAG, TAIL_TAG, kda_key, mla_key
-from kvpool.cache.schema import FORMAT_VERSION
 from kvpool.cache.units import decode_kda_checkpoint, decode_mla_block
-from kvpool.decode.colocated import Colocated
-from kvpool.decode.sampling import SamplingParams, StopChecker, sample
+from kvpool.kvstore.keys import KDA_TAG, MLA_TAG, TAIL_TAG, kda_key, mla_key
+from kvpool.model.cache_schema import FORMAT_VERSION
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import ByteTokenizer
-from kvpool.prefill.errors import BadRequestError, CacheFetchError
-from kvpool.prefill.handoff import PrefillRequest
-from kvpool.prefill.memory_store import MemoryStore
-from kvpool.prefill.policy import CheckpointPolicy
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
+from kvpool.worker.errors import BadRequestError, CacheFetchError
+from kvpool.worker.handoff import PrefillRequest
+from kvpool.worker.memory_store import MemoryStore
+from kvpool.worker.sampling import SamplingParams, StopChecker, sample
+
+from kvpool.colocated import Colocated
 
 B = 64
 GREEDY3 = SamplingParams(max_tokens=3)

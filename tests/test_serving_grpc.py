@@ -13,16 +13,17 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool.cache.hashing import hash_blocks, root_hash
-from kvpool.cache.keys import kda_key, mla_key
-from kvpool.decode.client import DisaggClient
-from kvpool.decode.colocated import Colocated
-from kvpool.decode.sampling import SamplingParams
-from kvpool.kvstore.client import AsyncStoreClient
+from kvpool.kvstore.client.store_client import AsyncStoreClient
+from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.model.loader import load_model
-from kvpool.prefill.cluster import LocalCluster
-from kvpool.prefill.handoff import PrefillRequest
-from kvpool.prefill.wire import request_to_pb
 from kvpool.proto import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from kvpool.worker.client import DisaggClient
+from kvpool.worker.handoff import PrefillRequest
+from kvpool.worker.sampling import SamplingParams
+from kvpool.worker.wire import request_to_pb
+
+from kvpool.cluster import LocalCluster
+from kvpool.colocated import Colocated
 
 B = 64
 GREEDY3 = SamplingParams(max_tokens=3)
@@ -290,7 +291,7 @@ def test_unreachable_store_serves_without_cache_or_fails_when_asked(tmp_path, re
     """Workers whose master does not answer: default policy serves from scratch, `fail` refuses."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvpool.prefill.cluster import spawn
+    from kvpool.cluster import spawn
 
     common = ["--master", "127.0.0.1:9", "--model", "tiny", "--store-timeout", "1", "--threads", "1"]
     specs = [
@@ -336,7 +337,7 @@ def test_verify_against_given_workers(cluster):
 
 def test_colocated_worker_serves_both_contracts(cluster, reference, tmp_path):
     """`kvpool decode --colocated`: one process, one model thread, Prefill + Decode on one port."""
-    from kvpool.prefill.cluster import spawn
+    from kvpool.cluster import spawn
 
     child = spawn(
         "colocated",

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 from kvpool.cache.hashing import hash_blocks, root_hash
-from kvpool.cache.keys import kda_key, mla_key
-from kvpool.cache.store_io import fetch_prefix, push_blocks, push_checkpoints
+from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.model.loader import load_model
-from kvpool.prefill.memory_store import MemoryStore
+from kvpool.worker.memory_store import MemoryStore
+from kvpool.worker.store_io import fetch_prefix, push_blocks, push_checkpoints
 
 B = 64
 

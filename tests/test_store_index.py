@@ -6,9 +6,8 @@ import hashlib
 import random
 
 import pytest
-from kvpool.cache.keys import kda_key, mla_key
-from kvpool.kvstore.eviction import UnknownPolicyError
-from kvpool.kvstore.index import (
+from kvpool.kvstore.index.eviction import UnknownPolicyError
+from kvpool.kvstore.index.prefix_index import (
     BadObjectError,
     CapacityError,
     DuplicateKeyError,
@@ -18,6 +17,7 @@ from kvpool.kvstore.index import (
     Tier,
     UnknownKeyError,
 )
+from kvpool.kvstore.keys import kda_key, mla_key
 
 MLA, KDA, TAIL, BLOB = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL, ObjectKind.BLOB
 
@@ -413,8 +413,14 @@ def test_randomized_operations_keep_bookkeeping_exact() -> None:
                 kind = rng.choice([MLA, MLA, KDA])
                 key = mla_key(hs[i]) if kind == MLA else kda_key(hs[i])
                 if key not in idx and not idx.is_pending(key):
-                    idx.insert(key, kind, rng.randint(5, 60), parent=mla_key(hs[i - 1]) if i else b"",
-                               tenant=rng.choice(["", "q", "x"]), pending=rng.random() < 0.2)
+                    idx.insert(
+                        key,
+                        kind,
+                        rng.randint(5, 60),
+                        parent=mla_key(hs[i - 1]) if i else b"",
+                        tenant=rng.choice(["", "q", "x"]),
+                        pending=rng.random() < 0.2,
+                    )
             elif op < 0.55:
                 idx.insert(f"T{rng.random()}".encode(), TAIL, rng.randint(5, 30), ttl_ms=rng.randint(10, 300))
             elif op < 0.62 and idx._pending:

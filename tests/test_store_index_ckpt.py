@@ -7,8 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from kvpool.cache.keys import HASH_BYTES, KDA_TAG, MLA_TAG, kda_key, mla_key
-from kvpool.kvstore.index import (
+from kvpool.kvstore.index.prefix_index import (
     _CKPT,
     BadObjectError,
     CapacityError,
@@ -16,6 +15,7 @@ from kvpool.kvstore.index import (
     PrefixIndex,
     QuotaExceededError,
 )
+from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, kda_key, mla_key
 
 MLA, KDA, TAIL, BLOB = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL, ObjectKind.BLOB
 

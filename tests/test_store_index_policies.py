@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from kvpool.cache.keys import kda_key, mla_key
-from kvpool.kvstore.eviction import POLICIES, UnknownPolicyError, make_policy
-from kvpool.kvstore.index import ObjectKind, PrefixIndex, Tier
+from kvpool.kvstore.index.eviction import POLICIES, UnknownPolicyError, make_policy
+from kvpool.kvstore.index.prefix_index import ObjectKind, PrefixIndex, Tier
+from kvpool.kvstore.keys import kda_key, mla_key
 
 BLOB, MLA, KDA = ObjectKind.BLOB, ObjectKind.MLA, ObjectKind.KDA
 
@@ -146,5 +146,10 @@ def test_rows_match_get() -> None:
     a = idx.get(b"a")
     assert a is not None
     assert (rows[0].size, rows[0].checksum, rows[0].tenant, rows[0].node_id, rows[0].tier) == (
-        a.size, a.checksum, a.tenant, a.node_id, int(a.tier))
+        a.size,
+        a.checksum,
+        a.tenant,
+        a.node_id,
+        int(a.tier),
+    )
     assert rows[1].ttl_ms == 1500 and rows[0].ttl_ms == 0

@@ -13,9 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvpool.cache.keys import kda_key, mla_key
-from kvpool.kvstore.master_testing import DEADLINE_S, MasterProcess, ProbeNode, wait_until
+from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.proto import common_pb2, master_pb2
+
+from tests.harness.master_proc import DEADLINE_S, MasterProcess, ProbeNode, wait_until
 
 T = DEADLINE_S
 STARTED = master_pb2.PutStartReply.STARTED
@@ -241,7 +242,10 @@ def test_restarted_master_rebuilds_from_inventories(tmp_path: Path) -> None:
             after = [match(m2, hs), match(m2, other), match(m2, hs[:20], require_checkpoint=False)]
             for x, y in zip(before, after, strict=True):
                 assert (x.usable_blocks, x.mla_run_blocks, list(x.checkpoint_blocks)) == (
-                    y.usable_blocks, y.mla_run_blocks, list(y.checkpoint_blocks))
+                    y.usable_blocks,
+                    y.mla_run_blocks,
+                    list(y.checkpoint_blocks),
+                )
                 assert [loc.meta.key for loc in x.mla] == [loc.meta.key for loc in y.mla]
                 assert [loc.node.node_id for loc in x.mla] == [loc.node.node_id for loc in y.mla]
             assert after[0].usable_blocks == 31 and after[1].usable_blocks == 10
@@ -263,23 +267,43 @@ def test_bad_input_gets_clear_errors_and_server_keeps_serving(master: MasterProc
     cases = [
         (s.MatchPrefix, master_pb2.MatchPrefixRequest(block_hashes=[b"short"]), bad, "32 bytes"),
         (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"")), grpc.StatusCode.INVALID_ARGUMENT, "key"),
-        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"k", size=0)), grpc.StatusCode.INVALID_ARGUMENT,
-         "size"),
-        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"M" + b"x" * 3, kind=common_pb2.MLA_BLOCK)),
-         grpc.StatusCode.INVALID_ARGUMENT, "MLA"),
-        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"T1", kind=common_pb2.REQUEST_TAIL)),
-         grpc.StatusCode.INVALID_ARGUMENT, "TTL"),
+        (
+            s.PutStart,
+            master_pb2.PutStartRequest(meta=meta(b"k", size=0)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "size",
+        ),
+        (
+            s.PutStart,
+            master_pb2.PutStartRequest(meta=meta(b"M" + b"x" * 3, kind=common_pb2.MLA_BLOCK)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "MLA",
+        ),
+        (
+            s.PutStart,
+            master_pb2.PutStartRequest(meta=meta(b"T1", kind=common_pb2.REQUEST_TAIL)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "TTL",
+        ),
         (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"huge", size=10**12)), exhausted, "capacity"),
         (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"k", kind=99)), bad, "kind"),
         (s.PutCommit, master_pb2.PutCommitRequest(put_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
         (s.PutCommit, master_pb2.PutCommitRequest(), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
         (s.Release, master_pb2.ReleaseRequest(lease_id="garbage"), grpc.StatusCode.INVALID_ARGUMENT, "lease"),
         (s.Lookup, master_pb2.LookupRequest(keys=[b"x" * 2000]), grpc.StatusCode.INVALID_ARGUMENT, "key"),
-        (s.MatchPrefix, master_pb2.MatchPrefixRequest(lease_ms=10**7), grpc.StatusCode.INVALID_ARGUMENT,
-         "lease_ms"),
+        (
+            s.MatchPrefix,
+            master_pb2.MatchPrefixRequest(lease_ms=10**7),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lease_ms",
+        ),
         (s.Pin, master_pb2.PinRequest(keys=[b"k"], ttl_ms=10**9), grpc.StatusCode.INVALID_ARGUMENT, "ttl"),
-        (s.RegisterNode, master_pb2.RegisterNodeRequest(node=common_pb2.NodeEndpoint(node_id="x")),
-         grpc.StatusCode.INVALID_ARGUMENT, "host"),
+        (
+            s.RegisterNode,
+            master_pb2.RegisterNodeRequest(node=common_pb2.NodeEndpoint(node_id="x")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "host",
+        ),
         (s.Heartbeat, master_pb2.HeartbeatRequest(), bad, "node_id"),
         (s.MatchPrefix, master_pb2.MatchPrefixRequest(block_hashes=[b"\0" * 32] * 70_000), bad, "more than"),
     ]
@@ -298,8 +322,12 @@ def test_remove_pin_quota_and_eviction_orders(master: MasterProcess) -> None:
     n.start_heartbeats()
     try:
         put(master, meta(b"sys-prompt", 300, tenant="t1"))
-        assert master.stub.Pin(master_pb2.PinRequest(keys=[b"sys-prompt", b"absent"], ttl_ms=60_000),
-                               timeout=T).pinned == 1
+        assert (
+            master.stub.Pin(
+                master_pb2.PinRequest(keys=[b"sys-prompt", b"absent"], ttl_ms=60_000), timeout=T
+            ).pinned
+            == 1
+        )
         for i in range(8):
             put(master, meta(f"o{i}".encode(), 100, tenant="t2"))
         assert master.stub.Lookup(master_pb2.LookupRequest(keys=[b"sys-prompt"]), timeout=T).found

@@ -6,8 +6,8 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from kvpool.cache.keys import kda_key, mla_key
-from kvpool.kvstore.master import MasterConfig, MasterCore, NodeAction, NotFound, ResourceExhausted
+from kvpool.kvstore.keys import kda_key, mla_key
+from kvpool.kvstore.master.core import MasterConfig, MasterCore, NodeAction, NotFound, ResourceExhausted
 from kvpool.proto import common_pb2, master_pb2
 
 STARTED = master_pb2.PutStartReply.STARTED
@@ -221,7 +221,7 @@ def test_stale_put_never_touches_the_put_that_replaced_it() -> None:
 
 
 def test_quotas_and_pins_survive_a_restart(tmp_path: Path) -> None:
-    from kvpool.kvstore.master_state import StateFileError
+    from kvpool.kvstore.master.state import StateFileError
 
     state = tmp_path / "master-state.json"
     cfg = MasterConfig(high_watermark=0.9, low_watermark=0.5, state_path=state)

@@ -1,4 +1,4 @@
-"""Master wire (kvstore/master_wire*.py) and MasterLink (kvstore/master_link.py) against real masters.
+"""Master wire (kvstore/master_wire*.py) and MasterLink (kvstore/client/master_link.py) against real masters.
 
 A master child process (``kvpool store master``, readiness line) for the protocol and failure cases; an
 in-process ``MasterServer`` on the test's loop where the test must control the listener itself (a frame
@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpool.cache.keys import mla_key
+from kvpool.kvstore.client.master_link import MasterLink, host_of
+from kvpool.kvstore.client.master_wire import MasterWireClient
 from kvpool.kvstore.errors import (
     BadRequestError,
     CapacityExceededError,
@@ -24,17 +25,17 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportTimeoutError,
 )
-from kvpool.kvstore.master import MasterConfig, MasterCore
-from kvpool.kvstore.master_dispatch import CoreCallError, CoreDispatch
-from kvpool.kvstore.master_link import MasterLink, host_of
-from kvpool.kvstore.master_nodes import NodeNotifier
-from kvpool.kvstore.master_server import MasterServer
-from kvpool.kvstore.master_testing import MasterProcess, ProbeNode
-from kvpool.kvstore.master_wire import HEADER, MAGIC, MAX_BODY, METHODS, WireConnectError
-from kvpool.kvstore.master_wire_client import MasterWireClient
-from kvpool.kvstore.master_wire_server import MasterWireServer
-from kvpool.kvstore.node_procs import start_master
+from kvpool.kvstore.keys import mla_key
+from kvpool.kvstore.master.core import MasterConfig, MasterCore
+from kvpool.kvstore.master.dispatch import CoreCallError, CoreDispatch
+from kvpool.kvstore.master.node_notifier import NodeNotifier
+from kvpool.kvstore.master.server import MasterServer
+from kvpool.kvstore.master.wire_server import MasterWireServer
+from kvpool.kvstore.protocol.master_wire import HEADER, MAGIC, MAX_BODY, METHODS, WireConnectError
 from kvpool.proto import common_pb2, master_pb2
+
+from tests.harness.master_proc import MasterProcess, ProbeNode
+from tests.harness.store_procs import start_master
 
 T = 5.0
 Cluster = tuple[MasterProcess, ProbeNode]

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool.kvstore.errors import CapacityExceededError, ObjectNotFoundError
-from kvpool.kvstore.transport_select import TransportSelector
+from kvpool.kvstore.transport.select import TransportSelector
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from store_helpers import location, start_node
 
@@ -167,7 +167,7 @@ def test_cli_store_group():
     bad = _cli("node", "--no-master", "--capacity", "lots")  # the store-only entry (no torch import)
     assert bad.returncode == 2 and "not a size" in bad.stderr
     try:
-        import kvpool.kvstore.master_cli  # noqa: F401
+        import kvpool.kvstore.master.cli  # noqa: F401
     except ModuleNotFoundError:
         return
     assert _cli("master", "--help").returncode == 0

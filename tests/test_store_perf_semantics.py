@@ -7,10 +7,10 @@ import os
 import time
 
 import pytest
-from kvpool.cache.keys import kda_key, mla_key
-from kvpool.kvstore.client import LocationColumns, StoreClient
+from kvpool.kvstore.client.store_client import LocationColumns, StoreClient
 from kvpool.kvstore.errors import ObjectNotFoundError
-from kvpool.kvstore.master import MasterCore
+from kvpool.kvstore.keys import kda_key, mla_key
+from kvpool.kvstore.master.core import MasterCore
 from kvpool.proto import common_pb2, master_pb2
 from store_helpers import start_master, start_node
 

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import xxhash
 from kvpool.kvstore.errors import ObjectNotFoundError
-from kvpool.kvstore.pool import SharedPool
-from kvpool.kvstore.shm_stamps import StampReader, default_slots
-from kvpool.kvstore.transport_base import Deadlines
-from kvpool.kvstore.transport_frame import OP_GET, Frame, encode
-from kvpool.kvstore.transport_select import TransportSelector
-from kvpool.kvstore.transport_shm import ShmTransport
+from kvpool.kvstore.node.pool import SharedPool
+from kvpool.kvstore.protocol.data_frame import OP_GET, Frame, encode
+from kvpool.kvstore.protocol.shm_stamps import StampReader, default_slots
+from kvpool.kvstore.transport.base import Deadlines
+from kvpool.kvstore.transport.select import TransportSelector
+from kvpool.kvstore.transport.shm import ShmTransport
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from store_helpers import location, start_node
 
@@ -361,7 +361,7 @@ def test_stopped_node_stamps_are_not_trusted(tmp_path):
 def test_cpus_without_x86_ordering_never_trust_stamps(node, stub, monkeypatch):
     """Where the stamp protocol is not sound (weaker memory ordering than x86), readers ignore their hints:
     every get asks the node (LOCATE) and still returns the right bytes."""
-    from kvpool.kvstore import shm_stamps
+    from kvpool.kvstore.protocol import shm_stamps
 
     monkeypatch.setattr(shm_stamps, "READS_TRUSTED", False)
     data = os.urandom(300_000)

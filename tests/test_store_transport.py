@@ -23,10 +23,10 @@ from kvpool.kvstore.errors import (
     TransportTimeoutError,
     TransportUnavailableError,
 )
-from kvpool.kvstore.pool import attach_segment
-from kvpool.kvstore.transport_base import Deadlines
-from kvpool.kvstore.transport_frame import HEADER_SIZE, decode_header
-from kvpool.kvstore.transport_select import TransportSelector
+from kvpool.kvstore.node.pool import attach_segment
+from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, decode_header
+from kvpool.kvstore.transport.base import Deadlines
+from kvpool.kvstore.transport.select import TransportSelector
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from store_helpers import location, start_node
 
@@ -208,7 +208,7 @@ def test_garbage_and_truncated_frames_on_tcp(node):
     assert _read_error(s) == 9  # TransportTimeoutError
     assert time.monotonic() - t0 < 3
     s = _raw(node)  # a put whose payload stops half-way, then the peer vanishes
-    from kvpool.kvstore.transport_frame import OP_PUT, Frame, encode
+    from kvpool.kvstore.protocol.data_frame import OP_PUT, Frame, encode
 
     meta = meta_for(b"z" * 1000)
     s.sendall(
@@ -319,8 +319,8 @@ def test_stalled_or_dead_node_gives_typed_error_quickly(tmp_path, choice):
 
 def test_garbage_on_ucx_gets_an_error_reply(node):
     """A ucx control message that is not a frame: the node answers ProtocolError and keeps serving."""
-    from kvpool.kvstore.transport_frame import CONTROL_SIZE, decode_control
-    from kvpool.kvstore.transport_ucx import load_ucxx
+    from kvpool.kvstore.protocol.data_frame import CONTROL_SIZE, decode_control
+    from kvpool.kvstore.transport.ucx import load_ucxx
 
     async def body(sel):
         ucxx = load_ucxx()
@@ -345,7 +345,7 @@ def test_garbage_on_ucx_gets_an_error_reply(node):
 
 def test_shm_control_frames_bad_input(node, tmp_path):
     """LOCATE with a payload is garbage (closed); shm control on a node without shm is refused, typed."""
-    from kvpool.kvstore.transport_frame import OP_LOCATE, OP_SEAL, Frame, encode
+    from kvpool.kvstore.protocol.data_frame import OP_LOCATE, OP_SEAL, Frame, encode
 
     s = _raw(node)
     s.sendall(encode(Frame(OP_LOCATE, key=b"Bx", payload_len=10)))

@@ -49,7 +49,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
 
 def test_a_child_that_exits_early_fails_fast_with_its_log(tmp_path: Path) -> None:
     c = Cluster({"cluster": {}}, tmp_path)
-    child = c._spawn("broken", "test", ["kvpool.kvstore.master_cli", "--no-such-flag"])
+    child = c._spawn("broken", "test", ["kvpool.kvstore.master.cli", "--no-such-flag"])
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match="no-such-flag"):
         c._wait_ready(child, 30)

@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.kvstore.eviction import POLICIES
-from kvpool.kvstore.index import CapacityError, ObjectKind, PrefixIndex, StoreIndexError
-from kvpool.prefill.policy import CheckpointPolicy as PrefillCheckpointPolicy
+from kvpool.kvstore.index.eviction import POLICIES
+from kvpool.kvstore.index.prefix_index import CapacityError, ObjectKind, PrefixIndex, StoreIndexError
+from kvpool.worker.checkpoint_policy import CheckpointPolicy as PrefillCheckpointPolicy
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.specs import ModelSpec
@@ -45,7 +45,8 @@ NODE = "sim"
 @dataclass(frozen=True, slots=True)
 class CheckpointPolicy:
     """Where KDA checkpoints are written (design §3): the prompt-side rules are the prefill's own
-    :class:`kvpool.prefill.policy.CheckpointPolicy` (end of prompt, junction, every N blocks), the output
+    :class:`kvpool.worker.checkpoint_policy.CheckpointPolicy` (end of prompt, junction, every N blocks),
+    the output
     rule is the decode engine's end-of-output checkpoint. ``interval_blocks`` 0 disables the interval."""
 
     end_of_prompt: bool = True

@@ -1,0 +1,203 @@
+"""``MasterLink``: the one object a store client talks to the master through.
+
+``await link.call("Lookup", request)`` sends the call over the master wire (``master_wire``: ~0.1 ms per
+round trip instead of gRPC's 0.45-0.8 ms) when the master advertises one and the wire carries that rpc,
+otherwise over gRPC; either way failures are the same typed errors (``client_rpc.typed_error_from``), so it
+is a drop-in for ``await stub.Name(request, timeout=rpc_timeout_s)`` + ``raise_typed``.
+
+Discovery: one ``Describe`` over gRPC, lazily on the first wire-able call; the wire host is the host part
+of the address the link was given (what the client can reach), the port is the advertised ``wire_port``. A
+master without ``Describe`` (older) or with the wire off (``wire_port`` 0) is used over gRPC only.
+
+When the wire fails:
+
+* the connection could not be opened (``WireConnectError``): nothing was sent, so the call goes over gRPC
+  whatever it is (this is also how a restarted master on a new wire port is survived). Calls then stay on
+  gRPC for a backoff (1 s, doubling to 30 s while the wire keeps failing) before ``Describe`` is asked
+  again, so a wire port the client cannot reach (a Service without it, a firewall) costs one connect
+  timeout per backoff, not one per call;
+* the connection broke with the call in flight: the master may or may not have run it. Only idempotent
+  reads (:data:`RETRY_OVER_GRPC`) are retried, once, over gRPC. (With ``acquire=true`` a Lookup or
+  MatchPrefix the master did run holds a second lease nobody releases; it ends at its deadline,
+  ``lease_ms``, so the cost is objects protected from eviction a little longer, never a wrong answer.)
+  ``PutStart``/``PutCommit`` (and every other write) raise ``StoreUnavailableError`` instead: a silent
+  retry could start a second put of the key (reserving bytes on a node until its deadline) or commit a
+  put the first attempt already committed or that the sweep meanwhile aborted, and the caller's own
+  retry/abort logic must see that it happened;
+* a deadline passed (``TransportTimeoutError``): raised, never retried (the call's time is spent).
+
+Every wait is bounded by ``rpc_timeout_s`` per call, retry included (the retry gets what is left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from kvpool.kvstore.client.master_wire import MasterWireClient
+from kvpool.kvstore.errors import StoreError, StoreUnavailableError, TransportTimeoutError
+from kvpool.kvstore.protocol.grpc_errors import CHANNEL_OPTIONS, raise_typed
+from kvpool.kvstore.protocol.master_wire import METHODS as WIRE_METHODS
+from kvpool.kvstore.protocol.master_wire import WireConnectError
+from kvpool.proto import master_pb2, master_pb2_grpc
+
+# Read-only calls a second execution cannot harm: retried over gRPC when the wire breaks mid-call.
+RETRY_OVER_GRPC = frozenset({"Lookup", "MatchPrefix", "Stats", "Describe"})
+MIN_RETRY_S = 0.05  # a retry with less time left than this is not worth starting
+WIRE_BACKOFF_S = (1.0, 30.0)  # gRPC only for this long after the wire could not be reached (doubling)
+
+
+def host_of(address: str) -> str:
+    """The host part of ``host:port`` (``[v6]:port`` too; grpc ``dns:``/``ipv4:`` prefixes dropped)."""
+    target = address.split("///")[-1]
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        target = target.removeprefix(scheme)
+    host, sep, _port = target.rpartition(":")
+    if not sep:
+        return target
+    return host.strip("[]")
+
+
+class MasterLink:
+    """See the module docstring. Use from one event loop; ``await link.close()`` when done."""
+
+    def __init__(
+        self,
+        address: str,
+        rpc_timeout_s: float = 5.0,
+        use_wire: bool = True,
+        *,
+        connect_timeout_s: float = 1.0,
+    ) -> None:
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self.use_wire = use_wire
+        self.connect_timeout_s = connect_timeout_s
+        self.counters: dict[str, int] = {}
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: master_pb2_grpc.MasterStub | None = None
+        self._wire: MasterWireClient | None = None
+        self._wire_methods: frozenset[str] = frozenset()
+        self._described = not use_wire  # nothing to discover when the wire is not wanted
+        self._backoff_s = 0.0
+        self._wire_retry_at = 0.0  # loop time before which calls skip the wire (see WIRE_BACKOFF_S)
+        self._describing: asyncio.Lock | None = None
+
+    @property
+    def wire(self) -> MasterWireClient | None:
+        """The wire client in use, None while calls go over gRPC (not yet described, or no wire)."""
+        return self._wire
+
+    @property
+    def stub(self) -> master_pb2_grpc.MasterStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._stub = master_pb2_grpc.MasterStub(self._channel)
+        return self._stub
+
+    async def call(self, name: str, request: Message, timeout_s: float | None = None) -> Any:
+        """The master's reply to rpc ``name``; typed ``StoreError`` on failure."""
+        timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        wire = await self._wire_for(name, timeout)
+        if wire is None:
+            return await self._grpc(name, request, deadline)
+        try:
+            reply = await wire.call(name, request, max(deadline - loop.time(), 0.0))
+        except WireConnectError:
+            self._forget_wire()
+            if loop.time() >= self._wire_retry_at:  # one step per failed attempt, not per waiting call
+                self._backoff_s = min(max(self._backoff_s * 2, WIRE_BACKOFF_S[0]), WIRE_BACKOFF_S[1])
+                self._wire_retry_at = loop.time() + self._backoff_s
+            self._count("wire_unreachable")
+            return await self._grpc(name, request, deadline)
+        except TransportTimeoutError:
+            raise
+        except StoreUnavailableError:
+            self._forget_wire()
+            if name not in RETRY_OVER_GRPC or deadline - loop.time() < MIN_RETRY_S:
+                raise
+            self._count("wire_retried_over_grpc")
+            return await self._grpc(name, request, deadline)
+        except StoreError:  # the master's answer, an error (same class gRPC would give)
+            self._count("wire_calls")
+            raise
+        self._count("wire_calls")
+        self._backoff_s = 0.0
+        return reply
+
+    async def describe(self, timeout_s: float | None = None) -> master_pb2.DescribeReply:
+        """Ask the master what it serves (``Describe`` over gRPC, typed errors) and route calls by it."""
+        async with self._lock():
+            return await self._discover(self.rpc_timeout_s if timeout_s is None else timeout_s)
+
+    async def close(self) -> None:
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            await wire.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    def _lock(self) -> asyncio.Lock:
+        if self._describing is None:
+            self._describing = asyncio.Lock()
+        return self._describing
+
+    async def _wire_for(self, name: str, timeout_s: float) -> MasterWireClient | None:
+        if name not in WIRE_METHODS:
+            return None
+        if not self._described:
+            if asyncio.get_running_loop().time() < self._wire_retry_at:
+                return None
+            async with self._lock():
+                if not self._described:
+                    await self._discover(timeout_s)
+        return self._wire if name in self._wire_methods else None
+
+    async def _discover(self, timeout_s: float) -> master_pb2.DescribeReply:
+        self._count("describes")
+        try:
+            reply = await self.stub.Describe(master_pb2.DescribeRequest(), timeout=max(timeout_s, 0.001))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise_typed(exc, "master Describe")
+            reply = master_pb2.DescribeReply()  # an older master: gRPC only
+        old, self._wire = self._wire, None
+        if reply.wire_port and self.use_wire:
+            if old is not None and old.port == reply.wire_port:
+                self._wire, old = old, None  # same listener: keep the connection other calls may be using
+            else:
+                self._wire = MasterWireClient(host_of(self.address), reply.wire_port, self.connect_timeout_s)
+            self._wire_methods = frozenset(reply.wire_methods)
+        else:
+            self._wire_methods = frozenset()
+        if old is not None:  # the master moved its wire (a restart) or turned it off
+            await old.close()
+        self._described = True
+        return reply
+
+    def _forget_wire(self) -> None:
+        """Ask Describe again before the next wire-able call (the master may have restarted elsewhere)."""
+        if self.use_wire:
+            self._described = False
+
+    async def _grpc(self, name: str, request: Message, deadline: float) -> Any:
+        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        self._count("grpc_calls")
+        try:
+            return await getattr(self.stub, name)(request, timeout=remaining)
+        except grpc.aio.AioRpcError as exc:
+            raise_typed(exc, f"master {name}")
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    async def __aenter__(self) -> MasterLink:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

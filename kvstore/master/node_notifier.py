@@ -1,0 +1,132 @@
+"""The master's outbound calls to storage nodes: Delete / Demote / Promote over node.proto.
+
+One worker task per node sends that node's queued keys in order, in chunks, each call under a deadline.
+A slow or dead node only delays its own queue: the master never awaits these calls while answering a
+client, and a failure is logged and counted (the node's next RegisterNode reconciles any drift, and a dead
+node is dropped by the heartbeat sweep anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+from kvpool.kvstore.master.core import NodeAction, PendingActions
+from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS_PER_NODE_CALL = 10_000
+
+
+class _NodeWorker:
+    def __init__(self, endpoint: common_pb2.NodeEndpoint) -> None:
+        self.node_id = endpoint.node_id
+        self.address = f"{endpoint.host}:{endpoint.grpc_port}"
+        self.channel = grpc.aio.insecure_channel(self.address)
+        self.stub = node_pb2_grpc.StorageNodeStub(self.channel)
+        # (action, keys, done): ``done`` resolves once the call was attempted (delivered or failed)
+        self.queue: list[tuple[NodeAction, list[bytes], asyncio.Future[None]]] = []
+        self.task: asyncio.Task[None] | None = None
+
+
+class NodeNotifier:
+    """Delivers :class:`PendingActions` to nodes; ``count(name, n)`` records outcomes and ``on_missing``
+    hears which keys a node could not act on (e.g. a demotion its SSD had no room for)."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        count: Callable[[str, int], None],
+        on_missing: Callable[[str, NodeAction, list[bytes]], None] | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._count = count
+        self._on_missing = on_missing
+        self._workers: dict[str, _NodeWorker] = {}
+
+    def submit(self, batches: list[PendingActions]) -> list[asyncio.Future[None]]:
+        """Queue the calls; the returned futures resolve as each one has been attempted. Most callers
+        ignore them (the master never waits for nodes while answering); ``Remove`` waits, bounded, so that
+        a removed key is gone from its node before the client hears "removed" (clients read known keys
+        straight from nodes)."""
+        loop = asyncio.get_running_loop()
+        done: list[asyncio.Future[None]] = []
+        for batch in batches:
+            worker = self._worker(batch.node)
+            for action in (NodeAction.PROMOTE, NodeAction.DEMOTE, NodeAction.DELETE):
+                keys = batch.keys.get(action)
+                if keys:
+                    fut: asyncio.Future[None] = loop.create_future()
+                    worker.queue.append((action, keys, fut))
+                    done.append(fut)
+            if worker.task is None or worker.task.done():
+                worker.task = loop.create_task(self._drain(worker))
+        return done
+
+    async def idle(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until every queued call has been sent; used at shutdown and by tests."""
+        tasks = [w.task for w in self._workers.values() if w.task is not None and not w.task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    async def close(self) -> None:
+        for worker in self._workers.values():
+            if worker.task is not None:
+                worker.task.cancel()
+        await asyncio.gather(*(w.task for w in self._workers.values() if w.task), return_exceptions=True)
+        for worker in self._workers.values():  # nobody may wait on a call that will never be made
+            for _action, _keys, done in worker.queue:
+                if not done.done():
+                    done.set_result(None)
+            worker.queue.clear()
+        await asyncio.gather(*(w.channel.close() for w in self._workers.values()), return_exceptions=True)
+        self._workers.clear()
+
+    def _worker(self, endpoint: common_pb2.NodeEndpoint) -> _NodeWorker:
+        address = f"{endpoint.host}:{endpoint.grpc_port}"
+        worker = self._workers.get(endpoint.node_id)
+        if worker is None or worker.address != address:  # new node, or it came back on another port
+            if worker is not None:
+                asyncio.get_running_loop().create_task(worker.channel.close())
+            worker = self._workers[endpoint.node_id] = _NodeWorker(endpoint)
+        return worker
+
+    async def _drain(self, worker: _NodeWorker) -> None:
+        while worker.queue:
+            action, keys, done = worker.queue.pop(0)
+            try:
+                await self._deliver(worker, action, keys)
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+    async def _deliver(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes]) -> None:
+        for start in range(0, len(keys), MAX_KEYS_PER_NODE_CALL):
+            chunk = keys[start : start + MAX_KEYS_PER_NODE_CALL]
+            method = {
+                NodeAction.DELETE: worker.stub.Delete,
+                NodeAction.DEMOTE: worker.stub.Demote,
+                NodeAction.PROMOTE: worker.stub.Promote,
+            }[action]
+            try:
+                reply = await method(node_pb2.KeysRequest(keys=chunk), timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                self._count(f"node_{action.value}_failed", len(chunk))
+                log.warning(
+                    "%s of %d keys on %s failed: %s",
+                    action.value,
+                    len(chunk),
+                    worker.address,
+                    exc.code().name,
+                )
+                continue
+            self._count(f"node_{action.value}_done", reply.done)
+            self._count(f"node_{action.value}_missing", len(reply.missing))
+            if reply.missing and self._on_missing is not None:
+                try:
+                    self._on_missing(worker.node_id, action, list(reply.missing))
+                except Exception:  # reconciliation is best effort; the worker must keep draining
+                    log.exception("handling missing keys from %s failed", worker.address)

@@ -1,0 +1,233 @@
+"""A storage node process: shared-memory pool, optional SSD tier, data planes (tcp / shm / ucx), gRPC
+control plane + health, and registration with the master.
+
+Everything runs on one asyncio loop (the object table needs no locks; ucxx's blocking progress mode is driven
+by the same loop). Startup prints exactly one JSON readiness line on stdout once every port is bound and the
+master has accepted the registration; SIGTERM/SIGINT shut down cleanly and unlink the pool segment.
+Start one programmatically with ``tests/store_helpers.start_node`` or ``kvpool store node ...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvpool.kvstore.node.metrics import TransportBytes, TransportTap, node_registry
+from kvpool.kvstore.node.object_store import ObjectStore
+from kvpool.kvstore.node.pool import SharedPool
+from kvpool.kvstore.node.registration import MasterRegistration
+from kvpool.kvstore.node.service import StorageNodeService
+from kvpool.kvstore.node.tcp_server import TcpDataServer
+from kvpool.proto import common_pb2, node_pb2_grpc
+from kvpool.runtime.lifecycle import print_ready, wait_for_stop_signal
+from kvpool.runtime.metrics_http import MetricsHttpServer
+
+log = logging.getLogger(__name__)
+TRANSPORTS = ("tcp", "shm", "ucx")
+RESERVATION_REAP_S = 5.0
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``"1GiB"``, ``"512MiB"``, ``"64MB"``, ``"4096"`` → bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 1GiB, 512MiB, 4096)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def host_id() -> str:
+    """Hostname + kernel boot id: equal values mean the same machine, so shared memory is reachable."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "noboot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass
+class NodeConfig:
+    """Everything ``kvpool store node`` accepts."""
+
+    capacity: int = 1 << 30
+    master: str | None = None  # HOST:PORT; None = standalone (transport tests, benchmarks)
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    tcp_port: int = 0
+    ucx_port: int = 0
+    transports: tuple[str, ...] = TRANSPORTS
+    ssd_path: Path | None = None
+    ssd_capacity: int = 0
+    node_id: str | None = None
+    max_object: int | None = None
+    frame_timeout_s: float = 5.0
+    prefault: bool = True
+    metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
+    stamp_slots: int | None = None  # shm read stamps (objects at once); None = capacity // 4 KiB + 1024
+
+
+class StorageNode:
+    """Owns every component of one node; ``start`` binds everything, ``stop`` tears it down."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        unknown = set(config.transports) - set(TRANSPORTS)
+        if unknown or "tcp" not in config.transports:
+            raise ValueError(
+                f"transports must include tcp and be among {TRANSPORTS}, got {config.transports}"
+            )
+        self.config = config
+        self.pool = SharedPool(config.capacity, stamp_slots=config.stamp_slots)
+        if config.prefault:
+            self.pool.prefault()
+        self.store = ObjectStore(self.pool, config.ssd_path, config.ssd_capacity, config.max_object)
+        self.store.auto_promote = config.master is None
+        self.endpoint = common_pb2.NodeEndpoint(host=config.host, host_id=host_id())
+        self.tcp: TcpDataServer | None = None
+        self.ucx = None
+        self.grpc_server: grpc.aio.Server | None = None
+        self.master: MasterRegistration | None = None
+        self._reaper: asyncio.Task | None = None
+        self.transport_bytes = TransportBytes()
+        self.metrics: MetricsHttpServer | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.tcp = TcpDataServer(
+            TransportTap(self.store, "tcp", self.transport_bytes),  # type: ignore[arg-type]
+            cfg.host,
+            cfg.tcp_port,
+            cfg.frame_timeout_s,
+            shm_enabled="shm" in cfg.transports,
+        )
+        self.tcp.start()
+        self.endpoint.tcp_port = self.tcp.port
+        if "ucx" in cfg.transports:
+            from kvpool.kvstore.node.ucx_server import UcxDataServer  # ucxx only when asked for
+
+            self.ucx = UcxDataServer(
+                TransportTap(self.store, "ucx", self.transport_bytes),  # type: ignore[arg-type]
+                cfg.ucx_port,
+                cfg.frame_timeout_s,
+            )
+            self.endpoint.ucx_port = self.ucx.port
+        if "shm" in cfg.transports:
+            self.endpoint.shm_name = self.pool.name
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", 64 << 20),  # Delete/Demote batches from the master
+                ("grpc.max_send_message_length", 64 << 20),
+            ]
+        )
+        node_pb2_grpc.add_StorageNodeServicer_to_server(
+            StorageNodeService(
+                TransportTap(self.store, "grpc", self.transport_bytes),  # type: ignore[arg-type]
+                lambda: self.endpoint,
+            ),
+            server,
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        if port == 0:
+            raise OSError(f"cannot bind gRPC on {cfg.host}:{cfg.grpc_port}")
+        await server.start()
+        self.grpc_server = server
+        self.endpoint.grpc_port = port
+        self.endpoint.node_id = cfg.node_id or f"{socket.gethostname()}-{port}"
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("kvpool.v1.StorageNode", health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port is not None and cfg.metrics_port >= 0:
+            registry = node_registry(self.store, self.transport_bytes, lambda: self.endpoint.node_id)
+            self.metrics = MetricsHttpServer(registry, cfg.host, cfg.metrics_port)
+            await self.metrics.start()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_reservations())
+        if cfg.master:
+            self.master = MasterRegistration(cfg.master, self.store, self.endpoint)
+            await self.master.register_until_done()
+            self.master.start_heartbeats()
+
+    async def _reap_reservations(self) -> None:
+        """Free shm put reservations whose writer vanished before sealing (their extents would leak)."""
+        while True:
+            await asyncio.sleep(RESERVATION_REAP_S)
+            self.store.reap_reservations()
+
+    def readiness(self) -> dict:
+        ep = self.endpoint
+        return {
+            "node_id": ep.node_id,
+            "host": ep.host,
+            "grpc_port": ep.grpc_port,
+            "tcp_port": ep.tcp_port,
+            "ucx_port": ep.ucx_port,
+            "shm_name": ep.shm_name,
+            "host_id": ep.host_id,
+            "pid": os.getpid(),
+            "capacity": self.pool.capacity,
+            "metrics_port": self.metrics.port if self.metrics else None,
+        }
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+        if self.master:
+            await self.master.close()
+        if self.metrics:
+            await self.metrics.stop()
+        if self.grpc_server:
+            await self.grpc_server.stop(grace=0.5)
+        if self.ucx:
+            await self.ucx.close()
+        if self.tcp:
+            await self.tcp.close()
+        self.pool.close()
+
+
+async def serve(config: NodeConfig) -> None:
+    """Run a node until SIGTERM/SIGINT."""
+    node = StorageNode(config)
+    try:
+        await node.start()
+        print_ready(node.readiness())
+        await wait_for_stop_signal()
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.stop(), 5.0)
+        node.pool.close()
+
+
+def run(config: NodeConfig) -> int:
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s node %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(serve(config))
+    return 0

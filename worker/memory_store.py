@@ -1,0 +1,133 @@
+"""`MemoryStore`: an in-process implementation of the `CacheStore` protocol (no master, no node).
+
+Why it exists: engine unit tests and single-process tools need the store's *semantics* (joint prefix rule,
+leases, duplicate-safe immutable puts, typed per-key misses) without processes; fault hooks (`corrupt`,
+`drop`, `unreachable`) let a test break exactly one object. Integration tests use the real store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+
+from kvpool.kvstore.client.store_client import PutItem
+from kvpool.kvstore.errors import ObjectNotFoundError, StoreError, StoreUnavailableError
+from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
+from kvpool.proto import common_pb2, master_pb2
+
+
+class MemoryStore:
+    """Dict of immutable objects + the joint prefix rule; counts gets/puts for assertions."""
+
+    def __init__(self) -> None:
+        self.objects: dict[bytes, bytes] = {}
+        self.meta: dict[bytes, common_pb2.ObjectMeta] = {}
+        self.leases: dict[str, list[bytes]] = {}
+        self.unreachable = False
+        self.delay_s = 0.0
+        self.gets = 0
+        self.puts = 0
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ fault hooks
+    def corrupt(self, key: bytes, offset: int = -1) -> None:
+        """Flip one byte of a stored object (its bytes are then wrong, its key still indexed)."""
+        data = bytearray(self.objects[key])
+        data[offset] ^= 0xFF
+        self.objects[key] = bytes(data)
+
+    def drop(self, key: bytes) -> None:
+        """Lose an object's bytes but keep it in the index (a node that forgot it)."""
+        self.objects[key] = b""
+
+    def _check(self) -> None:
+        if self.unreachable:
+            raise StoreUnavailableError("memory store marked unreachable")
+
+    async def _wait(self) -> None:
+        self._check()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+
+    # ------------------------------------------------------------------ CacheStore
+    async def match_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        *,
+        tenant: str | None = None,
+        require_checkpoint: bool = True,
+        acquire: bool = False,
+        lease_ms: int | None = None,
+    ) -> master_pb2.MatchPrefixReply:
+        await self._wait()
+        run, checkpoints = 0, []
+        for h in block_hashes:
+            if MLA_TAG + bytes(h) not in self.meta:
+                break
+            run += 1
+            if KDA_TAG + bytes(h) in self.meta:
+                checkpoints.append(run)
+        usable = (checkpoints[-1] if checkpoints else 0) if require_checkpoint else run
+        reply = master_pb2.MatchPrefixReply(
+            usable_blocks=usable, mla_run_blocks=run, checkpoint_blocks=checkpoints
+        )
+        for h in block_hashes[:usable]:
+            reply.mla.add(meta=self.meta[MLA_TAG + bytes(h)])
+        if require_checkpoint and usable:
+            reply.checkpoint.meta.CopyFrom(self.meta[KDA_TAG + bytes(block_hashes[usable - 1])])
+        if acquire and usable:
+            reply.lease_id = f"mem:{next(self._ids)}"
+            self.leases[reply.lease_id] = [MLA_TAG + bytes(h) for h in block_hashes[:usable]]
+        return reply
+
+    async def release(self, lease_id: str) -> None:
+        self._check()
+        self.leases.pop(lease_id, None)
+
+    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+        await self._wait()
+        out: list[bytes | StoreError] = []
+        for key in keys:
+            self.gets += 1
+            data = self.objects.get(bytes(key))
+            out.append(data if data else ObjectNotFoundError(f"{bytes(key)[:8].hex()} not stored"))
+        return out
+
+    async def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[bytearray]
+    ) -> list[int | StoreError]:
+        got = await self.batch_get([loc.meta.key for loc in locations])
+        results: list[int | StoreError] = []
+        for data, out in zip(got, outs, strict=True):
+            if isinstance(data, StoreError):
+                results.append(data)
+            else:
+                n = min(len(data), len(out))
+                out[:n] = data[:n]
+                results.append(n)
+        return results
+
+    async def batch_put(self, items: Sequence[PutItem]) -> list[StoreError | None]:
+        await self._wait()
+        for item in items:
+            if item.key not in self.meta:  # immutable: a duplicate is a no-op success
+                self.puts += 1
+                self.meta[bytes(item.key)] = common_pb2.ObjectMeta(
+                    key=bytes(item.key),
+                    kind=item.kind,
+                    size=len(item.data),
+                    tenant=item.tenant or "",
+                    parent=item.parent,
+                    ttl_ms=item.ttl_ms,
+                )
+                self.objects[bytes(item.key)] = bytes(item.data)
+        return [None] * len(items)
+
+    async def remove(self, keys: Sequence[bytes]) -> int:
+        self._check()
+        n = 0
+        for key in keys:
+            n += self.meta.pop(bytes(key), None) is not None
+            self.objects.pop(bytes(key), None)
+        return n

@@ -1,0 +1,189 @@
+"""What the prefill and decode worker processes share: CLI flags, runtime construction, the gRPC server
+(with the standard health service), the JSON readiness line and signal-driven shutdown.
+
+Why a readiness line: launchers (tests, ``kvpool verify``, deploy scripts) bind ``--port 0`` and need the
+real port; one JSON object on stdout, printed only once the server accepts calls, is race-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvpool.kvstore.client.store_client import AsyncStoreClient
+from kvpool.model.hybrid import HybridModel
+from kvpool.model.loader import load_model
+from kvpool.model.tokenizer import load_tokenizer
+from kvpool.runtime.lifecycle import serve_until_signal as serve_until_signal_
+from kvpool.runtime.metrics_http import MetricsHttpServer
+from kvpool.worker.errors import ON_CACHE_ERROR
+from kvpool.worker.store_io import DEFAULT_TIMEOUT_S
+
+MAX_MESSAGE_BYTES = 64 << 20
+log = logging.getLogger("kvpool.worker")
+
+
+def add_prefill_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the prefill engine (``kvpool prefill`` and ``kvpool decode --colocated``)."""
+    p.add_argument(
+        "--checkpoint-policy",
+        default="end,junction",
+        help="comma list of end | junction | every=N, or none (docs/design/checkpoint_policy.md)",
+    )
+    p.add_argument("--tail-ttl-ms", type=int, default=120_000, help="TTL of request tails in the store")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--master", metavar="HOST:PORT", help="store master (shared KV cache)")
+    where.add_argument("--no-store", action="store_true", help="serve without the shared cache")
+    p.add_argument("--model", default="tiny", help="'tiny' or a Kimi-Linear checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any; see the readiness line)")
+    p.add_argument("--block-size", type=int, default=64, help="hash block size (multiple of 64)")
+    p.add_argument("--transport", default="auto", help="store data plane: auto|tcp|shm|ucx")
+    p.add_argument("--on-cache-error", choices=ON_CACHE_ERROR, default="recompute")
+    p.add_argument("--store-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per store call")
+    p.add_argument(
+        "--request-timeout", type=float, default=120.0, help="max seconds per request (client deadline wins)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; the same on every worker and reference for bitwise equality (1: robust when "
+        "cores are shared, OpenMP spinning with 2 threads on a loaded box is 10x slower)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, see the readiness line; "
+        "absent or negative = off)",
+    )
+    p.add_argument("--log-level", default="WARNING")
+
+
+@dataclass
+class Runtime:
+    model: HybridModel
+    store: AsyncStoreClient | None
+    tokenizer: object
+
+
+def build_runtime(args: argparse.Namespace) -> Runtime:
+    """Model with deterministic kernels (model.md §5 rule 3), tokenizer, store client (lazy connect)."""
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper())
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    model = load_model(args.model)
+    model.cache_schema(args.block_size)  # rejects a block size off the 64-token grid before serving
+    from kvpool.model.loader import TINY_MODELS
+
+    model_dir = None if args.model in TINY_MODELS else args.model
+    tokenizer = load_tokenizer(model_dir, model.config)
+    store = (
+        None
+        if args.no_store
+        else AsyncStoreClient(args.master, args.transport, rpc_timeout_s=args.store_timeout)
+    )
+    return Runtime(model, store, tokenizer)
+
+
+class WorkerServer:
+    """grpc.aio server + health service for the worker's servicers (one per role)."""
+
+    def __init__(
+        self,
+        services: dict[str, Callable[[grpc.aio.Server], None]],
+        host: str,
+        port: int,
+    ) -> None:
+        self.services = services  # gRPC service name -> function adding its servicer to a server
+        self.host = host
+        self.requested_port = port
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> int:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        for add in self.services.values():
+            add(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.host}:{self.requested_port}")
+        await server.start()
+        self._server = server
+        for name in ("", *self.services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for name in ("", *self.services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+
+async def serve_until_signal(
+    server: WorkerServer, ready: dict, on_stop: Callable[[], object], metrics: MetricsHttpServer | None = None
+) -> int:
+    """Start (the gRPC server, then ``metrics`` when given), print the readiness line (with
+    ``metrics_port``), run until SIGTERM/SIGINT, stop gracefully (``kvpool.runtime.lifecycle``)."""
+
+    async def start() -> dict:
+        port = await server.start()
+        return {
+            "host": server.host,
+            "port": port,
+            **ready,
+            "metrics_port": await metrics.start() if metrics is not None else None,
+        }
+
+    stopped = False
+
+    async def stop() -> None:
+        nonlocal stopped
+        if stopped:
+            return
+        stopped = True
+        if metrics is not None:
+            await metrics.stop()
+        await server.stop(0 if not server.port else 1.0)
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result
+
+    return await serve_until_signal_("worker", start, stop)
+
+
+def ready_fields(role: str, args: argparse.Namespace, model: HybridModel) -> dict:
+    return {
+        "role": role,  # "prefill", "decode" or "prefill+decode" (colocated)
+        "model": args.model,
+        "fingerprint": model.fingerprint().hex(),
+        "block_size": args.block_size,
+        "store": None if args.no_store else args.master,
+        "on_cache_error": args.on_cache_error,
+    }
+
+
+def request_deadline(context: grpc.aio.ServicerContext, cap_s: float) -> float:
+    """Seconds this call may take: the client's deadline when it set one, never more than ``cap_s``."""
+    remaining = context.time_remaining()
+    return cap_s if remaining is None else max(min(remaining, cap_s), 0.001)

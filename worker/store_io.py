@@ -1,0 +1,478 @@
+"""Fetch and push of cache units through the shared store, shared by the prefill and decode workers.
+
+Why one module: both workers must read and write exactly the same objects under exactly the same keys and
+checks (design §2-§3), and both must treat every store problem the same way — a missing, corrupt, late or
+unreachable object is a *miss*, never an exception that reaches the request. ``fetch_prefix`` therefore
+always returns a usable ``PrefixState`` (possibly at an earlier checkpoint than the master promised, or
+None = start from token 0) plus counters saying what was lost and why; pushes report failures in their
+stats and never raise for store errors.
+
+The store is reached through the ``CacheStore`` protocol, which names exactly the client calls used here,
+so the real ``kvpool.kvstore.client.store_client.AsyncStoreClient`` and the in-process ``MemoryStore`` are
+interchangeable. Every call runs under ``asyncio.timeout``: a dead node costs at most the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from kvpool.cache.errors import CacheUnitError
+from kvpool.cache.units import (
+    RequestTail,
+    decode_kda_checkpoint,
+    decode_mla_block,
+    decode_tail,
+    encode_kda_checkpoint,
+    encode_mla_block,
+    encode_tail,
+)
+from kvpool.kvstore.client.store_client import PutItem
+from kvpool.kvstore.errors import StoreError
+from kvpool.kvstore.keys import kda_key, mla_key, tail_key
+from kvpool.model.cache_schema import CacheSchema
+from kvpool.model.state import KDACheckpoint, PrefixState
+from kvpool.proto import common_pb2, master_pb2
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_LEASE_MS = 10_000
+DEFAULT_TAIL_TTL_MS = 120_000
+
+Buffer = bytes | bytearray | memoryview
+
+
+class CacheStore(Protocol):
+    """The store client calls the workers make: exactly these methods of ``AsyncStoreClient``."""
+
+    async def match_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        tenant: str | None = None,
+        require_checkpoint: bool = True,
+        acquire: bool = False,
+        lease_ms: int | None = None,
+    ) -> master_pb2.MatchPrefixReply:
+        """Joint-rule prefix match (design §3); ``acquire`` read-pins the usable objects under a lease."""
+        ...
+
+    async def release(self, lease_id: str) -> None:
+        """Drop a read lease taken by ``match_prefix(acquire=True)``."""
+        ...
+
+    async def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
+    ) -> list[int | StoreError]:
+        """Move located (already pinned) objects into ``outs``: per-item size or typed error."""
+        ...
+
+    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+        """Per-key result: the object's bytes, or the typed error for that key (missing, corrupt, ...)."""
+        ...
+
+    async def batch_put(self, items: Sequence[PutItem]) -> list[StoreError | None]:
+        """Two-phase put of each object; a duplicate of a committed key is a success (None)."""
+        ...
+
+    async def remove(self, keys: Sequence[bytes]) -> int:
+        """Remove objects (used to drop a unit found corrupt so a good copy can be written)."""
+        ...
+
+
+# ------------------------------------------------------------------------------------------------ stats
+
+
+@dataclass
+class FetchStats:
+    """What one prefix fetch got, lost and why (tokens are ``blocks * block_size``)."""
+
+    asked_blocks: int = 0  # hashes offered to the master
+    matched_blocks: int = 0  # usable p the master reported (joint rule)
+    mla_run_blocks: int = 0  # MLA blocks present ignoring checkpoints
+    checkpoint_blocks: list[int] = field(default_factory=list)  # block counts with a stored checkpoint
+    used_blocks: int = 0  # p actually resumed from after every check
+    fallbacks: int = 0  # times a bad object forced an earlier boundary
+    missing: int = 0  # objects the index listed but the node did not return
+    corrupt: int = 0  # objects that failed a cache-unit check
+    late: int = 0  # objects (or calls) past their deadline
+    bytes_fetched: int = 0
+    seconds: float = 0.0
+    error: str | None = None  # store unreachable / master error: served without cache
+    lease_released: bool = True
+    bad_keys: list[bytes] = field(default_factory=list)  # corrupt units (removed so they can be rewritten)
+
+    def lost_to_checkpoint(self, block_size: int) -> int:
+        """Tokens of MLA blocks that existed past the usable checkpoint (design §3)."""
+        return max(self.mla_run_blocks - self.matched_blocks, 0) * block_size
+
+    def recomputed_tokens(self, block_size: int) -> int:
+        """Tokens the master said were usable but had to be recomputed (missing/corrupt/late objects)."""
+        return max(self.matched_blocks - self.used_blocks, 0) * block_size
+
+
+@dataclass
+class PushStats:
+    objects: int = 0
+    bytes_pushed: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: PushStats) -> None:
+        self.objects += other.objects
+        self.bytes_pushed += other.bytes_pushed
+        self.failed += other.failed
+        self.seconds += other.seconds
+        self.errors.extend(other.errors)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError)
+
+
+def _per_item(results: object, n: int) -> list:
+    """A client answer with one result per item, or the same error for all (a misbehaving client must not
+    turn into an exception inside a request)."""
+    if isinstance(results, list) and len(results) == n:
+        return results
+    return [RuntimeError(f"store returned {type(results).__name__} for {n} items")] * n
+
+
+async def _get(
+    store: CacheStore, keys: list[bytes], timeout_s: float, stats: FetchStats
+) -> dict[bytes, bytes | Exception]:
+    """Batch get under a deadline; a whole-call failure becomes the same error for every key."""
+    if not keys:
+        return {}
+    try:
+        async with asyncio.timeout(timeout_s):
+            results = _per_item(await store.batch_get(keys), len(keys))
+    except Exception as exc:  # unreachable / timed out: every key is a miss
+        results = [exc] * len(keys)
+    out: dict[bytes, bytes | Exception] = {}
+    for key, res in zip(keys, results, strict=True):
+        if isinstance(res, Exception):
+            if _is_timeout(res):
+                stats.late += 1
+            else:
+                stats.missing += 1
+        else:
+            stats.bytes_fetched += len(res)
+        out[key] = res
+    return out
+
+
+async def _fetch_located(
+    store: CacheStore, locations: list[common_pb2.ObjectLocation], timeout_s: float, stats: FetchStats
+) -> dict[bytes, bytes | Exception]:
+    """Move objects the match already located and pinned (no second master round trip)."""
+    if not locations:
+        return {}
+    outs = [bytearray(loc.meta.size) for loc in locations]
+    try:
+        async with asyncio.timeout(timeout_s):
+            results = _per_item(await store.fetch_into(locations, outs), len(locations))
+    except Exception as exc:
+        results = [exc] * len(locations)
+    got: dict[bytes, bytes | Exception] = {}
+    for loc, out, res in zip(locations, outs, results, strict=True):
+        if isinstance(res, Exception):
+            stats.late += int(_is_timeout(res))
+            stats.missing += int(not _is_timeout(res))
+            got[bytes(loc.meta.key)] = res
+        else:
+            stats.bytes_fetched += res
+            got[bytes(loc.meta.key)] = bytes(out[:res]) if res != len(out) else out
+    return got
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+async def _put(store: CacheStore, items: list[PutItem], timeout_s: float) -> PushStats:
+    stats = PushStats()
+    if not items:
+        return stats
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            results = _per_item(await store.batch_put(items), len(items))
+    except Exception as exc:
+        results = [exc] * len(items)
+    for item, res in zip(items, results, strict=True):
+        if res is None:
+            stats.objects += 1
+            stats.bytes_pushed += len(item.data)
+        else:
+            stats.failed += 1
+            stats.errors.append(f"{type(res).__name__}: {res}")
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------ fetch
+
+
+async def fetch_prefix(
+    store: CacheStore,
+    schema: CacheSchema,
+    hashes: Sequence[bytes],
+    tenant: str = "",
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    lease_ms: int = DEFAULT_LEASE_MS,
+    require_checkpoint: bool | None = None,
+) -> tuple[PrefixState | None, FetchStats]:
+    """Resume point for a prompt whose full-block hashes are ``hashes`` (pass only blocks you may skip).
+
+    MatchPrefix(acquire) -> batch get of the checkpoint at p and MLA blocks [0, p) -> full decode checks
+    (block index, hash, n_tokens). If anything is missing, corrupt or late, fall back to the largest earlier
+    checkpoint the master listed whose MLA run is intact (fetching that checkpoint), down to 0 = None.
+    Never raises for store or cache-unit problems; always releases the lease.
+    ``require_checkpoint=False`` fetches the plain MLA run (a decode node that holds the KDA state at the
+    prompt end in the request tail); the default follows the model (joint rule iff it has KDA layers).
+    """
+    t0 = time.perf_counter()
+    stats = FetchStats(asked_blocks=len(hashes))
+    if not hashes:
+        return None, stats
+    deadline = time.monotonic() + timeout_s  # the whole fetch, fallbacks included, fits in one timeout
+    B = schema.block_size
+    require = bool(schema.kda_layers) if require_checkpoint is None else require_checkpoint
+    try:
+        async with asyncio.timeout(timeout_s):
+            match = await store.match_prefix(
+                list(hashes), tenant=tenant, require_checkpoint=require, acquire=True, lease_ms=lease_ms
+            )
+    except Exception as exc:
+        stats.error = f"match_prefix: {type(exc).__name__}: {exc}"
+        stats.late += int(_is_timeout(exc))
+        stats.seconds = time.perf_counter() - t0
+        return None, stats
+    lease_id = match.lease_id
+    try:
+        p = min(int(match.usable_blocks), len(hashes))
+        stats.matched_blocks = p
+        stats.mla_run_blocks = min(int(match.mla_run_blocks), len(hashes))
+        checkpoints = [c for c in match.checkpoint_blocks if 0 < c <= len(hashes)]
+        stats.checkpoint_blocks = checkpoints
+        located = [*match.mla[:p], *([match.checkpoint] if require and p else [])]
+        prefix = await _fetch_verified(
+            store, schema, hashes, p, checkpoints, located, require, deadline, stats
+        )
+    finally:
+        if lease_id:
+            stats.lease_released = await _release(store, lease_id, timeout_s)
+    stats.used_blocks = prefix.n_tokens // B if prefix is not None else 0
+    stats.seconds = time.perf_counter() - t0
+    return prefix, stats
+
+
+async def _release(store: CacheStore, lease_id: str, timeout_s: float) -> bool:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await store.release(lease_id)
+        return True
+    except Exception:
+        return False  # the lease's own deadline frees the pins
+
+
+async def _fetch_verified(
+    store: CacheStore,
+    schema: CacheSchema,
+    hashes: Sequence[bytes],
+    p: int,
+    checkpoints: list[int],
+    located: list[common_pb2.ObjectLocation],
+    require: bool,
+    deadline: float,
+    stats: FetchStats,
+) -> PrefixState | None:
+    if p == 0:
+        return None
+    keys = [mla_key(h) for h in hashes[:p]]
+    got = await _fetch_located(store, located, _left(deadline), stats)
+    blocks: list[dict[int, torch.Tensor]] = []
+    broken = False
+    for i, key in enumerate(keys):  # the intact MLA run bounds every boundary we may use
+        block = _decode_mla(got.get(key), schema, i, hashes[i], key, stats)  # checks all: finds every bad one
+        broken = broken or block is None
+        if not broken:
+            blocks.append(block)  # type: ignore[arg-type]
+    good = len(blocks)
+    if not require:
+        return _assemble(schema, good, KDACheckpoint(good * schema.block_size), blocks) if good else None
+    # Boundaries we may still resume from, best first: p itself if its MLA run is intact, then every
+    # earlier checkpoint the master listed inside the intact run.
+    targets = sorted({c for c in checkpoints if c <= good} | ({p} if good == p else set()), reverse=True)
+    if good < p:  # p itself is abandoned; still check its checkpoint so a bad one gets replaced
+        stats.fallbacks += 1
+        ck = kda_key(hashes[p - 1])
+        _decode_kda(got.get(ck), schema, p, hashes[p - 1], stats)
+    for target in targets:
+        key = kda_key(hashes[target - 1])
+        if key not in got and _left(deadline) <= 0.001:
+            stats.late += 1  # out of time for more fallbacks: compute from scratch
+            break
+        raw = got[key] if key in got else (await _get(store, [key], _left(deadline), stats))[key]
+        ckpt = _decode_kda(raw, schema, target, hashes[target - 1], stats)
+        if ckpt is not None:
+            return _assemble(schema, target, ckpt, blocks)
+        stats.fallbacks += 1
+    return None
+
+
+def _decode_mla(
+    raw: bytes | Exception | None,
+    schema: CacheSchema,
+    index: int,
+    block_hash: bytes,
+    key: bytes,
+    stats: FetchStats,
+) -> dict[int, torch.Tensor] | None:
+    if raw is None or isinstance(raw, Exception):
+        return None
+    try:
+        # views over the fetched buffer (alive until _assemble's cat, the one copy these rows need)
+        return decode_mla_block(
+            raw, schema, expected_block=index, expected_hash=block_hash, copy=False
+        ).latents
+    except CacheUnitError:
+        stats.corrupt += 1
+        stats.bad_keys.append(key)
+        return None
+
+
+def _decode_kda(
+    raw: bytes | Exception | None, schema: CacheSchema, blocks: int, block_hash: bytes, stats: FetchStats
+) -> KDACheckpoint | None:
+    if raw is None or isinstance(raw, Exception):
+        return None
+    try:
+        return decode_kda_checkpoint(
+            raw, schema, expected_n_tokens=blocks * schema.block_size, expected_hash=block_hash
+        )
+    except CacheUnitError:
+        stats.corrupt += 1
+        stats.bad_keys.append(kda_key(block_hash))
+        return None
+
+
+def _assemble(
+    schema: CacheSchema, n_blocks: int, ckpt: KDACheckpoint, blocks: list[dict[int, torch.Tensor]]
+) -> PrefixState:
+    mla = {layer: torch.cat([b[layer] for b in blocks[:n_blocks]], 0) for layer in schema.mla_layers}
+    return PrefixState(n_blocks * schema.block_size, ckpt, mla)
+
+
+async def drop_bad(store: CacheStore, keys: Sequence[bytes], timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Remove units found corrupt so the recomputed copy can be stored (objects are immutable otherwise)."""
+    if not keys:
+        return 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            return int(await store.remove(list(keys)))
+    except Exception:
+        return 0
+
+
+async def fetch_tail(
+    store: CacheStore,
+    schema: CacheSchema,
+    request_id: str,
+    *,
+    expected_start: int,
+    expected_tokens: list[int],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[RequestTail | None, str | None]:
+    """The request-scoped tail, fully verified against the prompt's own tokens; (None, why) on any miss."""
+    key = tail_key(request_id)
+    stats = FetchStats()
+    raw = (await _get(store, [key], timeout_s, stats))[key]
+    if isinstance(raw, Exception):
+        return None, f"{type(raw).__name__}: {raw}"
+    try:
+        tail = decode_tail(raw, schema, expected_start=expected_start, expected_tokens=expected_tokens)
+    except CacheUnitError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return tail, None
+
+
+# ------------------------------------------------------------------------------------------------ push
+
+
+async def push_blocks(
+    store: CacheStore,
+    schema: CacheSchema,
+    hashes: Sequence[bytes],
+    mla: dict[int, torch.Tensor],
+    first: int,
+    end: int,
+    tenant: str = "",
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    ttl_ms: int = 0,
+) -> PushStats:
+    """Store MLA blocks ``[first, end)`` (rows of ``mla[layer]`` are absolute positions), keyed by h_i with
+    the previous block's key as parent (prefix-aware eviction). Duplicates are successes. ``ttl_ms``: blocks
+    that only carry a no-cache request's prompt to its decode node expire like the tail."""
+    B = schema.block_size
+    items = []
+    for i in range(first, end):
+        latents = {layer: rows[i * B : (i + 1) * B].contiguous() for layer, rows in mla.items()}
+        data = encode_mla_block(schema, i, latents, block_hash=hashes[i])  # no extra copy: a bytearray
+        parent = mla_key(hashes[i - 1]) if i else b""
+        items.append(PutItem(mla_key(hashes[i]), data, common_pb2.MLA_BLOCK, tenant, parent, ttl_ms))
+    return await _put(store, items, timeout_s)
+
+
+async def push_checkpoints(
+    store: CacheStore,
+    schema: CacheSchema,
+    hashes: Sequence[bytes],
+    checkpoints: Sequence[KDACheckpoint],
+    tenant: str = "",
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> PushStats:
+    """Store KDA checkpoints, each at a block end (``n_tokens = (i+1)·B``), keyed by h_i."""
+    B = schema.block_size
+    items = []
+    for ck in checkpoints:
+        if ck.n_tokens <= 0 or ck.n_tokens % B:
+            raise ValueError(f"checkpoint at {ck.n_tokens} is not at a block end (B={B})")
+        h = hashes[ck.n_tokens // B - 1]
+        data = encode_kda_checkpoint(schema, ck, block_hash=h)
+        items.append(PutItem(kda_key(h), data, common_pb2.KDA_CHECKPOINT, tenant, mla_key(h)))
+    return await _put(store, items, timeout_s)
+
+
+async def push_tail(
+    store: CacheStore,
+    schema: CacheSchema,
+    request_id: str,
+    tail: RequestTail,
+    hashes: Sequence[bytes],
+    tenant: str = "",
+    *,
+    ttl_ms: int = DEFAULT_TAIL_TTL_MS,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> PushStats:
+    """Store the request-scoped tail with a TTL (it only has to live until the decode node reads it)."""
+    data = encode_tail(schema, tail)
+    n_full = tail.start // schema.block_size
+    parent = mla_key(hashes[n_full - 1]) if n_full else b""
+    item = PutItem(tail_key(request_id), data, common_pb2.REQUEST_TAIL, tenant, parent, ttl_ms)
+    return await _put(store, [item], timeout_s)
+
+
+async def remove_tail(store: CacheStore, request_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Delete the tail once decode has it (best effort: the TTL removes it anyway)."""
+    return await drop_bad(store, [tail_key(request_id)], timeout_s) > 0
