@@ -21,9 +21,11 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) scripts/lint_imports.py
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) scripts/lint_imports.py
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 protos: $(STAMP)

@@ -28,7 +28,7 @@ from kvpool.kvstore.index.prefix_index import ObjectKind, PrefixIndex
 from kvpool.kvstore.keys import kda_key, mla_key
 
 CHAIN_BLOCKS = 2000
-KDA_BYTES = 429 << 20  # K3 checkpoint (design §3)
+KDA_BYTES = 429 << 20  # K3 checkpoint (overview §3)
 MLA_BYTES = KDA_BYTES // 32  # "one checkpoint costs as much as ~32 MLA blocks of 512 tokens"
 
 
@@ -57,7 +57,7 @@ def _pymalloc_bytes(obj: object) -> int:
 
 
 def index_breakdown(idx: PrefixIndex) -> dict[str, float]:
-    """Bytes per indexed object by structure (why the RSS figure is what it is; design §7)."""
+    """Bytes per indexed object by structure (why the RSS figure is what it is; overview §7)."""
     n = max(1, len(idx))
     keys = [k for k in idx._keys if k is not None]
     cols = idx._cols

@@ -62,7 +62,7 @@ def section_memcpy(plan: Plan) -> dict[str, Any]:
     The main row copies between a hot buffer and a ring of distinct buffers larger than the L3 cache
     (``COLD_RING_BYTES``), which is what a store get does: the object is not in cache, the caller's
     buffer is. The ``cache-hot`` row copies one pair of buffers over and over (the figure in
-    reference/transport.md) and is shown for context only; ratios use the cold row.
+    overview §5) and is shown for context only; ratios use the cold row.
     """
     cold = Row("memcpy", "memcpy np.copyto (cold src)")
     hot = Row("memcpy_hot", "memcpy (cache-hot)", note="same src/dst each rep; context only")
@@ -363,7 +363,7 @@ def section_mooncake(plan: Plan) -> dict[str, Any]:
     """Mooncake Store over TCP: local master, an owner process holding the segment, a 0-byte client.
 
     The client mounts no memory, so every object crosses TCP to the owner, exactly as in
-    reference/transport.md. The client runs in the Mooncake venv and does its own timing with the same
+    overview §5. The client runs in the Mooncake venv and does its own timing with the same
     rules (``store_mooncake.py``); this side only starts the processes and collects the rows.
     """
     py, why = ensure_mooncake()

@@ -17,7 +17,7 @@ Each family runs in its own child process with a deadline; when it fails or runs
 server it started, same process group) is killed, the family is reported as ``skipped: <why>`` and the rest
 still runs. Every number comes from warm-ups + timed reps (median), each rep verified byte for byte; see
 ``store_common.time_reps``. The last stdout line is one JSON object with every number, the 4 MB ratios and
-the pass/fail of each goal (docs/design/store_bench.md explains the method and the goals).
+the pass/fail of each goal (docs/measurements/store_bench.md explains the method and the goals).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
 
 
 def median_row(rounds: list[Row]) -> Row:
-    """Cell-wise median over rounds (the VM's TCP paths swing +-30-50 % between rounds, transport.md)."""
+    """Cell-wise median over rounds (the VM's TCP paths swing +-30-50 % between rounds, overview §5)."""
     out = Row(rounds[0].id, rounds[0].method, note=rounds[0].note)
     for op in ("put", "get"):
         cells: dict[int, list[float]] = {}

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 MB = 1 << 20
-GB = 1e9  # GB/s = 1e9 B/s, as in reference/transport.md
+GB = 1e9  # GB/s = 1e9 B/s, as in overview §5
 RESULT_MARK = "@@STORE_BENCH_RESULT "  # children print noisy logs (UCX writes to stdout); this marks our line
 HOST = "127.0.0.1"
 

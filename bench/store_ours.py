@@ -10,20 +10,17 @@ error, not a silent fallback to another one). Timing and verification follow ``s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import hashlib
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
+from kvpool.runtime.spawn import spawn
 from store_common import (
     HOST,
     MB,
@@ -35,7 +32,6 @@ from store_common import (
     children,
     gbps,
     make_payload,
-    read_json_line,
     rss_bytes,
     stamp,
 )
@@ -47,13 +43,6 @@ MEMORY_CHUNK = 50_000  # objects per RegisterNode when filling the master (small
 
 
 # ------------------------------------------------------------------------------------------ processes
-
-
-def _drain(stream: IO[str], sink: IO[str]) -> None:
-    """Keep reading a child's stdout after its readiness line so it never blocks on a full pipe."""
-    with contextlib.suppress(ValueError, OSError):
-        for line in stream:
-            sink.write(line)
 
 
 def _entry(args: list[str]) -> list[str]:
@@ -69,29 +58,10 @@ def _entry(args: list[str]) -> list[str]:
 
 
 def _spawn(procs: list[subprocess.Popen[Any]], args: list[str], log_dir: Path, name: str) -> dict[str, Any]:
-    """Start ``python -m kvpool.cli ARGS`` and return its readiness record (stderr goes to a log file)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
-    err_path = log_dir / f"{name}.stderr"
-    with err_path.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *_entry(args)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-    procs.append(proc)
-    try:
-        ready = read_json_line(proc, READY_TIMEOUT_S, "ready")
-    except (RuntimeError, TimeoutError) as exc:
-        tail = " | ".join(err_path.read_text(errors="replace").strip().splitlines()[-3:])
-        raise RuntimeError(f"{name} not ready: {exc}; stderr: {tail}") from None
-    assert proc.stdout is not None
-    sink = (log_dir / f"{name}.stdout").open("w")
-    threading.Thread(target=_drain, args=(proc.stdout, sink), daemon=True).start()
-    ready["pid"] = proc.pid
-    return ready
+    """Start ``python -m kvpool.cli ARGS`` through the one spawner and return its readiness record."""
+    child = spawn(name, _entry(args), log_dir, READY_TIMEOUT_S)
+    procs.append(child.popen)
+    return {**child.ready, "pid": child.pid}
 
 
 def start_master(procs: list[subprocess.Popen[Any]], log_dir: Path, *extra: str) -> tuple[str, int]:
@@ -211,7 +181,7 @@ def section_ucx(plan: Plan) -> dict[str, Any]:
 
 
 def hash_chain(n: int, seed: bytes = b"store-bench") -> list[bytes]:
-    """``n`` chained 32-byte block hashes (each depends on the one before, as in design §3)."""
+    """``n`` chained 32-byte block hashes (each depends on the one before, as in overview §3)."""
     out: list[bytes] = []
     h = hashlib.sha256(seed).digest()
     for i in range(n):

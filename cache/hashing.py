@@ -4,7 +4,7 @@
 ``h_i = SHA-256(CBOR [h_{i-1}, tokens of block i, extra])`` with canonical CBOR (RFC 8949 §4.2), so every
 process, language and PYTHONHASHSEED computes the same bytes. Chaining makes ``h_i`` name the whole prefix
 ``[0, (i+1)·B)``, and the root makes chains of different models / tenants disjoint at every position
-(design §3). Only full blocks get a hash: a partial tail is request-scoped and keyed by request id.
+(overview §3). Only full blocks get a hash: a partial tail is request-scoped and keyed by request id.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvpool.model.cache_schema import FORMAT_VERSION
 
 BlockHash = NewType("BlockHash", bytes)  # 32-byte SHA-256 digest naming the prefix a block closes
 
-KDA_CHUNK = 64  # blocks are multiples of the KDA chunk so prefill runs on one grid (model.md §5 rule 1)
+KDA_CHUNK = 64  # blocks are multiples of the KDA chunk so prefill runs on one grid (overview §7.3 rule 1)
 _MAX_TOKEN = 2**64 - 1  # largest CBOR major-type-0 integer: keeps token encoding one canonical form
 
 

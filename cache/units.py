@@ -3,7 +3,7 @@
 A unit is ``MAGIC | u32 header length (LE) | msgpack header | zero padding to 64 B | payload``. The payload is
 the raw bytes of every tensor, each segment starting 64-byte aligned, in a fixed order (MLA layers ascending,
 then per KDA layer ``S`` then conv). Bytes are exact: ``S`` stays fp32 and latents keep their dtype, because a
-downcast state breaks bit-exact resume (model.md §5 rule 2). For a DSA model (``schema.dsa``) each MLA
+downcast state breaks bit-exact resume (overview §7.3 rule 2). For a DSA model (``schema.dsa``) each MLA
 layer's segment is ``[rows, row_bytes]`` uint8 records ``[latent | indexer key]`` and the header's ``mla``
 section gains an ``indexer`` entry (dim, storage dtype, fp8 scale dtype, row bytes); dense units are
 unchanged, byte for byte.

@@ -1,6 +1,6 @@
 """`DecodeEngine`: handoff in, token stream out; the output's blocks go back to the store for the next turn.
 
-Per request (design §2 step 3): verify the handoff (its hashes must be the prompt's own), `resume` the
+Per request (overview §2 step 3): verify the handoff (its hashes must be the prompt's own), `resume` the
 state (store, or recompute), then step with the `StepBatcher` (concurrent requests share model calls),
 sampling step k with the request's seed. When a step lands on a block boundary the KDA state there is
 snapshotted; at the end the full blocks of prompt + consumed output and the last snapshot (end-of-output
@@ -8,7 +8,7 @@ checkpoint) are pushed, so the next chat turn, whose prompt extends this convers
 is deleted once read (its TTL covers crashes).
 
 Note the pushed output latents were computed by 1-token decode steps, which differ from a prefill of the
-same tokens by ~1e-7 (model.md §5): a turn-2 prefill resumed from them matches a no-cache run within
+same tokens by ~1e-7 (overview §7.3): a turn-2 prefill resumed from them matches a no-cache run within
 tolerance and with the same greedy tokens, not bit for bit.
 """
 

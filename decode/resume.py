@@ -3,7 +3,7 @@
 Preferred: the prompt's full MLA blocks by hash (plain run; the KDA state is in the tail) + the request
 tail (partial-block latents + KDA state at L, verified against the prompt's own tokens). Anything missing,
 corrupt or late -> resume from the best stored checkpoint and prefill the rest locally on the canonical
-schedule, which yields the very bits the prefill node had (design §2 step 4): never wrong tokens.
+schedule, which yields the very bits the prefill node had (overview §2 step 4): never wrong tokens.
 """
 
 from __future__ import annotations

@@ -105,35 +105,3 @@ def hit_table(results: list[dict]) -> str:
         )
     rows.append(f"{'all':<8} {'':>5} {total_p:>10} {total_c:>10} {total_c / max(total_p, 1):>7.1%}")
     return "\n".join(rows)
-
-
-def run_local(turns: int = 3, overrides: dict | None = None) -> dict:
-    """Cluster up (``kvpool.up.Cluster``, gateway on a free port) → ``run`` → cluster down; for ``make demo``.
-
-    Returns ``{"results", "table", "base_url", "run_dir", "up_s", "chats_s", "down_s"}``.
-    """
-    import time
-
-    from kvpool.up import Cluster, load_config
-
-    merged = {"gateway": {"port": 0}}
-    for key, value in (overrides or {}).items():
-        merged[key] = {**merged.get(key, {}), **value}
-    t0 = time.monotonic()
-    cluster = Cluster(load_config(None, merged)).start()
-    try:
-        t1 = time.monotonic()
-        results = run(cluster.base_url, turns=turns)
-        t2 = time.monotonic()
-    finally:
-        cluster.stop()
-    t3 = time.monotonic()
-    return {
-        "results": results,
-        "table": hit_table(results),
-        "base_url": cluster.base_url,
-        "run_dir": str(cluster.run_dir),
-        "up_s": t1 - t0,
-        "chats_s": t2 - t1,
-        "down_s": t3 - t2,
-    }

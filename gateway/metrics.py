@@ -1,7 +1,7 @@
 """Prometheus metrics of the gateway, labelled by workload and tenant.
 
 Why token counters and not request ratios: the hit rate that matters is cached tokens / prompt tokens
-(design §6); Prometheus computes it per workload or tenant with ``rate(kvpool_cached_tokens_total[5m]) /
+(overview §6); Prometheus computes it per workload or tenant with ``rate(kvpool_cached_tokens_total[5m]) /
 rate(kvpool_prompt_tokens_total[5m])``. Why a hashed tenant label: ``cache_salt`` is a secret that isolates
 a tenant's cache; exporting it verbatim would hand it to anyone who can read /metrics. The label is the
 first 8 hex digits of SHA-256(salt) (``"none"`` without a salt), or ``metadata.tenant`` when the client names

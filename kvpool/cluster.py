@@ -8,92 +8,14 @@ a chatty child never blocks on a full pipe. Children die with the cluster (``sto
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import queue
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READY_TIMEOUT_S = 60.0
+from kvpool.runtime.spawn import Child, LaunchError, spawn
 
-
-class LaunchError(RuntimeError):
-    """A child exited or stayed silent past its readiness deadline (its stderr tail is in the message)."""
-
-
-@dataclass
-class Child:
-    name: str
-    popen: subprocess.Popen
-    ready: dict
-    stderr_path: Path
-
-    @property
-    def address(self) -> str:
-        return f"{self.ready.get('host', '127.0.0.1')}:{self.ready['port']}"
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL now (fault injection: a node dying mid-request)."""
-        if self.alive():
-            self.popen.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(10)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.alive():
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
-
-
-def spawn(name: str, argv: list[str], log_dir: Path, timeout_s: float = READY_TIMEOUT_S) -> Child:
-    """Start ``python -m <argv>`` and wait for its ``{"ready": true, ...}`` line."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    stderr_path = log_dir / f"{name}-{time.monotonic_ns()}.stderr"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
-    with stderr_path.open("wb") as err:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1
-        )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert popen.stdout is not None
-        for line in popen.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True, name=f"pump-{name}").start()
-    deadline = time.monotonic() + timeout_s
-    while (remaining := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=remaining)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict) and record.get("ready"):
-                return Child(name, popen, record, stderr_path)
-    with contextlib.suppress(Exception):
-        popen.kill()
-    raise LaunchError(f"{name} not ready (rc={popen.poll()}): {stderr_path.read_text()[-3000:]}")
+__all__ = ["Child", "LaunchError", "LocalCluster", "spawn"]
 
 
 @dataclass

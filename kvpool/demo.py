@@ -19,6 +19,9 @@ import time
 
 import torch
 
+from kvpool.gateway.demo_chats import hit_table, run
+from kvpool.up import Cluster, load_config
+
 DEMO_PROMPT = (
     "The cache is cut into fixed token blocks; each block has a chained prefix hash. Prefill nodes compute "
     "MLA latents and KDA boundary states, a shared store holds them, and decode nodes resume exactly. "
@@ -40,10 +43,36 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB"
 
 
+def run_local(turns: int = 3, overrides: dict | None = None) -> dict:
+    """Cluster up (``kvpool.up.Cluster``, gateway on a free port) → ``run`` → cluster down; for ``make demo``.
+
+    Returns ``{"results", "table", "base_url", "run_dir", "up_s", "chats_s", "down_s"}``.
+    """
+    merged = {"gateway": {"port": 0}}
+    for key, value in (overrides or {}).items():
+        merged[key] = {**merged.get(key, {}), **value}
+    t0 = time.monotonic()
+    cluster = Cluster(load_config(None, merged)).start()
+    try:
+        t1 = time.monotonic()
+        results = run(cluster.base_url, turns=turns)
+        t2 = time.monotonic()
+    finally:
+        cluster.stop()
+    t3 = time.monotonic()
+    return {
+        "results": results,
+        "table": hit_table(results),
+        "base_url": cluster.base_url,
+        "run_dir": str(cluster.run_dir),
+        "up_s": t1 - t0,
+        "chats_s": t2 - t1,
+        "down_s": t3 - t2,
+    }
+
+
 def run_cluster_part(turns: int) -> dict:
     """Cluster up → chats through the openai client → table → cluster down."""
-    from kvpool.gateway.demo_chats import run_local
-
     print("[cluster] starting master, storage node, 2 prefill, 1 decode and the gateway on 127.0.0.1 ...")
     r = run_local(turns=turns)
     print(f"[cluster] up in {r['up_s']:.1f} s at {r['base_url']} (logs in {r['run_dir']})")

@@ -28,45 +28,15 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.runtime.spawn import Child, LaunchError, wait_ready
+from kvpool.runtime.spawn import start as spawn_start
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local.toml"
 STOP_TIMEOUT_S = 10.0
-POLL_S = 0.05
-
-
-class LaunchError(RuntimeError):
-    """A service exited or stayed silent past its readiness deadline (the tail of its log is included)."""
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def _child_setup_fn() -> Callable[[], None]:
-    """What runs in the child between fork and exec: own session, and SIGTERM when the launcher dies.
-
-    Everything is resolved here, in the parent: the child must not import (another thread of the parent may
-    have held the import lock at fork time). Linux only; elsewhere just the new session.
-    """
-    prctl = None
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def setup() -> None:
-        os.setsid()
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-            if os.getppid() != parent:  # the launcher died before prctl took effect
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    return setup
 
 
 def _metrics_args(section: dict, i: int) -> list[str]:
@@ -101,13 +71,14 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     return _merge(cfg, overrides or {})
 
 
+__all__ = ["Cluster", "LaunchError", "Service", "load_config"]
+
+
 @dataclass
-class Service:
-    name: str
-    role: str
-    popen: subprocess.Popen
-    log: Path
-    ready: dict = field(default_factory=dict)
+class Service(Child):
+    """One service of the cluster: a spawned child (``kvpool.runtime.spawn``) with its role."""
+
+    role: str = ""
 
     @property
     def port(self) -> int:
@@ -125,12 +96,6 @@ class Service:
         port = self.ready.get("metrics_port")
         return f"http://{self.ready.get('host', '127.0.0.1')}:{port}/metrics" if port else None
 
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
-
     def describe(self) -> dict:
         return {
             "name": self.name,
@@ -138,7 +103,7 @@ class Service:
             "pid": self.popen.pid,
             "address": self.address,
             "metrics": self.metrics_url,
-            "log": str(self.log),
+            "log": str(self.log_path),
             "ready": self.ready,
         }
 
@@ -158,42 +123,13 @@ class Cluster:
 
     # -- processes ---------------------------------------------------------------------------------------
     def _spawn(self, name: str, role: str, argv: list[str]) -> Service:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = self.run_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
-        with log.open("wb") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", *argv],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                preexec_fn=_child_setup_fn(),
-            )
-        svc = Service(name, role, popen, log)
+        child = spawn_start(name, argv, self.run_dir / f"{name}.log", own_session=True)
+        svc = Service(child.name, child.popen, child.log_path, _offset=child._offset, role=role)
         self.services[name] = svc
         return svc
 
     def _wait_ready(self, svc: Service, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        offset = 0
-        while time.monotonic() < deadline:
-            with svc.log.open("rb") as f:
-                f.seek(offset)
-                data = f.read()
-            lines = data.split(b"\n")
-            for line in lines[:-1]:
-                offset += len(line) + 1
-                if line.startswith(b"{"):
-                    with contextlib.suppress(ValueError):
-                        record = json.loads(line)
-                        if isinstance(record, dict) and record.get("ready"):
-                            svc.ready = record
-                            return record
-            if not svc.alive():
-                raise LaunchError(f"{svc.name} exited (rc={svc.popen.returncode}):\n{svc.log_tail()}")
-            time.sleep(POLL_S)
-        raise LaunchError(f"{svc.name} not ready within {timeout_s:.0f}s:\n{svc.log_tail()}")
+        return wait_ready(svc, timeout_s)
 
     def start(self) -> Cluster:
         c = self.config
@@ -480,7 +416,8 @@ def run_up(args: argparse.Namespace) -> int:
             for s in cluster.services.values():
                 if not s.alive() and s.name not in reported:
                     reported.add(s.name)
-                    print(f"kvpool up: {s.name} exited (rc={s.popen.returncode}); see {s.log}", flush=True)
+                    rc = s.popen.returncode
+                    print(f"kvpool up: {s.name} exited (rc={rc}); see {s.log_path}", flush=True)
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("kvpool up: stopping", flush=True)

@@ -7,7 +7,7 @@ workers given by ``--prefill/--decode``. Reports the share of requests with iden
 largest first-token logit difference, how many first-token logits were bit-identical, and whether the
 cached tokens each prefill reported were really reused (a multiple of the block size, the rest computed,
 and at least that many blocks' bytes plus a checkpoint fetched). Second chat turns resume from
-decode-computed blocks, which differ from a prefill by ~1e-7 (model.md §5): they count in
+decode-computed blocks, which differ from a prefill by ~1e-7 (overview §7.3): they count in
 ``identical`` by tokens and in ``max_logit_diff`` but are not expected to be bitwise.
 
 ``--endpoint URL`` sends the same prompts (as token ids, greedy, ``ignore_eos``) to an OpenAI-compatible

@@ -1,7 +1,7 @@
 """Object keys in the store: a one-byte kind tag followed by the 32-byte block hash that closes the object.
 
 The store treats keys as opaque bytes; only this module knows how a block hash becomes a key, so the
-master's prefix index, the simulator, prefill and decode all derive the same keys (design §3).
+master's prefix index, the simulator, prefill and decode all derive the same keys (overview §3).
 """
 
 from __future__ import annotations

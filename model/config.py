@@ -23,7 +23,7 @@ KDA = "linear_attention"
 MLA = "full_attention"
 DENSE = "dense"
 SPARSE = "sparse"
-KDA_CHUNK = 64  # the KDA chunk and the canonical prefill segment length (model.md §5 rule 1)
+KDA_CHUNK = 64  # the KDA chunk and the canonical prefill segment length (overview §7.3 rule 1)
 
 # transformers attribute_map: alias used in checkpoints -> our field
 _ALIASES = {
@@ -201,7 +201,9 @@ class ModelConfig:
                 raise ConfigError(f"special token id {tok} outside vocab [0, {self.vocab_size})")
 
     def _validate_dsa(self) -> None:
-        from .dsa import INDEX_CACHE_DTYPES
+        from kvpool.model.cache_schema import INDEX_KEY_FORMATS
+
+        INDEX_CACHE_DTYPES = tuple(INDEX_KEY_FORMATS)
 
         for name in ("index_n_heads", "index_head_dim", "index_topk"):
             value = getattr(self, name)

@@ -1,6 +1,6 @@
 """DSA (DeepSeek Sparse Attention) on MLA layers: the lightning indexer, its cached keys, top-k selection.
 
-Per query token t and past token s <= t (reference model.md §2.2, transformers ``DeepseekV32Indexer``)::
+Per query token t and past token s <= t (reference overview §7.2, transformers ``DeepseekV32Indexer``)::
 
     q^I_{t,j} = RoPE_half(W_IQ,j c_Q,t)              wq_b: q_lora_rank -> n_heads * d
     k^I_s     = RoPE_half(LayerNorm(W_IK h_s))       wk: hidden -> d, ONE key head, cached per token

@@ -363,7 +363,7 @@ class HybridModel(nn.Module):
 
     def decode_step_batch(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> list[torch.Tensor]:
         """Several requests, one step each. Per-request exact: each row is computed exactly as `decode_step`
-        would (a stacked GEMM would change the bits: M=B rows differ from M=1 by ~1e-7, model.md §5)."""
+        would (a stacked GEMM would change the bits: M=B rows differ from M=1 by ~1e-7, overview §7.3)."""
         if len(tokens) != len(states):
             raise ModelInputError(f"{len(tokens)} tokens for {len(states)} states")
         return [self.decode_step(t, s)[0] for t, s in zip(tokens, states, strict=True)]

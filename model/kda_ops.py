@@ -60,7 +60,7 @@ def short_conv(
     ``x: [T, D]`` pre-conv rows, ``conv_state: [W-1, D]`` the rows before them, ``weight: [D, W]`` (tap
     ``W-1`` multiplies the current row). Every output row is the same sequence of elementwise ops whatever
     ``T`` is, so running a sequence in pieces gives the same bits as running it whole (conv1d kernels do
-    not: model.md §5).
+    not: overview §7.3).
     Returns ``(y [T, D], new_state [W-1, D])``.
     """
     T = x.shape[0]

@@ -8,7 +8,7 @@ same code and never expand keys/values per token::
     q_lat[h] = W_uk[h]^T q_nope[h]            score[h, t, s] = [q_lat[h] | q_pe[h]] . latent[s] * (dn+dr)^-1/2
     o[h]     = W_uv[h] (softmax(score) @ c_kv)
 
-Mathematically identical to the expanded form transformers uses (agrees to ~1e-8 in fp32, model.md §2).
+Mathematically identical to the expanded form transformers uses (agrees to ~1e-8 in fp32, overview §7.2).
 Parameter names equal the checkpoint names.
 
 With a DSA indexer (``config.dsa``, model/dsa.py) each cached row becomes a byte record ``[latent | indexer

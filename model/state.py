@@ -1,6 +1,6 @@
 """The cache state a hybrid model hands out and takes back, independent of any wire format.
 
-Two kinds of per-request state exist (design §3):
+Two kinds of per-request state exist (overview §3):
 
 * MLA latents: one row ``[c_kv | k_pe]`` per token per MLA layer. Position-free (Kimi MLA is NoPE), so a
   block of rows can be cut anywhere and concatenated back.

@@ -1,6 +1,6 @@
 """The embedded default model: a tiny KDA+MLA hybrid built deterministically from a seed (no download).
 
-Shape from reference model.md §4.1: vocab 1024, hidden 256, layers [KDA, KDA, KDA, MLA] (MLA at 0-based
+Shape from reference overview §7.4: vocab 1024, hidden 256, layers [KDA, KDA, KDA, MLA] (MLA at 0-based
 ``i % 4 == 3``, i.e. K3's 1-based 4, 8, ...), KDA 4 heads x 32, MLA 4 heads (kv_lora 64, rope 16, nope 32,
 v 32), dense SwiGLU MLP 512. About 2.7 M parameters.
 
@@ -52,7 +52,7 @@ def tiny_config(num_layers: int = 4) -> ModelConfig:
 
 
 def tiny_dsa_config(num_layers: int = 4, index_cache_dtype: str = "bfloat16") -> ModelConfig:
-    """The tiny config with a DSA indexer on its MLA layers (reference model.md §4.1 "DSA variant"): indexer
+    """The tiny config with a DSA indexer on its MLA layers (reference overview §7.4 "DSA variant"): indexer
     4 heads x 32, ``index_topk`` 64 so selection is exercised beyond one segment, and ``q_lora_rank`` 64 so
     the indexer query reads ``c_Q`` as in DeepSeek-V3.2 and K3 (which has q_lora 1536)."""
     base = tiny_config(num_layers)

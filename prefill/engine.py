@@ -1,6 +1,6 @@
 """`PrefillEngine`: one prompt in, first token + handoff out, reusing and extending the shared cache.
 
-Flow (design §2 step 2): hash the prompt's full blocks under the tenant's root -> ``fetch_prefix`` (joint
+Flow (overview §2 step 2): hash the prompt's full blocks under the tenant's root -> ``fetch_prefix`` (joint
 rule, verified, counted fallbacks) -> compute tokens ``[p, L)`` on the canonical 64-token schedule with
 checkpoints where the policy says -> sample the first token -> push new full MLA blocks, the chosen
 checkpoints and the request tail. Because resume at any 64-aligned p is bit-identical to the uncut run, the

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture
 def torch_deterministic():
     """2 threads, deterministic algorithms, seed 0: bitwise comparisons assume the same kernels on both sides
-    (reference model.md §5 rule 3). Restores the previous settings afterwards."""
+    (reference overview §7.3 rule 3). Restores the previous settings afterwards."""
     import torch
 
     threads = torch.get_num_threads()

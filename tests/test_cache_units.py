@@ -40,7 +40,7 @@ FP = bytes(range(32))
 
 
 def tiny_schema(mla_dtype: str = "bfloat16", conv_dtype: str = "bfloat16") -> CacheSchema:
-    """model.md §4.1 tiny8-like: 6 KDA + 2 MLA layers, latent 80, H=4, dk=dv=32, conv 3 x 384."""
+    """overview §7.4 tiny8-like: 6 KDA + 2 MLA layers, latent 80, H=4, dk=dv=32, conv 3 x 384."""
     return CacheSchema(
         fingerprint=FP,
         mla_layers=(3, 7),
@@ -207,7 +207,7 @@ def test_block_keyed_units_carry_the_hash_that_closes_them() -> None:
 
 
 def test_k3_scale_sizes_without_allocating() -> None:
-    """model.md §4.2: 69 KDA layers x 6,512,640 B; 24 MLA layers x 1152 B per token (bf16)."""
+    """overview §7.5: 69 KDA layers x 6,512,640 B; 24 MLA layers x 1152 B per token (bf16)."""
     k3 = CacheSchema(
         fingerprint=FP,
         mla_layers=(*range(3, 92, 4), 92),  # 1-based 4, 8, ..., 92, 93

@@ -8,7 +8,7 @@ indexer keys the oracle computes in one pass are compared with keys we cached se
 absolute positions.
 
 * ``index_topk >= context``: outputs agree to 1e-5 (dense attention).
-* ``index_topk < context``: top-k is discontinuous, so (model.md §5 rule 5) selections are compared only
+* ``index_topk < context``: top-k is discontinuous, so (overview §7.3 rule 5) selections are compared only
   where our k-th and (k+1)-th index scores differ by a real margin; ReLU makes exact-zero ties common, and
   there transformers' ``topk`` order is unspecified while ours is (score desc, index asc). Where the selected
   sets agree, outputs agree to 1e-5.
@@ -22,7 +22,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is not None:  # reference model.md §3.2
+if importlib.util.find_spec("triton") is not None:  # reference overview §7.6
     pytest.skip("triton is installed: transformers would route kernels to Triton", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 mv = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")

@@ -225,7 +225,7 @@ def test_fingerprint_and_schema(model):
     assert isinstance(s, CacheSchema)
     assert (s.mla_layers, s.kda_layers, s.latent_dim, s.mla_dtype) == ((3,), (0, 1, 2), 80, "float32")
     assert s.state_shape == (4, 32, 32) and s.conv_shape == (3, 384) and s.block_size == 128
-    assert s.kda_checkpoint_bytes() == 3 * (16384 + 1152 * 4)  # model.md §4.1 sizes (fp32 conv state)
+    assert s.kda_checkpoint_bytes() == 3 * (16384 + 1152 * 4)  # overview §7.4 sizes (fp32 conv state)
     res = model.prefill(list(range(3, 200)))
     st = res.final.layers[0]
     assert tuple(st.recurrent.shape) == s.state_shape and tuple(st.conv.shape) == s.conv_shape

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is not None:  # reference model.md §3.2: transformers would pick Triton
+if importlib.util.find_spec("triton") is not None:  # reference overview §7.6: transformers would pick Triton
     pytest.skip(
         "triton is installed: transformers would route KDA to Triton kernels on CPU", allow_module_level=True
     )

@@ -87,7 +87,7 @@ def test_decode_after_resume_is_bitwise(model):
 
 
 def test_decode_tracks_one_shot_prefill(model):
-    """Different schedule, so a tolerance (model.md §5 rule 4), not bits."""
+    """Different schedule, so a tolerance (overview §7.3 rule 4), not bits."""
     ids = _ids(200, 5)
     ref = model.prefill(ids, logits="all").logits
     st = DecodeState.from_prefill(model.prefill(ids[:130]))

@@ -122,7 +122,7 @@ def test_every_stored_key_is_the_independent_block_hash(model):
 
 def test_second_turn_reuses_the_first(model, reference):
     """Turn 2 resumes from the end-of-output checkpoint decode pushed. Those latents/state come from 1-token
-    decode steps, which differ from a prefill of the same tokens by ~1e-7 (model.md §5), so turn 2 is
+    decode steps, which differ from a prefill of the same tokens by ~1e-7 (overview §7.3), so turn 2 is
     compared to the no-cache reference within tolerance and on greedy tokens, not bitwise."""
     rng = random.Random(3)
     store = MemoryStore()

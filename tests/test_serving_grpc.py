@@ -133,7 +133,7 @@ def test_stored_keys_are_the_independent_hash_chain(cluster, model):
 
 def test_second_turn_hits_the_first_turns_output(cluster, reference):
     """Decode pushed the output's blocks + an end-of-output checkpoint computed by 1-token steps; turn 2
-    resumes there. Those bits differ from a prefill of the same tokens by ~1e-7 (model.md §5), so turn 2
+    resumes there. Those bits differ from a prefill of the same tokens by ~1e-7 (overview §7.3), so turn 2
     is checked against the reference with a tolerance and on its greedy tokens."""
     rng = random.Random(13)
     prompt = [rng.randrange(3, 1000) for _ in range(90)]

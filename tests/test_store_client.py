@@ -12,7 +12,7 @@ import pytest
 from kvpool.kvstore.client.store_client import AsyncStoreClient, PutItem, StoreClient
 from kvpool.kvstore.errors import CapacityExceededError, CorruptObjectError, ObjectNotFoundError
 from kvpool.kvstore.keys import kda_key, mla_key
-from kvpool.kvstore.node.pool import attach_segment
+from kvpool.kvstore.protocol.shm_segment import attach_segment
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from store_helpers import start_master, start_node
 

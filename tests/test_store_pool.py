@@ -64,7 +64,7 @@ def test_random_churn_keeps_invariants():
 READER = """
 import sys
 from multiprocessing import shared_memory
-from kvpool.kvstore.node.pool import attach_segment
+from kvpool.kvstore.protocol.shm_segment import attach_segment
 name, offset, plain = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "plain"
 shm = shared_memory.SharedMemory(name=name) if plain else attach_segment(name)
 sys.stdout.write(bytes(shm.buf[offset : offset + 5]).decode())
@@ -115,7 +115,7 @@ def test_plain_attach_in_another_process_would_unlink_it():
 
 
 def test_reader_mapping_maps_regions_once():
-    from kvpool.kvstore.node.pool import ReaderMapping
+    from kvpool.kvstore.protocol.shm_segment import ReaderMapping
 
     pool = SharedPool(16 << 20)
     try:

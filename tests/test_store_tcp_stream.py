@@ -16,8 +16,8 @@ import grpc
 import pytest
 import xxhash
 from kvpool.kvstore.errors import CorruptObjectError
-from kvpool.kvstore.node.pool import attach_segment
 from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, OP_GET, RESPONSE, Frame, decode_header, encode
+from kvpool.kvstore.protocol.shm_segment import attach_segment
 from kvpool.kvstore.transport.base import FLAG_TRAILER, Deadlines
 from kvpool.kvstore.transport.tcp import TcpTransport
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc

@@ -23,8 +23,8 @@ from kvpool.kvstore.errors import (
     TransportTimeoutError,
     TransportUnavailableError,
 )
-from kvpool.kvstore.node.pool import attach_segment
 from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, decode_header
+from kvpool.kvstore.protocol.shm_segment import attach_segment
 from kvpool.kvstore.transport.base import Deadlines
 from kvpool.kvstore.transport.select import TransportSelector
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc

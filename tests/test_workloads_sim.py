@@ -1,5 +1,5 @@
 """Simulator: hit rates equal independent computations written here, the joint rule and checkpoint
-policies behave as design §3 says, and the offline optimum is optimal on small exhaustive cases."""
+policies behave as overview §3 says, and the offline optimum is optimal on small exhaustive cases."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_infinite_cache_equals_set_computation_on_both_traces(conversation: list
         assert res["block_hit_rate"] == pytest.approx(block_ref, abs=1e-12)
         assert res["mla_token_hit_rate"] == pytest.approx(token_ref, abs=1e-12)
         assert res["token_hit_rate"] == pytest.approx(usable_ref, abs=1e-12)
-    # the figure mooncake.md §4.2 reports for the full conversation trace
+    # the figure the Mooncake FAST'25 trace analysis reports for the full conversation trace
     assert _infinite_reference(conversation)[0] == pytest.approx(0.3664, abs=5e-5)
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint policy: where a prefill stores KDA checkpoints (design §3; docs/design/checkpoint_policy.md).
+"""Checkpoint policy: where a prefill stores KDA checkpoints (overview §3; docs/design/checkpoint_policy.md).
 
 A checkpoint costs as much as ~32 MLA blocks on K3, so they are sparse; each rule is one switch:
 

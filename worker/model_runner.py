@@ -2,7 +2,7 @@
 
 Why one thread: torch kernels run outside the event loop (the gRPC server stays responsive and store I/O
 overlaps compute) but never concurrently with each other, so every request sees the same kernels and
-thread count as the reference run (model.md §5 rule 3) and two requests never fight over the cores.
+thread count as the reference run (overview §7.3 rule 3) and two requests never fight over the cores.
 """
 
 from __future__ import annotations

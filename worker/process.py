@@ -79,7 +79,7 @@ class Runtime:
 
 
 def build_runtime(args: argparse.Namespace) -> Runtime:
-    """Model with deterministic kernels (model.md §5 rule 3), tokenizer, store client (lazy connect)."""
+    """Model with deterministic kernels (overview §7.3 rule 3), tokenizer, store client (lazy connect)."""
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper())
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)

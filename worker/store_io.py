@@ -1,7 +1,7 @@
 """Fetch and push of cache units through the shared store, shared by the prefill and decode workers.
 
 Why one module: both workers must read and write exactly the same objects under exactly the same keys and
-checks (design §2-§3), and both must treat every store problem the same way — a missing, corrupt, late or
+checks (overview §2-§3), and both must treat every store problem the same way — a missing, corrupt, late or
 unreachable object is a *miss*, never an exception that reaches the request. ``fetch_prefix`` therefore
 always returns a usable ``PrefixState`` (possibly at an earlier checkpoint than the master promised, or
 None = start from token 0) plus counters saying what was lost and why; pushes report failures in their
@@ -56,7 +56,7 @@ class CacheStore(Protocol):
         acquire: bool = False,
         lease_ms: int | None = None,
     ) -> master_pb2.MatchPrefixReply:
-        """Joint-rule prefix match (design §3); ``acquire`` read-pins the usable objects under a lease."""
+        """Joint-rule prefix match (overview §3); ``acquire`` read-pins the usable objects under a lease."""
         ...
 
     async def release(self, lease_id: str) -> None:
@@ -105,7 +105,7 @@ class FetchStats:
     bad_keys: list[bytes] = field(default_factory=list)  # corrupt units (removed so they can be rewritten)
 
     def lost_to_checkpoint(self, block_size: int) -> int:
-        """Tokens of MLA blocks that existed past the usable checkpoint (design §3)."""
+        """Tokens of MLA blocks that existed past the usable checkpoint (overview §3)."""
         return max(self.mla_run_blocks - self.matched_blocks, 0) * block_size
 
     def recomputed_tokens(self, block_size: int) -> int:

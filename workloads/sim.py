@@ -44,7 +44,7 @@ NODE = "sim"
 
 @dataclass(frozen=True, slots=True)
 class CheckpointPolicy:
-    """Where KDA checkpoints are written (design §3): the prompt-side rules are the prefill's own
+    """Where KDA checkpoints are written (overview §3): the prompt-side rules are the prefill's own
     :class:`kvpool.worker.checkpoint_policy.CheckpointPolicy` (end of prompt, junction, every N blocks),
     the output
     rule is the decode engine's end-of-output checkpoint. ``interval_blocks`` 0 disables the interval."""

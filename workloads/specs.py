@@ -1,12 +1,12 @@
 """Model specs for simulation and pricing: bytes the cache holds and FLOPs a hit saves.
 
-Byte figures are model.md §4.1/§4.2 (design §3): an MLA block costs ``mla_bytes_per_token`` x tokens, a
+Byte figures are overview §7.4/§4.2 (overview §3): an MLA block costs ``mla_bytes_per_token`` x tokens, a
 KDA checkpoint costs ``kda_bytes_per_checkpoint`` whatever the length (K3: 429 MiB, as much as ~32 MLA
 blocks of 512 tokens), which is why checkpoints are sparse and why the simulator must count them.
 
 ``prefill_flops_per_token`` is the linear part, 2 x active parameters, ignoring the attention term that
 grows with context; it therefore *under*-states compute saved by long hits (a conservative provider view).
-Active-parameter counts: tiny 2.7 M (model.md §4.1), Kimi-Linear-48B-A3B 3 B (its name); K3's is not
+Active-parameter counts: tiny 2.7 M (overview §7.4), Kimi-Linear-48B-A3B 3 B (its name); K3's is not
 published in our references: **assumed 48 B** (Kimi K2's 32 B active scaled by 93/61 layers). Edit here.
 """
 
@@ -49,7 +49,7 @@ SPECS: dict[str, ModelSpec] = {
         kda_bytes_per_checkpoint=3 * (16384 + 1152 * 2),  # 3 KDA layers: fp32 state + bf16 conv values
         prefill_flops_per_token=2 * 2.7e6,
         default_block_size=64,
-        description="embedded tiny test model (3 KDA + 1 MLA), model.md §4.1",
+        description="embedded tiny test model (3 KDA + 1 MLA), overview §7.4",
     ),
     "kimi-linear-48b": ModelSpec(
         name="kimi-linear-48b",
@@ -57,7 +57,7 @@ SPECS: dict[str, ModelSpec] = {
         kda_bytes_per_checkpoint=43_417_600,  # 20 KDA layers x 2,170,880
         prefill_flops_per_token=2 * 3.0e9,
         default_block_size=512,
-        description="Kimi-Linear-48B-A3B (20 KDA + 7 MLA), model.md §4.2",
+        description="Kimi-Linear-48B-A3B (20 KDA + 7 MLA), overview §7.5",
     ),
     "k3": ModelSpec(
         name="k3",
@@ -65,18 +65,18 @@ SPECS: dict[str, ModelSpec] = {
         kda_bytes_per_checkpoint=449_372_160,  # 69 KDA layers x 6,512,640 (428.6 MiB)
         prefill_flops_per_token=2 * 48e9,  # ASSUMED 48 B active parameters, see module docstring
         default_block_size=512,
-        description="Kimi-K3 scale (69 KDA + 24 MLA), model.md §4.2; active params assumed 48 B",
+        description="Kimi-K3 scale (69 KDA + 24 MLA), overview §7.5; active params assumed 48 B",
     ),
     "k3.1": ModelSpec(
         name="k3.1",
         # 24 MLA layers x (1152 B bf16 latent + 132 B DSA indexer key: 128 fp8 e4m3 + one fp32 scale),
-        # every MLA layer indexing (model.md §2.2, docs/design/dsa.md); 256 B per key if cached in bf16
+        # every MLA layer indexing (overview §7.2, docs/design/dsa.md); 256 B per key if cached in bf16
         mla_bytes_per_token=24 * (1152 + 132),  # 30,816
         kda_bytes_per_checkpoint=449_372_160,  # KDA unchanged from K3
         prefill_flops_per_token=2 * 48e9,  # ASSUMED as for k3 (the indexer adds < 1% of the linear FLOPs)
         default_block_size=512,
         description="Kimi-K3.1 scale: K3 + DSA lightning indexer on its 24 MLA layers (fp8 keys), "
-        "model.md §2.2/§4.2",
+        "overview §7.2/§4.2",
     ),
 }
 

@@ -1,6 +1,7 @@
 """Summary statistics of a trace: sizes, arrival span, and the infinite-cache prefix hit rate.
 
-The hit rate here is the Mooncake-report definition (mooncake.md §4.2) computed directly on block ids
+The hit rate here is the Mooncake-report definition
+(the Mooncake FAST'25 trace analysis; docs/design/workloads.md) computed directly on block ids
 with a plain set, independent of the index, so ``kvpool trace stats`` is a cross-check of the simulator.
 """
 

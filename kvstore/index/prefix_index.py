@@ -136,7 +136,7 @@ class PrefixMatch:
 
     @property
     def blocks_lost_to_checkpoint(self) -> int:
-        """MLA blocks that exist but cannot be used because no checkpoint closes them (design §3)."""
+        """MLA blocks that exist but cannot be used because no checkpoint closes them (overview §3)."""
         return self.mla_run_blocks - self.usable_blocks
 
 

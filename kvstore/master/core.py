@@ -240,7 +240,7 @@ class MasterCore:
 
     def _prepare_bulk_adoption(self, objects: int) -> None:
         """Before adopting a large inventory: size the index for it once, and (first time) pin the mmap
-        threshold so the big blocks of this and later loads go back to the OS when freed (design §7)."""
+        threshold so the big blocks of this and later loads go back to the OS when freed (overview §7)."""
         if not self._mmap_threshold_fixed:
             self._mmap_threshold_fixed = fix_mmap_threshold(BULK_MMAP_THRESHOLD)
         self.index.reserve(objects)

@@ -27,6 +27,7 @@ from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.node.registration import MasterRegistration
 from kvpool.kvstore.node.service import StorageNodeService
 from kvpool.kvstore.node.tcp_server import TcpDataServer
+from kvpool.kvstore.protocol.host import host_id
 from kvpool.proto import common_pb2, node_pb2_grpc
 from kvpool.runtime.lifecycle import print_ready, wait_for_stop_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
@@ -60,15 +61,6 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (use e.g. 1GiB, 512MiB, 4096)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def host_id() -> str:
-    """Hostname + kernel boot id: equal values mean the same machine, so shared memory is reachable."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = "noboot"
-    return f"{socket.gethostname()}/{boot}"
 
 
 @dataclass

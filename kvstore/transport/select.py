@@ -9,7 +9,7 @@ silent fallback would hide a misconfiguration behind a slower path (Mooncake iss
 from __future__ import annotations
 
 from kvpool.kvstore.errors import TransportUnavailableError
-from kvpool.kvstore.node.process import host_id
+from kvpool.kvstore.protocol.host import host_id
 from kvpool.kvstore.transport.base import DEFAULT_DEADLINES, Deadlines, Transport
 from kvpool.kvstore.transport.shm import ShmTransport
 from kvpool.kvstore.transport.tcp import TcpTransport

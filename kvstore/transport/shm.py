@@ -35,7 +35,6 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportUnavailableError,
 )
-from kvpool.kvstore.node.pool import ReaderMapping
 from kvpool.kvstore.protocol import shm_stamps
 from kvpool.kvstore.protocol.data_frame import (
     FLAG_ABORT,
@@ -48,6 +47,7 @@ from kvpool.kvstore.protocol.data_frame import (
     FrameError,
     ShmExtent,
 )
+from kvpool.kvstore.protocol.shm_segment import ReaderMapping
 from kvpool.kvstore.protocol.shm_stamps import StampReader
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,

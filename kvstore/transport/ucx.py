@@ -2,7 +2,7 @@
 
 Import ucxx the one safe way: tuned environment first, blocking progress, and a clear error if absent.
 
-ucxx must see its environment before import (design §5, transport.md §4): blocking progress mode (the default
+ucxx must see its environment before import (overview §5): blocking progress mode (the default
 thread mode is 6-11x slower on 2 cores), 512 KiB tcp segments (0.5 → 4 GB/s), and no "unused variable"
 warnings,
 because UCX logs to *stdout* and would corrupt the node's JSON readiness line. Callers' own settings win.

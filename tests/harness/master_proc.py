@@ -11,12 +11,6 @@ what the master told nodes to do. End-to-end tests with the real storage node li
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import selectors
-import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent import futures
@@ -24,6 +18,7 @@ from pathlib import Path
 
 import grpc
 from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+from kvpool.runtime.spawn import spawn
 
 DEADLINE_S = 5.0
 
@@ -32,54 +27,27 @@ class MasterProcess:
     """``kvpool store master`` in a child process; ``stub`` is a sync MasterStub."""
 
     def __init__(self, log_dir: Path, *flags: str, via_kvpool_cli: bool = False) -> None:
-        self.log_path = log_dir / f"master-{time.monotonic_ns()}.log"
-        self._log = self.log_path.open("wb")
         # the full `kvpool` CLI also imports the model (torch): seconds per start; same code path otherwise
         entry = ["kvpool.cli", "store", "master"] if via_kvpool_cli else ["kvpool.kvstore.master.cli"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", *entry, "--port", "0", *flags],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.port = self._read_ready(timeout_s=30.0)
+        self.child = spawn("master", [*entry, "--port", "0", *flags], log_dir, timeout_s=30.0)
+        self.proc = self.child.popen
+        self.log_path = self.child.log_path
+        self.metrics_port: int | None = self.child.ready.get("metrics_port")
+        self.port = int(self.child.ready["port"])
         self.address = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.address)
         self.stub = master_pb2_grpc.MasterStub(self.channel)
-
-    def _read_ready(self, timeout_s: float) -> int:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout_s):
-            self.kill()
-            raise TimeoutError(f"master not ready in {timeout_s}s: {self.log_path.read_text()[-2000:]}")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"master exited: {self.log_path.read_text()[-2000:]}")
-        ready = json.loads(line)
-        assert ready["ready"] is True
-        self.metrics_port: int | None = ready.get("metrics_port")
-        return int(ready["port"])
 
     def stats(self) -> master_pb2.StatsReply:
         return self.stub.Stats(master_pb2.StatsRequest(), timeout=DEADLINE_S)
 
     def terminate(self, timeout_s: float = 10.0) -> int:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        finally:
-            self._log.close()
+        return self.child.stop(timeout_s)
 
     def kill(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()
+        self.child.kill()
 
 
 class _Recorder(node_pb2_grpc.StorageNodeServicer):

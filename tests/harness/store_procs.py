@@ -10,56 +10,17 @@ never fork a process that may have initialised UCX.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.proto import common_pb2
+from kvpool.runtime.spawn import Child, spawn
 
 READY_TIMEOUT_S = 30.0
 
 
-@dataclass
-class Proc:
-    """A started child process and its readiness record."""
-
-    popen: subprocess.Popen
-    ready: dict
-    stderr_path: Path
-    lines: list[str] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                return self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        return self.kill()
-
-    def kill(self) -> int:
-        if self.alive():
-            self.popen.kill()
-        return self.popen.wait(10)
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+class Proc(Child):
+    """A started store process and its readiness record (``kvpool.runtime.spawn.Child``)."""
 
 
 @dataclass
@@ -87,49 +48,11 @@ def _spawn(
     args: list[str],
     log_dir: Path,
     name: str,
-    ready_key: str = "ready",
     timeout: float = READY_TIMEOUT_S,
 ):  # type: ignore[no-untyped-def]
-    log_dir.mkdir(parents=True, exist_ok=True)
-    stderr_path = log_dir / f"{name}-{time.monotonic_ns()}.stderr"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", UCX_WARN_UNUSED_ENV_VARS="n")
-    with stderr_path.open("wb") as err:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.kvstore.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-    lines: queue.Queue[str | None] = queue.Queue()
-    seen: list[str] = []
-
-    def pump() -> None:
-        assert popen.stdout is not None
-        for line in popen.stdout:
-            seen.append(line)
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            line = lines.get(timeout=max(remaining, 0.01))
-        except queue.Empty:
-            line = ""
-            if remaining > 0:
-                continue
-        if line is None or remaining <= 0:
-            with contextlib.suppress(Exception):
-                popen.kill()
-            raise RuntimeError(f"{name} not ready (rc={popen.poll()}): {stderr_path.read_text()[-3000:]}")
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict) and record.get(ready_key):
-                return cls(popen, record, stderr_path, seen)
+    """``python -m kvpool.kvstore.cli ARGS`` (store-only entry: no torch import) through the one spawner."""
+    child = spawn(name, ["kvpool.kvstore.cli", *args], log_dir, timeout)
+    return cls(child.name, child.popen, child.log_path, child.ready, child._offset)
 
 
 def start_node(
