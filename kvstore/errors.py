@@ -4,6 +4,10 @@ Callers branch on the type, never on message text: a missing object (``ObjectNot
 empty object, a corrupt one (``CorruptObjectError``) is a miss to recompute, and a dead or slow peer
 (``StoreUnavailableError`` / ``TransportTimeoutError``) is retryable. Each error carries a short wire ``code``
 so the tcp / ucx frames and gRPC statuses map back to the same class on the other side.
+
+This is the one error hierarchy of the store boundary: the index's (``StoreIndexError``) and the master's
+(``MasterError``) errors derive from ``StoreError`` too, and ``grpc_status`` is the one table a server
+answers with (``kvpool.kvstore.protocol.grpc_errors.status_of``).
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ class StoreError(Exception):
     """Base of every store error."""
 
     code = 255  # wire status code (see ``error_for_code``)
+    grpc_status = "INTERNAL"  # the one mapping to gRPC (kvpool.kvstore.protocol.grpc_errors)
 
 
 class ObjectNotFoundError(StoreError, KeyError):
     """The key is not stored (or not on the node the index pointed at). Missing is never empty bytes."""
 
     code = 1
+    grpc_status = "NOT_FOUND"
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else "object not found"
@@ -28,6 +34,7 @@ class CorruptObjectError(StoreError):
     """Stored bytes do not match their checksum (treat as a miss and recompute)."""
 
     code = 2
+    grpc_status = "DATA_LOSS"
 
 
 class ChecksumMismatchError(CorruptObjectError):
@@ -40,6 +47,7 @@ class CapacityExceededError(StoreError):
     """The node's pool (or SSD tier) has no extent large enough for the object."""
 
     code = 4
+    grpc_status = "RESOURCE_EXHAUSTED"
 
 
 class ObjectTooLargeError(CapacityExceededError):
@@ -52,6 +60,7 @@ class BadRequestError(StoreError, ValueError):
     """Malformed request: bad key, bad sizes, bad frame."""
 
     code = 6
+    grpc_status = "INVALID_ARGUMENT"
 
 
 class ProtocolError(BadRequestError):
@@ -64,12 +73,14 @@ class StoreUnavailableError(StoreError, ConnectionError):
     """The master or a storage node cannot be reached or died mid-operation."""
 
     code = 8
+    grpc_status = "UNAVAILABLE"
 
 
 class TransportTimeoutError(StoreUnavailableError, TimeoutError):
     """A network wait passed its deadline."""
 
     code = 9
+    grpc_status = "DEADLINE_EXCEEDED"
 
 
 class TransportUnavailableError(StoreError):
@@ -82,6 +93,7 @@ class ObjectExistsError(StoreError):
     """The node already holds a different object under this key (objects are immutable)."""
 
     code = 11
+    grpc_status = "ALREADY_EXISTS"
 
 
 _BY_CODE: dict[int, type[StoreError]] = {
@@ -105,3 +117,25 @@ _BY_CODE: dict[int, type[StoreError]] = {
 def error_for_code(code: int, message: str) -> StoreError:
     """Rebuild the typed error a peer reported in a wire frame (unknown codes become ``StoreError``)."""
     return _BY_CODE.get(code, StoreError)(message)
+
+
+class MasterError(StoreError):
+    """A request the master refuses; ``grpc_status`` is the status the server answers with."""
+
+    grpc_status = "INTERNAL"
+
+
+class InvalidRequest(MasterError):
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class NotFound(MasterError):
+    grpc_status = "NOT_FOUND"
+
+
+class ResourceExhausted(MasterError):
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
+class FailedPrecondition(MasterError):
+    grpc_status = "FAILED_PRECONDITION"

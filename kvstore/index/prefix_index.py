@@ -61,6 +61,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
+from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.index.eviction import EvictionPolicy, make_policy
 from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG
 
@@ -91,8 +92,8 @@ class Tier(IntEnum):
     SSD = 2
 
 
-class StoreIndexError(Exception):
-    """Base class of every error the index raises on purpose."""
+class StoreIndexError(StoreError):
+    """Base class of every error the index raises on purpose (a store error: one hierarchy per boundary)."""
 
 
 class BadObjectError(StoreIndexError, ValueError):

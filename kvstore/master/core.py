@@ -22,6 +22,7 @@ from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
+from kvpool.kvstore.errors import FailedPrecondition, InvalidRequest, MasterError, NotFound, ResourceExhausted
 from kvpool.kvstore.index.prefix_index import (
     MAX_KEY_BYTES,
     BadObjectError,
@@ -60,27 +61,7 @@ BULK_MMAP_THRESHOLD = 1 << 20
 # can precede; a trim with nothing to release costs ~0.03 ms, the first one after 1 M objects ~4 ms.
 TRIM_SWEEPS_AFTER_BULK = 3
 
-
-class MasterError(Exception):
-    """A request the master refuses; ``code`` is the grpc.StatusCode name the server answers with."""
-
-    code = "INTERNAL"
-
-
-class InvalidRequest(MasterError):
-    code = "INVALID_ARGUMENT"
-
-
-class NotFound(MasterError):
-    code = "NOT_FOUND"
-
-
-class ResourceExhausted(MasterError):
-    code = "RESOURCE_EXHAUSTED"
-
-
-class FailedPrecondition(MasterError):
-    code = "FAILED_PRECONDITION"
+__all__ = ["FailedPrecondition", "InvalidRequest", "MasterError", "NotFound", "ResourceExhausted"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,8 +50,8 @@ class CoreDispatch:
         try:
             reply = fn(request)
         except MasterError as exc:
-            self.core.count(f"rpc_{exc.code.lower()}")
-            raise CoreCallError(exc.code, str(exc)) from exc
+            self.core.count(f"rpc_{exc.grpc_status.lower()}")
+            raise CoreCallError(exc.grpc_status, str(exc)) from exc
         except Exception as exc:  # a bug must cost one call, never the server
             log.exception("%s failed", getattr(fn, "__name__", fn))
             self.core.count("rpc_internal")

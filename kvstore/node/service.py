@@ -11,31 +11,17 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from kvpool.kvstore.errors import (
-    BadRequestError,
-    CapacityExceededError,
-    CorruptObjectError,
-    ObjectExistsError,
-    ObjectNotFoundError,
     StoreError,
 )
 from kvpool.kvstore.node.object_store import ObjectStore
+from kvpool.kvstore.protocol.grpc_errors import status_of
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 
 MAX_KEYS_PER_CALL = 100_000
 
 
 def grpc_code_for(exc: StoreError) -> grpc.StatusCode:
-    if isinstance(exc, ObjectNotFoundError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, CapacityExceededError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, CorruptObjectError):
-        return grpc.StatusCode.DATA_LOSS
-    if isinstance(exc, ObjectExistsError):
-        return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(exc, BadRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL
+    return status_of(exc)
 
 
 class StorageNodeService(node_pb2_grpc.StorageNodeServicer):

@@ -46,6 +46,11 @@ _BY_STATUS: dict[grpc.StatusCode, type[StoreError]] = {
 }
 
 
+def status_of(exc: StoreError) -> grpc.StatusCode:
+    """The gRPC status a server answers a typed store error with (the class's ``grpc_status``)."""
+    return grpc.StatusCode[exc.grpc_status]
+
+
 def typed_error_from(code: grpc.StatusCode, details: str, where: str = "") -> StoreError:
     """The typed store error for a call that failed with ``code`` and ``details``, however it travelled
     (a gRPC status, or a master wire reply frame carrying the same code and message): one mapping, so a
