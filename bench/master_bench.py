@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import psutil
-from kvpool.kvstore.index.prefix_index import ObjectKind, PrefixIndex
+from kvpool.kvstore.index.prefix_index import PrefixIndex
+from kvpool.kvstore.index.records import ObjectKind
 from kvpool.kvstore.keys import kda_key, mla_key
 
 CHAIN_BLOCKS = 2000

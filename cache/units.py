@@ -12,6 +12,9 @@ The header's last field is an xxh3-64 checksum over the whole unit except those 
 anywhere (magic, header, padding, payload) is caught. A decoder rebuilds the header it would have written from
 the reader's ``CacheSchema`` and checks it field by field, then byte for byte, before it touches a tensor;
 anything off raises a ``CacheUnitError`` subclass, which callers count as a miss.
+
+Why one module of ~520 lines: the three unit codecs (MLA block, KDA checkpoint, request tail) share one
+header format and one set of checks; keeping them together keeps the wire format readable in one place.
 """
 
 from __future__ import annotations

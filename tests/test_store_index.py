@@ -7,12 +7,12 @@ import random
 
 import pytest
 from kvpool.kvstore.index.eviction import UnknownPolicyError
-from kvpool.kvstore.index.prefix_index import (
+from kvpool.kvstore.index.prefix_index import PrefixIndex
+from kvpool.kvstore.index.records import (
     BadObjectError,
     CapacityError,
     DuplicateKeyError,
     ObjectKind,
-    PrefixIndex,
     QuotaExceededError,
     Tier,
     UnknownKeyError,

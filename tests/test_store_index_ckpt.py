@@ -7,14 +7,8 @@ import random
 
 import numpy as np
 import pytest
-from kvpool.kvstore.index.prefix_index import (
-    _CKPT,
-    BadObjectError,
-    CapacityError,
-    ObjectKind,
-    PrefixIndex,
-    QuotaExceededError,
-)
+from kvpool.kvstore.index.prefix_index import PrefixIndex
+from kvpool.kvstore.index.records import _CKPT, BadObjectError, CapacityError, ObjectKind, QuotaExceededError
 from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, kda_key, mla_key
 
 MLA, KDA, TAIL, BLOB = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL, ObjectKind.BLOB

@@ -6,7 +6,8 @@ import hashlib
 
 import pytest
 from kvpool.kvstore.index.eviction import POLICIES, UnknownPolicyError, make_policy
-from kvpool.kvstore.index.prefix_index import ObjectKind, PrefixIndex, Tier
+from kvpool.kvstore.index.prefix_index import PrefixIndex
+from kvpool.kvstore.index.records import ObjectKind, Tier
 from kvpool.kvstore.keys import kda_key, mla_key
 
 BLOB, MLA, KDA = ObjectKind.BLOB, ObjectKind.MLA, ObjectKind.KDA

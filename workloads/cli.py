@@ -2,6 +2,9 @@
 
 Handlers are thin: parse, call the library, print. Every bad input raises a ``WorkloadError`` subclass
 that :func:`_guard` turns into ``kvpool <cmd>: error: <message>`` on stderr and exit code 2.
+
+Why one module of ~650 lines: it is only argument parsing and printing for the workload commands
+(replay, price, report, trace), each a thin call into the modules that do the work.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.kvstore.index.eviction import POLICIES
-from kvpool.kvstore.index.prefix_index import CapacityError, ObjectKind, PrefixIndex, StoreIndexError
+from kvpool.kvstore.index.prefix_index import PrefixIndex
+from kvpool.kvstore.index.records import CapacityError, ObjectKind, StoreIndexError
 from kvpool.worker.checkpoint_policy import CheckpointPolicy as PrefillCheckpointPolicy
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.errors import ReplayError

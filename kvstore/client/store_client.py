@@ -14,6 +14,11 @@ Quick start::
     with StoreClient("127.0.0.1:50051", transport="auto") as c:
         c.put(b"Bkey", b"payload")
         assert c.get(b"Bkey") == b"payload"
+
+Why one module of ~850 lines: ``AsyncStoreClient`` owns one piece of state every call shares (the master
+link, the known-location cache behind direct reads, the transports, the use reporter), and ``StoreClient`` is
+its thin synchronous shell; the pieces with a life of their own are already apart (``master_link``,
+``master_wire``, ``touch``, ``kvpool.kvstore.transport``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ What the nodes must do as a consequence of a call (delete evicted/expired/aborte
 promote on a hit) is queued per node and collected by :meth:`MasterCore.take_actions`; the server sends
 it with deadlines and never waits for it while answering clients. A queued delete is cancelled if the same
 key is put again on the same node before it was sent, so a quick re-put cannot be deleted by a stale order.
+
+Why one module of ~730 lines: ``MasterCore`` is the master's one state machine (membership, two-phase
+puts, leases, pins, quotas, node orders) over one ``PrefixIndex``, serialised behind one lock; its front ends
+(``server``, ``wire_server``, ``dispatch``) and outbound calls (``node_notifier``) are separate modules.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 from kvpool.kvstore.errors import FailedPrecondition, InvalidRequest, MasterError, NotFound, ResourceExhausted
-from kvpool.kvstore.index.prefix_index import (
+from kvpool.kvstore.index.prefix_index import PrefixIndex
+from kvpool.kvstore.index.records import (
     MAX_KEY_BYTES,
     BadObjectError,
     CapacityError,
@@ -31,7 +36,6 @@ from kvpool.kvstore.index.prefix_index import (
     LocationRow,
     ObjectInfo,
     ObjectKind,
-    PrefixIndex,
     QuotaExceededError,
     Removal,
     StoreIndexError,
