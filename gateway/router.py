@@ -121,7 +121,7 @@ class PrefixProbe:
         if self.link is None:
             return None
         try:
-            return await self.link.call("Stats", master_pb2.StatsRequest())
+            return await self.link.stats(master_pb2.StatsRequest())
         except StoreError:
             return None
 

@@ -129,6 +129,57 @@ class MasterLink:
         self._backoff_s = 0.0
         return reply
 
+    # -- typed calls: one method per master rpc, so readers and tools can jump to them -----------------------
+    async def put_start(
+        self, request: master_pb2.PutStartRequest, timeout_s: float | None = None
+    ) -> master_pb2.PutStartReply:
+        return await self.call("PutStart", request, timeout_s)
+
+    async def put_commit(
+        self, request: master_pb2.PutCommitRequest, timeout_s: float | None = None
+    ) -> master_pb2.PutCommitReply:
+        return await self.call("PutCommit", request, timeout_s)
+
+    async def put_abort(
+        self, request: master_pb2.PutAbortRequest, timeout_s: float | None = None
+    ) -> master_pb2.PutAbortReply:
+        return await self.call("PutAbort", request, timeout_s)
+
+    async def match_prefix(
+        self, request: master_pb2.MatchPrefixRequest, timeout_s: float | None = None
+    ) -> master_pb2.MatchPrefixReply:
+        return await self.call("MatchPrefix", request, timeout_s)
+
+    async def lookup(
+        self, request: master_pb2.LookupRequest, timeout_s: float | None = None
+    ) -> master_pb2.LookupReply:
+        return await self.call("Lookup", request, timeout_s)
+
+    async def release(
+        self, request: master_pb2.ReleaseRequest, timeout_s: float | None = None
+    ) -> master_pb2.ReleaseReply:
+        return await self.call("Release", request, timeout_s)
+
+    async def remove(
+        self, request: master_pb2.RemoveRequest, timeout_s: float | None = None
+    ) -> master_pb2.RemoveReply:
+        return await self.call("Remove", request, timeout_s)
+
+    async def pin(
+        self, request: master_pb2.PinRequest, timeout_s: float | None = None
+    ) -> master_pb2.PinReply:
+        return await self.call("Pin", request, timeout_s)
+
+    async def set_quota(
+        self, request: master_pb2.SetQuotaRequest, timeout_s: float | None = None
+    ) -> master_pb2.SetQuotaReply:
+        return await self.call("SetQuota", request, timeout_s)
+
+    async def stats(
+        self, request: master_pb2.StatsRequest, timeout_s: float | None = None
+    ) -> master_pb2.StatsReply:
+        return await self.call("Stats", request, timeout_s)
+
     async def describe(self, timeout_s: float | None = None) -> master_pb2.DescribeReply:
         """Ask the master what it serves (``Describe`` over gRPC, typed errors) and route calls by it."""
         async with self._lock():

@@ -188,9 +188,6 @@ class AsyncStoreClient:
             self._link = MasterLink(self.master_address, self.rpc_timeout_s, use_wire=self.master_wire)
         return self._link
 
-    async def _rpc(self, name: str, request: Any) -> Any:
-        return await self.master.call(name, request)
-
     def _count(self, name: str, n: float = 1) -> None:
         with self._counters_lock:  # the sync client's same-host fast path counts from the caller's thread
             self._counters[name] = self._counters.get(name, 0) + n
@@ -273,8 +270,8 @@ class AsyncStoreClient:
                         shm.reserve_and_copy(guess, token, meta, view)
                     )
         try:
-            start = await self._rpc(
-                "PutStart", master_pb2.PutStartRequest(meta=meta, replace_if_corrupt=replace_if_corrupt)
+            start = await self.master.put_start(
+                master_pb2.PutStartRequest(meta=meta, replace_if_corrupt=replace_if_corrupt)
             )
         except BaseException:
             await self._drop_speculative_put(shm, guess, spec, token, meta.size)
@@ -290,7 +287,7 @@ class AsyncStoreClient:
         except BaseException as exc:
             await self._abort(start.put_id, exc)
             raise
-        await self._rpc("PutCommit", master_pb2.PutCommitRequest(put_id=start.put_id))
+        await self.master.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id))
         self._remember(common_pb2.ObjectLocation(meta=meta, node=start.node))
         return True
 
@@ -368,7 +365,7 @@ class AsyncStoreClient:
 
     async def _abort(self, put_id: str, exc: BaseException) -> None:
         with contextlib.suppress(StoreError):  # the master aborts it at its deadline anyway
-            await self._rpc("PutAbort", master_pb2.PutAbortRequest(put_id=put_id, reason=repr(exc)[:500]))
+            await self.master.put_abort(master_pb2.PutAbortRequest(put_id=put_id, reason=repr(exc)[:500]))
 
     async def batch_put(self, items: Sequence[PutItem | tuple[bytes, Buffer]]) -> list[StoreError | None]:
         """Per item: None on success (duplicates included) or the typed error; pipelined per node."""
@@ -384,7 +381,7 @@ class AsyncStoreClient:
             for i, v in zip(items, views, strict=True)
         ]
         starts = await asyncio.gather(
-            *(self._rpc("PutStart", master_pb2.PutStartRequest(meta=m)) for m in metas),
+            *(self.master.put_start(master_pb2.PutStartRequest(meta=m)) for m in metas),
             return_exceptions=True,
         )
         groups: dict[tuple[int, str], tuple[Transport, Any, list[int]]] = {}
@@ -414,7 +411,7 @@ class AsyncStoreClient:
                         got[j] = exc
             finals = await asyncio.gather(
                 *(
-                    self._rpc("PutCommit", master_pb2.PutCommitRequest(put_id=starts[i].put_id))
+                    self.master.put_commit(master_pb2.PutCommitRequest(put_id=starts[i].put_id))
                     if err is None
                     else self._abort(starts[i].put_id, err)
                     for i, err in zip(idx, got, strict=True)
@@ -433,8 +430,7 @@ class AsyncStoreClient:
 
     # --- reads -------------------------------------------------------------------------------------------
     async def _lookup(self, keys: Sequence[bytes], acquire: bool) -> master_pb2.LookupReply:
-        return await self._rpc(
-            "Lookup",
+        return await self.master.lookup(
             master_pb2.LookupRequest(keys=[bytes(k) for k in keys], acquire=acquire, lease_ms=self.lease_ms),
         )
 
@@ -455,7 +451,7 @@ class AsyncStoreClient:
         """Drop a read-pin lease (e.g. from ``match_prefix(acquire=True)``); failures are only counted."""
         if lease_id:
             try:
-                await self._rpc("Release", master_pb2.ReleaseRequest(lease_id=lease_id))
+                await self.master.release(master_pb2.ReleaseRequest(lease_id=lease_id))
             except StoreError:
                 self._count("failures.release")
 
@@ -551,7 +547,7 @@ class AsyncStoreClient:
 
     async def _report_touches(self, keys: list[bytes]) -> None:
         try:
-            await self._rpc("Lookup", master_pb2.LookupRequest(keys=keys, touch=True))
+            await self.master.lookup(master_pb2.LookupRequest(keys=keys, touch=True))
         except StoreError:
             self._count("failures.touch_report")
 
@@ -670,25 +666,25 @@ class AsyncStoreClient:
             lease_ms=lease_ms or self.lease_ms,
             compact=compact,
         )
-        return await self._timed("match_prefix", self._rpc("MatchPrefix", req))
+        return await self._timed("match_prefix", self.master.match_prefix(req))
 
     # --- management --------------------------------------------------------------------------------------
     async def remove(self, keys: bytes | Sequence[bytes]) -> int:
         keys = [keys] if isinstance(keys, bytes | bytearray) else list(keys)
         for k in keys:
             self._where.pop(bytes(k), None)
-        reply = await self._timed("remove", self._rpc("Remove", master_pb2.RemoveRequest(keys=keys)))
+        reply = await self._timed("remove", self.master.remove(master_pb2.RemoveRequest(keys=keys)))
         return reply.removed
 
     async def pin(self, keys: Sequence[bytes], ttl_ms: int) -> int:
         """Soft-pin ``keys`` for ``ttl_ms`` (0 removes the pin); returns how many were pinned."""
         reply = await self._timed(
-            "pin", self._rpc("Pin", master_pb2.PinRequest(keys=list(keys), ttl_ms=ttl_ms))
+            "pin", self.master.pin(master_pb2.PinRequest(keys=list(keys), ttl_ms=ttl_ms))
         )
         return reply.pinned
 
     async def stats(self) -> master_pb2.StatsReply:
-        return await self._rpc("Stats", master_pb2.StatsRequest())
+        return await self.master.stats(master_pb2.StatsRequest())
 
 
 async def _settle(task: asyncio.Task | None) -> None:
