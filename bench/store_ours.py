@@ -2,7 +2,7 @@
 
 Everything runs against real processes started through the project's CLIs (``kvpool store master`` and
 ``kvpool store node``), waiting on their JSON readiness lines, with the bench process as the client
-(``kvpool.kvstore.client.store_client.AsyncStoreClient`` with the transport forced, so an unusable
+(``kvpool.kvstore.client.async_client.AsyncStoreClient`` with the transport forced, so an unusable
 transport is an
 error, not a silent fallback to another one). Timing and verification follow ``store_common``.
 """
@@ -104,7 +104,7 @@ def _capacity_for(plan: Plan) -> int:
 
 
 async def _measure_transport(plan: Plan, master: str, transport: str) -> Row:
-    from kvpool.kvstore.client.store_client import AsyncStoreClient
+    from kvpool.kvstore.client.async_client import AsyncStoreClient
 
     row = Row(transport, f"kvpool {transport}", note="master + storage node processes, AsyncStoreClient")
     async with AsyncStoreClient(master, transport=transport) as client:
@@ -191,7 +191,8 @@ def hash_chain(n: int, seed: bytes = b"store-bench") -> list[bytes]:
 
 
 async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
-    from kvpool.kvstore.client.store_client import AsyncStoreClient, LocationColumns, PutItem
+    from kvpool.kvstore.client.async_client import AsyncStoreClient
+    from kvpool.kvstore.client.records import LocationColumns, PutItem
     from kvpool.kvstore.keys import kda_key, mla_key
     from kvpool.proto import common_pb2
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool.cache.hashing import hash_blocks, root_hash
-from kvpool.kvstore.client.store_client import AsyncStoreClient
+from kvpool.kvstore.client.async_client import AsyncStoreClient
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.model.loader import load_model
 from kvpool.proto import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc

@@ -9,7 +9,9 @@ import threading
 
 import numpy as np
 import pytest
-from kvpool.kvstore.client.store_client import AsyncStoreClient, PutItem, StoreClient
+from kvpool.kvstore.client.async_client import AsyncStoreClient
+from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import CapacityExceededError, CorruptObjectError, ObjectNotFoundError
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.protocol.shm_segment import attach_segment

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from kvpool.kvstore.client.store_client import StoreClient
+from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import ObjectNotFoundError, StoreUnavailableError, TransportTimeoutError
 from kvpool.kvstore.keys import mla_key
 from kvpool.kvstore.transport.base import Deadlines

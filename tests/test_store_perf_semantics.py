@@ -7,7 +7,8 @@ import os
 import time
 
 import pytest
-from kvpool.kvstore.client.store_client import LocationColumns, StoreClient
+from kvpool.kvstore.client.records import LocationColumns
+from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import ObjectNotFoundError
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.master.core import MasterCore

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 
-from kvpool.kvstore.client.store_client import PutItem
+from kvpool.kvstore.client.records import PutItem
 from kvpool.kvstore.errors import ObjectNotFoundError, StoreError, StoreUnavailableError
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
 from kvpool.proto import common_pb2, master_pb2

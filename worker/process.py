@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kvpool.kvstore.client.store_client import AsyncStoreClient
+from kvpool.kvstore.client.async_client import AsyncStoreClient
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import load_tokenizer

@@ -8,7 +8,7 @@ None = start from token 0) plus counters saying what was lost and why; pushes re
 stats and never raise for store errors.
 
 The store is reached through the ``CacheStore`` protocol, which names exactly the client calls used here,
-so the real ``kvpool.kvstore.client.store_client.AsyncStoreClient`` and the in-process ``MemoryStore`` are
+so the real ``kvpool.kvstore.client.async_client.AsyncStoreClient`` and the in-process ``MemoryStore`` are
 interchangeable. Every call runs under ``asyncio.timeout``: a dead node costs at most the deadline.
 """
 
@@ -31,7 +31,7 @@ from kvpool.cache.units import (
     encode_mla_block,
     encode_tail,
 )
-from kvpool.kvstore.client.store_client import PutItem
+from kvpool.kvstore.client.records import PutItem
 from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
 from kvpool.model.cache_schema import CacheSchema

@@ -1,0 +1,167 @@
+"""``StoreClient``: the synchronous store client, an ``AsyncStoreClient`` on a private event-loop thread.
+
+Quick start::
+
+    with StoreClient("127.0.0.1:50051", transport="auto") as c:
+        c.put(b"Bkey", b"payload")
+        assert c.get(b"Bkey") == b"payload"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from kvpool.kvstore.client.async_client import AsyncStoreClient
+from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.errors import (
+    StoreError,
+    StoreUnavailableError,
+)
+from kvpool.kvstore.transport.base import Buffer
+from kvpool.proto import common_pb2, master_pb2
+
+T = TypeVar("T")
+
+
+class StoreClient:
+    """Synchronous facade: runs an ``AsyncStoreClient`` on a private event-loop thread.
+
+    Same methods and arguments as the async client (documented there); safe to call from several threads:
+    each call is handed to the loop, where concurrent calls' transfers overlap.
+    """
+
+    def __init__(self, master: str, transport: str = "auto", **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvpool-store-client", daemon=True
+        )
+        self._thread.start()
+        self._async: AsyncStoreClient = self._call(_make_async(master, transport, kwargs))
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if not self._thread.is_alive():
+            coro.close()
+            raise StoreUnavailableError("client is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def transport(self) -> str:
+        """The transport choice (``auto`` | ``tcp`` | ``shm`` | ``ucx``)."""
+        return self._async.transports.choice
+
+    def put(
+        self,
+        key: bytes,
+        data: Buffer,
+        *,
+        kind: int = common_pb2.BLOB,
+        tenant: str | None = None,
+        parent: bytes = b"",
+        ttl_ms: int = 0,
+        replace_if_corrupt: bool = False,
+    ) -> bool:
+        return self._call(
+            self._async.put(
+                key,
+                data,
+                kind=kind,
+                tenant=tenant,
+                parent=parent,
+                ttl_ms=ttl_ms,
+                replace_if_corrupt=replace_if_corrupt,
+            )
+        )
+
+    def batch_put(self, items: Sequence[PutItem | tuple[bytes, Buffer]]) -> list[StoreError | None]:
+        return self._call(self._async.batch_put(items))
+
+    def get(self, key: bytes) -> bytes:
+        loc = self._async._where.get(bytes(key))
+        if loc is not None:
+            buf = bytearray(loc.meta.size)
+            if self._async.read_cached_now(key, buf) is not None:
+                return bytes(buf)
+        return self._call(self._async.get(key))
+
+    def get_into(self, key: bytes, out: Buffer) -> int:
+        n = self._async.read_cached_now(key, out)  # same-host shm hit: no hop to the loop thread
+        return self._call(self._async.get_into(key, out)) if n is None else n
+
+    def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+        return self._call(self._async.batch_get(keys))
+
+    def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
+    ) -> list[int | StoreError]:
+        return self._call(self._async.fetch_into(locations, outs))
+
+    def exists(self, key: bytes) -> bool:
+        return self._call(self._async.exists(key))
+
+    def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._call(self._async.batch_exists(keys))
+
+    def lookup(self, keys: Sequence[bytes], acquire: bool = False) -> master_pb2.LookupReply:
+        return self._call(self._async.lookup(keys, acquire))
+
+    def match_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        tenant: str | None = None,
+        require_checkpoint: bool = True,
+        acquire: bool = False,
+        lease_ms: int | None = None,
+        compact: bool = False,
+    ) -> master_pb2.MatchPrefixReply:
+        return self._call(
+            self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms, compact)
+        )
+
+    def release(self, lease_id: str) -> None:
+        self._call(self._async.release(lease_id))
+
+    def remove(self, keys: bytes | Sequence[bytes]) -> int:
+        return self._call(self._async.remove(keys))
+
+    def pin(self, keys: Sequence[bytes], ttl_ms: int) -> int:
+        return self._call(self._async.pin(keys, ttl_ms))
+
+    def stats(self) -> master_pb2.StatsReply:
+        return self._call(self._async.stats())
+
+    def metrics(self) -> dict[str, float]:
+        return self._call(_value(self._async.metrics()))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._call(self._async.close())
+            self._call(_cancel_background_tasks())  # e.g. ucxx's progress task, bound to this loop
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _value(value: T) -> T:
+    return value
+
+
+async def _cancel_background_tasks() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _make_async(master: str, transport: str, kwargs: dict[str, Any]) -> AsyncStoreClient:
+    return AsyncStoreClient(master, transport, **kwargs)

@@ -1,0 +1,236 @@
+"""The store client's write path: two-phase puts (PutStart → bytes to the chosen node → PutCommit,
+PutAbort on any failure), speculative same-host shm reservations, capacity retries and pipelined batches.
+
+A duplicate put (EXISTS / IN_PROGRESS) is a successful no-op; a batch returns one result per item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.kvstore.client.core import ClientCore
+from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.errors import (
+    CapacityExceededError,
+    ObjectTooLargeError,
+    StoreError,
+    StoreUnavailableError,
+)
+from kvpool.kvstore.transport.base import Buffer, Transport, as_bytes_view
+from kvpool.kvstore.transport.shm import ShmTransport
+from kvpool.proto import common_pb2, master_pb2
+
+CAPACITY_RETRIES = 4  # 50+100+200+400 ms: covers a master->node Delete in flight
+
+
+class StoreWrites(ClientCore):
+    """Puts of the async store client (``AsyncStoreClient``)."""
+
+    # --- writes ------------------------------------------------------------------------------------------
+    async def put(
+        self,
+        key: bytes,
+        data: Buffer,
+        *,
+        kind: int = common_pb2.BLOB,
+        tenant: str | None = None,
+        parent: bytes = b"",
+        ttl_ms: int = 0,
+        replace_if_corrupt: bool = False,
+    ) -> bool:
+        """Store ``data`` under ``key``; True if written now, False if it already existed (no-op success).
+
+        ``replace_if_corrupt``: a reader that got ``CorruptObjectError`` and recomputed the object re-puts it
+        with this set, so the damaged copy is replaced instead of the put being a no-op.
+        """
+        item = PutItem(key, data, kind, tenant, parent, ttl_ms)
+        return await self._timed("put", self._put(item, replace_if_corrupt))
+
+    async def _put(self, item: PutItem, replace_if_corrupt: bool = False) -> bool:
+        view = as_bytes_view(item.data)
+        meta = self._meta(item.key, view, item.kind, item.tenant, item.parent, item.ttl_ms)
+        shm, guess, spec, token = None, self._last_put_node, None, ""
+        if guess is not None and not replace_if_corrupt:
+            with contextlib.suppress(StoreError):
+                t = self.transports.for_node(guess)
+                if isinstance(t, ShmTransport):
+                    shm, token = t, f"spec-{secrets.token_hex(8)}"
+                    spec = asyncio.get_running_loop().create_task(
+                        shm.reserve_and_copy(guess, token, meta, view)
+                    )
+        try:
+            start = await self.master.put_start(
+                master_pb2.PutStartRequest(meta=meta, replace_if_corrupt=replace_if_corrupt)
+            )
+        except BaseException:
+            await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+            raise
+        if start.status != master_pb2.PutStartReply.STARTED:
+            await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+            return False  # EXISTS / IN_PROGRESS: someone else stored (or is storing) the same object
+        self._last_put_node = start.node
+        try:
+            if not await self._finish_speculative_put(shm, guess, spec, token, start, meta):
+                transport = self.transports.for_node(start.node)
+                await self._transfer(transport, start, meta, view)
+        except BaseException as exc:
+            await self._abort(start.put_id, exc)
+            raise
+        await self.master.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id))
+        self._remember(common_pb2.ObjectLocation(meta=meta, node=start.node))
+        return True
+
+    async def _finish_speculative_put(
+        self,
+        shm: ShmTransport | None,
+        guess: common_pb2.NodeEndpoint | None,
+        spec: asyncio.Task[bool] | None,
+        token: str,
+        start: Any,
+        meta: common_pb2.ObjectMeta,
+    ) -> bool:
+        """shm puts: the RESERVE + copy ran on the node of this client's previous put while PutStart was in
+        flight (one round trip and the copy off the critical path). Kept only if the master placed the put
+        on that same node; then SEAL publishes it (the node verifies the checksum) exactly as the plain
+        path would. Otherwise the reservation is aborted and the caller runs the plain transfer. A
+        speculative RESERVE never touches a copy the node already holds (FLAG_SPECULATIVE: a plain RESERVE
+        would replace a corrupt copy, which only the master may order); then the plain path runs.
+        """
+        if spec is None or shm is None or guess is None:
+            return False
+        await _settle(spec)
+        ok = not spec.cancelled() and spec.exception() is None
+        if ok and spec.result() and start.node.node_id == guess.node_id:
+            await shm.seal(guess, token, meta.size)
+            self._count("put.overlapped")
+            return True
+        await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+        self._count("put.overlap_discarded")
+        return False
+
+    async def _drop_speculative_put(
+        self,
+        shm: ShmTransport | None,
+        guess: common_pb2.NodeEndpoint | None,
+        spec: asyncio.Task[bool] | None,
+        token: str,
+        size: int,
+    ) -> None:
+        if spec is None or shm is None or guess is None:
+            return
+        await _settle(spec)
+        if not spec.cancelled() and spec.exception() is None and spec.result():
+            with contextlib.suppress(StoreError):  # else the node's reaper frees it at its deadline
+                await shm.seal(guess, token, size, abort=True)
+
+    async def _transfer(
+        self, transport: Transport, start: Any, meta: common_pb2.ObjectMeta, view: memoryview
+    ) -> None:
+        """Send the bytes; a node that is momentarily full (the master's evictions reach it asynchronously,
+        as Delete/Demote calls) is retried with a short backoff before the put fails."""
+        delay = 0.05
+        for attempt in range(CAPACITY_RETRIES + 1):
+            try:
+                await transport.put(start.node, start.put_id, meta, view)
+                return
+            except ObjectTooLargeError:
+                raise
+            except CapacityExceededError:
+                if attempt == CAPACITY_RETRIES:
+                    raise
+                self._count("retries.node_full")
+                await asyncio.sleep(delay)
+                delay *= 2
+
+    async def _abort(self, put_id: str, exc: BaseException) -> None:
+        with contextlib.suppress(StoreError):  # the master aborts it at its deadline anyway
+            await self.master.put_abort(master_pb2.PutAbortRequest(put_id=put_id, reason=repr(exc)[:500]))
+
+    async def batch_put(self, items: Sequence[PutItem | tuple[bytes, Buffer]]) -> list[StoreError | None]:
+        """Per item: None on success (duplicates included) or the typed error; pipelined per node."""
+        return await self._timed(
+            "batch_put", self._batch_put([i if isinstance(i, PutItem) else PutItem(*i) for i in items])
+        )
+
+    async def _batch_put(self, items: list[PutItem]) -> list[StoreError | None]:
+        results: list[StoreError | None] = [None] * len(items)
+        views = [as_bytes_view(i.data) for i in items]
+        metas = [
+            self._meta(i.key, v, i.kind, i.tenant, i.parent, i.ttl_ms)
+            for i, v in zip(items, views, strict=True)
+        ]
+        starts = await asyncio.gather(
+            *(self.master.put_start(master_pb2.PutStartRequest(meta=m)) for m in metas),
+            return_exceptions=True,
+        )
+        groups: dict[tuple[int, str], tuple[Transport, Any, list[int]]] = {}
+        for i, start in enumerate(starts):
+            if isinstance(start, BaseException):
+                results[i] = _store_error(start)
+                continue
+            if start.status != master_pb2.PutStartReply.STARTED:
+                continue
+            try:
+                transport = self.transports.for_node(start.node)
+            except StoreError as exc:
+                results[i] = exc
+                await self._abort(start.put_id, exc)
+                continue
+            key = (id(transport), start.node.node_id)
+            groups.setdefault(key, (transport, start.node, []))[2].append(i)
+
+        async def run(transport: Transport, node: Any, idx: list[int]) -> None:
+            got = await transport.batch_put(node, [(starts[i].put_id, metas[i], views[i]) for i in idx])
+            for j, (i, err) in enumerate(zip(idx, got, strict=True)):
+                if isinstance(err, CapacityExceededError) and not isinstance(err, ObjectTooLargeError):
+                    try:  # node momentarily full: the single-put path retries with backoff
+                        await self._transfer(transport, starts[i], metas[i], views[i])
+                        got[j] = None
+                    except StoreError as exc:
+                        got[j] = exc
+            finals = await asyncio.gather(
+                *(
+                    self.master.put_commit(master_pb2.PutCommitRequest(put_id=starts[i].put_id))
+                    if err is None
+                    else self._abort(starts[i].put_id, err)
+                    for i, err in zip(idx, got, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            for i, err, fin in zip(idx, got, finals, strict=True):
+                results[i] = (
+                    err
+                    if err is not None
+                    else (_store_error(fin) if isinstance(fin, BaseException) else None)
+                )
+
+        await asyncio.gather(*(run(*group) for group in groups.values()))
+        return results
+
+
+async def _settle(task: asyncio.Task | None) -> None:
+    """Wait for a speculative transfer to end (it writes into the caller's buffer, so it must not outlive
+    the call); it has its own transfer deadline. If this call is being cancelled, cancel it too."""
+    if task is None:
+        return
+    if not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.wait([task])
+            raise
+    if not task.cancelled():
+        task.exception()  # retrieved: a failed speculation is not an error of the call
+
+
+def _store_error(exc: BaseException) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    if not isinstance(exc, Exception):
+        raise exc
+    return StoreUnavailableError(f"{type(exc).__name__}: {exc}")
