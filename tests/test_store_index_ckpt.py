@@ -1,4 +1,4 @@
-"""match_prefix's checkpoint bit (_CKPT on the MLA slot) agrees with a reference built from lookup/get."""
+"""match_prefix's checkpoint bit (SLOT_CKPT on the MLA slot) agrees with a reference built from lookup/get."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import random
 import numpy as np
 import pytest
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import _CKPT, BadObjectError, CapacityError, ObjectKind, QuotaExceededError
+from kvpool.kvstore.index.records import (
+    SLOT_CKPT,
+    BadObjectError,
+    CapacityError,
+    ObjectKind,
+    QuotaExceededError,
+)
 from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, kda_key, mla_key
 
 MLA, KDA, TAIL, BLOB = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL, ObjectKind.BLOB
@@ -54,7 +60,7 @@ def check_bits(idx: PrefixIndex) -> None:
     """Invariant: a committed MLA-tagged block key has the bit iff its KDA-tagged twin is committed."""
     for key, slot in idx._slot.items():
         if len(key) == 1 + HASH_BYTES and key[:1] == MLA_TAG:
-            has = bool(idx._cols.flags[slot] & _CKPT)
+            has = bool(idx._cols.flags[slot] & SLOT_CKPT)
             assert has == (KDA_TAG + key[1:] in idx._slot), key[:9].hex()
     odd = [
         k

@@ -16,14 +16,14 @@ from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG
 
 MAX_KEY_BYTES = 1024
-_MAX_INTERNED = 0xFFFF
-_DEPTH_MAX = 0xFFFF
+MAX_INTERNED = 0xFFFF
+DEPTH_MAX = 0xFFFF
 
 # flags column
-_LIVE = 1
-_PENDING = 2
-_PINNED = 4
-_CKPT = 8  # on a committed slot keyed MLA_TAG + h: the key KDA_TAG + h is committed too (match_prefix)
+SLOT_LIVE = 1
+SLOT_PENDING = 2
+SLOT_PINNED = 4
+SLOT_CKPT = 8  # on a committed slot keyed MLA_TAG + h: the key KDA_TAG + h is committed too (match_prefix)
 
 
 class ObjectKind(IntEnum):
@@ -162,13 +162,13 @@ class IndexStats:
 
 
 @dataclass(slots=True)
-class _Node:
+class NodeUsage:
     node_id: str
     capacity: dict[Tier, int]
     used: dict[Tier, int] = field(default_factory=lambda: {Tier.DRAM: 0, Tier.SSD: 0})
 
 
-class _Columns:
+class Columns:
     """Per-slot numpy columns, grown geometrically (x1.5) so appends are amortised O(1)."""
 
     SPEC: tuple[tuple[str, type], ...] = (
@@ -214,7 +214,7 @@ class _Columns:
         self.capacity = new
 
 
-def _anchor_of(key: bytes, kind: ObjectKind, parent: bytes) -> bytes | None:
+def anchor_of(key: bytes, kind: ObjectKind, parent: bytes) -> bytes | None:
     """The key this object depends on (see module docstring), or None for a root."""
     if kind == ObjectKind.KDA and len(key) == 1 + HASH_BYTES and key[:1] == KDA_TAG:
         return MLA_TAG + key[1:]
