@@ -11,7 +11,8 @@ import sys
 
 import pytest
 from kvpool.kvstore.keys import kda_key, mla_key
-from kvpool.kvstore.master.core import BULK_ADOPTION_OBJECTS, TRIM_SWEEPS_AFTER_BULK, MasterConfig, MasterCore
+from kvpool.kvstore.master.config import BULK_ADOPTION_OBJECTS, TRIM_SWEEPS_AFTER_BULK, MasterConfig
+from kvpool.kvstore.master.core import MasterCore
 from kvpool.proto import common_pb2, master_pb2
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"

@@ -6,8 +6,11 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from kvpool.kvstore.errors import NotFound, ResourceExhausted
 from kvpool.kvstore.keys import kda_key, mla_key
-from kvpool.kvstore.master.core import MasterConfig, MasterCore, NodeAction, NotFound, ResourceExhausted
+from kvpool.kvstore.master.config import MasterConfig
+from kvpool.kvstore.master.core import MasterCore
+from kvpool.kvstore.master.records import NodeAction
 from kvpool.proto import common_pb2, master_pb2
 
 STARTED = master_pb2.PutStartReply.STARTED

@@ -26,7 +26,8 @@ from kvpool.kvstore.errors import (
     TransportTimeoutError,
 )
 from kvpool.kvstore.keys import mla_key
-from kvpool.kvstore.master.core import MasterConfig, MasterCore
+from kvpool.kvstore.master.config import MasterConfig
+from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.master.dispatch import CoreCallError, CoreDispatch
 from kvpool.kvstore.master.node_notifier import NodeNotifier
 from kvpool.kvstore.master.server import MasterServer

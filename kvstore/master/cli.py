@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from kvpool.kvstore.index.eviction import POLICIES
-from kvpool.kvstore.master.core import MasterConfig
+from kvpool.kvstore.master.config import MasterConfig
 from kvpool.kvstore.master.state import StateFileError
 from kvpool.runtime.lifecycle import serve_until_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer

@@ -18,7 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.kvstore.master.core import MasterCore, MasterError
+from kvpool.kvstore.errors import MasterError
+from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.master.node_notifier import NodeNotifier
 
 log = logging.getLogger(__name__)

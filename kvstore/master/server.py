@@ -20,9 +20,11 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kvpool.kvstore.master.core import MasterConfig, MasterCore, NodeAction
+from kvpool.kvstore.master.config import MasterConfig
+from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.master.dispatch import CoreCallError, CoreDispatch
 from kvpool.kvstore.master.node_notifier import NodeNotifier
+from kvpool.kvstore.master.records import NodeAction
 from kvpool.kvstore.master.wire_server import MasterWireServer
 from kvpool.kvstore.protocol.master_wire import METHODS as WIRE_METHODS
 from kvpool.proto import master_pb2, master_pb2_grpc
