@@ -13,42 +13,31 @@ anywhere (magic, header, padding, payload) is caught. A decoder rebuilds the hea
 the reader's ``CacheSchema`` and checks it field by field, then byte for byte, before it touches a tensor;
 anything off raises a ``CacheUnitError`` subclass, which callers count as a miss.
 
-Why one module of ~520 lines: the three unit codecs (MLA block, KDA checkpoint, request tail) share one
-header format and one set of checks; keeping them together keeps the wire format readable in one place.
+The shared layout (header, segments, checksum, validation) is in ``unit_format``.
 """
 
 from __future__ import annotations
 
-import struct
-import sys
-import warnings
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import msgpack
 import torch
-import xxhash
-from kvpool.cache.errors import (
-    CacheUnitError,
-    CorruptUnitError,
-    FingerprintMismatchError,
-    PositionMismatchError,
-    SchemaMismatchError,
-    UnsupportedVersionError,
-)
 from kvpool.cache.hashing import canonical_tokens
-from kvpool.kvstore.keys import HASH_BYTES
-from kvpool.model.cache_schema import FORMAT_VERSION, INDEX_KEY_FORMATS, CacheSchema
-from kvpool.model.state import KDACheckpoint, KDALayerState
-
-MAGIC = b"KVPU"
-_PREFIX = struct.Struct("<4sI")  # magic, header length
-ALIGN = 64  # payload and every segment start on a 64-byte boundary: safe zero-copy views, DMA-friendly
-MAX_HEADER_BYTES = 1 << 20  # a sane header is a few hundred bytes (+ < block_size tail tokens)
-_CSUM = 8  # the header's last 8 bytes are the raw xxh3-64 digest (msgpack bin8 of fixed width)
-KIND_MLA, KIND_KDA, KIND_TAIL = "mla", "kda", "tail"
-
-Buffer = bytes | bytearray | memoryview
+from kvpool.cache.unit_format import (
+    KIND_KDA,
+    KIND_MLA,
+    KIND_TAIL,
+    Buffer,
+    expect_equal,
+    kda_from,
+    kda_tensors,
+    mla_tensors,
+    open_unit,
+    plan_unit,
+    unit_tensors,
+    write_unit,
+)
+from kvpool.model.cache_schema import CacheSchema
+from kvpool.model.state import KDACheckpoint
 
 
 @dataclass
@@ -75,236 +64,22 @@ class RequestTail:
         return self.start + len(self.tokens)
 
 
-@dataclass(frozen=True)
-class _Segment:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int  # within the payload
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass
-class _Plan:
-    """Everything about a unit except tensor bytes and checksum: derived from the schema and identity fields
-    alone, so the writer and the reader construct the very same header."""
-
-    header: dict[str, Any]
-    segments: list[_Segment] = field(default_factory=list)
-    header_bytes: bytes = b""
-    payload_offset: int = 0
-    payload_len: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.payload_offset + self.payload_len
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dt, torch.dtype):
-        raise SchemaMismatchError(f"unknown dtype name {name!r}")
-    return dt
-
-
-def _int(value: Any, what: str, multiple_of: int = 1) -> int:
-    if type(value) is not int or value < 0 or value % multiple_of:
-        raise ValueError(f"{what} must be a non-negative int multiple of {multiple_of}, got {value!r}")
-    return value
-
-
-def _hash_field(block_hash: Any) -> bytes | None:
-    if block_hash is None:
-        return None
-    if not isinstance(block_hash, bytes | bytearray) or len(block_hash) != HASH_BYTES:
-        raise ValueError(f"block hash must be {HASH_BYTES} bytes or None")
-    return bytes(block_hash)
-
-
-def _mla_section(s: CacheSchema, rows: int) -> dict[str, Any]:
-    sec: dict[str, Any] = {"layers": list(s.mla_layers), "dtype": s.mla_dtype, "shape": [rows, s.latent_dim]}
-    if s.dsa:  # only DSA units have this key, so a dense unit's header is byte-identical to format v1's
-        if s.index_dtype not in INDEX_KEY_FORMATS:
-            raise SchemaMismatchError(f"unknown indexer key storage {s.index_dtype!r}")
-        sec["indexer"] = {
-            "dim": s.index_dim,
-            "dtype": s.index_dtype,
-            "scale": "float32" if s.index_dtype == "float8_e4m3fn" else None,  # power of two, per token
-            "row_bytes": s.mla_row_bytes,  # each row: latent bytes, then the key record
-        }
-    return sec
-
-
-def _mla_segment(s: CacheSchema, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of one MLA layer's payload: typed latents, or DSA byte records ``[latent | key]``."""
-    if s.dsa:
-        return (rows, s.mla_row_bytes), torch.uint8
-    return (rows, s.latent_dim), _dtype(s.mla_dtype)
-
-
-def _kda_section(s: CacheSchema) -> dict[str, Any]:
-    return {
-        "layers": list(s.kda_layers),
-        "state_dtype": "float32",
-        "state_shape": list(s.state_shape),
-        "layout": s.state_layout,
-        "conv_dtype": s.conv_dtype,
-        "conv_shape": list(s.conv_shape),
-        "conv_taps": s.conv_taps,
-    }
-
-
-def _plan(
-    s: CacheSchema,
-    kind: str,
-    *,
-    block: int | None = None,
-    n_tokens: int | None = None,
-    start: int | None = None,
-    tokens: list[int] | None = None,
-    block_hash: bytes | None = None,
-) -> _Plan:
-    """Header + segment layout for one unit. Raises ``ValueError`` for impossible identity fields."""
-    b = s.block_size
-    mla: dict[str, Any] | None = None
-    kda: dict[str, Any] | None = None
-    if kind == KIND_MLA:
-        block = _int(block, "block index")
-        start, n_tokens = block * b, (block + 1) * b
-        mla = _mla_section(s, b)
-    elif kind == KIND_KDA:
-        n_tokens = _int(n_tokens, "checkpoint n_tokens", b)
-        if n_tokens == 0:
-            raise ValueError("a stored KDA checkpoint sits at the end of a block: n_tokens > 0")
-        kda = _kda_section(s)
-    elif kind == KIND_TAIL:
-        start = _int(start, "tail start", b)
-        if not isinstance(tokens, list) or len(tokens) >= b:
-            raise ValueError(f"tail tokens must be a list shorter than block_size={b}")
-        n_tokens = start + len(tokens)
-        mla, kda = _mla_section(s, len(tokens)), _kda_section(s)
-    else:
-        raise ValueError(f"unknown unit kind {kind!r}")
-    header: dict[str, Any] = {
-        "v": FORMAT_VERSION,
-        "kind": kind,
-        "fp": bytes(s.fingerprint),
-        "bs": b,
-        "block": block,
-        "start": start,
-        "n_tokens": n_tokens,
-        "hash": _hash_field(block_hash),
-        "tokens": tokens,
-        "mla": mla,
-        "kda": kda,
-    }
-    plan = _Plan(header)
-    off = 0
-
-    def add(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        nonlocal off
-        seg = _Segment(name, tuple(shape), dtype, off)
-        plan.segments.append(seg)
-        off = _align(off + seg.nbytes)
-
-    if mla is not None:
-        shape, dtype = _mla_segment(s, mla["shape"][0])
-        for layer in s.mla_layers:
-            add(f"mla[{layer}]", shape, dtype)
-    if kda is not None:
-        for layer in s.kda_layers:
-            add(f"kda[{layer}].recurrent", tuple(s.state_shape), torch.float32)
-            add(f"kda[{layer}].conv", tuple(s.conv_shape), _dtype(s.conv_dtype))
-    plan.payload_len = plan.segments[-1].offset + plan.segments[-1].nbytes if plan.segments else 0
-    header["plen"] = plan.payload_len
-    header["csum"] = bytes(_CSUM)  # must stay the last key: its 8 bytes end the header
-    plan.header_bytes = msgpack.packb(header, use_bin_type=True)
-    plan.payload_offset = _align(_PREFIX.size + len(plan.header_bytes))
-    return plan
-
-
 # ------------------------------------------------------------------------------------------------ encoding
-
-
-def _check_tensor(seg: _Segment, t: Any) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise SchemaMismatchError(f"{seg.name}: expected a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != seg.shape or t.dtype != seg.dtype:
-        raise SchemaMismatchError(
-            f"{seg.name}: got {tuple(t.shape)} {t.dtype}, schema wants {seg.shape} {seg.dtype}"
-        )
-    return t
-
-
-def _check_layers(what: str, got: dict[int, Any], want: tuple[int, ...]) -> None:
-    if sorted(got) != list(want):
-        raise SchemaMismatchError(f"{what} layers {sorted(got)} != schema {list(want)}")
-
-
-def _write(plan: _Plan, tensors: list[torch.Tensor], out: Buffer | None) -> bytearray | memoryview:
-    """Lay the unit out in ``out`` (or a new bytearray): prefix, header, zero padding, tensors, checksum."""
-    if sys.byteorder != "little":
-        raise CacheUnitError("the wire format is little-endian; big-endian hosts are not supported")
-    total = plan.total
-    if out is None:
-        result: bytearray | memoryview = bytearray(total)  # zero-filled
-        mv = memoryview(result)
-    else:
-        mv = memoryview(out)
-        if mv.readonly or mv.nbytes < total or not mv.c_contiguous:
-            raise ValueError(f"out must be a writable contiguous buffer of at least {total} bytes")
-        mv = mv.cast("B")[:total]
-        result = mv
-    hlen = len(plan.header_bytes)
-    _PREFIX.pack_into(mv, 0, MAGIC, hlen)
-    mv[_PREFIX.size : _PREFIX.size + hlen] = plan.header_bytes
-    dst = torch.frombuffer(mv, dtype=torch.uint8)
-    pos = _PREFIX.size + hlen
-    for seg, t in zip(plan.segments, tensors, strict=True):
-        begin = plan.payload_offset + seg.offset
-        if out is not None:
-            dst[pos:begin].zero_()  # padding is checksummed, so it must be deterministic
-        if seg.nbytes:
-            dst[begin : begin + seg.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        pos = begin + seg.nbytes
-    if out is not None:
-        dst[pos:total].zero_()
-    end_h = _PREFIX.size + hlen
-    digest = _checksum(mv, end_h)
-    mv[end_h - _CSUM : end_h] = digest
-    return result
-
-
-def _checksum(mv: memoryview, header_end: int) -> bytes:
-    h = xxhash.xxh3_64()
-    h.update(mv[: header_end - _CSUM])
-    h.update(mv[header_end:])
-    return h.digest()
 
 
 def mla_block_unit_size(schema: CacheSchema, block_index: int, *, block_hash: bytes | None = None) -> int:
     """Exact encoded size of an MLA block unit (to size a store allocation or an ``out`` buffer)."""
-    return _plan(schema, KIND_MLA, block=block_index, block_hash=block_hash).total
+    return plan_unit(schema, KIND_MLA, block=block_index, block_hash=block_hash).total
 
 
 def kda_checkpoint_unit_size(schema: CacheSchema, n_tokens: int, *, block_hash: bytes | None = None) -> int:
     """Exact encoded size of a KDA checkpoint unit at ``n_tokens``."""
-    return _plan(schema, KIND_KDA, n_tokens=n_tokens, block_hash=block_hash).total
+    return plan_unit(schema, KIND_KDA, n_tokens=n_tokens, block_hash=block_hash).total
 
 
 def tail_unit_size(schema: CacheSchema, start: int, tokens: list[int]) -> int:
     """Exact encoded size of a request tail unit."""
-    return _plan(schema, KIND_TAIL, start=start, tokens=canonical_tokens(tokens)).total
+    return plan_unit(schema, KIND_TAIL, start=start, tokens=canonical_tokens(tokens)).total
 
 
 def encode_mla_block(
@@ -317,25 +92,8 @@ def encode_mla_block(
 ) -> bytearray | memoryview:
     """Encode one full block of latents for every MLA layer. Returns a new bytearray, or the written
     prefix of ``out`` (no intermediate copy). ``SchemaMismatchError`` if tensors do not fit the schema."""
-    plan = _plan(schema, KIND_MLA, block=block_index, block_hash=block_hash)
-    return _write(plan, _mla_tensors(plan, schema, latents), out)
-
-
-def _mla_tensors(plan: _Plan, schema: CacheSchema, latents: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-    _check_layers("MLA", latents, schema.mla_layers)
-    segs = [seg for seg in plan.segments if seg.name.startswith("mla[")]
-    return [_check_tensor(seg, latents[layer]) for seg, layer in zip(segs, schema.mla_layers, strict=True)]
-
-
-def _kda_tensors(plan: _Plan, schema: CacheSchema, ckpt: KDACheckpoint) -> list[torch.Tensor]:
-    _check_layers("KDA", ckpt.layers, schema.kda_layers)
-    segs = [seg for seg in plan.segments if seg.name.startswith("kda[")]
-    tensors: list[torch.Tensor] = []
-    for i, layer in enumerate(schema.kda_layers):
-        st = ckpt.layers[layer]
-        tensors.append(_check_tensor(segs[2 * i], st.recurrent))
-        tensors.append(_check_tensor(segs[2 * i + 1], st.conv))
-    return tensors
+    plan = plan_unit(schema, KIND_MLA, block=block_index, block_hash=block_hash)
+    return write_unit(plan, mla_tensors(plan, schema, latents), out)
 
 
 def encode_kda_checkpoint(
@@ -346,8 +104,8 @@ def encode_kda_checkpoint(
     out: Buffer | None = None,
 ) -> bytearray | memoryview:
     """Encode a KDA checkpoint taken at the end of a block (``n_tokens``: a positive multiple of B)."""
-    plan = _plan(schema, KIND_KDA, n_tokens=checkpoint.n_tokens, block_hash=block_hash)
-    return _write(plan, _kda_tensors(plan, schema, checkpoint), out)
+    plan = plan_unit(schema, KIND_KDA, n_tokens=checkpoint.n_tokens, block_hash=block_hash)
+    return write_unit(plan, kda_tensors(plan, schema, checkpoint), out)
 
 
 def encode_tail(
@@ -355,102 +113,14 @@ def encode_tail(
 ) -> bytearray | memoryview:
     """Encode a request tail: partial-block latents + its tokens + the KDA state at its end."""
     tokens = canonical_tokens(tail.tokens)
-    plan = _plan(schema, KIND_TAIL, start=tail.start, tokens=tokens)
+    plan = plan_unit(schema, KIND_TAIL, start=tail.start, tokens=tokens)
     if tail.kda.n_tokens != plan.header["n_tokens"]:
         raise ValueError(f"tail checkpoint is at {tail.kda.n_tokens}, tail ends at {plan.header['n_tokens']}")
-    tensors = _mla_tensors(plan, schema, tail.mla) + _kda_tensors(plan, schema, tail.kda)
-    return _write(plan, tensors, out)
+    tensors = mla_tensors(plan, schema, tail.mla) + kda_tensors(plan, schema, tail.kda)
+    return write_unit(plan, tensors, out)
 
 
 # ------------------------------------------------------------------------------------------------ decoding
-
-
-def _open(buf: Buffer, schema: CacheSchema, kind: str) -> tuple[memoryview, _Plan]:
-    """Validate a unit completely (structure, version, checksum, kind, model, schema, header consistency)."""
-    try:
-        mv = memoryview(buf)
-        mv = mv.cast("B") if (mv.ndim != 1 or mv.itemsize != 1) else mv
-    except (TypeError, ValueError) as e:
-        raise CorruptUnitError(f"not a contiguous byte buffer: {e}") from e
-    if mv.nbytes < _PREFIX.size:
-        raise CorruptUnitError(f"truncated: {mv.nbytes} bytes")
-    magic, hlen = _PREFIX.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise CorruptUnitError(f"bad magic {bytes(magic)!r}")
-    end_h = _PREFIX.size + hlen
-    if hlen < _CSUM or hlen > MAX_HEADER_BYTES or end_h > mv.nbytes:
-        raise CorruptUnitError(f"bad header length {hlen} for a {mv.nbytes}-byte unit")
-    raw = bytes(mv[_PREFIX.size : end_h])
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types for malformed input
-        raise CorruptUnitError(f"unparsable header: {type(e).__name__}: {e}") from e
-    if not isinstance(header, dict):
-        raise CorruptUnitError("header is not a map")
-    version = header.get("v")
-    if type(version) is not int:
-        raise CorruptUnitError("header has no version")
-    if version != FORMAT_VERSION:
-        raise UnsupportedVersionError(f"unit format version {version}, reader supports {FORMAT_VERSION}")
-    plen, csum = header.get("plen"), header.get("csum")
-    if not isinstance(csum, bytes) or csum != raw[-_CSUM:] or type(plen) is not int:
-        raise CorruptUnitError("header checksum field malformed")
-    if mv.nbytes != _align(end_h) + plen:
-        raise CorruptUnitError(f"unit is {mv.nbytes} bytes, header says {_align(end_h) + plen}")
-    if _checksum(mv, end_h) != csum:
-        raise CorruptUnitError("checksum mismatch")
-    # Intact: from here on a difference is the reader's business (wrong model / layout / position).
-    if header.get("kind") != kind:
-        raise SchemaMismatchError(f"unit kind {header.get('kind')!r}, expected {kind!r}")
-    if header.get("fp") != schema.fingerprint:
-        raise FingerprintMismatchError("unit was written by a model with another fingerprint")
-    if header.get("bs") != schema.block_size:
-        raise SchemaMismatchError(f"block_size {header.get('bs')!r} != schema {schema.block_size}")
-    try:
-        tokens = header.get("tokens")
-        plan = _plan(
-            schema,
-            kind,
-            block=header.get("block"),
-            n_tokens=header.get("n_tokens"),
-            start=header.get("start"),
-            tokens=canonical_tokens(tokens) if isinstance(tokens, list) else tokens,
-            block_hash=header.get("hash"),
-        )
-    except ValueError as e:
-        raise CorruptUnitError(f"inconsistent header: {e}") from e
-    for sec in ("mla", "kda"):
-        got, want = header.get(sec), plan.header[sec]
-        if (got is None) != (want is None) or not isinstance(got, dict | None):
-            raise CorruptUnitError(f"header section {sec!r} malformed")
-        for key in sorted(set(want or {}) | set(got or {})):  # a missing/extra "indexer" is a schema clash
-            if got.get(key) != want.get(key):
-                raise SchemaMismatchError(
-                    f"{sec}.{key}: unit has {got.get(key)!r}, schema has {want.get(key)!r}"
-                )
-    if plan.header_bytes[:-_CSUM] != raw[:-_CSUM]:
-        raise CorruptUnitError("header differs from the canonical header for its fields")
-    return mv, plan
-
-
-def _tensors(mv: memoryview, plan: _Plan, copy: bool) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: views are documented read-only
-        for seg in plan.segments:
-            if seg.nbytes == 0:
-                out.append(torch.empty(seg.shape, dtype=seg.dtype))
-                continue
-            numel = seg.nbytes // seg.dtype.itemsize
-            t = torch.frombuffer(mv, dtype=seg.dtype, count=numel, offset=plan.payload_offset + seg.offset)
-            t = t.view(seg.shape)
-            out.append(t.clone() if copy else t)
-    return out
-
-
-def _expect(what: str, got: Any, want: Any) -> None:
-    if want is not None and got != want:
-        raise PositionMismatchError(f"{what}: unit has {got!r}, caller expects {want!r}")
 
 
 def decode_mla_block(
@@ -467,20 +137,12 @@ def decode_mla_block(
     tensors must not be written when ``buf`` is read-only. ``expected_hash`` also rejects units written
     without a hash.
     """
-    mv, plan = _open(buf, schema, KIND_MLA)
-    _expect("block index", plan.header["block"], expected_block)
-    _expect("block hash", plan.header["hash"], None if expected_hash is None else bytes(expected_hash))
-    tensors = _tensors(mv, plan, copy)
+    mv, plan = open_unit(buf, schema, KIND_MLA)
+    expect_equal("block index", plan.header["block"], expected_block)
+    expect_equal("block hash", plan.header["hash"], None if expected_hash is None else bytes(expected_hash))
+    tensors = unit_tensors(mv, plan, copy)
     latents = dict(zip(schema.mla_layers, tensors, strict=True))
     return MLABlock(plan.header["block"], latents, plan.header["hash"])
-
-
-def _kda_from(schema: CacheSchema, n_tokens: int, tensors: list[torch.Tensor]) -> KDACheckpoint:
-    layers = {
-        layer: KDALayerState(recurrent=tensors[2 * i], conv=tensors[2 * i + 1])
-        for i, layer in enumerate(schema.kda_layers)
-    }
-    return KDACheckpoint(n_tokens=n_tokens, layers=layers)
 
 
 def decode_kda_checkpoint(
@@ -492,10 +154,10 @@ def decode_kda_checkpoint(
     copy: bool = True,
 ) -> KDACheckpoint:
     """Decode and fully verify a KDA checkpoint unit (see ``decode_mla_block`` for ``copy``)."""
-    mv, plan = _open(buf, schema, KIND_KDA)
-    _expect("checkpoint n_tokens", plan.header["n_tokens"], expected_n_tokens)
-    _expect("block hash", plan.header["hash"], None if expected_hash is None else bytes(expected_hash))
-    return _kda_from(schema, plan.header["n_tokens"], _tensors(mv, plan, copy))
+    mv, plan = open_unit(buf, schema, KIND_KDA)
+    expect_equal("checkpoint n_tokens", plan.header["n_tokens"], expected_n_tokens)
+    expect_equal("block hash", plan.header["hash"], None if expected_hash is None else bytes(expected_hash))
+    return kda_from(schema, plan.header["n_tokens"], unit_tensors(mv, plan, copy))
 
 
 def decode_tail(
@@ -507,15 +169,15 @@ def decode_tail(
     copy: bool = True,
 ) -> RequestTail:
     """Decode and fully verify a request tail; ``expected_tokens`` guards against a tail of another prompt."""
-    mv, plan = _open(buf, schema, KIND_TAIL)
-    _expect("tail start", plan.header["start"], expected_start)
+    mv, plan = open_unit(buf, schema, KIND_TAIL)
+    expect_equal("tail start", plan.header["start"], expected_start)
     if expected_tokens is not None:
-        _expect("tail tokens", plan.header["tokens"], canonical_tokens(expected_tokens))
-    tensors = _tensors(mv, plan, copy)
+        expect_equal("tail tokens", plan.header["tokens"], canonical_tokens(expected_tokens))
+    tensors = unit_tensors(mv, plan, copy)
     n_mla = len(schema.mla_layers)
     return RequestTail(
         start=plan.header["start"],
         tokens=list(plan.header["tokens"]),
         mla=dict(zip(schema.mla_layers, tensors[:n_mla], strict=True)),
-        kda=_kda_from(schema, plan.header["n_tokens"], tensors[n_mla:]),
+        kda=kda_from(schema, plan.header["n_tokens"], tensors[n_mla:]),
     )

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 import xxhash
-from kvpool.cache import units
+from kvpool.cache import unit_format
 from kvpool.cache.errors import (
     CacheUnitError,
     CorruptUnitError,
@@ -401,4 +401,4 @@ def test_encode_rejects_tensors_that_do_not_fit_the_schema() -> None:
 
 
 def test_units_module_constants() -> None:
-    assert units.MAGIC == b"KVPU" and units.ALIGN == 64
+    assert unit_format.MAGIC == b"KVPU" and unit_format.ALIGN == 64
