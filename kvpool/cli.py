@@ -19,7 +19,8 @@ COMMAND_MODULES = (
     "kvpool.verify",  # verify
     "kvpool.demo",  # demo
     "kvpool.gateway.cli",  # gateway
-    "kvpool.up",  # up, status
+    "kvpool.up",  # up
+    "kvpool.status",  # status
 )
 
 

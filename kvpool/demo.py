@@ -20,7 +20,8 @@ import time
 import torch
 
 from kvpool.gateway.demo_chats import hit_table, run
-from kvpool.up import Cluster, load_config
+from kvpool.up import Cluster
+from kvpool.up_config import load_config
 
 DEMO_PROMPT = (
     "The cache is cut into fixed token blocks; each block has a chained prefix hash. Prefill nodes compute "

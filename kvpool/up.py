@@ -1,4 +1,4 @@
-"""``kvpool up`` / ``kvpool status``: the whole cluster as separate processes on loopback, and its Python API.
+"""``kvpool up``: the whole cluster as separate processes on loopback, and its Python API.
 
 ``Cluster`` starts, in order, the store master, the storage node(s), the prefill and decode workers (all
 workers at once: their torch imports overlap) and the gateway; every child binds port 0 (the gateway its
@@ -18,24 +18,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import getpass
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpool.runtime.spawn import Child, LaunchError, wait_ready
 from kvpool.runtime.spawn import start as spawn_start
+from kvpool.up_config import DEFAULT_CONFIG, load_config, runs_root
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local.toml"
 STOP_TIMEOUT_S = 10.0
 
 
@@ -48,30 +45,7 @@ def _metrics_args(section: dict, i: int) -> list[str]:
     return ["--metrics-port", str(int(port) + i if int(port) else 0)]
 
 
-def runs_root() -> Path:
-    """Where run dirs and ``current.json`` live: ``$KVPOOL_RUNS`` or ``<tmp>/kvpool-<user>``."""
-    env = os.environ.get("KVPOOL_RUNS")
-    return Path(env) if env else Path(tempfile.gettempdir()) / f"kvpool-{getpass.getuser()}"
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:
-    """The TOML config (``deploy/local.toml`` by default; a user file is merged over it) plus overrides."""
-    with DEFAULT_CONFIG.open("rb") as f:
-        cfg = tomllib.load(f)
-    if path is not None and Path(path).resolve() != DEFAULT_CONFIG:
-        with Path(path).open("rb") as f:
-            cfg = _merge(cfg, tomllib.load(f))
-    return _merge(cfg, overrides or {})
-
-
-__all__ = ["Cluster", "LaunchError", "Service", "load_config"]
+__all__ = ["Cluster", "LaunchError", "Service"]
 
 
 @dataclass
@@ -370,10 +344,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--prefill", type=int, default=None, help="number of prefill workers")
     up.add_argument("--decode", type=int, default=None, help="number of decode workers")
     up.set_defaults(func=run_up)
-    st = subparsers.add_parser("status", help="show the cluster started by `kvpool up`")
-    st.add_argument("--state", type=Path, default=None, help="state.json (default: the current run)")
-    st.add_argument("--json", action="store_true")
-    st.set_defaults(func=run_status)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
@@ -429,73 +399,3 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _grpc_serving(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as ch:
-        try:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError as exc:
-            return exc.code() == grpc.StatusCode.UNIMPLEMENTED  # up, but without a health service
-        return r.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def service_health(svc: dict) -> str:
-    """``down`` (no process), ``up`` (answers its health check), ``unhealthy``."""
-    if not _alive(int(svc["pid"])):
-        return "down"
-    if svc["role"] == "gateway":
-        import httpx
-
-        try:
-            r = httpx.get(f"{svc['ready']['url']}/health", timeout=2.0)
-        except httpx.HTTPError:
-            return "unhealthy"
-        return "up" if r.status_code == 200 else "degraded"
-    return "up" if _grpc_serving(svc["address"]) else "unhealthy"
-
-
-def run_status(args: argparse.Namespace) -> int:
-    path = args.state or runs_root() / "current.json"
-    try:
-        state = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        print(f"kvpool status: no running cluster ({path} not found)", file=sys.stderr)
-        return 1
-    rows = [
-        {
-            "name": s["name"],
-            "role": s["role"],
-            "pid": s["pid"],
-            "address": s["address"],
-            "metrics": s.get("metrics"),
-            "health": service_health(s),
-            "log": s["log"],
-        }
-        for s in state["services"]
-    ]
-    if args.json:
-        print(
-            json.dumps({"run_dir": state["run_dir"], "gateway_url": state["gateway_url"], "services": rows})
-        )
-    else:
-        print(f"run dir {state['run_dir']}   gateway {state['gateway_url']}   routing {state.get('routing')}")
-        for r in rows:
-            print(
-                f"  {r['name']:<10} {r['role']:<8} pid {r['pid']:<8} {r['address']:<22} {r['health']:<10} "
-                f"{r['metrics'] or '-'}"
-            )
-    return 0 if all(r["health"] == "up" for r in rows) else 3

@@ -133,7 +133,7 @@ def test_healthcheck_script_fails_fast_on_a_dead_port() -> None:
 
 
 def test_local_config_is_what_kvpool_up_reads() -> None:
-    from kvpool.up import DEFAULT_CONFIG, load_config
+    from kvpool.up_config import DEFAULT_CONFIG, load_config
 
     assert DEFAULT_CONFIG == DEPLOY / "local.toml"
     cfg = load_config(overrides={"prefill": {"count": 3}})

@@ -23,7 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from store_helpers import location, start_node
 
 from kvpool.cluster import LocalCluster
-from kvpool.up import Cluster, load_config, run_status
+from kvpool.status import run_status
+from kvpool.up import Cluster
+from kvpool.up_config import load_config
 
 Samples = dict[tuple[str, frozenset], float]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.up import Cluster, LaunchError, load_config
+from kvpool.up import Cluster, LaunchError
+from kvpool.up_config import load_config
 
 
 def _gone(pid: int, within_s: float) -> bool:

@@ -46,7 +46,8 @@ def test_argument_errors_and_a_dead_endpoint(capsys):
 
 @pytest.mark.slow  # a whole `kvpool up` cluster: master, node, 2 prefill, 1 decode, gateway
 def test_verify_through_the_openai_gateway(tmp_path):
-    from kvpool.up import Cluster, load_config
+    from kvpool.up import Cluster
+    from kvpool.up_config import load_config
     from kvpool.verify import run_verify_endpoint
 
     config = load_config(overrides={"gateway": {"port": 0}, "cluster": {"ready_timeout_s": 150}})

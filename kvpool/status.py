@@ -1,0 +1,89 @@
+"""``kvpool status``: every service of the cluster ``kvpool up`` started, its pid, address, health and metrics
+endpoint, read from the run's ``state.json``; exit 0 only when every service answers its health check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvpool.up_config import runs_root
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    st = subparsers.add_parser("status", help="show the cluster started by `kvpool up`")
+    st.add_argument("--state", type=Path, default=None, help="state.json (default: the current run)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=run_status)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNIMPLEMENTED  # up, but without a health service
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def service_health(svc: dict) -> str:
+    """``down`` (no process), ``up`` (answers its health check), ``unhealthy``."""
+    if not _alive(int(svc["pid"])):
+        return "down"
+    if svc["role"] == "gateway":
+        import httpx
+
+        try:
+            r = httpx.get(f"{svc['ready']['url']}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return "unhealthy"
+        return "up" if r.status_code == 200 else "degraded"
+    return "up" if _grpc_serving(svc["address"]) else "unhealthy"
+
+
+def run_status(args: argparse.Namespace) -> int:
+    path = args.state or runs_root() / "current.json"
+    try:
+        state = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        print(f"kvpool status: no running cluster ({path} not found)", file=sys.stderr)
+        return 1
+    rows = [
+        {
+            "name": s["name"],
+            "role": s["role"],
+            "pid": s["pid"],
+            "address": s["address"],
+            "metrics": s.get("metrics"),
+            "health": service_health(s),
+            "log": s["log"],
+        }
+        for s in state["services"]
+    ]
+    if args.json:
+        print(
+            json.dumps({"run_dir": state["run_dir"], "gateway_url": state["gateway_url"], "services": rows})
+        )
+    else:
+        print(f"run dir {state['run_dir']}   gateway {state['gateway_url']}   routing {state.get('routing')}")
+        for r in rows:
+            print(
+                f"  {r['name']:<10} {r['role']:<8} pid {r['pid']:<8} {r['address']:<22} {r['health']:<10} "
+                f"{r['metrics'] or '-'}"
+            )
+    return 0 if all(r["health"] == "up" for r in rows) else 3
