@@ -1,0 +1,1 @@
+"""kvpool.workloads.commands: one module per workloads command (replay, price, report, trace)."""

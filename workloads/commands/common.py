@@ -1,0 +1,114 @@
+"""What every workloads command shares: sizes and token counts as typed arguments, the error guard
+(a ``WorkloadError`` becomes ``kvpool <cmd>: error: <message>`` and exit 2), JSON output, trace loading and
+progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.workloads.errors import ReplayError, WorkloadError
+
+EXIT_BAD_INPUT = 2
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgtp]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "p": 10**15,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+    "pi": 2**50,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"512GiB"``, ``"1.5TB"``, ``"4e9"`` -> bytes (int, > 0)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ReplayError(f"not a size: {text!r} (examples: 4e9, 512GiB, 1.5TB)")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ReplayError(f"size must be > 0: {text!r}")
+    return value
+
+
+def guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except WorkloadError as e:
+            print(f"kvpool {args.command}: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except BrokenPipeError:  # output piped into `head`: stop quietly, as other CLI tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+
+    run.__doc__ = fn.__doc__
+    return run
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=None, separators=(", ", ": "), default=str)
+    sys.stdout.write("\n")
+
+
+def load_requests(trace: str, limit: int | None) -> list:
+    from kvpool.workloads.trace import read_trace, resolve_trace
+
+    path = resolve_trace(trace)
+    reqs = read_trace(path, workload=trace if trace in ("conversation", "synthetic") else None)
+    if limit is not None:
+        if limit <= 0:
+            raise ReplayError("--limit must be > 0")
+        reqs = sorted(reqs, key=lambda r: r.arrival_ms)[:limit]
+    if not reqs:
+        raise ReplayError(f"{trace}: no requests")
+    return reqs
+
+
+def progress_factory(args: argparse.Namespace) -> Callable[[str], Any]:
+    from kvpool.workloads.progress import Progress
+
+    enabled = None if args.progress is None else args.progress
+    return lambda label: Progress(label, enabled)
+
+
+def add_progress_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="force the progress bar"
+    )
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="never draw the progress bar")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def tokens_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    return value  # sign checked by pricing, so the message names the field

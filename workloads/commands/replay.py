@@ -1,0 +1,248 @@
+"""``kvpool replay``: a trace simulated through the master's own index, or replayed against a live gateway;
+hit rates per workload and tenant as tables or JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpool.workloads.commands.common import (
+    add_progress_flags,
+    fmt_bytes,
+    guard,
+    load_requests,
+    parse_size,
+    print_json,
+    progress_factory,
+)
+from kvpool.workloads.errors import ReplayError
+
+
+def _capacities(text: str | None, unit: str, reqs: list, spec: Any, block_size: int) -> list[int] | None:
+    from kvpool.workloads.sweep import auto_capacities, sweep_range
+
+    if text is None:
+        return None
+    if text.strip() == "auto":
+        lo, hi = sweep_range(reqs, spec, block_size)
+        caps = auto_capacities(hi, 8, lo)
+        if unit == "bytes":
+            caps = [c * spec.mla_bytes_per_token * block_size for c in caps]
+        return caps
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if unit == "bytes":
+            out.append(parse_size(part))
+        else:
+            try:
+                value = int(part)
+            except ValueError:
+                raise ReplayError(f"--capacity-blocks takes integers or 'auto', got {part!r}") from None
+            if value <= 0:
+                raise ReplayError(f"--capacity-blocks must be > 0, got {value}")
+            out.append(value)
+    if not out:
+        raise ReplayError("empty capacity list")
+    return out
+
+
+@guard
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Replay a trace, simulated (default) or live."""
+    from kvpool.workloads.trace import with_synthetic_tokens
+
+    if args.live and args.sim:
+        raise ReplayError("choose --sim or --live, not both")
+    reqs = load_requests(args.trace, args.limit)
+    if args.live:
+        from kvpool.workloads.live import replay_live
+
+        if args.vocab:
+            reqs = list(with_synthetic_tokens(reqs, args.vocab))
+        summary = replay_live(
+            reqs,
+            args.live,
+            model=args.model,
+            speed=args.speed,
+            concurrency=args.concurrency,
+            progress=progress_factory(args)("live"),
+        )
+        if args.out:
+            Path(args.out).write_text(json.dumps(summary) + "\n", encoding="utf-8")
+        summary.pop("per_request", None)
+        print_json(summary) if args.json else _print_live_table(summary)
+        return 0 if summary["errors"] == 0 else 1
+    return _replay_sim(args, reqs)
+
+
+def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
+    from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
+    from kvpool.workloads.specs import get_spec
+    from kvpool.workloads.sweep import capacity_sweep, checkpoint_sweep, plot_rows, write_csv
+
+    spec = get_spec(args.spec, pure_mla=args.pure_mla)
+    bs = effective_block_size(reqs, spec, args.block_size)
+    if args.capacity_blocks is not None and args.capacity_bytes is not None:
+        raise ReplayError("give --capacity-blocks or --capacity-bytes, not both")
+    unit = "blocks" if args.capacity_blocks is not None else "bytes"
+    caps = _capacities(
+        args.capacity_blocks if unit == "blocks" else args.capacity_bytes, unit, reqs, spec, bs
+    )
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    ck = CheckpointPolicy.parse(args.checkpoints)
+    progress = progress_factory(args)
+    sweep = args.checkpoint_sweep is not None or len(policies) > 1 or (caps is not None and len(caps) > 1)
+    if sweep:
+        if caps is None:
+            raise ReplayError(
+                "a sweep needs capacities: --capacity-blocks or --capacity-bytes (a list or 'auto')"
+            )
+        out_dir = Path(args.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if args.checkpoint_sweep is not None:
+            cks = [CheckpointPolicy.parse(t) for t in args.checkpoint_sweep.split(";") if t.strip()]
+            rows = checkpoint_sweep(reqs, spec, caps, unit, policies[0], cks, bs, progress)
+            group, name = "checkpoints", "checkpoint_sweep"
+        else:
+            rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress)
+            group, name = "policy", "policy_sweep"
+        write_csv(rows, out_dir / f"{name}.csv")
+        metric = "token_hit_rate"
+        plot_rows(
+            rows, out_dir / f"{name}.png", group, metric, f"{args.trace}: {metric} vs capacity ({spec.name})"
+        )
+        if args.json:
+            print_json(
+                {"rows": rows, "csv": str(out_dir / f"{name}.csv"), "png": str(out_dir / f"{name}.png")}
+            )
+        else:
+            _print_rows(rows, group)
+            print(f"wrote {out_dir / (name + '.csv')} and {out_dir / (name + '.png')}")
+        return 0
+    if policies == ["optimum"]:
+        raise ReplayError("the offline optimum runs in a sweep: add another --policy or a capacity list")
+    cfg = SimConfig(
+        spec=spec,
+        policy=policies[0],
+        capacity=caps[0] if caps else None,
+        capacity_unit=unit,
+        block_size=bs,
+        checkpoints=ck,
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        store_output=not args.no_output_blocks,
+        visibility_delay_ms=args.visibility_delay_ms,
+    )
+    result = simulate(reqs, cfg, progress(f"replay {args.trace}"))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result.to_dict(per_request=True)) + "\n", encoding="utf-8")
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        _print_sim_table(result.to_dict())
+    return 0
+
+
+def _print_sim_table(d: dict[str, Any]) -> None:
+    cfg = d["config"]
+    cap = "unbounded" if cfg["capacity"] is None else f"{cfg['capacity']} {cfg['capacity_unit']}"
+    print(
+        f"spec {cfg['spec']}  policy {cfg['policy']}  capacity {cap}  block {cfg['block_size']}  "
+        f"checkpoints {cfg['checkpoints'] if cfg['hybrid'] else 'n/a (pure MLA)'}"
+    )
+    head = (
+        f"{'workload':<14}{'requests':>9}{'block hit':>11}{'token hit':>11}{'MLA hit':>9}{'lost':>8}"
+        f"{'MLA written':>14}{'KDA written':>14}{'evicted':>14}"
+    )
+    print(head)
+    print("-" * len(head))
+    rows = [*d["workloads"].items(), ("ALL", d)]
+    for name, w in rows:
+        print(
+            f"{name:<14}{w['requests']:>9}{w['block_hit_rate']:>11.2%}{w['token_hit_rate']:>11.2%}"
+            f"{w['mla_token_hit_rate']:>9.2%}{w['lost_token_fraction']:>8.2%}"
+            f"{fmt_bytes(w['mla_bytes_written']):>14}{fmt_bytes(w['kda_bytes_written']):>14}"
+            f"{fmt_bytes(w['bytes_evicted']):>14}"
+        )
+    print(
+        f"evicted {d['objects_evicted']} objects / {fmt_bytes(d['bytes_evicted'])}; "
+        f"held at end {fmt_bytes(d['bytes_held'])}"
+    )
+
+
+def _print_rows(rows: Sequence[dict[str, Any]], group: str) -> None:
+    head = f"{group:<28}{'capacity':>14}{'GiB':>10}{'block hit':>11}{'token hit':>11}{'lost':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r[group]:<28}{r['capacity']!s:>14}{float(r['capacity_bytes']) / 2**30:>10.1f}"
+            f"{float(r['block_hit_rate']):>11.2%}{float(r['token_hit_rate']):>11.2%}"
+            f"{float(r['lost_token_fraction'] or 0):>8.2%}"
+        )
+
+
+def _print_live_table(s: dict[str, Any]) -> None:
+    print(
+        f"{'workload':<14}{'requests':>9}{'errors':>8}{'token hit':>11}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
+    )
+    for name, w in [*s["workloads"].items(), ("ALL", s)]:
+        print(
+            f"{name:<14}{w['requests']:>9}{w['errors']:>8}{w['token_hit_rate']:>11.2%}"
+            f"{w['ttft_ms_p50']:>10.1f}{w['ttft_ms_p90']:>9.1f}{w['ttft_ms_p99']:>9.1f}"
+        )
+    for err in s["first_errors"]:
+        print(f"error: {err}", file=sys.stderr)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``replay`` to the ``kvpool`` command line."""
+    from kvpool.workloads.specs import SPECS
+
+    specs = sorted(SPECS)
+    r = subparsers.add_parser("replay", help="replay a trace: simulated (default) or against a live gateway")
+    r.add_argument("trace", help="bundled trace name (conversation, synthetic) or a JSONL file (.gz ok)")
+    r.add_argument("--sim", action="store_true", help="simulate through the master's index (the default)")
+    r.add_argument("--live", metavar="URL", help="OpenAI-compatible gateway base URL (instead of --sim)")
+    r.add_argument("--spec", choices=specs, default="k3", help="model spec for byte sizes (default k3)")
+    r.add_argument("--pure-mla", action="store_true", help="ignore KDA state: plain longest-MLA-prefix hits")
+    r.add_argument("--block-size", type=int, help="tokens per block for token records (default: spec's)")
+    r.add_argument("--capacity-bytes", help="capacity in bytes (512GiB, 4e12; a comma list or 'auto' sweeps)")
+    r.add_argument("--capacity-blocks", help="capacity in MLA blocks (a comma list or 'auto' sweeps)")
+    r.add_argument(
+        "--policy", default="lru", help="eviction policy, or a comma list (add 'optimum') to sweep"
+    )
+    r.add_argument(
+        "--checkpoints",
+        default="prompt,output,junction",
+        help="checkpoint policy: any of prompt,output,junction,every=N or none",
+    )
+    r.add_argument(
+        "--checkpoint-sweep", metavar="P1;P2;...", help="compare checkpoint policies (';'-separated)"
+    )
+    r.add_argument("--high-watermark", type=float, default=0.95)
+    r.add_argument("--low-watermark", type=float, default=0.85)
+    r.add_argument("--no-output-blocks", action="store_true", help="do not store blocks closed by replies")
+    r.add_argument(
+        "--visibility-delay-ms",
+        type=float,
+        default=0.0,
+        help="a request's objects become visible this long after its arrival (prefill + decode time)",
+    )
+    r.add_argument("--limit", type=int, help="replay only the first N requests (by arrival)")
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    r.add_argument("--out", help="write the full result (with per-request detail, for `kvpool price`) here")
+    r.add_argument(
+        "--out-dir", default="out/replay", help="where sweeps write CSV and PNG (default out/replay)"
+    )
+    r.add_argument("--model", default="default", help="live: model name to send")
+    r.add_argument("--speed", type=float, default=1.0, help="live: time compression (0 = no waiting)")
+    r.add_argument("--concurrency", type=int, default=256, help="live: requests in flight at most")
+    r.add_argument("--vocab", type=int, help="live: synthesise tokens from hash ids with this vocabulary")
+    add_progress_flags(r)
+    r.set_defaults(func=cmd_replay)
