@@ -104,6 +104,7 @@ class DecodeEngine:
         handoff.sampling.validate()
         if handoff.tail_key != tail_key(handoff.request_id):
             raise BadRequestError("handoff tail_key is not the request's tail key")
+        # re-derived, not trusted: a handoff must not point decode at another prompt's or tenant's blocks
         want = hash_blocks(handoff.prompt_ids, self.block_size, self._root(handoff.tenant))
         if [bytes(h) for h in handoff.block_hashes] != want:
             raise BadRequestError("handoff block_hashes do not match its prompt / tenant / model")
@@ -179,7 +180,10 @@ class DecodeEngine:
         first, end = len(handoff.prompt_ids) // B, state.n_tokens // B
         if end <= first and snapshot is None:
             return
-        hashes = hash_blocks(consumed, B, self._root(handoff.tenant))
+        # the prompt's blocks were hashed (and checked) once in ``check``: extend that chain, never rehash it
+        prompt_chain = [bytes(h) for h in handoff.block_hashes]
+        parent = prompt_chain[-1] if prompt_chain else self._root(handoff.tenant)
+        hashes = [*prompt_chain, *hash_blocks(consumed[first * B :], B, parent)]
         mla = {i: state.latents(i) for i in state.mla_layers}
         push = await push_blocks(
             self.store, self.schema, hashes, mla, first, end, handoff.tenant, timeout_s=self.timeout_s

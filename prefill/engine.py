@@ -97,6 +97,8 @@ class PrefillEngine:
         request.sampling.validate()
 
     def hashes(self, prompt_ids: list[int], tenant: str) -> list[bytes]:
+        """The prompt's chain, derived here from the tokens and tenant (once per request): the gateway's probe
+        chain is routing advice only, and a chain taken from a caller could name another tenant's blocks."""
         return hash_blocks(prompt_ids, self.block_size, root_hash(self.model.fingerprint(), tenant))
 
     async def run(self, request: PrefillRequest, *, keep_state: bool = False) -> PrefillOutcome:
