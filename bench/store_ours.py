@@ -2,9 +2,8 @@
 
 Everything runs against real processes started through the project's CLIs (``kvpool store master`` and
 ``kvpool store node``), waiting on their JSON readiness lines, with the bench process as the client
-(``kvpool.kvstore.client.async_client.AsyncStoreClient`` with the transport forced, so an unusable
-transport is an
-error, not a silent fallback to another one). Timing and verification follow ``store_common``.
+(``kvpool.kvstore.client.async_client.AsyncStoreClient`` with the transport forced, so an unusable transport
+is an error, not a silent fallback to another one). Timing and verification follow ``store_common``.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ from pathlib import Path
 
 from kvpool.runtime.spawn import Child, LaunchError, spawn
 
-__all__ = ["Child", "LaunchError", "LocalCluster", "spawn"]
-
 
 @dataclass
 class LocalCluster:

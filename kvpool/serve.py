@@ -1,9 +1,9 @@
 """``kvpool prefill`` / ``kvpool decode``: assemble a worker process from the prefill and decode engines.
 
 Why here and not in ``prefill/`` or ``decode/``: a colocated worker (``kvpool decode --colocated``) serves
-both
-contracts from one process (one model thread, one store client), so the assembly is the one place that knows
-both engines; ``prefill`` and ``decode`` stay independent of each other and share only ``kvpool.worker``.
+both contracts from one process (one model thread, one store client), so the assembly is the one place that
+knows both engines; ``prefill`` and ``decode`` stay independent of each other and share only
+``kvpool.worker``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kvpool.worker.process import (
     add_prefill_args,
     build_runtime,
     ready_fields,
-    serve_until_signal,
+    serve_worker,
 )
 
 
@@ -119,4 +119,4 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
 
     server = WorkerServer(services, args.host, args.port)
     http = MetricsHttpServer(metrics.registry, args.host, args.metrics_port) if metrics else None
-    return await serve_until_signal(server, ready_fields("+".join(roles), args, rt.model), close, http)
+    return await serve_worker(server, ready_fields("+".join(roles), args, rt.model), close, http)

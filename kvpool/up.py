@@ -45,8 +45,6 @@ def _metrics_args(section: dict, i: int) -> list[str]:
     return ["--metrics-port", str(int(port) + i if int(port) else 0)]
 
 
-__all__ = ["Cluster", "LaunchError", "Service"]
-
 
 @dataclass
 class Service(Child):

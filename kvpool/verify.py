@@ -336,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
         return _emit(report, args.json)
     if args.prefill is None:
-        from kvpool.cluster import LaunchError, LocalCluster
+        from kvpool.cluster import LocalCluster
+        from kvpool.runtime.spawn import LaunchError
 
         try:
             cluster = LocalCluster(model=args.model, block_size=args.block_size, threads=args.threads).start()

@@ -291,7 +291,7 @@ def test_unreachable_store_serves_without_cache_or_fails_when_asked(tmp_path, re
     """Workers whose master does not answer: default policy serves from scratch, `fail` refuses."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvpool.cluster import spawn
+    from kvpool.runtime.spawn import spawn
 
     common = ["--master", "127.0.0.1:9", "--model", "tiny", "--store-timeout", "1", "--threads", "1"]
     specs = [
@@ -337,7 +337,7 @@ def test_verify_against_given_workers(cluster):
 
 def test_colocated_worker_serves_both_contracts(cluster, reference, tmp_path):
     """`kvpool decode --colocated`: one process, one model thread, Prefill + Decode on one port."""
-    from kvpool.cluster import spawn
+    from kvpool.runtime.spawn import spawn
 
     child = spawn(
         "colocated",

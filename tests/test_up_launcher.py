@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from kvpool.runtime.spawn import LaunchError
 
-from kvpool.up import Cluster, LaunchError
+from kvpool.up import Cluster
 from kvpool.up_config import load_config
 
 

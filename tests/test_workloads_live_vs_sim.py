@@ -24,7 +24,8 @@ from kvpool.workloads.sim import CheckpointPolicy, SimConfig, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import Request
 
-from kvpool.up import Cluster, load_config
+from kvpool.up import Cluster
+from kvpool.up_config import load_config
 
 CHECKPOINTS = "end,junction"  # the prefill workers' policy (deploy/local.toml's default, set explicitly)
 CAPACITY = "256MiB"

@@ -21,7 +21,7 @@ from kvpool.kvstore.client.async_client import AsyncStoreClient
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import load_tokenizer
-from kvpool.runtime.lifecycle import serve_until_signal as serve_until_signal_
+from kvpool.runtime.lifecycle import serve_until_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
 from kvpool.worker.errors import ON_CACHE_ERROR
 from kvpool.worker.store_io import DEFAULT_TIMEOUT_S
@@ -140,36 +140,26 @@ class WorkerServer:
             await self._server.stop(grace_s)
 
 
-async def serve_until_signal(
+async def serve_worker(
     server: WorkerServer, ready: dict, on_stop: Callable[[], object], metrics: MetricsHttpServer | None = None
 ) -> int:
-    """Start (the gRPC server, then ``metrics`` when given), print the readiness line (with
-    ``metrics_port``), run until SIGTERM/SIGINT, stop gracefully (``kvpool.runtime.lifecycle``)."""
+    """Start the gRPC server (then ``metrics`` when given), print the readiness line (with ``metrics_port``),
+    run until SIGTERM/SIGINT, stop gracefully: the one lifecycle of ``kvpool.runtime.lifecycle``."""
 
     async def start() -> dict:
         port = await server.start()
-        return {
-            "host": server.host,
-            "port": port,
-            **ready,
-            "metrics_port": await metrics.start() if metrics is not None else None,
-        }
-
-    stopped = False
+        metrics_port = await metrics.start() if metrics is not None else None
+        return {"host": server.host, "port": port, **ready, "metrics_port": metrics_port}
 
     async def stop() -> None:
-        nonlocal stopped
-        if stopped:
-            return
-        stopped = True
         if metrics is not None:
             await metrics.stop()
-        await server.stop(0 if not server.port else 1.0)
+        await server.stop()
         result = on_stop()
         if asyncio.iscoroutine(result):
             await result
 
-    return await serve_until_signal_("worker", start, stop)
+    return await serve_until_signal("worker", start, stop)
 
 
 def ready_fields(role: str, args: argparse.Namespace, model: HybridModel) -> dict:

@@ -46,9 +46,9 @@ NODE = "sim"
 @dataclass(frozen=True, slots=True)
 class CheckpointPolicy:
     """Where KDA checkpoints are written (overview §3): the prompt-side rules are the prefill's own
-    :class:`kvpool.worker.checkpoint_policy.CheckpointPolicy` (end of prompt, junction, every N blocks),
-    the output
-    rule is the decode engine's end-of-output checkpoint. ``interval_blocks`` 0 disables the interval."""
+    :class:`kvpool.worker.checkpoint_policy.CheckpointPolicy` (end of prompt, junction, every N blocks), the
+    output rule is the decode engine's end-of-output checkpoint. ``interval_blocks`` 0 disables the
+    interval."""
 
     end_of_prompt: bool = True
     end_of_output: bool = True

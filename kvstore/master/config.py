@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool.kvstore.errors import FailedPrecondition, InvalidRequest, MasterError, NotFound, ResourceExhausted
-
 MAX_KEYS_PER_CALL = 100_000
 MAX_BLOCKS_PER_MATCH = 1 << 16  # 65,536 blocks x 512 tokens: far beyond any context
 MAX_TENANT_CHARS = 256
@@ -14,16 +12,13 @@ MAX_PIN_MS = 24 * 3600 * 1000
 # An inventory this large is a bulk load: the index is sized for it up front and the freed request memory
 # is returned to the OS afterwards (smaller ones grow the index as puts do; their garbage is noise).
 BULK_ADOPTION_OBJECTS = 4096
-# From the first bulk load on, blocks this big are their own mappings (kvstore/master/malloc_ctl.py): above
-# every
-# per-call message of the hot paths (a 2,000-block MatchPrefix reply is ~0.2 MB), below the index's
-# columns, slot lists and dict tables at scale and below a large inventory message.
+# From the first bulk load on, blocks this big are their own mappings (kvstore/master/malloc_ctl.py):
+# above every per-call message of the hot paths (a 2,000-block MatchPrefix reply is ~0.2 MB), below the
+# index's columns, slot lists and dict tables at scale and below a large inventory message.
 BULK_MMAP_THRESHOLD = 1 << 20
 # Sweeps that trim after a bulk load: the request is freed only after its reply went out, which a sweep
 # can precede; a trim with nothing to release costs ~0.03 ms, the first one after 1 M objects ~4 ms.
 TRIM_SWEEPS_AFTER_BULK = 3
-
-__all__ = ["FailedPrecondition", "InvalidRequest", "MasterError", "NotFound", "ResourceExhausted"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,11 +3,9 @@
 
 :meth:`CoreDispatch.run` calls the synchronous core method on the event loop (one thread: no locks), maps
 :class:`~kvpool.kvstore.master.core.MasterError` to its status name and message, turns any other exception
-into
-INTERNAL (a bug costs one call, never the server) and hands the node orders the call produced to the
-:class:`~kvpool.kvstore.master.node_notifier.NodeNotifier` right away. Most replies go out at once; the
-calls in
-:data:`WAITS_FOR_NODES` are answered only after their node orders were attempted (bounded), which
+into INTERNAL (a bug costs one call, never the server) and hands the node orders the call produced to the
+:class:`~kvpool.kvstore.master.node_notifier.NodeNotifier` right away. Most replies go out at once; the calls
+in :data:`WAITS_FOR_NODES` are answered only after their node orders were attempted (bounded), which
 :meth:`CoreDispatch.settle` does.
 """
 

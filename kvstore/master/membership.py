@@ -97,9 +97,8 @@ class NodeMembership(MasterBase):
         self.index.reserve(objects)
 
     def _release_adoption_garbage(self) -> None:
-        """Run by the sweep for a few rounds after a bulk adoption, by when its request has been freed:
-        hand the pages it occupied back to the OS (``kvstore/master/malloc_ctl.py``). Never on a put/get
-        path."""
+        """Run by the sweep for a few rounds after a bulk adoption, by when its request has been freed: hand
+        the pages it occupied back to the OS (``kvstore/master/malloc_ctl.py``). Never on a put/get path."""
         if not self._trim_sweeps_left:
             return
         self._trim_sweeps_left -= 1

@@ -2,12 +2,11 @@
 listener (``master_wire``: the clients' hot calls without gRPC's per-call cost) next to them.
 
 Every handler runs the synchronous :class:`~kvpool.kvstore.master.core.MasterCore` method on the event loop
-(one thread: no locks) through :class:`~kvpool.kvstore.master.dispatch.CoreDispatch`, shared with the
-wire: a :class:`~kvpool.kvstore.master.core.MasterError` becomes its status code with the message, any other
-exception INTERNAL without taking the server down, and the node orders the call produced go to the
+(one thread: no locks) through :class:`~kvpool.kvstore.master.dispatch.CoreDispatch`, shared with the wire: a
+:class:`~kvpool.kvstore.master.core.MasterError` becomes its status code with the message, any other exception
+INTERNAL without taking the server down, and the node orders the call produced go to the
 :class:`~kvpool.kvstore.master.node_notifier.NodeNotifier` right away. ``Describe`` tells clients the wire
-port. A
-background task runs :meth:`MasterCore.sweep` (dead nodes, abandoned puts, lease/pin/TTL expiry) every
+port. A background task runs :meth:`MasterCore.sweep` (dead nodes, abandoned puts, lease/pin/TTL expiry) every
 ``sweep_interval_s``. Sync and async client stubs both work against it.
 """
 
