@@ -19,9 +19,9 @@ from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.router import Lookup, Plan, Router
 from kvpool.gateway.workers import Worker
 from kvpool.proto import decode_pb2, prefill_pb2
+from kvpool.worker.client import DecodeStreamEndedError, first_chunk, run_prefill, start_decode
 from kvpool.worker.handoff import PrefillRequest
 from kvpool.worker.sampling import SamplingParams
-from kvpool.worker.wire import request_to_pb
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
@@ -154,14 +154,15 @@ class Service:
         while True:
             decode.inflight += 1
             decode.queued_tokens += req.sampling.max_tokens
-            call = decode.stub.Generate(  # type: ignore[attr-defined]
-                decode_pb2.GenerateRequest(handoff=reply.handoff), timeout=self._left(deadline, "decode")
-            )
+            call = start_decode(decode.stub, reply, self._left(deadline, "decode"))  # type: ignore[arg-type]
             try:
-                first = await call.read()
-                if first is grpc.aio.EOF:
-                    raise BackendUnavailable(f"decode worker {decode.address} sent nothing")
+                first = await first_chunk(call, decode.address)
                 return Generation(self, req, plan, look, reply, decode, call, first, t0, deadline)
+            except DecodeStreamEndedError as exc:
+                decode.inflight -= 1
+                decode.queued_tokens -= req.sampling.max_tokens
+                call.cancel()
+                raise BackendUnavailable(str(exc)) from None
             except grpc.aio.AioRpcError as exc:
                 decode.inflight -= 1
                 decode.queued_tokens -= req.sampling.max_tokens
@@ -186,11 +187,11 @@ class Service:
             plan, look = await self.router.plan(req.prompt_ids, req.salt, req.sampling.max_tokens, excluded)
             w = plan.prefill
             rid = req.request_id if attempt == 0 else f"{req.request_id}-r{attempt}"
-            pb = request_to_pb(PrefillRequest(rid, req.prompt_ids, req.salt, req.sampling))
+            request = PrefillRequest(rid, req.prompt_ids, req.salt, req.sampling)
             w.inflight += 1
             w.queued_tokens += plan.dispatched_tokens
             try:
-                reply = await w.stub.Prefill(pb, timeout=self._left(deadline, "prefill"))  # type: ignore[attr-defined]
+                reply = await run_prefill(w.stub, request, self._left(deadline, "prefill"))  # type: ignore[arg-type]
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE:
                     raise rpc_error(exc, w) from None

@@ -1,6 +1,9 @@
-"""`DisaggClient`: one completion through a prefill worker then a decode worker (what a gateway does).
+"""The client side of the worker contracts: the three steps of a disaggregated completion, and
+`DisaggClient`, which runs them against one fixed prefill and one decode worker.
 
-Used by ``kvpool verify``, the integration tests and the TTFT bench. Every call carries a deadline.
+The steps (``run_prefill`` → ``start_decode`` → ``first_chunk``, then the rest of the stream) are the handoff
+protocol in one place: the gateway runs them with its routing, retries and streaming; ``kvpool verify``, the
+integration tests and the TTFT bench run them through `DisaggClient`. Every call carries a deadline.
 """
 
 from __future__ import annotations
@@ -11,8 +14,35 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 from kvpool.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvpool.worker.errors import ServingError
 from kvpool.worker.handoff import PrefillRequest
 from kvpool.worker.wire import logits_from_reply, request_to_pb
+
+
+class DecodeStreamEndedError(ServingError):
+    """A decode stream ended without sending its first chunk (or its final one)."""
+
+
+async def run_prefill(
+    stub: prefill_pb2_grpc.PrefillStub, request: PrefillRequest, timeout_s: float, return_logits: bool = False
+) -> prefill_pb2.PrefillReply:
+    """Step 1: the prompt through a prefill worker; the reply carries the handoff and the first token."""
+    return await stub.Prefill(request_to_pb(request, return_logits), timeout=timeout_s)
+
+
+def start_decode(
+    stub: decode_pb2_grpc.DecodeStub, reply: prefill_pb2.PrefillReply, timeout_s: float
+) -> grpc.aio.UnaryStreamCall:
+    """Step 2: hand the prefill's handoff to a decode worker; returns the open token stream."""
+    return stub.Generate(decode_pb2.GenerateRequest(handoff=reply.handoff), timeout=timeout_s)
+
+
+async def first_chunk(call: grpc.aio.UnaryStreamCall, where: str) -> decode_pb2.GenerateChunk:
+    """Step 3: the stream's first chunk (the first token); ``DecodeStreamEndedError`` if it sent nothing."""
+    chunk = await call.read()
+    if chunk is grpc.aio.EOF:
+        raise DecodeStreamEndedError(f"decode worker {where} sent nothing")
+    return chunk
 
 
 @dataclass
@@ -30,27 +60,26 @@ class RemoteCompletion:
 
 class DisaggClient:
     def __init__(self, prefill: str, decode: str, timeout_s: float = 60.0) -> None:
+        self.decode_address = decode
         self._channels = [grpc.aio.insecure_channel(prefill), grpc.aio.insecure_channel(decode)]
         self.prefill_stub = prefill_pb2_grpc.PrefillStub(self._channels[0])
         self.decode_stub = decode_pb2_grpc.DecodeStub(self._channels[1])
         self.timeout_s = timeout_s
 
     async def prefill(self, request: PrefillRequest, return_logits: bool = True) -> prefill_pb2.PrefillReply:
-        return await self.prefill_stub.Prefill(request_to_pb(request, return_logits), timeout=self.timeout_s)
+        return await run_prefill(self.prefill_stub, request, self.timeout_s, return_logits)
 
     async def complete(self, request: PrefillRequest, return_logits: bool = True) -> RemoteCompletion:
         t0 = time.perf_counter()
         reply = await self.prefill(request, return_logits)
         ttft = time.perf_counter() - t0
-        chunks = []
-        call = self.decode_stub.Generate(
-            decode_pb2.GenerateRequest(handoff=reply.handoff), timeout=self.timeout_s
-        )
-        async for chunk in call:
+        call = start_decode(self.decode_stub, reply, self.timeout_s)
+        chunks = [await first_chunk(call, self.decode_address)]
+        while not chunks[-1].final and (chunk := await call.read()) is not grpc.aio.EOF:
             chunks.append(chunk)
         final = chunks[-1]
         if not final.final:
-            raise RuntimeError("decode stream ended without a final chunk")
+            raise DecodeStreamEndedError("decode stream ended without a final chunk")
         return RemoteCompletion(
             tokens=[c.token_id for c in chunks[:-1]],
             text=final.text,
