@@ -26,12 +26,12 @@ from kvpool.prefill.metrics import PrefillMetrics
 from kvpool.prefill.server import SERVICE_NAME as PREFILL_SERVICE
 from kvpool.prefill.server import PrefillService
 from kvpool.proto import decode_pb2_grpc, prefill_pb2_grpc
+from kvpool.runtime.grpc_server import GrpcServer
 from kvpool.runtime.metrics_http import MetricsHttpServer
 from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.worker.metrics import worker_registry
 from kvpool.worker.model_runner import ModelRunner
 from kvpool.worker.process import (
-    WorkerServer,
     add_common_args,
     add_prefill_args,
     build_runtime,
@@ -117,6 +117,6 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
             await rt.store.close()
         runner.close()
 
-    server = WorkerServer(services, args.host, args.port)
+    server = GrpcServer(services, args.host, args.port)
     http = MetricsHttpServer(metrics.registry, args.host, args.metrics_port) if metrics else None
     return await serve_worker(server, ready_fields("+".join(roles), args, rt.model), close, http)

@@ -55,8 +55,14 @@ class MetricsHttpServer:
             else:
                 body, status, ctype = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
             writer.write(
-                b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
-                + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+                b"HTTP/1.1 "
+                + status
+                + b"\r\nContent-Type: "
+                + ctype
+                + b"\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\nConnection: close\r\n\r\n"
+                + body
             )
             await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError) as exc:

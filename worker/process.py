@@ -16,17 +16,16 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpool.kvstore.client.async_client import AsyncStoreClient
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import load_tokenizer
+from kvpool.runtime.grpc_server import GrpcServer
 from kvpool.runtime.lifecycle import serve_until_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
 from kvpool.worker.errors import ON_CACHE_ERROR
 from kvpool.worker.store_io import DEFAULT_TIMEOUT_S
 
-MAX_MESSAGE_BYTES = 64 << 20
 log = logging.getLogger("kvpool.worker")
 
 
@@ -97,51 +96,8 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     return Runtime(model, store, tokenizer)
 
 
-class WorkerServer:
-    """grpc.aio server + health service for the worker's servicers (one per role)."""
-
-    def __init__(
-        self,
-        services: dict[str, Callable[[grpc.aio.Server], None]],
-        host: str,
-        port: int,
-    ) -> None:
-        self.services = services  # gRPC service name -> function adding its servicer to a server
-        self.host = host
-        self.requested_port = port
-        self.health = health.aio.HealthServicer()
-        self.port = 0
-        self._server: grpc.aio.Server | None = None
-
-    async def start(self) -> int:
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
-        for add in self.services.values():
-            add(server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {self.host}:{self.requested_port}")
-        await server.start()
-        self._server = server
-        for name in ("", *self.services):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return self.port
-
-    async def stop(self, grace_s: float = 1.0) -> None:
-        for name in ("", *self.services):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self._server is not None:
-            await self._server.stop(grace_s)
-
-
 async def serve_worker(
-    server: WorkerServer, ready: dict, on_stop: Callable[[], object], metrics: MetricsHttpServer | None = None
+    server: GrpcServer, ready: dict, on_stop: Callable[[], object], metrics: MetricsHttpServer | None = None
 ) -> int:
     """Start the gRPC server (then ``metrics`` when given), print the readiness line (with ``metrics_port``),
     run until SIGTERM/SIGINT, stop gracefully: the one lifecycle of ``kvpool.runtime.lifecycle``."""

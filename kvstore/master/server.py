@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpool.kvstore.master.config import MasterConfig
 from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.master.dispatch import CoreCallError, CoreDispatch
@@ -27,6 +26,7 @@ from kvpool.kvstore.master.records import NodeAction
 from kvpool.kvstore.master.wire_server import MasterWireServer
 from kvpool.kvstore.protocol.master_wire import METHODS as WIRE_METHODS
 from kvpool.proto import master_pb2, master_pb2_grpc
+from kvpool.runtime.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +107,11 @@ class MasterServer:
         timeout_s = self.config.node_call_timeout_ms / 1000.0
         self.notifier = NodeNotifier(timeout_s, self.core.count, self._on_missing)
         self.dispatch = CoreDispatch(self.core, self.notifier)
-        self.health = health.aio.HealthServicer()
         self.sweep_interval_s = self.config.sweep_ms / 1000.0
         self.port = 0
         self.wire_port = 0
         self.wire: MasterWireServer | None = None
-        self._server: grpc.aio.Server | None = None
+        self._server: GrpcServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
@@ -127,23 +126,15 @@ class MasterServer:
             raise
 
     async def _start_grpc(self) -> int:
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
         servicer = MasterServicer(self.dispatch, self.wire_port)
-        master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {self.host}:{self.requested_port}")
-        await server.start()
+        server = GrpcServer(
+            {SERVICE_NAME: lambda s: master_pb2_grpc.add_MasterServicer_to_server(servicer, s)},
+            self.host,
+            self.requested_port,
+            MAX_MESSAGE_BYTES,
+        )
+        self.port = await server.start()
         self._server = server
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
         log.info(
             "master serving on %s:%d, wire %s (policy %s)",
@@ -155,8 +146,6 @@ class MasterServer:
         return self.port
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
@@ -169,7 +158,7 @@ class MasterServer:
 
     async def wait(self) -> None:
         if self._server is not None:
-            await self._server.wait_for_termination()
+            await self._server.wait()
 
     def _on_missing(self, node_id: str, action: NodeAction, keys: list[bytes]) -> None:
         self.core.node_could_not(node_id, action, keys)

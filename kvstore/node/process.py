@@ -19,16 +19,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpool.kvstore.node.metrics import TransportBytes, TransportTap, node_registry
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.node.registration import MasterRegistration
-from kvpool.kvstore.node.service import StorageNodeService
+from kvpool.kvstore.node.service import SERVICE_NAME, StorageNodeService
 from kvpool.kvstore.node.tcp_server import TcpDataServer
 from kvpool.kvstore.protocol.host import host_id
 from kvpool.proto import common_pb2, node_pb2_grpc
+from kvpool.runtime.grpc_server import GrpcServer
 from kvpool.runtime.lifecycle import print_ready, wait_for_stop_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
 
@@ -102,7 +101,7 @@ class StorageNode:
         self.endpoint = common_pb2.NodeEndpoint(host=config.host, host_id=host_id())
         self.tcp: TcpDataServer | None = None
         self.ucx = None
-        self.grpc_server: grpc.aio.Server | None = None
+        self.grpc_server: GrpcServer | None = None
         self.master: MasterRegistration | None = None
         self._reaper: asyncio.Task | None = None
         self.transport_bytes = TransportBytes()
@@ -130,31 +129,19 @@ class StorageNode:
             self.endpoint.ucx_port = self.ucx.port
         if "shm" in cfg.transports:
             self.endpoint.shm_name = self.pool.name
-        server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", 64 << 20),  # Delete/Demote batches from the master
-                ("grpc.max_send_message_length", 64 << 20),
-            ]
+        service = StorageNodeService(
+            TransportTap(self.store, "grpc", self.transport_bytes),  # type: ignore[arg-type]
+            lambda: self.endpoint,
         )
-        node_pb2_grpc.add_StorageNodeServicer_to_server(
-            StorageNodeService(
-                TransportTap(self.store, "grpc", self.transport_bytes),  # type: ignore[arg-type]
-                lambda: self.endpoint,
-            ),
-            server,
+        server = GrpcServer(  # 64 MiB messages: Delete/Demote batches from the master
+            {SERVICE_NAME: lambda s: node_pb2_grpc.add_StorageNodeServicer_to_server(service, s)},
+            cfg.host,
+            cfg.grpc_port,
         )
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
-        if port == 0:
-            raise OSError(f"cannot bind gRPC on {cfg.host}:{cfg.grpc_port}")
-        await server.start()
+        port = await server.start()
         self.grpc_server = server
         self.endpoint.grpc_port = port
         self.endpoint.node_id = cfg.node_id or f"{socket.gethostname()}-{port}"
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        await health_servicer.set("kvpool.v1.StorageNode", health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port is not None and cfg.metrics_port >= 0:
             registry = node_registry(self.store, self.transport_bytes, lambda: self.endpoint.node_id)
             self.metrics = MetricsHttpServer(registry, cfg.host, cfg.metrics_port)
@@ -194,7 +181,7 @@ class StorageNode:
         if self.metrics:
             await self.metrics.stop()
         if self.grpc_server:
-            await self.grpc_server.stop(grace=0.5)
+            await self.grpc_server.stop(grace_s=0.5)
         if self.ucx:
             await self.ucx.close()
         if self.tcp:

@@ -17,6 +17,7 @@ from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.protocol.grpc_errors import status_of
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 
+SERVICE_NAME = "kvpool.v1.StorageNode"
 MAX_KEYS_PER_CALL = 100_000
 
 
