@@ -95,8 +95,8 @@ class Cluster:
 
     # -- processes ---------------------------------------------------------------------------------------
     def _spawn(self, name: str, role: str, argv: list[str]) -> Service:
-        child = spawn_start(name, argv, self.run_dir / f"{name}.log", own_session=True)
-        svc = Service(child.name, child.popen, child.log_path, _offset=child._offset, role=role)
+        log_path = self.run_dir / f"{name}.log"
+        svc = spawn_start(name, argv, log_path, own_session=True, child_type=Service, role=role)
         self.services[name] = svc
         return svc
 

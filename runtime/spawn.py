@@ -21,10 +21,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 READY_TIMEOUT_S = 60.0
 POLL_S = 0.02
 PR_SET_PDEATHSIG = 1
+
+
+C = TypeVar("C", bound="Child")
 
 
 class LaunchError(RuntimeError):
@@ -110,8 +114,11 @@ def start(
     *,
     own_session: bool = False,
     env: dict[str, str] | None = None,
-) -> Child:
-    """Start ``python -m <module_argv>`` with stdout+stderr appended to ``log_path``; does not wait."""
+    child_type: type[C] = Child,  # type: ignore[assignment]
+    **fields: Any,
+) -> C:
+    """Start ``python -m <module_argv>`` with stdout+stderr appended to ``log_path``; does not wait.
+    ``child_type`` (a ``Child`` subclass) and its extra ``fields`` let a launcher keep its own view of it."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", **(env or {})}
     with log_path.open("ab") as out:
@@ -124,7 +131,7 @@ def start(
             env=child_env,
             preexec_fn=_child_setup_fn() if own_session else None,
         )
-    return Child(name, popen, log_path, _offset=offset)
+    return child_type(name, popen, log_path, _offset=offset, **fields)
 
 
 def wait_ready(child: Child, timeout_s: float = READY_TIMEOUT_S) -> dict:
@@ -160,9 +167,10 @@ def spawn(
     *,
     own_session: bool = False,
     env: dict[str, str] | None = None,
-) -> Child:
+    child_type: type[C] = Child,  # type: ignore[assignment]
+) -> C:
     """Start a child (log ``<log_dir>/<name>-<ns>.log``) and wait for its readiness line."""
     log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
-    child = start(name, module_argv, log_path, own_session=own_session, env=env)
+    child = start(name, module_argv, log_path, own_session=own_session, env=env, child_type=child_type)
     wait_ready(child, timeout_s)
     return child

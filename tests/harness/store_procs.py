@@ -51,8 +51,7 @@ def _spawn(
     timeout: float = READY_TIMEOUT_S,
 ):  # type: ignore[no-untyped-def]
     """``python -m kvpool.kvstore.cli ARGS`` (store-only entry: no torch import) through the one spawner."""
-    child = spawn(name, ["kvpool.kvstore.cli", *args], log_dir, timeout)
-    return cls(child.name, child.popen, child.log_path, child.ready, child._offset)
+    return spawn(name, ["kvpool.kvstore.cli", *args], log_dir, timeout, child_type=cls)
 
 
 def start_node(
