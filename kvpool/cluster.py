@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.runtime.spawn import Child, LaunchError, spawn
+from kvpool.service_argv import master_argv, node_argv, worker_argv
 
 
 @dataclass
@@ -33,43 +34,20 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         logs = self.log_dir or Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
         try:
-            master = spawn(
-                "master",
-                [
-                    "kvpool.kvstore.master.cli",
-                    "--port",
-                    "0",
-                    "--log-level",
-                    "WARNING",
-                    "--heartbeat-ms",
-                    "200",
-                    "--node-timeout-ms",
-                    "1500",
-                ],
-                logs,
-            )
+            master = spawn("master", master_argv(heartbeat_ms=200, node_timeout_ms=1500), logs)
             self.children["master"] = master
             self.log_dir = logs
-            common = [
-                "--master",
-                master.address,
-                "--model",
-                self.model,
-                "--block-size",
-                str(self.block_size),
-                "--transport",
-                self.transport,
-                "--store-timeout",
-                "3",
-                "--threads",
-                str(self.threads),
-                *self.worker_args,
-            ]
+            flags = dict(
+                model=self.model, block_size=self.block_size, threads=self.threads, transport=self.transport
+            )
+            extra = ["--store-timeout", "3", *self.worker_args]
             # node and workers only need the master: start them together (each import costs seconds)
             with ThreadPoolExecutor(3) as pool:
                 node = pool.submit(self.start_node, logs)
                 workers = {
-                    role: pool.submit(spawn, role, ["kvpool.cli", role, *common], logs)
+                    role: pool.submit(
+                        spawn, role, worker_argv(role, master.address, **flags, extra=extra), logs
+                    )
                     for role in ("prefill", "decode")
                 }
                 failures = []
@@ -92,17 +70,7 @@ class LocalCluster:
         """(Re)start the storage node (after a test killed it)."""
         node = spawn(
             "node",
-            [
-                "kvpool.kvstore.cli",  # store-only entry: no torch import, starts in a fraction of the time
-                "node",
-                "--master",
-                self.master,
-                "--capacity",
-                self.node_capacity,
-                "--transport",
-                "tcp,shm",
-                *self.node_args,
-            ],
+            node_argv(self.master, self.node_capacity, "tcp,shm", self.node_args),
             logs or self.log_dir or Path(tempfile.mkdtemp(prefix="kvpool-cluster-")),
         )
         self.children["node"] = node

@@ -31,6 +31,7 @@ from typing import Any
 
 from kvpool.runtime.spawn import Child, LaunchError, wait_ready
 from kvpool.runtime.spawn import start as spawn_start
+from kvpool.service_argv import master_argv, node_argv, worker_argv
 from kvpool.up_config import DEFAULT_CONFIG, load_config, runs_root
 
 STOP_TIMEOUT_S = 10.0
@@ -43,7 +44,6 @@ def _metrics_args(section: dict, i: int) -> list[str]:
     if port is None or port == "" or int(port) < 0:
         return []
     return ["--metrics-port", str(int(port) + i if int(port) else 0)]
-
 
 
 @dataclass
@@ -111,86 +111,36 @@ class Cluster:
             master = self._spawn(
                 "master",
                 "master",
-                [
-                    "kvpool.kvstore.master.cli",
-                    "--port",
-                    str(m.get("port", 0)),
-                    "--metrics-port",
-                    str(m.get("metrics_port", -1)),
-                    "--policy",
-                    m.get("policy", "lru"),
-                    "--heartbeat-ms",
-                    str(m.get("heartbeat_ms", 500)),
-                    "--node-timeout-ms",
-                    str(m.get("node_timeout_ms", 3000)),
-                    "--log-level",
-                    "WARNING",
-                ],
+                master_argv(
+                    port=int(m.get("port", 0)),
+                    metrics_port=int(m.get("metrics_port", -1)),
+                    policy=m.get("policy", "lru"),
+                    heartbeat_ms=int(m.get("heartbeat_ms", 500)),
+                    node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
+                ),
             )
             self._wait_ready(master, timeout)
             nodes = [
                 self._spawn(
                     f"node-{i}",
                     "node",
-                    [
-                        "kvpool.kvstore.cli",
-                        "node",
-                        "--master",
+                    node_argv(
                         master.address,
-                        "--capacity",
                         st["capacity"],
-                        "--transport",
                         st.get("transport", "tcp,shm"),
-                        *self._ssd_args(i),
-                        *_metrics_args(st, i),
-                    ],
+                        [*self._ssd_args(i), *_metrics_args(st, i)],
+                    ),
                 )
                 for i in range(int(st.get("nodes", 1)))
             ]
-            common = [
-                "--master",
-                master.address,
-                "--model",
-                cl["model"],
-                "--block-size",
-                str(cl["block_size"]),
-                "--threads",
-                str(cl.get("threads", 1)),
-            ]
             workers = [
-                self._spawn(
-                    f"prefill-{i}",
+                *self._spawn_workers(
                     "prefill",
-                    [
-                        "kvpool.cli",
-                        "prefill",
-                        *common,
-                        "--transport",
-                        pf.get("transport", "auto"),
-                        "--checkpoint-policy",
-                        pf.get("checkpoint_policy", "end,junction"),
-                        *_metrics_args(pf, i),
-                        *pf.get("args", []),
-                    ],
-                )
-                for i in range(int(pf.get("count", 1)))
-            ] + [
-                self._spawn(
-                    f"decode-{i}",
-                    "decode",
-                    [
-                        "kvpool.cli",
-                        "decode",
-                        *common,
-                        "--transport",
-                        dc.get("transport", "auto"),
-                        "--max-batch",
-                        str(dc.get("max_batch", 64)),
-                        *_metrics_args(dc, i),
-                        *dc.get("args", []),
-                    ],
-                )
-                for i in range(int(dc.get("count", 1)))
+                    master,
+                    pf,
+                    ["--checkpoint-policy", pf.get("checkpoint_policy", "end,junction")],
+                ),
+                *self._spawn_workers("decode", master, dc, ["--max-batch", str(dc.get("max_batch", 64))]),
             ]
             for svc in [*nodes, *workers]:
                 self._wait_ready(svc, timeout)
@@ -203,6 +153,28 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def _spawn_workers(
+        self, role: str, master: Service, section: dict, role_flags: list[str]
+    ) -> list[Service]:
+        """Start ``section["count"]`` workers of ``role``; all start at once (their torch imports overlap)."""
+        cl = self.config["cluster"]
+        return [
+            self._spawn(
+                f"{role}-{i}",
+                role,
+                worker_argv(
+                    role,
+                    master.address,
+                    model=cl["model"],
+                    block_size=int(cl["block_size"]),
+                    threads=int(cl.get("threads", 1)),
+                    transport=section.get("transport", "auto"),
+                    extra=[*role_flags, *_metrics_args(section, i), *section.get("args", [])],
+                ),
+            )
+            for i in range(int(section.get("count", 1)))
+        ]
 
     def _ssd_args(self, i: int) -> list[str]:
         """SSD tier of node ``i`` under the run dir when ``[store] ssd_capacity`` is set (removed at stop)."""
