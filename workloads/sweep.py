@@ -12,7 +12,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
 from kvpool.workloads.optimum import optimum
 from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
 from kvpool.workloads.specs import ModelSpec
@@ -72,6 +74,14 @@ def _row(
     return row
 
 
+def check_policies(policies: Sequence[str]) -> None:
+    """Every name is an online eviction policy, an offline one or ``optimum``; else the valid ones."""
+    valid = [*sorted(POLICIES), *OFFLINE_POLICIES, "optimum"]
+    for p in policies:
+        if p not in valid:
+            raise ReplayError(f"unknown eviction policy {p!r}; choose one of {', '.join(valid)}")
+
+
 def capacity_sweep(
     requests: Sequence[Request],
     spec: ModelSpec,
@@ -82,7 +92,10 @@ def capacity_sweep(
     block_size: int | None = None,
     progress: ProgressFactory | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (policy, capacity); policy ``optimum`` runs :func:`optimum` (unit-size blocks)."""
+    """One row per (policy, capacity); ``reference`` and ``bound`` run the offline schedules of
+    ``kvpool.workloads.offline`` (real bytes), ``optimum`` the MLA-only MIN (unit blocks, checkpoints
+    free)."""
+    check_policies(policies)
     bs = effective_block_size(requests, spec, block_size)
     full_block_bytes = spec.mla_bytes_per_token * bs
     rows = []
@@ -91,6 +104,12 @@ def capacity_sweep(
             label = f"{policy} @ {cap} {unit}"
             prog = progress(label) if progress else None
             cap_bytes = cap * full_block_bytes if unit == "blocks" else cap
+            if policy in OFFLINE_POLICIES:
+                res = run_offline(policy, requests, cap_bytes, spec, bs, progress=prog)
+                d = res.to_dict()
+                d["duration_s"] = _duration(requests)
+                rows.append(_row(spec, policy, "offline", cap, unit, cap_bytes, d))
+                continue
             if policy == "optimum":
                 blocks = cap if unit == "blocks" else cap // full_block_bytes
                 res = optimum(requests, blocks, spec.name, bs, progress=prog)
