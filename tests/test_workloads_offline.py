@@ -118,3 +118,15 @@ def test_on_the_conversation_trace_the_reference_beats_lru_and_the_bound_caps_ev
 def test_an_unknown_offline_policy_names_the_valid_ones() -> None:
     with pytest.raises(ReplayError, match="reference"):
         run_offline("belady", [], None, SMALL)
+
+
+def test_replay_runs_the_reference_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvpool.cli import main
+
+    args = ["replay", "conversation", "--limit", "400", "--policy", "reference", "--capacity-bytes", "89GiB"]
+    assert main([*args, "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "reference" and out["config"]["capacity"] == 89 * 2**30
+    assert 0 < out["token_hit_rate"] <= 1
