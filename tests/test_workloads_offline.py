@@ -130,3 +130,20 @@ def test_replay_runs_the_reference_from_the_command_line(capsys: pytest.CaptureF
     out = json.loads(capsys.readouterr().out)
     assert out["policy"] == "reference" and out["config"]["capacity"] == 89 * 2**30
     assert 0 < out["token_hit_rate"] <= 1
+
+
+def test_an_ssd_tier_under_dram_demotes_on_eviction_and_promotes_on_hit(conversation: list[Request]) -> None:
+    reqs = conversation[:2000]
+    k3 = get_spec("k3")
+    dram = simulate(reqs, SimConfig(spec=k3, capacity=29 * 2**30)).to_dict()
+    tiered = simulate(reqs, SimConfig(spec=k3, capacity=29 * 2**30, ssd_capacity=2 * 2**40)).to_dict()
+    assert dram["ssd_token_hit_rate"] == 0 and dram["objects_demoted"] == 0
+    assert tiered["objects_demoted"] > 0 and tiered["ssd_bytes_read"] > 0
+    assert tiered["token_hit_rate"] > dram["token_hit_rate"]
+    by_tier = tiered["dram_token_hit_rate"] + tiered["ssd_token_hit_rate"]
+    assert by_tier == pytest.approx(tiered["token_hit_rate"])
+
+
+def test_an_ssd_tier_without_a_dram_capacity_in_bytes_is_a_clear_error() -> None:
+    with pytest.raises(ReplayError, match="needs a DRAM capacity in bytes"):
+        SimConfig(spec=get_spec("k3"), capacity=100, capacity_unit="blocks", ssd_capacity=1).check()

@@ -32,7 +32,7 @@ from typing import Any
 
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import CapacityError, ObjectKind, StoreIndexError
+from kvpool.kvstore.index.records import CapacityError, ObjectKind, StoreIndexError, Tier
 from kvpool.worker.checkpoint_policy import CheckpointPolicy as PrefillCheckpointPolicy
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.errors import ReplayError
@@ -111,6 +111,7 @@ class SimConfig:
     low_watermark: float = 0.85
     store_output: bool = True
     visibility_delay_ms: float = 0.0  # objects of a request become visible this long after its arrival
+    ssd_capacity: int = 0  # bytes of SSD tier under the DRAM capacity: demote on eviction, promote on hit
 
     def check(self) -> None:
         if self.policy not in POLICIES:
@@ -121,6 +122,10 @@ class SimConfig:
             raise ReplayError(f"capacity must be a positive integer, got {self.capacity!r}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ReplayError("need 0 < low watermark <= high watermark <= 1")
+        if type(self.ssd_capacity) is not int or self.ssd_capacity < 0:
+            raise ReplayError(f"SSD capacity must be a non-negative integer, got {self.ssd_capacity!r}")
+        if self.ssd_capacity and (self.capacity is None or self.capacity_unit != "bytes"):
+            raise ReplayError("an SSD tier needs a DRAM capacity in bytes (--capacity-bytes)")
         if not math.isfinite(self.visibility_delay_ms) or self.visibility_delay_ms < 0:
             raise ReplayError(f"visibility delay must be >= 0 ms, got {self.visibility_delay_ms!r}")
         bs = self.block_size or self.spec.default_block_size
@@ -145,6 +150,8 @@ class Counters:
     kda_bytes_written: int = 0
     checkpoints_written: int = 0
     bytes_evicted: int = 0  # of objects this workload / tenant wrote, whoever caused the eviction
+    ssd_cached_tokens: int = 0  # usable-prefix tokens whose MLA block was read from the SSD tier
+    ssd_bytes_read: int = 0  # MLA blocks and checkpoints of usable prefixes read from SSD (then promoted)
 
     def add(self, other: Counters) -> None:
         for name in self.__slots__:  # type: ignore[attr-defined]
@@ -157,6 +164,10 @@ class Counters:
         d["token_hit_rate"] = self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
         d["mla_token_hit_rate"] = self.mla_hit_tokens / self.input_tokens if self.input_tokens else 0.0
         d["lost_token_fraction"] = self.lost_tokens / self.input_tokens if self.input_tokens else 0.0
+        d["dram_token_hit_rate"] = (
+            (self.cached_tokens - self.ssd_cached_tokens) / self.input_tokens if self.input_tokens else 0.0
+        )
+        d["ssd_token_hit_rate"] = self.ssd_cached_tokens / self.input_tokens if self.input_tokens else 0.0
         return d
 
 
@@ -169,6 +180,7 @@ class SimResult:
     bytes_evicted: int
     objects_evicted: int
     objects_refused: int  # larger than the whole capacity, or the pool is full of pinned objects
+    objects_demoted: int  # DRAM -> SSD moves (an SSD tier only)
     block_size: int  # tokens per block actually used
     bytes_held: int
     capacity_bytes: int | None
@@ -183,6 +195,7 @@ class SimResult:
             "bytes_evicted": self.bytes_evicted,
             "objects_evicted": self.objects_evicted,
             "objects_refused": self.objects_refused,
+            "objects_demoted": self.objects_demoted,
             "bytes_held": self.bytes_held,
             "capacity_bytes": self.capacity_bytes,
             "duration_s": self.duration_s,
@@ -195,6 +208,7 @@ class SimResult:
                 "checkpoints": c.checkpoints.label,
                 "hybrid": c.spec.hybrid,
                 "high_watermark": c.high_watermark,
+                "ssd_capacity": c.ssd_capacity,
                 "low_watermark": c.low_watermark,
             },
             "workloads": {w: s.to_dict() for w, s in sorted(self.per_workload.items())},
@@ -248,14 +262,15 @@ class _Replay:
             clock=self.clock,
             keep_events=True,
         )
-        self.idx.add_node(NODE, config.capacity if config.capacity is not None else INFINITE)
+        dram = config.capacity if config.capacity is not None else INFINITE
+        self.idx.add_node(NODE, dram, config.ssd_capacity)
         self.builder = ChainBuilder(spec.name, self.block_size)
         self.prefill_policy = config.checkpoints.prefill_policy()
         self.per_workload: dict[str, Counters] = {}
         self.per_tenant: dict[str, Counters] = {}
         self.real_size: dict[bytes, int] = {}
         self.owner: dict[bytes, tuple[Counters, Counters]] = {}  # object -> its writer's counters
-        self.bytes_evicted = self.objects_evicted = self.refused = 0
+        self.bytes_evicted = self.objects_evicted = self.refused = self.demotions = 0
         self.per_req: dict[str, list[Any]] = {
             k: [] for k in ("workload", "arrival_ms", "input", "cached", "output")
         }
@@ -288,6 +303,7 @@ class _Replay:
                 full_run += 1
         sizes = chain.block_tokens
         run_tokens, usable_tokens = sum(sizes[:run]), sum(sizes[:usable])
+        ssd_tokens, ssd_bytes = self._read_tiers(m, sizes) if self.config.ssd_capacity else (0, 0)
         cnt = Counters(
             requests=1,
             input_tokens=req.input_length,
@@ -298,6 +314,8 @@ class _Replay:
             mla_hit_tokens=sum(sizes[:full_run]),
             cached_tokens=usable_tokens,
             lost_tokens=run_tokens - usable_tokens,
+            ssd_cached_tokens=ssd_tokens,
+            ssd_bytes_read=ssd_bytes,
         )
         owners = self._owners(req)
         for into in owners:
@@ -311,6 +329,21 @@ class _Replay:
         ):
             self.per_req[key].append(value)
         return _Store(req, chain, run, usable, owners)
+
+    def _read_tiers(self, m: Any, sizes: list[int]) -> tuple[int, int]:
+        """Tokens and bytes of the usable prefix that come off SSD; each such object is promoted to DRAM,
+        as the store does on a real hit."""
+        tokens = read = 0
+        keys = [*m.mla_keys, *([m.checkpoint_key] if m.checkpoint_key else [])]
+        for j, key in enumerate(keys):
+            info = self.idx.get(key)
+            if info is None or info.tier != Tier.SSD:
+                continue
+            read += self.real_size.get(key, info.size)
+            if j < len(m.mla_keys):
+                tokens += sizes[j]
+            self.idx.promote(key)
+        return tokens, read
 
     def store(self, st: _Store) -> None:
         """Write the request's objects: the whole prompt (and the reply's blocks), then checkpoints; what
@@ -353,6 +386,9 @@ class _Replay:
                 else:
                     into.mla_bytes_written += real
         for ev in idx.drain_events():
+            if ev.demoted:  # DRAM -> SSD: still cached
+                self.demotions += 1
+                continue
             size = self.real_size.pop(ev.key, 0)
             self.objects_evicted += 1
             self.bytes_evicted += size
@@ -423,6 +459,7 @@ def simulate(
         bytes_evicted=r.bytes_evicted,
         objects_evicted=r.objects_evicted,
         objects_refused=r.refused,
+        objects_demoted=r.demotions,
         block_size=r.block_size,
         bytes_held=sum(r.real_size.values()),
         capacity_bytes=r.capacity_bytes,

@@ -146,6 +146,7 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         low_watermark=args.low_watermark,
         store_output=not args.no_output_blocks,
         visibility_delay_ms=args.visibility_delay_ms,
+        ssd_capacity=parse_size(args.ssd_bytes) if args.ssd_bytes else 0,
     )
     result = simulate(reqs, cfg, progress(f"replay {args.trace}"))
     if args.out:
@@ -223,6 +224,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--pure-mla", action="store_true", help="ignore KDA state: plain longest-MLA-prefix hits")
     r.add_argument("--block-size", type=int, help="tokens per block for token records (default: spec's)")
     r.add_argument("--capacity-bytes", help="capacity in bytes (512GiB, 4e12; a comma list or 'auto' sweeps)")
+    r.add_argument(
+        "--ssd-bytes", help="SSD tier under the DRAM capacity (e.g. 4TiB): demote on eviction, promote on hit"
+    )
     r.add_argument("--capacity-blocks", help="capacity in MLA blocks (a comma list or 'auto' sweeps)")
     r.add_argument(
         "--policy",
