@@ -113,18 +113,7 @@ def _counters(
     plan: _Plan, i: int, run: int, usable: int, groups: tuple[dict[str, Counters], dict[str, Counters]]
 ) -> None:
     req, chain = plan.requests[i], plan.chains[i]
-    sizes = chain.block_tokens
-    cnt = Counters(
-        requests=1,
-        input_tokens=req.input_length,
-        output_tokens=req.output_length,
-        input_blocks=chain.prompt_blocks,
-        hit_blocks=run,
-        usable_blocks=usable,
-        mla_hit_tokens=sum(sizes[:run]),
-        cached_tokens=sum(sizes[:usable]),
-        lost_tokens=sum(sizes[usable:run]),
-    )
+    cnt = Counters.of_lookup(req, chain, run, run, usable)
     for group, name in zip(groups, (req.workload, req.tenant), strict=True):
         group.setdefault(name, Counters()).add(cnt)
 

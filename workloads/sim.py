@@ -153,6 +153,24 @@ class Counters:
     ssd_cached_tokens: int = 0  # usable-prefix tokens whose MLA block was read from the SSD tier
     ssd_bytes_read: int = 0  # MLA blocks and checkpoints of usable prefixes read from SSD (then promoted)
 
+    @classmethod
+    def of_lookup(cls, req: Request, chain: Chain, prefix_run: int, run: int, usable: int) -> Counters:
+        """One request's tallies: ``prefix_run`` prompt blocks hit in a row (the Mooncake rule), ``run`` of
+        them within the lookup's cap, ``usable`` behind a checkpoint (what prefill skips)."""
+        sizes = chain.block_tokens
+        usable_tokens = sum(sizes[:usable])
+        return cls(
+            requests=1,
+            input_tokens=req.input_length,
+            output_tokens=req.output_length,
+            input_blocks=chain.prompt_blocks,
+            hit_blocks=prefix_run,
+            usable_blocks=usable,
+            mla_hit_tokens=sum(sizes[:prefix_run]),
+            cached_tokens=usable_tokens,
+            lost_tokens=sum(sizes[:run]) - usable_tokens,
+        )
+
     def add(self, other: Counters) -> None:
         for name in self.__slots__:  # type: ignore[attr-defined]
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -301,22 +319,10 @@ class _Replay:
         if run == cap:
             while full_run < len(prompt) and b"M" + prompt[full_run] in idx:
                 full_run += 1
-        sizes = chain.block_tokens
-        run_tokens, usable_tokens = sum(sizes[:run]), sum(sizes[:usable])
-        ssd_tokens, ssd_bytes = self._read_tiers(m, sizes) if self.config.ssd_capacity else (0, 0)
-        cnt = Counters(
-            requests=1,
-            input_tokens=req.input_length,
-            output_tokens=req.output_length,
-            input_blocks=chain.prompt_blocks,
-            hit_blocks=full_run,
-            usable_blocks=usable,
-            mla_hit_tokens=sum(sizes[:full_run]),
-            cached_tokens=usable_tokens,
-            lost_tokens=run_tokens - usable_tokens,
-            ssd_cached_tokens=ssd_tokens,
-            ssd_bytes_read=ssd_bytes,
-        )
+        cnt = Counters.of_lookup(req, chain, full_run, run, usable)
+        if self.config.ssd_capacity:
+            cnt.ssd_cached_tokens, cnt.ssd_bytes_read = self._read_tiers(m, chain.block_tokens)
+        usable_tokens = cnt.cached_tokens
         owners = self._owners(req)
         for into in owners:
             into.add(cnt)
