@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 
 import pytest
 from kvpool.workloads.errors import ReplayError
@@ -147,3 +148,26 @@ def test_an_ssd_tier_under_dram_demotes_on_eviction_and_promotes_on_hit(conversa
 def test_an_ssd_tier_without_a_dram_capacity_in_bytes_is_a_clear_error() -> None:
     with pytest.raises(ReplayError, match="needs a DRAM capacity in bytes"):
         SimConfig(spec=get_spec("k3"), capacity=100, capacity_unit="blocks", ssd_capacity=1).check()
+
+
+def test_a_sweep_reports_each_point_with_an_eta_even_off_a_terminal(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from kvpool.cli import main
+
+    args = [
+        "replay",
+        "conversation",
+        "--limit",
+        "300",
+        "--policy",
+        "lru,bound",
+        "--capacity-bytes",
+        "29GiB,89GiB",
+    ]
+    assert main([*args, "--out-dir", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in lines] == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    assert "@ 89.0 GiB" in lines[1] and "ETA" in lines[1]
+    assert main([*args, "--out-dir", str(tmp_path), "--no-progress"]) == 0
+    assert "[1/4]" not in capsys.readouterr().err

@@ -33,3 +33,37 @@ class Progress:
         if done >= total:
             self.stream.write("\n")
         self.stream.flush()
+
+
+class PointProgress:
+    """One line per finished sweep point on stderr, ``[k/N] label, GiB: seconds, ETA``, whether or not it is
+    a terminal: a sweep or a report takes minutes, and a log of a CI or batch run should show where it is.
+    ``--no-progress`` turns it off; ``--json`` output on stdout is never touched."""
+
+    def __init__(self, total: int, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.done = 0
+        self._start = time.monotonic()
+        self._point = self._start
+
+    def begin(self) -> None:
+        self._point = time.monotonic()
+
+    def finished(self, label: str, capacity_bytes: int | None) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        eta = (now - self._start) / self.done * max(self.total - self.done, 0)
+        cap = "unbounded" if capacity_bytes is None else f"{capacity_bytes / 2**30:,.1f} GiB"
+        self.stream.write(
+            f"[{self.done}/{self.total}] {label} @ {cap}: {now - self._point:.1f} s, ETA {_duration(eta)}\n"
+        )
+        self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    whole = round(seconds)
+    return f"{whole // 60} min {whole % 60} s" if whole >= 60 else f"{whole} s"

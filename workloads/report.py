@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.workloads.pricing import ProviderInputs, best_capacity, load_profiles, price_result
+from kvpool.workloads.progress import PointProgress
 from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.stats import trace_stats
@@ -60,6 +61,7 @@ def build_report(
     policies: Sequence[str] = ("lru", "lfu", "cost", "optimum"),
     profile_file: str | None = None,
     progress: Callable[[str], Any] | None = None,
+    show_points: bool = True,
 ) -> Path:
     """Run everything and write ``out`` (HTML) plus CSV/PNG files beside it; returns ``out``."""
     spec = get_spec(spec_name)
@@ -85,9 +87,10 @@ def build_report(
         full_block = spec.mla_bytes_per_token * bs
         lo, hi = sweep_range(reqs, spec, bs)
         caps = [c * full_block for c in auto_capacities(hi, points, lo)]
-        prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress)
         cks = [CheckpointPolicy.parse(c) for c in CHECKPOINT_POLICIES]
-        crow = checkpoint_sweep(reqs, spec, caps, "bytes", "lru", cks, bs, progress)
+        points = PointProgress((len(policies) + len(cks)) * len(caps), show_points)
+        prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress, points)
+        crow = checkpoint_sweep(reqs, spec, caps, "bytes", "lru", cks, bs, progress, points)
         for name, rows, group in (("policy", prow, "policy"), ("checkpoints", crow, "checkpoints")):
             write_csv(rows, out.parent / f"{stem}_{name}.csv")
             plot_rows(rows, out.parent / f"{stem}_{name}.png", group, "token_hit_rate",

@@ -16,6 +16,7 @@ from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
 from kvpool.workloads.optimum import optimum
+from kvpool.workloads.progress import PointProgress
 from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.trace import Request
@@ -91,6 +92,7 @@ def capacity_sweep(
     checkpoints: CheckpointPolicy,
     block_size: int | None = None,
     progress: ProgressFactory | None = None,
+    points: PointProgress | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (policy, capacity); ``reference`` and ``bound`` run the offline schedules of
     ``kvpool.workloads.offline`` (real bytes), ``optimum`` the MLA-only MIN (unit blocks, checkpoints
@@ -104,25 +106,40 @@ def capacity_sweep(
             label = f"{policy} @ {cap} {unit}"
             prog = progress(label) if progress else None
             cap_bytes = cap * full_block_bytes if unit == "blocks" else cap
-            if policy in OFFLINE_POLICIES:
-                res = run_offline(policy, requests, cap_bytes, spec, bs, progress=prog)
-                d = res.to_dict()
-                d["duration_s"] = _duration(requests)
-                rows.append(_row(spec, policy, "offline", cap, unit, cap_bytes, d))
-                continue
-            if policy == "optimum":
-                blocks = cap if unit == "blocks" else cap // full_block_bytes
-                res = optimum(requests, blocks, spec.name, bs, progress=prog)
-                d = res.total.to_dict()
-                d["duration_s"] = _duration(requests)
-                rows.append(_row(spec, "optimum", "n/a", cap, unit, cap_bytes, d))
-                continue
-            cfg = SimConfig(spec=spec, policy=policy, capacity=cap, capacity_unit=unit, block_size=bs,
-                            checkpoints=checkpoints)  # fmt: skip
-            d = simulate(requests, cfg, prog).to_dict()
-            ck = checkpoints.label if spec.hybrid else "n/a"
-            rows.append(_row(spec, policy, ck, cap, unit, cap_bytes, d))
+            if points is not None:
+                points.begin()
+            rows.append(_point(requests, spec, policy, checkpoints, cap, unit, cap_bytes, bs, prog))
+            if points is not None:
+                ck_label = "" if policy in (*OFFLINE_POLICIES, "optimum") else f" ({checkpoints.label})"
+                points.finished(f"{policy}{ck_label}", cap_bytes)
     return rows
+
+
+def _point(
+    requests: Sequence[Request],
+    spec: ModelSpec,
+    policy: str,
+    checkpoints: CheckpointPolicy,
+    cap: int,
+    unit: str,
+    cap_bytes: int,
+    bs: int,
+    prog: Callable[[int, int], None] | None,
+) -> dict[str, Any]:
+    """One sweep row: an offline schedule, the MLA-only optimum, or a simulation."""
+    if policy in OFFLINE_POLICIES:
+        d = run_offline(policy, requests, cap_bytes, spec, bs, progress=prog).to_dict()
+        d["duration_s"] = _duration(requests)
+        return _row(spec, policy, "offline", cap, unit, cap_bytes, d)
+    if policy == "optimum":
+        blocks = cap if unit == "blocks" else cap // (spec.mla_bytes_per_token * bs)
+        d = optimum(requests, blocks, spec.name, bs, progress=prog).total.to_dict()
+        d["duration_s"] = _duration(requests)
+        return _row(spec, "optimum", "n/a", cap, unit, cap_bytes, d)
+    cfg = SimConfig(spec=spec, policy=policy, capacity=cap, capacity_unit=unit, block_size=bs,
+                    checkpoints=checkpoints)  # fmt: skip
+    d = simulate(requests, cfg, prog).to_dict()
+    return _row(spec, policy, checkpoints.label if spec.hybrid else "n/a", cap, unit, cap_bytes, d)
 
 
 def checkpoint_sweep(
@@ -134,13 +151,16 @@ def checkpoint_sweep(
     checkpoint_policies: Sequence[CheckpointPolicy],
     block_size: int | None = None,
     progress: ProgressFactory | None = None,
+    points: PointProgress | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (checkpoint policy, capacity) for a hybrid spec under one eviction policy."""
     if not spec.hybrid:
         raise ReplayError(f"spec {spec.name} has no KDA layers: checkpoint policies do not apply")
     rows = []
     for ck in checkpoint_policies:
-        rows.extend(capacity_sweep(requests, spec, capacities, unit, [policy], ck, block_size, progress))
+        rows.extend(
+            capacity_sweep(requests, spec, capacities, unit, [policy], ck, block_size, progress, points)
+        )
     return rows
 
 

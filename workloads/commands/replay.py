@@ -82,6 +82,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
     from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
+    from kvpool.workloads.progress import PointProgress
     from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
     from kvpool.workloads.specs import get_spec
     from kvpool.workloads.sweep import capacity_sweep, check_policies, checkpoint_sweep, plot_rows, write_csv
@@ -107,10 +108,12 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         if args.checkpoint_sweep is not None:
             cks = [CheckpointPolicy.parse(t) for t in args.checkpoint_sweep.split(";") if t.strip()]
-            rows = checkpoint_sweep(reqs, spec, caps, unit, policies[0], cks, bs, progress)
+            points = PointProgress(len(cks) * len(caps), args.progress is not False)
+            rows = checkpoint_sweep(reqs, spec, caps, unit, policies[0], cks, bs, progress, points)
             group, name = "checkpoints", "checkpoint_sweep"
         else:
-            rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress)
+            points = PointProgress(len(policies) * len(caps), args.progress is not False)
+            rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress, points)
             group, name = "policy", "policy_sweep"
         write_csv(rows, out_dir / f"{name}.csv")
         metric = "token_hit_rate"

@@ -22,6 +22,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         policies=[p.strip() for p in args.policies.split(",") if p.strip()],
         profile_file=args.profile_file,
         progress=progress_factory(args),
+        show_points=args.progress is not False,
     )
     print(f"wrote {path}")
     return 0
