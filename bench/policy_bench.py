@@ -32,6 +32,7 @@ from kvpool.workloads.trace import Request, bundled_trace, read_mooncake
 
 GiB = 2**30
 CAPACITIES_GIB = (29, 89, 269, 815, 2458)
+DEFAULT = "hybrid"  # the policy the master and the simulator use unless told otherwise
 GOALS = {
     "default_ge_1_5x_lru_where_lru_below_half_unbounded": 1.5,
     "default_ge_0_85x_reference": 0.85,
@@ -80,6 +81,33 @@ def _ratios(rows: dict[str, dict[str, float]], policy: str) -> dict[str, float |
     return {c: (rows[policy][c] / lru[c] if lru[c] else None) for c in rows[policy]}
 
 
+def goals_met(
+    results: dict[str, Any], match: dict[str, float | None], seconds: list[float]
+) -> dict[str, Any]:
+    """Each goal of ``GOALS`` for the default policy: met or not, and the points that miss."""
+    short: list[str] = []
+    below_ref: list[str] = []
+    for name, r in results.items():
+        rows, half = r["token_hit"], r["unbounded_lru"] / 2
+        for cap, lru in rows["lru"].items():
+            ours = rows[DEFAULT][cap]
+            if lru < half and ours < GOALS["default_ge_1_5x_lru_where_lru_below_half_unbounded"] * lru:
+                short.append(f"{name}@{cap}: {ours / lru:.2f}x lru")
+            ref = rows["reference"][cap]
+            if ref and ours < GOALS["default_ge_0_85x_reference"] * ref:
+                below_ref.append(f"{name}@{cap}: {ours / ref:.2f}x reference")
+    cap = match.get(DEFAULT)
+    return {
+        "default_ge_1_5x_lru_where_lru_below_half_unbounded": {"met": not short, "misses": short},
+        "default_ge_0_85x_reference": {"met": not below_ref, "misses": below_ref},
+        "capacity_to_match_lru_815_le_third": {
+            "met": cap is not None and cap <= GOALS["capacity_to_match_lru_815_le_third"],
+            "gib": cap,
+        },
+        "sim_s_per_point_le": {"met": max(seconds) <= GOALS["sim_s_per_point_le"], "max_s": max(seconds)},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -119,6 +147,8 @@ def main() -> int:
         for p, gib in match.items():
             print(f"  {p:<11} {'not within 815 GiB' if gib is None else f'{gib:.0f} GiB'}")
         print(f"simulator seconds per point: max {max(seconds):.1f}, mean {sum(seconds) / len(seconds):.1f}")
+        for goal, verdict in goals_met(results, match, seconds).items():
+            print(f"goal {goal}: {'met' if verdict['met'] else 'MISSED'} {verdict}")
     line = {
         "bench": "policy",
         "token_hit": {n: r["token_hit"] for n, r in results.items()},
@@ -126,7 +156,9 @@ def main() -> int:
         "ratio_vs_lru": ratios,
         "capacity_gib_to_match_lru_815_conversation": match,
         "sim_s_per_point_max": max(seconds),
+        "default_policy": DEFAULT,
         "goals": GOALS,
+        "goals_met": goals_met(results, match, seconds),
         "loadavg": os.getloadavg()[0],
     }
     print(json.dumps(line))

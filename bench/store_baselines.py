@@ -175,12 +175,14 @@ def json_line(obj: dict[str, Any]) -> str:
 
 def section_socket(plan: Plan) -> dict[str, Any]:
     """Plain-socket ceiling: one round trip per object through a blocking TCP socket on loopback."""
-    row = Row("socket", "plain socket (recv_into)",
-              note="blocking sockets, preallocated buffers, TCP_NODELAY")
+    row = Row(
+        "socket", "plain socket (recv_into)", note="blocking sockets, preallocated buffers, TCP_NODELAY"
+    )
     max_bytes = max(plan.sizes_mb) * MB
     with children() as procs:
-        proc = subprocess.Popen([sys.executable, __file__, "socket-server", str(max_bytes)],
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "socket-server", str(max_bytes)], stdout=subprocess.PIPE, text=True
+        )
         procs.append(proc)
         port = int(read_json_line(proc, 60, "port")["port"])
         sock = socket.create_connection((HOST, port), timeout=60)
@@ -242,9 +244,27 @@ def _start_redis(procs: list[subprocess.Popen[Any]]) -> int:
     last: Exception | None = None
     for _ in range(3):  # a free port can be taken between probe and bind; try a fresh one
         port = free_port()
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
-                                 "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(port),
+                "--bind",
+                HOST,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         procs.append(proc)
         try:
             wait_port(port, 20, proc)
@@ -376,21 +396,35 @@ def section_mooncake(plan: Plan) -> dict[str, Any]:
     with children() as procs:
         rpc_port, metrics_port = free_port(), free_port()
         # a 1 s read lease (default 10 s) lets each size's objects be removed quickly; reads take far less
-        master_cmd = [str(master_exe), f"--rpc_port={rpc_port}", f"--metrics_port={metrics_port}",
-                      "--enable_metric_reporting=false", "--default_kv_lease_ttl=1000"]
+        master_cmd = [
+            str(master_exe),
+            f"--rpc_port={rpc_port}",
+            f"--metrics_port={metrics_port}",
+            "--enable_metric_reporting=false",
+            "--default_kv_lease_ttl=1000",
+        ]
         master = subprocess.Popen(master_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(master)
         wait_port(rpc_port, 30, master)  # setup() against a dead master blocks ~90 s: probe first
         addr = f"{HOST}:{rpc_port}"
         seg = _segment_bytes(plan)
-        owner = subprocess.Popen([str(py), worker, "owner", addr, str(seg)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        owner = subprocess.Popen(
+            [str(py), worker, "owner", addr, str(seg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         procs.append(owner)
         read_json_line(owner, 120, "ready")
         import json
 
-        client = subprocess.Popen([str(py), worker, "client", addr, json.dumps(plan.to_json())],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        client = subprocess.Popen(
+            [str(py), worker, "client", addr, json.dumps(plan.to_json())],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         procs.append(client)
         res = read_json_line(client, 560, "rows")
         with contextlib.suppress(Exception):
@@ -398,8 +432,10 @@ def section_mooncake(plan: Plan) -> dict[str, Any]:
             owner.stdin.close()
     if res.get("error"):
         raise VerifyError(res["error"])
-    res["skipped"] = {f"{k} (partial)" if any(r["id"] == k for r in res["rows"]) else k: v
-                      for k, v in (res.get("skipped") or {}).items()}
+    res["skipped"] = {
+        f"{k} (partial)" if any(r["id"] == k for r in res["rows"]) else k: v
+        for k, v in (res.get("skipped") or {}).items()
+    }
     return res
 
 

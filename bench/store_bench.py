@@ -101,13 +101,22 @@ def run_section_child(name: str, plan: Plan, deadline_s: float) -> int:
 
 def run_section(name: str, plan: Plan, timeout_s: int, log: bool) -> dict[str, Any]:
     """Run one family in a child process (own session) and kill its whole process group at the deadline."""
-    cmd = [sys.executable, __file__, "--_section", name, "--_plan", json.dumps(plan.to_json()),
-           "--_deadline", str(max(10, timeout_s - 15))]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_section",
+        name,
+        "--_plan",
+        json.dumps(plan.to_json()),
+        "--_deadline",
+        str(max(10, timeout_s - 15)),
+    ]
     if log:
         print(f"[store_bench] {name} ... (deadline {timeout_s}s)", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -122,8 +131,12 @@ def run_section(name: str, plan: Plan, timeout_s: int, log: bool) -> dict[str, A
         res = {"rows": [], "skipped": {name: f"timed out after {timeout_s}s"}}
     else:
         res = parse_result(out) or {
-            "rows": [], "skipped": {name: f"child exited rc={proc.returncode} without a result: "
-                                          f"{' | '.join(err.strip().splitlines()[-2:])}"}}
+            "rows": [],
+            "skipped": {
+                name: f"child exited rc={proc.returncode} without a result: "
+                f"{' | '.join(err.strip().splitlines()[-2:])}"
+            },
+        }
     _reap_group(proc.pid)  # a server that outlived its section must not skew the next one
     res.setdefault("seconds", round(time.monotonic() - t0, 1))
     if log:
@@ -184,8 +197,10 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
     s = GOAL_SIZE_MB
     memcpy, shm, tcp, ucx, redis = (rows.get(k) for k in ("memcpy", "shm", "tcp", "ucx", "redis"))
     mooncake = _best(rows, ("mooncake", "mooncake_zc"))
-    ratios: dict[str, Any] = {"size_mb": s,
-                              "shm_get_over_memcpy": _ratio(_cell(shm, "get", s), _cell(memcpy, "get", s))}
+    ratios: dict[str, Any] = {
+        "size_mb": s,
+        "shm_get_over_memcpy": _ratio(_cell(shm, "get", s), _cell(memcpy, "get", s)),
+    }
     for ours_id, ours in (("tcp", tcp), ("ucx", ucx)):
         for base_id, base in (("redis", redis), ("mooncake", mooncake)):
             for op in ("put", "get"):
@@ -210,7 +225,8 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
     for ours_id in ("tcp", "ucx"):
         for base_id in ("redis", "mooncake"):
             goals[f"{ours_id}_ge_2x_{base_id}"] = at_least(
-                [f"{ours_id}_{op}_over_{base_id}_{op}" for op in ("put", "get")], 2.0)
+                [f"{ours_id}_{op}_over_{base_id}_{op}" for op in ("put", "get")], 2.0
+            )
     return ratios, {k: goals[k] for k in GOALS}
 
 
@@ -249,8 +265,11 @@ def plan_rounds(args: argparse.Namespace) -> int:
 def render_table(rows: list[Row], sizes: list[int]) -> str:
     """Rows = methods, columns = sizes x (put, get), GB/s; '-' where a cell was not measured."""
     head = ["method"] + [f"{s}MB {op}" for s in sizes for op in ("put", "get")]
-    body = [[r.method] + [("-" if (v := _cell(r, op, s)) is None else f"{v:.2f}") for s in sizes
-                          for op in ("put", "get")] for r in rows]
+    body = [
+        [r.method]
+        + [("-" if (v := _cell(r, op, s)) is None else f"{v:.2f}") for s in sizes for op in ("put", "get")]
+        for r in rows
+    ]
     widths = [max(len(str(line[c])) for line in [head, *body]) for c in range(len(head))]
     fmt = "  ".join(["{:<" + str(widths[0]) + "}"] + ["{:>" + str(w) + "}" for w in widths[1:]])
     lines = [fmt.format(*head), fmt.format(*["-" * w for w in widths])]
@@ -261,20 +280,30 @@ def render_table(rows: list[Row], sizes: list[int]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,4,16,64", help="object sizes in MB, comma-separated")
-    ap.add_argument("--reps", type=int, default=None,
-                    help="timed reps per size (default 30/20/10/6 for 1/4/16/64 MB)")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help=f"untimed warm-ups per size (default {DEFAULT_WARMUP})")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: few reps, one round, smaller memory test")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="repeat every section this many times, interleaved; cells are medians (default 3; "
-                         "--quick 1)")
+    ap.add_argument(
+        "--reps", type=int, default=None, help="timed reps per size (default 30/20/10/6 for 1/4/16/64 MB)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help=f"untimed warm-ups per size (default {DEFAULT_WARMUP})"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: few reps, one round, smaller memory test"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="repeat every section this many times, interleaved; cells are medians (default 3; --quick 1)",
+    )
     ap.add_argument("--json-only", action="store_true", help="print only the final JSON line")
     ap.add_argument("--skip-mooncake", action="store_true", help="do not install or run Mooncake Store")
     ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(SECTIONS)}")
-    ap.add_argument("--objects", type=int, default=None,
-                    help="objects indexed for the master-memory test (default 1,000,000; --quick 200,000)")
+    ap.add_argument(
+        "--objects",
+        type=int,
+        default=None,
+        help="objects indexed for the master-memory test (default 1,000,000; --quick 200,000)",
+    )
     ap.add_argument("--_section", help=argparse.SUPPRESS)
     ap.add_argument("--_plan", help=argparse.SUPPRESS)
     ap.add_argument("--_deadline", type=float, default=300, help=argparse.SUPPRESS)
@@ -345,19 +374,25 @@ def main(argv: list[str] | None = None) -> int:
             print(render_table(ordered, plan.sizes_mb))
         mp, mem = extras.get("match_prefix"), extras.get("master_memory")
         if mp:
-            print(f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain through the client (master wire): "
-                  f"p50 {mp.get('p50_ms')} ms, "
-                  f"p99 {mp.get('p99_ms')} ms ({mp.get('calls')} calls; usable={mp.get('usable_blocks')}; "
-                  f"1-block call p50 {mp.get('one_block_p50_ms')} ms; same call over gRPC p50 "
-                  f"{mp.get('grpc_p50_ms')} ms)")
+            print(
+                f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain through the client (master wire): "
+                f"p50 {mp.get('p50_ms')} ms, "
+                f"p99 {mp.get('p99_ms')} ms ({mp.get('calls')} calls; usable={mp.get('usable_blocks')}; "
+                f"1-block call p50 {mp.get('one_block_p50_ms')} ms; same call over gRPC p50 "
+                f"{mp.get('grpc_p50_ms')} ms)"
+            )
         if mem:
-            print(f"master memory: {mem.get('bytes_per_object')} B/object over {mem.get('objects')} objects "
-                  f"({mem.get('method')})")
+            print(
+                f"master memory: {mem.get('bytes_per_object')} B/object over {mem.get('objects')} objects "
+                f"({mem.get('method')})"
+            )
             proc = mem.get("master_process")
             if proc:
-                print(f"  cross-check, whole master process: {proc.get('bytes_per_object')} B/object "
-                      f"(RSS {proc.get('rss_before_mb')} -> {proc.get('rss_after_mb')} MB, "
-                      f"{proc.get('method')})")
+                print(
+                    f"  cross-check, whole master process: {proc.get('bytes_per_object')} B/object "
+                    f"(RSS {proc.get('rss_before_mb')} -> {proc.get('rss_after_mb')} MB, "
+                    f"{proc.get('method')})"
+                )
         for k, why in skipped.items():
             print(f"skipped: {k}: {why}")
         print()
@@ -366,14 +401,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"goal {'PASS' if v else ('FAIL' if v is False else 'n/a ')}  {desc}")
         print()
     summary = {
-        "bench": "store", "utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-                 "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "bench": "store",
+        "utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "loadavg_start": load_start,
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        },
         "plan": {**plan.to_json(), "rounds": plan_rounds(args)},
         "unit": "GB/s (1e9 B/s), median of timed reps (median over rounds), every rep verified",
-        "rows": [r.to_json() for r in ordered], "match_prefix": extras.get("match_prefix"),
-        "master_memory": extras.get("master_memory"), "ratios": ratios, "goals": goals,
-        "skipped": skipped, "seconds": seconds,
+        "rows": [r.to_json() for r in ordered],
+        "match_prefix": extras.get("match_prefix"),
+        "master_memory": extras.get("master_memory"),
+        "ratios": ratios,
+        "goals": goals,
+        "skipped": skipped,
+        "seconds": seconds,
     }
     print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0

@@ -59,15 +59,23 @@ class Plan:
     objects: int = 1_000_000  # objects indexed for the master-memory test
 
     def to_json(self) -> dict[str, Any]:
-        return {"sizes_mb": self.sizes_mb, "reps": {str(k): v for k, v in self.reps.items()},
-                "warmup": self.warmup, "quick": self.quick, "objects": self.objects}
+        return {
+            "sizes_mb": self.sizes_mb,
+            "reps": {str(k): v for k, v in self.reps.items()},
+            "warmup": self.warmup,
+            "quick": self.quick,
+            "objects": self.objects,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Plan:
-        return cls(sizes_mb=[int(s) for s in d["sizes_mb"]],
-                   reps={int(k): int(v) for k, v in d["reps"].items()},
-                   warmup=int(d["warmup"]), quick=bool(d.get("quick", False)),
-                   objects=int(d.get("objects", 1_000_000)))
+        return cls(
+            sizes_mb=[int(s) for s in d["sizes_mb"]],
+            reps={int(k): int(v) for k, v in d["reps"].items()},
+            warmup=int(d["warmup"]),
+            quick=bool(d.get("quick", False)),
+            objects=int(d.get("objects", 1_000_000)),
+        )
 
     def reps_for(self, size_mb: int) -> int:
         return self.reps.get(size_mb, max(3, 64 // max(size_mb, 1)))
@@ -86,27 +94,42 @@ class Row:
     spread: dict[str, dict[int, list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "method": self.method, "note": self.note,
-                               "put_gbps": {str(k): _round(v) for k, v in self.put.items()},
-                               "get_gbps": {str(k): _round(v) for k, v in self.get.items()}}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "method": self.method,
+            "note": self.note,
+            "put_gbps": {str(k): _round(v) for k, v in self.put.items()},
+            "get_gbps": {str(k): _round(v) for k, v in self.get.items()},
+        }
         if self.spread:
-            out["round_range_gbps"] = {op: {str(k): [_round(x) for x in v] for k, v in cells.items()}
-                                       for op, cells in self.spread.items()}
+            out["round_range_gbps"] = {
+                op: {str(k): [_round(x) for x in v] for k, v in cells.items()}
+                for op, cells in self.spread.items()
+            }
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Row:
-        return cls(id=d["id"], method=d["method"], note=d.get("note", ""),
-                   put={int(k): v for k, v in d.get("put_gbps", {}).items()},
-                   get={int(k): v for k, v in d.get("get_gbps", {}).items()})
+        return cls(
+            id=d["id"],
+            method=d["method"],
+            note=d.get("note", ""),
+            put={int(k): v for k, v in d.get("put_gbps", {}).items()},
+            get={int(k): v for k, v in d.get("get_gbps", {}).items()},
+        )
 
 
 def _round(v: float | None) -> float | None:
     return None if v is None else round(float(v), 3)
 
 
-def time_reps(op: Callable[[int], object], verify: Callable[[int], None], warmup: int, reps: int,
-              prepare: Callable[[int], None] | None = None) -> float:
+def time_reps(
+    op: Callable[[int], object],
+    verify: Callable[[int], None],
+    warmup: int,
+    reps: int,
+    prepare: Callable[[int], None] | None = None,
+) -> float:
     """Median seconds of ``op(i)`` over ``reps`` timed calls after ``warmup`` untimed ones.
 
     ``prepare(i)`` runs untimed before each call (e.g. clear the destination so a stale buffer cannot pass)
@@ -126,8 +149,13 @@ def time_reps(op: Callable[[int], object], verify: Callable[[int], None], warmup
     return statistics.median(times)
 
 
-async def atime_reps(op: Callable[[int], Awaitable[object]], verify: Callable[[int], object], warmup: int,
-                     reps: int, prepare: Callable[[int], None] | None = None) -> float:
+async def atime_reps(
+    op: Callable[[int], Awaitable[object]],
+    verify: Callable[[int], object],
+    warmup: int,
+    reps: int,
+    prepare: Callable[[int], None] | None = None,
+) -> float:
     """:func:`time_reps` for coroutine ops (the store's async client), with the same untimed verification.
 
     ``verify`` may be sync or async; its await happens outside the timed window.
@@ -189,8 +217,9 @@ def wait_port(port: int, deadline_s: float, proc: subprocess.Popen[Any] | None =
     raise TimeoutError(f"nothing listening on {HOST}:{port} after {deadline_s:.0f}s")
 
 
-def read_json_line(proc: subprocess.Popen[str], deadline_s: float,
-                   want_key: str | None = None) -> dict[str, Any]:
+def read_json_line(
+    proc: subprocess.Popen[str], deadline_s: float, want_key: str | None = None
+) -> dict[str, Any]:
     """First JSON object line a child prints on stdout (its readiness line), skipping log noise.
 
     Reads with a deadline (select on the pipe) so a child that never becomes ready cannot hang the bench.
@@ -272,7 +301,7 @@ def emit_result(obj: dict[str, Any]) -> None:
 def parse_result(stdout: str) -> dict[str, Any] | None:
     for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
+            return json.loads(line[len(RESULT_MARK) :])
     return None
 
 

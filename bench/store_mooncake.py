@@ -156,9 +156,14 @@ def _remove(store: Any, keys: list[str]) -> None:
 def client(master: str, plan: Plan) -> dict[str, Any]:
     """Measure both APIs size by size; one API failing keeps the other's (verified) cells."""
     store = _store(master, 0)
-    rows = [Row("mooncake", "Mooncake Store put/get",
-                note="mooncake-transfer-engine-non-cuda 0.3.13.post1, tcp, 0-byte client"),
-            Row("mooncake_zc", "Mooncake Store put_from/get_into", note="zero-copy API, registered buffers")]
+    rows = [
+        Row(
+            "mooncake",
+            "Mooncake Store put/get",
+            note="mooncake-transfer-engine-non-cuda 0.3.13.post1, tcp, 0-byte client",
+        ),
+        Row("mooncake_zc", "Mooncake Store put_from/get_into", note="zero-copy API, registered buffers"),
+    ]
     measure = {"mooncake": _bytes_api, "mooncake_zc": _zero_copy_api}
     failed: dict[str, str] = {}
     for size in plan.sizes_mb:

@@ -188,12 +188,12 @@ class DecodeEngine:
         push = await push_blocks(
             self.store, self.schema, hashes, mla, first, end, handoff.tenant, timeout_s=self.timeout_s
         )
-        result.blocks_pushed = end - first if push.failed == 0 else 0
+        result.blocks_pushed = end - first - push.not_admitted if push.failed == 0 else 0
         if snapshot is not None:
             ck = await push_checkpoints(
                 self.store, self.schema, hashes, [snapshot], handoff.tenant, timeout_s=self.timeout_s
             )
-            if ck.failed == 0:
+            if ck.failed == 0 and ck.not_admitted == 0:
                 result.checkpoint_pushed = snapshot.n_tokens
             push.add(ck)
         result.push = push

@@ -46,7 +46,7 @@ class DecodeMetrics:
         )
         self.pushes = Counter(
             p + "pushes",
-            "output pushes to the store: blocks, checkpoint, failed objects",
+            "output pushes to the store: blocks, checkpoint, failed and not-admitted objects",
             ["kind"],
             registry=registry,
         )
@@ -61,7 +61,7 @@ class DecodeMetrics:
         )
         for status in ("ok", "bad_request", "cache_fetch_failed", "timeout", "cancelled", "error"):
             self.requests.labels(status)
-        for kind in ("blocks", "checkpoint", "failed"):
+        for kind in ("blocks", "checkpoint", "failed", "not_admitted"):
             self.pushes.labels(kind)
         for kind in ("store_unreachable", "push_failed", "recompute"):
             self.cache_errors.labels(kind)
@@ -81,6 +81,7 @@ class DecodeMetrics:
         if result.checkpoint_pushed:
             self.pushes.labels("checkpoint").inc()
         self.pushes.labels("failed").inc(result.push.failed)
+        self.pushes.labels("not_admitted").inc(result.push.not_admitted)
         self.pushed_bytes.inc(result.push.bytes_pushed)
         if info.store_error:
             self.cache_errors.labels("store_unreachable").inc()

@@ -15,7 +15,7 @@ def master_argv(
     *,
     port: int = 0,
     metrics_port: int = -1,
-    policy: str = "lru",
+    policy: str = "hybrid",
     heartbeat_ms: int = 500,
     node_timeout_ms: int = 3000,
 ) -> list[str]:

@@ -114,7 +114,7 @@ class Cluster:
                 master_argv(
                     port=int(m.get("port", 0)),
                     metrics_port=int(m.get("metrics_port", -1)),
-                    policy=m.get("policy", "lru"),
+                    policy=m.get("policy", "hybrid"),
                     heartbeat_ms=int(m.get("heartbeat_ms", 500)),
                     node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
                 ),

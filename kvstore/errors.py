@@ -89,6 +89,13 @@ class TransportUnavailableError(StoreError):
     code = 10
 
 
+class ObjectNotAdmittedError(StoreError):
+    """The master's admission control turned a put away (PutStart status NOT_ADMITTED). A per-item result of
+    ``batch_put``, never raised to a user: the object is simply not cached and the request goes on."""
+
+    code = 12  # never on the wire as an error: PutStart answers it as a status
+
+
 class ObjectExistsError(StoreError):
     """The node already holds a different object under this key (objects are immutable)."""
 

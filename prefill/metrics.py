@@ -55,6 +55,11 @@ class PrefillMetrics:
             p + "transfer_bytes", "store bytes moved", ["direction"], registry=registry
         )
         self.pushed_objects = Counter(p + "pushed_objects", "objects pushed to the store", registry=registry)
+        self.not_admitted = Counter(
+            p + "objects_not_admitted",
+            "objects the store's admission control turned away (served; not cached)",
+            registry=registry,
+        )
         self.checkpoints = Counter(
             p + "checkpoints_pushed", "KDA checkpoints written (policy boundaries)", registry=registry
         )
@@ -91,6 +96,7 @@ class PrefillMetrics:
         self.transfer_bytes.labels("fetched").inc(f.bytes_fetched)
         self.transfer_bytes.labels("pushed").inc(push.bytes_pushed)
         self.pushed_objects.inc(push.objects)
+        self.not_admitted.inc(push.not_admitted)
         self.checkpoints.inc(len(outcome.checkpoints_pushed))
         for kind, n in (
             ("missing", f.missing),

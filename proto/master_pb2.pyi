@@ -78,10 +78,12 @@ class PutStartReply(_message.Message):
         STARTED: _ClassVar[PutStartReply.Status]
         EXISTS: _ClassVar[PutStartReply.Status]
         IN_PROGRESS: _ClassVar[PutStartReply.Status]
+        NOT_ADMITTED: _ClassVar[PutStartReply.Status]
     STATUS_UNSPECIFIED: PutStartReply.Status
     STARTED: PutStartReply.Status
     EXISTS: PutStartReply.Status
     IN_PROGRESS: PutStartReply.Status
+    NOT_ADMITTED: PutStartReply.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -255,7 +257,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired")
+    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired", "admission_rate")
     class BytesPerTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +293,7 @@ class StatsReply(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_RATE_FIELD_NUMBER: _ClassVar[int]
     objects: int
     bytes: int
     capacity_bytes: int
@@ -305,4 +308,5 @@ class StatsReply(_message.Message):
     counters: _containers.ScalarMap[str, int]
     demotions: int
     expired: int
-    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
+    admission_rate: float
+    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ..., admission_rate: _Optional[float] = ...) -> None: ...

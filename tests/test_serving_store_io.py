@@ -98,3 +98,21 @@ def test_other_tenant_misses(setup):
     other = hash_blocks(tokens, B, root_hash(schema.fingerprint, "u"))
     prefix, st = asyncio.run(fetch_prefix(store, schema, other, "u"))
     assert prefix is None and st.matched_blocks == 0
+
+
+def test_a_put_refused_for_admission_is_counted_not_failed_and_the_prefix_stops_there(setup):
+    _, schema, _, hashes, result = setup
+    store = MemoryStore()
+    store.refuse = {mla_key(hashes[2]), kda_key(hashes[2])}
+
+    async def fill():
+        blocks = await push_blocks(store, schema, hashes, result.mla, 0, 4, "t")
+        cks = await push_checkpoints(store, schema, hashes, [result.checkpoints[c * B] for c in (2, 3)], "t")
+        return blocks, cks
+
+    blocks, cks = asyncio.run(fill())
+    assert (blocks.objects, blocks.not_admitted, blocks.failed) == (3, 1, 0)
+    assert (cks.objects, cks.not_admitted, cks.failed) == (1, 1, 0) and not cks.errors
+    prefix, st = asyncio.run(fetch_prefix(store, schema, hashes, "t"))
+    assert st.mla_run_blocks == 2 and prefix is not None and prefix.n_tokens == 2 * B
+    _same(prefix, result)

@@ -260,7 +260,7 @@ def test_bad_frames_close_the_connection_and_the_server_keeps_serving(
     async def fresh_client_works() -> None:
         client = MasterWireClient("127.0.0.1", wire_port)
         try:
-            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "lru"
+            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "hybrid"
         finally:
             await client.close()
 
@@ -284,7 +284,7 @@ def test_undecodable_body_is_a_bad_request_on_a_connection_that_keeps_working(ma
                 )
                 got[rid] = (status, await asyncio.wait_for(reader.readexactly(n), T))
             assert got[41][0] == 3 and b"undecodable" in got[41][1]  # INVALID_ARGUMENT
-            assert got[42][0] == 0 and master_pb2.StatsReply.FromString(got[42][1]).policy == "lru"
+            assert got[42][0] == 0 and master_pb2.StatsReply.FromString(got[42][1]).policy == "hybrid"
         finally:
             writer.close()
 
@@ -306,7 +306,7 @@ def test_dispatch_turns_a_bug_into_internal_and_counts_it() -> None:
     assert err.value.code == "INVALID_ARGUMENT"
     assert core.counters["rpc_internal"] == 1 and core.counters["rpc_invalid_argument"] == 1
     reply, wait_for = dispatch.run(core.stats, master_pb2.StatsRequest())
-    assert reply.policy == "lru" and wait_for == []
+    assert reply.policy == "hybrid" and wait_for == []
 
 
 def test_truncated_frame_is_closed_at_the_frame_deadline() -> None:
@@ -357,7 +357,7 @@ def test_a_reply_over_the_size_limit_is_refused_not_a_dropped_connection() -> No
             assert lookup.ByteSize() < 4096 < core.lookup(lookup).ByteSize()
             with pytest.raises(CapacityExceededError, match="RESOURCE_EXHAUSTED"):
                 await client.call("Lookup", lookup, T)
-            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "lru"
+            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "hybrid"
         finally:
             await client.close()
             await wire.close()
@@ -412,7 +412,7 @@ def test_client_reconnects_after_the_listener_restarts() -> None:
             with pytest.raises(StoreUnavailableError):
                 await client.call("Stats", master_pb2.StatsRequest(), T)
             await server.wire.start("127.0.0.1", port)
-            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "lru"
+            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "hybrid"
         finally:
             await client.close()
             await server.stop(0)
@@ -567,7 +567,7 @@ def test_a_send_blocked_by_a_stalled_master_ends_at_the_deadline(master: MasterP
                 os.kill(master.proc.pid, signal.SIGCONT)
             assert all(isinstance(r, TransportTimeoutError) for r in results), results[:3]
             assert elapsed < 1.5
-            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "lru"
+            assert (await client.call("Stats", master_pb2.StatsRequest(), T)).policy == "hybrid"
         finally:
             await client.close()
 

@@ -138,7 +138,7 @@ def test_live_and_simulated_replay_agree(cluster: Cluster) -> None:
         reqs,
         SimConfig(
             spec=get_spec("tiny"),
-            policy="lru",
+            policy="hybrid",  # the master's default; nothing is evicted, so nothing is refused
             capacity=CAPACITY_BYTES,
             block_size=BLOCK,
             checkpoints=CheckpointPolicy.parse(CHECKPOINTS),

@@ -12,7 +12,12 @@ import itertools
 from collections.abc import Sequence
 
 from kvpool.kvstore.client.records import PutItem
-from kvpool.kvstore.errors import ObjectNotFoundError, StoreError, StoreUnavailableError
+from kvpool.kvstore.errors import (
+    ObjectNotAdmittedError,
+    ObjectNotFoundError,
+    StoreError,
+    StoreUnavailableError,
+)
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
 from kvpool.proto import common_pb2, master_pb2
 
@@ -25,6 +30,7 @@ class MemoryStore:
         self.meta: dict[bytes, common_pb2.ObjectMeta] = {}
         self.leases: dict[str, list[bytes]] = {}
         self.unreachable = False
+        self.refuse: set[bytes] = set()  # keys whose puts are answered "not admitted" (admission control)
         self.delay_s = 0.0
         self.gets = 0
         self.puts = 0
@@ -110,8 +116,11 @@ class MemoryStore:
 
     async def batch_put(self, items: Sequence[PutItem]) -> list[StoreError | None]:
         await self._wait()
-        for item in items:
-            if item.key not in self.meta:  # immutable: a duplicate is a no-op success
+        out: list[StoreError | None] = [None] * len(items)
+        for i, item in enumerate(items):
+            if bytes(item.key) in self.refuse:
+                out[i] = ObjectNotAdmittedError(f"put of {bytes(item.key)[:9].hex()}… not admitted")
+            elif item.key not in self.meta:  # immutable: a duplicate is a no-op success
                 self.puts += 1
                 self.meta[bytes(item.key)] = common_pb2.ObjectMeta(
                     key=bytes(item.key),
@@ -122,7 +131,7 @@ class MemoryStore:
                     ttl_ms=item.ttl_ms,
                 )
                 self.objects[bytes(item.key)] = bytes(item.data)
-        return [None] * len(items)
+        return out
 
     async def remove(self, keys: Sequence[bytes]) -> int:
         self._check()

@@ -32,7 +32,7 @@ from kvpool.cache.units import (
     encode_tail,
 )
 from kvpool.kvstore.client.records import PutItem
-from kvpool.kvstore.errors import StoreError
+from kvpool.kvstore.errors import ObjectNotAdmittedError, StoreError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
 from kvpool.model.cache_schema import CacheSchema
 from kvpool.model.state import KDACheckpoint, PrefixState
@@ -118,6 +118,7 @@ class PushStats:
     objects: int = 0
     bytes_pushed: int = 0
     failed: int = 0
+    not_admitted: int = 0  # turned away by the store's admission control: not cached, not a failure
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -125,6 +126,7 @@ class PushStats:
         self.objects += other.objects
         self.bytes_pushed += other.bytes_pushed
         self.failed += other.failed
+        self.not_admitted += other.not_admitted
         self.seconds += other.seconds
         self.errors.extend(other.errors)
 
@@ -210,6 +212,8 @@ async def _put(store: CacheStore, items: list[PutItem], timeout_s: float) -> Pus
         if res is None:
             stats.objects += 1
             stats.bytes_pushed += len(item.data)
+        elif isinstance(res, ObjectNotAdmittedError):
+            stats.not_admitted += 1
         else:
             stats.failed += 1
             stats.errors.append(f"{type(res).__name__}: {res}")

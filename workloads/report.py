@@ -58,7 +58,7 @@ def build_report(
     spec_name: str = "k3",
     limit: int | None = None,
     points: int = 6,
-    policies: Sequence[str] = ("lru", "lfu", "cost", "optimum"),
+    policies: Sequence[str] = ("hybrid", "lru", "reference", "bound"),
     profile_file: str | None = None,
     progress: Callable[[str], Any] | None = None,
     show_points: bool = True,
@@ -90,7 +90,7 @@ def build_report(
         cks = [CheckpointPolicy.parse(c) for c in CHECKPOINT_POLICIES]
         points = PointProgress((len(policies) + len(cks)) * len(caps), show_points)
         prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress, points)
-        crow = checkpoint_sweep(reqs, spec, caps, "bytes", "lru", cks, bs, progress, points)
+        crow = checkpoint_sweep(reqs, spec, caps, "bytes", "hybrid", cks, bs, progress, points)
         for name, rows, group in (("policy", prow, "policy"), ("checkpoints", crow, "checkpoints")):
             write_csv(rows, out.parent / f"{stem}_{name}.csv")
             plot_rows(rows, out.parent / f"{stem}_{name}.png", group, "token_hit_rate",

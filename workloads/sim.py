@@ -30,9 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import CapacityError, ObjectKind, StoreIndexError, Tier
+from kvpool.kvstore.index.records import CapacityError, NotAdmittedError, ObjectKind, StoreIndexError, Tier
 from kvpool.worker.checkpoint_policy import CheckpointPolicy as PrefillCheckpointPolicy
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.errors import ReplayError
@@ -102,7 +103,7 @@ class CheckpointPolicy:
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     spec: ModelSpec
-    policy: str = "lru"
+    policy: str = "hybrid"
     capacity: int | None = None  # None: unbounded
     capacity_unit: str = "bytes"  # or "blocks"
     block_size: int | None = None  # for token records; default the spec's
@@ -112,6 +113,7 @@ class SimConfig:
     store_output: bool = True
     visibility_delay_ms: float = 0.0  # objects of a request become visible this long after its arrival
     ssd_capacity: int = 0  # bytes of SSD tier under the DRAM capacity: demote on eviction, promote on hit
+    admission: AdmissionConfig | None = None  # policy hybrid's admission tunables; None: the defaults
 
     def check(self) -> None:
         if self.policy not in POLICIES:
@@ -199,6 +201,7 @@ class SimResult:
     objects_evicted: int
     objects_refused: int  # larger than the whole capacity, or the pool is full of pinned objects
     objects_demoted: int  # DRAM -> SSD moves (an SSD tier only)
+    objects_not_admitted: int  # turned away by admission control (policy hybrid): the request ran uncached
     block_size: int  # tokens per block actually used
     bytes_held: int
     capacity_bytes: int | None
@@ -214,6 +217,7 @@ class SimResult:
             "objects_evicted": self.objects_evicted,
             "objects_refused": self.objects_refused,
             "objects_demoted": self.objects_demoted,
+            "objects_not_admitted": self.objects_not_admitted,
             "bytes_held": self.bytes_held,
             "capacity_bytes": self.capacity_bytes,
             "duration_s": self.duration_s,
@@ -279,6 +283,7 @@ class _Replay:
             low_watermark=config.low_watermark,
             clock=self.clock,
             keep_events=True,
+            admission=config.admission if config.policy == "hybrid" else None,
         )
         dram = config.capacity if config.capacity is not None else INFINITE
         self.idx.add_node(NODE, dram, config.ssd_capacity)
@@ -288,7 +293,7 @@ class _Replay:
         self.per_tenant: dict[str, Counters] = {}
         self.real_size: dict[bytes, int] = {}
         self.owner: dict[bytes, tuple[Counters, Counters]] = {}  # object -> its writer's counters
-        self.bytes_evicted = self.objects_evicted = self.refused = self.demotions = 0
+        self.bytes_evicted = self.objects_evicted = self.refused = self.demotions = self.not_admitted = 0
         self.per_req: dict[str, list[Any]] = {
             k: [] for k in ("workload", "arrival_ms", "input", "cached", "output")
         }
@@ -406,6 +411,9 @@ class _Replay:
         the request still runs, the object is simply not cached)."""
         try:
             self.idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent)
+        except NotAdmittedError:
+            self.not_admitted += 1
+            return False
         except CapacityError:
             self.refused += 1
             return False
@@ -466,6 +474,7 @@ def simulate(
         objects_evicted=r.objects_evicted,
         objects_refused=r.refused,
         objects_demoted=r.demotions,
+        objects_not_admitted=r.not_admitted,
         block_size=r.block_size,
         bytes_held=sum(r.real_size.values()),
         capacity_bytes=r.capacity_bytes,

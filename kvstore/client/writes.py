@@ -1,7 +1,9 @@
 """The store client's write path: two-phase puts (PutStart → bytes to the chosen node → PutCommit,
 PutAbort on any failure), speculative same-host shm reservations, capacity retries and pipelined batches.
 
-A duplicate put (EXISTS / IN_PROGRESS) is a successful no-op; a batch returns one result per item.
+A duplicate put (EXISTS / IN_PROGRESS) is a successful no-op; a batch returns one result per item. A put the
+master's admission control turns away (NOT_ADMITTED) writes nothing: ``put`` returns False, ``batch_put``
+gives that item an ``ObjectNotAdmittedError`` so the caller can count it (it is not a failure).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvpool.kvstore.client.core import ClientCore
 from kvpool.kvstore.client.records import PutItem
 from kvpool.kvstore.errors import (
     CapacityExceededError,
+    ObjectNotAdmittedError,
     ObjectTooLargeError,
     StoreError,
     StoreUnavailableError,
@@ -71,7 +74,9 @@ class StoreWrites(ClientCore):
             raise
         if start.status != master_pb2.PutStartReply.STARTED:
             await self._drop_speculative_put(shm, guess, spec, token, meta.size)
-            return False  # EXISTS / IN_PROGRESS: someone else stored (or is storing) the same object
+            if start.status == master_pb2.PutStartReply.NOT_ADMITTED:
+                self._count("put.not_admitted")
+            return False  # EXISTS / IN_PROGRESS / NOT_ADMITTED: nothing to write
         self._last_put_node = start.node
         try:
             if not await self._finish_speculative_put(shm, guess, spec, token, start, meta):
@@ -151,7 +156,8 @@ class StoreWrites(ClientCore):
             await self.master.put_abort(master_pb2.PutAbortRequest(put_id=put_id, reason=repr(exc)[:500]))
 
     async def batch_put(self, items: Sequence[PutItem | tuple[bytes, Buffer]]) -> list[StoreError | None]:
-        """Per item: None on success (duplicates included) or the typed error; pipelined per node."""
+        """Per item: None on success (duplicates included), ``ObjectNotAdmittedError`` when admission turned
+        it away, or the typed error; pipelined per node."""
         return await self._timed(
             "batch_put", self._batch_put([i if isinstance(i, PutItem) else PutItem(*i) for i in items])
         )
@@ -171,6 +177,10 @@ class StoreWrites(ClientCore):
         for i, start in enumerate(starts):
             if isinstance(start, BaseException):
                 results[i] = _store_error(start)
+                continue
+            if start.status == master_pb2.PutStartReply.NOT_ADMITTED:
+                results[i] = ObjectNotAdmittedError(f"put of {metas[i].key[:9].hex()}… not admitted")
+                self._count("put.not_admitted")
                 continue
             if start.status != master_pb2.PutStartReply.STARTED:
                 continue

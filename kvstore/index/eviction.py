@@ -14,6 +14,8 @@ Policies (pick by name with :func:`make_policy`):
 - ``lru``: least recently used. The baseline every cache paper and Mooncake compare against.
 - ``lfu``: frequency with exponential aging (half-life ``half_life_s``): a prefix hit 50 times an hour
   ago loses to one hit 3 times a minute ago once enough half-lives have passed, which plain LFU never does.
+- ``hybrid`` (the default): dead MLA blocks first, then depth-weighted recency, plus admission control
+  (``admission``); see :class:`HybridPolicy`.
 - ``cost``: aged frequency x compute saved per byte held ("bytes saved per byte held"). A KDA checkpoint
   at depth d lets prefill skip d blocks, an MLA block one block; dividing by size ranks a 429 MiB
   checkpoint against 13 MiB MLA blocks on what each keeps out of the GPU per byte of DRAM.
@@ -26,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+KIND_MLA = 1
 KIND_KDA = 2  # mirrors kvpool.v1.ObjectKind.KDA_CHECKPOINT (kept numeric: this module has no proto import)
 
 
@@ -37,6 +40,7 @@ class PolicyColumns(Protocol):
     size: np.ndarray  # uint64 bytes
     depth: np.ndarray  # uint16 blocks from the chain root (1 = first block), saturating
     kind: np.ndarray  # uint8 ObjectKind
+    deps: np.ndarray  # uint32 live dependents (a checkpoint depends on its MLA block)
 
 
 class EvictionPolicy(Protocol):
@@ -103,11 +107,53 @@ class CostAwarePolicy(AgedLFUPolicy):
         return self._log_aged(cols, slots, now) + per_byte
 
 
-POLICIES: dict[str, type] = {"lru": LRUPolicy, "lfu": AgedLFUPolicy, "cost": CostAwarePolicy}
+class HybridPolicy(LRUPolicy):
+    """Dead MLA blocks first, then the lowest *depth-weighted recency*; with admission control.
+
+    An MLA block that is a leaf has no checkpoint at its boundary and none after it on its chain: the
+    joint rule can never use it (prefill recomputes from the last checkpoint before it), so its bytes are
+    dead weight and it goes before anything live. When a checkpoint goes, the MLA blocks back to the
+    previous checkpoint become such leaves and follow it at once: a checkpoint is priced together with the
+    run it makes usable.
+
+    Among live candidates the score is ``depth_weight x log2(depth) - log2(age)``: a checkpoint closing
+    twice as many blocks saves twice the prefill for the same 429 MiB, so it may be 2^(1/depth_weight)
+    times older before it goes (with the default 0.5: four times). Scale-free: the ratio of ages, not
+    seconds, so a trace replayed at another rate ranks alike. ``admits`` makes the index build an
+    ``Admission`` (``index.admission``) with it."""
+
+    name = "hybrid"
+    admits = True
+
+    def __init__(self, half_life_s: float = 600.0, depth_weight: float = 0.5) -> None:
+        if not (math.isfinite(depth_weight) and depth_weight >= 0):
+            raise ValueError("depth_weight must be finite and >= 0")
+        self.depth_weight = depth_weight
+
+    def scores(self, cols: PolicyColumns, slots: np.ndarray, now: float) -> np.ndarray:
+        age = np.maximum(now - cols.last_use[slots], MIN_AGE_S)
+        s = -np.log2(age)
+        kind = cols.kind[slots]
+        ck = kind == KIND_KDA
+        s[ck] += self.depth_weight * np.log2(np.maximum(cols.depth[slots][ck], 1).astype(np.float64))
+        s[(kind == KIND_MLA) & (cols.deps[slots] == 0)] -= DEAD_FIRST
+        return s
+
+
+MIN_AGE_S = 1e-3  # ages below a millisecond rank as a millisecond (log2 stays finite)
+DEAD_FIRST = 1e6  # subtracted from a dead block's score: below every live object's
+
+POLICIES: dict[str, type] = {
+    "hybrid": HybridPolicy,
+    "lru": LRUPolicy,
+    "lfu": AgedLFUPolicy,
+    "cost": CostAwarePolicy,
+}
 
 
 def make_policy(name: str, **params: float) -> EvictionPolicy:
-    """Build the policy called ``name`` (see :data:`POLICIES`) with optional parameters (``half_life_s``)."""
+    """Build the policy called ``name`` (see :data:`POLICIES`) with optional parameters (``half_life_s``
+    for lfu and cost, ``depth_weight`` for hybrid)."""
     try:
         cls = POLICIES[name]
     except KeyError:
@@ -116,6 +162,8 @@ def make_policy(name: str, **params: float) -> EvictionPolicy:
         ) from None
     if cls is LRUPolicy:
         return LRUPolicy()
+    if cls is HybridPolicy:
+        return HybridPolicy(depth_weight=float(params.get("depth_weight", 0.5)))
     half_life = float(params.get("half_life_s", 600.0))
     if not math.isfinite(half_life):
         raise ValueError("half_life_s must be finite")

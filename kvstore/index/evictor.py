@@ -170,6 +170,7 @@ class IndexEviction(IndexState):
                 return False  # demotion impossible and it still has dependents: keep it
             self._evictions += 1
             self._evicted_bytes += size
+            self._learn_eviction(slot, size)
             self._drop(slot, "evicted", emit=True)
             return True
 
@@ -178,6 +179,15 @@ class IndexEviction(IndexState):
             return not demote and int(c.node[slot]) == nid and int(c.tier[slot]) == tier and slot != protect
 
         self._drain(candidates, lambda: node.used[tier] > target, act, exposable, now)
+
+    def _learn_eviction(self, slot: int, size: int) -> None:
+        """Tell admission an MLA block or checkpoint left by pressure (and whether it was ever read)."""
+        adm, c = self.admission, self._cols
+        if adm is None or c.kind[slot] not in (ObjectKind.MLA, ObjectKind.KDA):
+            return
+        key = self._keys[slot]
+        assert key is not None
+        adm.evicted(key[1:], size, self.capacity_of(), unread=float(c.freq[slot]) <= 1.0)
 
     def _evict_tenant(self, tid: int, target: int, now: float) -> None:
         """Drop the tenant's own evictable leaves (any pool) until it holds at most ``target`` bytes."""

@@ -73,6 +73,7 @@ from kvpool.kvstore.index.records import (
     IndexStats,
     Lease,
     LocationRow,
+    NotAdmittedError,
     ObjectInfo,
     ObjectKind,
     PrefixMatch,
@@ -133,6 +134,8 @@ class PrefixIndex(IndexEviction):
             raise DuplicateKeyError(key, key in self._pending)
         now = self._clock()
         self._retire_due(now)
+        if evict and self.admission is not None and kind in (ObjectKind.MLA, ObjectKind.KDA):
+            self._admit(key, kind, size, parent)
         tid = self._tenant_id(tenant)
         quota = self._quota.get(tid, 0) if evict else 0
         if quota:
@@ -184,6 +187,24 @@ class PrefixIndex(IndexEviction):
         if evict:
             self._evict_pool(nid, tier, now, protect=slot)
         return node_id
+
+    def _admit(self, key: bytes, kind: ObjectKind, size: int, parent: bytes) -> None:
+        """Raise NotAdmittedError when admission turns the object away. Unticketed objects follow their
+        chain: an MLA block whose parent, or a checkpoint whose own block, was refused and is not cached
+        is refused too (it could never be part of a usable prefix)."""
+        adm = self.admission
+        assert adm is not None
+        h = key[1:]
+        if kind == ObjectKind.MLA:
+            hangs_on = parent if len(parent) == 1 + HASH_BYTES and parent[:1] == MLA_TAG else b""
+        else:
+            hangs_on = MLA_TAG + h
+
+        def chain_refused() -> bool:
+            return bool(hangs_on) and self._find(hangs_on) is None and adm.was_refused(hangs_on[1:])
+
+        if not adm.admit(h, size, chain_refused):
+            raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
 
     def commit(self, key: bytes) -> None:
         """Make a pending object visible (second phase of a put)."""
@@ -293,6 +314,8 @@ class PrefixIndex(IndexEviction):
         else:
             usable, ck = run, None
         used = tuple(keys[:usable])
+        if touch and self.admission is not None:  # the writer's fetch: it will put what it missed
+            self.admission.on_lookup(block_hashes, run, self.capacity_of())
         if touch and usable:
             idx = mla[:usable]
             if ck is not None:

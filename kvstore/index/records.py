@@ -75,6 +75,11 @@ class QuotaExceededError(StoreIndexError):
     """The tenant's quota cannot fit the object even after evicting the tenant's own objects."""
 
 
+class NotAdmittedError(StoreIndexError):
+    """Admission control turned the object away (``index.admission``): not an error for the writer, whose
+    request goes on uncached; the master answers it as the typed put status NOT_ADMITTED."""
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """Answer of :meth:`PrefixIndex.match_prefix`."""

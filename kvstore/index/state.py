@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from kvpool.kvstore.index.admission import Admission, AdmissionConfig
 from kvpool.kvstore.index.eviction import EvictionPolicy, make_policy
 from kvpool.kvstore.index.records import (
     DEPTH_MAX,
@@ -49,6 +50,7 @@ class IndexState:
         clock: Callable[[], float] = time.monotonic,
         keep_events: bool = True,
         initial_capacity: int = 1024,
+        admission: AdmissionConfig | None = None,
     ) -> None:
         if not 0.0 < low_watermark <= high_watermark <= 1.0:
             raise ValueError(
@@ -57,6 +59,10 @@ class IndexState:
         if lease_ms <= 0:
             raise ValueError("lease_ms must be > 0")
         self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        if admission is None and getattr(self.policy, "admits", False):
+            admission = AdmissionConfig()
+        # None: every put is admitted (the policy only orders evictions)
+        self.admission = None if admission is None else Admission(admission, clock)
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.lease_ms = lease_ms
@@ -145,6 +151,10 @@ class IndexState:
         if best is None:
             raise CapacityError(f"no node has {tier.name} capacity for an object of {size} bytes")
         return best.node_id
+
+    def capacity_of(self, tier: Tier = Tier.DRAM) -> int:
+        """Bytes of ``tier`` over all nodes."""
+        return sum(node.capacity[tier] for node in self._nodes.values())
 
     def _node(self, node_id: str) -> NodeUsage:
         nid = self._node_ids.get(node_id)

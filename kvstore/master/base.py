@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.kvstore.errors import FailedPrecondition
+from kvpool.kvstore.index.eviction import make_policy
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import (
     Removal,
@@ -32,7 +33,8 @@ class MasterBase:
         self.config.validate()
         self._clock = clock
         self.index = PrefixIndex(
-            self.config.policy,
+            make_policy(self.config.policy, depth_weight=self.config.depth_weight),
+            admission=self.config.admission if self.config.policy == "hybrid" else None,
             high_watermark=self.config.high_watermark,
             low_watermark=self.config.low_watermark,
             lease_ms=self.config.lease_ms,

@@ -15,6 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
+from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.master.config import MasterConfig
 from kvpool.kvstore.master.state import StateFileError
@@ -41,7 +42,37 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
         help="master wire port, the clients' fast channel for hot calls "
         "(0 = any free port, -1 = off: clients use gRPC)",
     )
-    p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES), help="eviction policy")
+    p.add_argument(
+        "--policy",
+        default=d.policy,
+        choices=sorted(POLICIES),
+        help="eviction policy (hybrid: dead blocks first, depth-weighted recency, admission control)",
+    )
+    a = d.admission
+    p.add_argument(
+        "--depth-weight",
+        type=float,
+        default=d.depth_weight,
+        help="hybrid: weight of log2(depth) vs log2(age)",
+    )
+    p.add_argument(
+        "--admission-continuation",
+        type=float,
+        default=a.continuation_fraction,
+        help="hybrid: a lookup whose cached + ghost run covers this share of it is a continuation (admitted)",
+    )
+    p.add_argument(
+        "--admission-step", type=float, default=a.step, help="hybrid: learning rate of the sampling rate"
+    )
+    p.add_argument(
+        "--admission-min-rate",
+        type=float,
+        default=a.min_rate,
+        help="hybrid: lowest sampling rate of new chains (1 = admit everything)",
+    )
+    p.add_argument(
+        "--admission-ghosts", type=int, default=a.ghost_entries, help="hybrid: block hashes kept as ghosts"
+    )
     p.add_argument("--high-watermark", type=float, default=d.high_watermark, help="evict above this fill")
     p.add_argument("--low-watermark", type=float, default=d.low_watermark, help="evict down to this fill")
     p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms, help="node heartbeat interval")
@@ -86,6 +117,13 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> MasterConfig:
     return MasterConfig(
         policy=args.policy,
+        depth_weight=args.depth_weight,
+        admission=AdmissionConfig(
+            continuation_fraction=args.admission_continuation,
+            step=args.admission_step,
+            min_rate=args.admission_min_rate,
+            ghost_entries=args.admission_ghosts,
+        ),
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
         heartbeat_ms=args.heartbeat_ms,

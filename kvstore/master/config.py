@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvpool.kvstore.index.admission import AdmissionConfig
 
 MAX_KEYS_PER_CALL = 100_000
 MAX_BLOCKS_PER_MATCH = 1 << 16  # 65,536 blocks x 512 tokens: far beyond any context
@@ -25,7 +27,9 @@ TRIM_SWEEPS_AFTER_BULK = 3
 class MasterConfig:
     """Tunables; the CLI flags map one to one."""
 
-    policy: str = "lru"
+    policy: str = "hybrid"
+    depth_weight: float = 0.5  # hybrid: how much a deeper checkpoint outweighs age (eviction.HybridPolicy)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # hybrid's admission control
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     heartbeat_ms: int = 1000
@@ -39,6 +43,9 @@ class MasterConfig:
     wire_port: int = 0  # master wire listener (kvstore/protocol/master_wire.py): 0 = any free port, -1 = off
 
     def validate(self) -> None:
+        self.admission.check()
+        if not (0.0 <= self.depth_weight < float("inf")):
+            raise ValueError("depth_weight must be finite and >= 0")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         for name in ("heartbeat_ms", "node_timeout_ms", "lease_ms", "max_lease_ms", "put_deadline_ms"):

@@ -24,6 +24,7 @@ from kvpool.kvstore.index.records import (
     BadObjectError,
     CapacityError,
     LocationRow,
+    NotAdmittedError,
     ObjectInfo,
     ObjectKind,
     QuotaExceededError,
@@ -93,6 +94,9 @@ class MasterCore(NodeMembership):
             )
         except BadObjectError as exc:
             raise InvalidRequest(str(exc)) from None
+        except NotAdmittedError:
+            self._count("puts_not_admitted")
+            return Reply(status=Reply.NOT_ADMITTED)
         except (CapacityError, QuotaExceededError) as exc:
             self._count("puts_refused")
             raise ResourceExhausted(str(exc)) from None
@@ -300,6 +304,7 @@ class MasterCore(NodeMembership):
             counters=self.counters,
             demotions=st.demotions,
             expired=st.expired,
+            admission_rate=None if self.index.admission is None else self.index.admission.rate,
         )
 
     # ------------------------------------------------------------------ background work

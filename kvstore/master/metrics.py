@@ -49,5 +49,12 @@ def render(stats: master_pb2.StatsReply) -> str:
     lines += _family("tenant_bytes", "gauge", "bytes indexed per tenant", by_tenant)
     events = [(f'event="{_label(e)}"', n) for e, n in sorted(stats.counters.items())]
     lines += _family("events_total", "counter", "master event counters", events)
+    if stats.HasField("admission_rate"):
+        lines += _family(
+            "admission_rate",
+            "gauge",
+            "policy hybrid: share of new chains admitted (1 = all)",
+            [("", stats.admission_rate)],  # type: ignore[list-item]
+        )
     lines += _family("info", "gauge", "configuration", [(f'policy="{_label(stats.policy)}"', 1)])
     return "\n".join(lines) + "\n"

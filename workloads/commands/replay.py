@@ -233,8 +233,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--capacity-blocks", help="capacity in MLA blocks (a comma list or 'auto' sweeps)")
     r.add_argument(
         "--policy",
-        default="lru",
-        help="eviction policy (lru, lfu, cost), an offline one (reference: feasible, bound: upper bound; "
+        default="hybrid",
+        help="eviction policy (hybrid: the default, with admission control; lru, lfu, cost), an offline "
+        "one (reference: feasible, bound: upper bound; "
         "both count checkpoint bytes), or a comma list to sweep; 'optimum' = MLA-only MIN (checkpoints free)",
     )
     r.add_argument(

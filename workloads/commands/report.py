@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     rep.add_argument("--spec", choices=specs, default="k3")
     rep.add_argument("--limit", type=int, help="first N requests of each trace (quicker)")
     rep.add_argument("--points", type=int, default=6, help="capacities per sweep")
-    rep.add_argument("--policies", default="lru,lfu,cost,optimum")
+    rep.add_argument("--policies", default="hybrid,lru,reference,bound")
     rep.add_argument("--profile-file")
     add_progress_flags(rep)
     rep.set_defaults(func=cmd_report)
