@@ -34,70 +34,14 @@ from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import CapacityError, NotAdmittedError, ObjectKind, StoreIndexError, Tier
-from kvpool.worker.checkpoint_policy import CheckpointPolicy as PrefillCheckpointPolicy
 from kvpool.workloads.chains import Chain, ChainBuilder
+from kvpool.workloads.checkpoints import CheckpointPolicy, checkpoint_positions
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.trace import Request
 
 INFINITE = 1 << 62
 NODE = "sim"
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointPolicy:
-    """Where KDA checkpoints are written (overview §3): the prompt-side rules are the prefill's own
-    :class:`kvpool.worker.checkpoint_policy.CheckpointPolicy` (end of prompt, junction, every N blocks), the
-    output rule is the decode engine's end-of-output checkpoint. ``interval_blocks`` 0 disables the
-    interval."""
-
-    end_of_prompt: bool = True
-    end_of_output: bool = True
-    junctions: bool = True
-    interval_blocks: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> CheckpointPolicy:
-        """``"prompt,output,junction,every=16"``, any subset (``end`` = ``prompt``, the workers' spelling);
-        ``"none"`` for no checkpoints at all."""
-        flags = {"prompt": False, "output": False, "junction": False}
-        interval = 0
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            if part == "none":
-                continue
-            if part.startswith("every="):
-                try:
-                    interval = int(part[6:])
-                except ValueError:
-                    raise ReplayError(f"bad checkpoint interval {part!r}") from None
-                if interval <= 0:
-                    raise ReplayError("checkpoint interval must be a positive number of blocks")
-            elif part in flags or part == "end":
-                flags["prompt" if part == "end" else part] = True
-            else:
-                raise ReplayError(
-                    f"unknown checkpoint policy part {part!r}; use prompt, output, junction, every=N or none"
-                )
-        return cls(flags["prompt"], flags["output"], flags["junction"], interval)
-
-    @property
-    def label(self) -> str:
-        parts = [
-            n
-            for n, on in (
-                ("prompt", self.end_of_prompt),
-                ("output", self.end_of_output),
-                ("junction", self.junctions),
-            )
-            if on
-        ]
-        if self.interval_blocks:
-            parts.append(f"every={self.interval_blocks}")
-        return ",".join(parts) or "none"
-
-    def prefill_policy(self) -> PrefillCheckpointPolicy:
-        """The prefill engine's policy object with the same prompt-side switches."""
-        return PrefillCheckpointPolicy(self.end_of_prompt, self.junctions, self.interval_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,7 +317,7 @@ class _Replay:
             if spec.hybrid:
                 ck = self.config.checkpoints
                 with_output = ck.end_of_output and self.config.store_output and req.output_tokens is not None
-                for c in _checkpoint_positions(
+                for c in checkpoint_positions(
                     self.prefill_policy,
                     with_output,
                     req.input_length,
@@ -495,30 +439,3 @@ def effective_block_size(requests: Sequence[Request], spec: ModelSpec, block_siz
             raise ReplayError(f"the trace's blocks are {ids} tokens; --block-size {block_size} cannot apply")
         return ids
     return block_size or spec.default_block_size
-
-
-def _checkpoint_positions(
-    prefill_policy: PrefillCheckpointPolicy,
-    end_of_output: bool,
-    prompt_len: int,
-    bs: int,
-    chain: Chain,
-    run: int,
-    usable: int,
-) -> list[int]:
-    """Block counts c (checkpoint keyed by h_{c-1}) this request writes, ascending: the prefill's own
-    boundaries over (usable, last full prompt block], then decode's end-of-output snapshot (the last block
-    boundary crossed while decoding, i.e. the last block of prompt + reply[:-1], if past the prompt's)."""
-    out = [
-        b // bs
-        for b in prefill_policy.boundaries(
-            prompt_len=prompt_len,
-            block_size=bs,
-            start_blocks=usable,
-            mla_run_blocks=min(run, chain.full_prompt_blocks),
-        )
-    ]
-    total = len(chain.hashes)
-    if end_of_output and total > chain.prompt_blocks and total > usable:
-        out.append(total)
-    return out
