@@ -17,6 +17,13 @@ has its own instant even when a trace stamps many with the same millisecond):
    end of prompt (last full prompt block), end of output, junction (c = MLA run when the run passed the
    last checkpoint), every N blocks.
 
+Requests come as a list (sorted here) or as any iterable, which is *streamed*: replayed as it is read,
+through a bounded reorder window (``trace.arrival_ordered``), so a trace larger than memory runs in the
+memory of the index plus a few integers per request (the per-request columns pricing needs).
+
+Every result carries a TTFT estimate per request (``workloads/ttft.py``: the usable prefix loaded from
+its tier, the rest recomputed at the spec's FLOPs), overall and per workload.
+
 Capacity is bytes from the spec (MLA block = tokens x MLA bytes/token, checkpoint = KDA bytes) or
 "blocks": every MLA object is one unit and a checkpoint weighs ceil(KDA bytes / full MLA block bytes)
 units. Eviction (policy, watermarks, leaf-first) is entirely the index's.
@@ -25,8 +32,9 @@ units. Eviction (policy, watermarks, leaf-first) is entirely the index's.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +42,13 @@ from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import CapacityError, NotAdmittedError, ObjectKind, StoreIndexError, Tier
+from kvpool.workloads import trace
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.checkpoints import CheckpointPolicy, checkpoint_positions
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.specs import ModelSpec
-from kvpool.workloads.trace import Request
+from kvpool.workloads.trace import Request, arrival_ordered
+from kvpool.workloads.ttft import TtftModel, estimate
 
 INFINITE = 1 << 62
 NODE = "sim"
@@ -58,6 +68,7 @@ class SimConfig:
     visibility_delay_ms: float = 0.0  # objects of a request become visible this long after its arrival
     ssd_capacity: int = 0  # bytes of SSD tier under the DRAM capacity: demote on eviction, promote on hit
     admission: AdmissionConfig | None = None  # policy hybrid's admission tunables; None: the defaults
+    ttft: TtftModel = field(default_factory=TtftModel)  # tier bandwidths and compute rate of the estimate
 
     def check(self) -> None:
         if self.policy not in POLICIES:
@@ -77,6 +88,7 @@ class SimConfig:
         bs = self.block_size or self.spec.default_block_size
         if bs <= 0 or bs % 64:
             raise ReplayError(f"block size must be a positive multiple of 64, got {bs}")
+        self.ttft.check()
 
 
 @dataclass(slots=True)
@@ -150,10 +162,11 @@ class SimResult:
     bytes_held: int
     capacity_bytes: int | None
     duration_s: float  # trace time spanned (first to last arrival)
-    per_request: dict[str, list[Any]]  # workload, arrival_ms, input, cached, output
+    per_request: dict[str, list[Any]]  # workload, arrival_ms, input, cached, output, dram/ssd bytes read
 
     def to_dict(self, per_request: bool = False) -> dict[str, Any]:
         c = self.config
+        ttft = estimate(self.per_request, c.spec, c.ttft)
         out: dict[str, Any] = {
             "requests": self.total.requests,
             **self.total.to_dict(),
@@ -177,11 +190,20 @@ class SimResult:
                 "ssd_capacity": c.ssd_capacity,
                 "low_watermark": c.low_watermark,
             },
-            "workloads": {w: s.to_dict() for w, s in sorted(self.per_workload.items())},
+            "workloads": {
+                w: {**s.to_dict(), **ttft["workloads"].get(w, {})}
+                for w, s in sorted(self.per_workload.items())
+            },
             "tenants": {t: s.to_dict() for t, s in sorted(self.per_tenant.items())},
+            "ttft_model": ttft["model"],
+            **ttft["summary"],
         }
         if per_request:
-            out["per_request"] = self.per_request
+            out["per_request"] = {
+                **self.per_request,
+                "ttft_est_ms": [round(x, 3) for x in ttft["ttft_est_ms"]],
+                "ttft_nocache_ms": [round(x, 3) for x in ttft["ttft_nocache_ms"]],
+            }
         return out
 
 
@@ -207,11 +229,11 @@ class _Store:
 class _Replay:
     """One simulation's state: the index, the chains, the counters, the stores not yet visible."""
 
-    def __init__(self, requests: Sequence[Request], config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, block_size: int) -> None:
         config.check()
         self.config = config
         spec = self.spec = config.spec
-        self.block_size = effective_block_size(requests, spec, config.block_size)
+        self.block_size = block_size
         full_block_bytes = spec.mla_bytes_per_token * self.block_size
         if config.capacity_unit == "blocks":
             self.kda_size = math.ceil(spec.kda_bytes_per_checkpoint / full_block_bytes) if spec.hybrid else 0
@@ -239,7 +261,7 @@ class _Replay:
         self.owner: dict[bytes, tuple[Counters, Counters]] = {}  # object -> its writer's counters
         self.bytes_evicted = self.objects_evicted = self.refused = self.demotions = self.not_admitted = 0
         self.per_req: dict[str, list[Any]] = {
-            k: [] for k in ("workload", "arrival_ms", "input", "cached", "output")
+            k: [] for k in ("workload", "arrival_ms", "input", "cached", "output", "dram_bytes", "ssd_bytes")
         }
 
     def _owners(self, req: Request) -> tuple[Counters, Counters]:
@@ -254,6 +276,11 @@ class _Replay:
     def lookup(self, req: Request) -> _Store:
         """Match the prompt (as prefill would, at the index's current time) and count the hit."""
         idx, bs = self.idx, self.block_size
+        if req.tokens is None and req.block_size != bs:
+            raise ReplayError(
+                f"request {req.request_id}: its blocks are {req.block_size} tokens, the run's are {bs}; "
+                "hash-id records with different block sizes cannot share one cache"
+            )
         chain = self.builder.chain(req, with_output=self.config.store_output)
         prompt = chain.hashes[: chain.prompt_blocks]
         # prefill looks up only blocks ending before the last prompt token (it must compute at least one
@@ -272,6 +299,9 @@ class _Replay:
         if self.config.ssd_capacity:
             cnt.ssd_cached_tokens, cnt.ssd_bytes_read = self._read_tiers(m, chain.block_tokens)
         usable_tokens = cnt.cached_tokens
+        loaded = usable_tokens * self.spec.mla_bytes_per_token
+        if usable and self.spec.hybrid:
+            loaded += self.spec.kda_bytes_per_checkpoint
         owners = self._owners(req)
         for into in owners:
             into.add(cnt)
@@ -281,6 +311,8 @@ class _Replay:
             ("input", req.input_length),
             ("cached", usable_tokens),
             ("output", req.output_length),
+            ("dram_bytes", loaded - cnt.ssd_bytes_read),
+            ("ssd_bytes", cnt.ssd_bytes_read),
         ):
             self.per_req[key].append(value)
         return _Store(req, chain, run, usable, owners)
@@ -365,53 +397,50 @@ class _Replay:
 
 
 def simulate(
-    requests: Sequence[Request],
+    requests: Iterable[Request],
     config: SimConfig,
     progress: Callable[[int, int], None] | None = None,
     visibility_delays_ms: Sequence[float] | None = None,
 ) -> SimResult:
-    """Replay ``requests`` (sorted by arrival here, stable) through a fresh ``PrefixIndex``.
+    """Replay ``requests`` through a fresh ``PrefixIndex``: a list is sorted by arrival here (stable); any
+    other iterable is streamed in arrival order through a bounded reorder window (see the module docstring;
+    progress then reports requests done over requests read so far).
 
     With ``config.visibility_delay_ms`` > 0 a request's objects become visible that long after its
     arrival (a stand-in for prefill + decode time), so requests arriving meanwhile miss them, as live.
-    ``visibility_delays_ms`` (one per request, in the order given) overrides it per request, e.g. with
-    each request's measured TTFT from a live replay (prefill has pushed by its first token).
+    ``visibility_delays_ms`` (one per request of a list, in the order given) overrides it per request, e.g.
+    with each request's measured TTFT from a live replay (prefill has pushed by its first token).
     """
-    r = _Replay(requests, config)
-    if visibility_delays_ms is not None:
-        if len(visibility_delays_ms) != len(requests):
-            raise ReplayError(f"{len(visibility_delays_ms)} visibility delays for {len(requests)} requests")
-        if not all(math.isfinite(d) and d >= 0 for d in visibility_delays_ms):
-            raise ReplayError("visibility delays must be finite and >= 0 ms")
-    delays = [
-        (config.visibility_delay_ms if visibility_delays_ms is None else visibility_delays_ms[i]) / 1000.0
-        for i in range(len(requests))
-    ]
+    stream, total, first = _arrivals(requests, config, visibility_delays_ms)
+    sized = requests if isinstance(requests, Sequence) else ([first] if first is not None else [])
+    block_size = effective_block_size(sized, config.spec, config.block_size)
+    r = _Replay(config, block_size)
     pending: list[tuple[float, int, _Store]] = []  # (visible at, sequence, store)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
-    for seq, i in enumerate(order):
-        now = requests[i].arrival_ms / 1000.0 + seq * 1e-6
+    lo = hi = None
+    for seq, (req, delay_ms) in enumerate(stream):
+        now = req.arrival_ms / 1000.0 + seq * 1e-6
+        lo = req.arrival_ms if lo is None else lo
+        hi = req.arrival_ms
         while pending and pending[0][0] <= now:
             r.clock.now, _, st = heapq.heappop(pending)
             r.store(st)
         r.clock.now = now
-        st = r.lookup(requests[i])
-        if delays[i] > 0:
-            heapq.heappush(pending, (now + delays[i], seq, st))
+        st = r.lookup(req)
+        if delay_ms > 0:
+            heapq.heappush(pending, (now + delay_ms / 1000.0, seq, st))
         else:
             r.store(st)
         if progress is not None:
-            progress(seq + 1, len(order))
+            progress(seq + 1, total or seq + 1)
     while pending:
         r.clock.now, _, st = heapq.heappop(pending)
         r.store(st)
-    total = Counters()
+    totals = Counters()
     for c in r.per_workload.values():
-        total.add(c)
-    arrivals = [q.arrival_ms for q in requests]
+        totals.add(c)
     return SimResult(
         config=config,
-        total=total,
+        total=totals,
         per_workload=r.per_workload,
         per_tenant=r.per_tenant,
         bytes_evicted=r.bytes_evicted,
@@ -422,9 +451,31 @@ def simulate(
         block_size=r.block_size,
         bytes_held=sum(r.real_size.values()),
         capacity_bytes=r.capacity_bytes,
-        duration_s=(max(arrivals) - min(arrivals)) / 1000.0 if arrivals else 0.0,
+        duration_s=(hi - lo) / 1000.0 if lo is not None and hi is not None else 0.0,
         per_request=r.per_req,
     )
+
+
+def _arrivals(
+    requests: Iterable[Request], config: SimConfig, delays: Sequence[float] | None
+) -> tuple[Iterator[tuple[Request, float]], int, Request | None]:
+    """(request, visibility delay ms) in arrival order, the count when known, and the first request."""
+    if not isinstance(requests, Sequence):
+        if delays is not None:
+            raise ReplayError("per-request visibility delays need the requests as a list, not a stream")
+        ordered = arrival_ordered(requests, trace.REORDER_WINDOW)
+        first = next(ordered, None)
+        head = [] if first is None else [first]
+        it = ((q, config.visibility_delay_ms) for q in itertools.chain(head, ordered))
+        return it, 0, first
+    if delays is not None:
+        if len(delays) != len(requests):
+            raise ReplayError(f"{len(delays)} visibility delays for {len(requests)} requests")
+        if not all(math.isfinite(d) and d >= 0 for d in delays):
+            raise ReplayError("visibility delays must be finite and >= 0 ms")
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
+    it = ((requests[i], config.visibility_delay_ms if delays is None else delays[i]) for i in order)
+    return it, len(requests), requests[order[0]] if order else None
 
 
 def effective_block_size(requests: Sequence[Request], spec: ModelSpec, block_size: int | None) -> int:

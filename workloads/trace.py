@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import heapq
 import io
 import json
 import math
@@ -221,14 +222,43 @@ def read_kvpool(path: str | Path) -> list[Request]:
 
 def read_trace(path: str | Path, workload: str | None = None) -> list[Request]:
     """Either format, decided per line: a line with ``timestamp`` and no ``arrival_ms`` is Mooncake."""
+    return list(iter_trace(path, workload))
+
+
+def iter_trace(path: str | Path, workload: str | None = None) -> Iterator[Request]:
+    """The records of :func:`read_trace` one at a time, read as they are consumed (a trace larger than
+    memory can be replayed; see :func:`arrival_ordered`)."""
     name = workload or _stem(path)
-    out: list[Request] = []
     for i, (n, obj) in enumerate(_json_lines(path)):
         if "timestamp" in obj and "arrival_ms" not in obj:
-            out.append(_located(path, n, mooncake_record, obj, i, name))
+            yield _located(path, n, mooncake_record, obj, i, name)
         else:
-            out.append(_located(path, n, kvpool_record, obj))
-    return out
+            yield _located(path, n, kvpool_record, obj)
+
+
+REORDER_WINDOW = 4096
+
+
+def arrival_ordered(requests: Iterable[Request], window: int = REORDER_WINDOW) -> Iterator[Request]:
+    """``requests`` in arrival order (stable), holding at most ``window`` of them: a stream may be out of
+    order by up to ``window`` records (traces logged by several frontends are, by a little). A record
+    later than that is an error, not a silent reorder: a simulation must see arrivals in order."""
+    heap: list[tuple[float, int, Request]] = []
+    last = -math.inf
+    for seq, req in enumerate(requests):
+        if req.arrival_ms < last:
+            raise TraceFormatError(
+                f"request {req.request_id} arrives at {req.arrival_ms} ms, before {last} ms "
+                "already replayed: "
+                f"a streamed trace must be in arrival order within {window} records "
+                "(sort the file, or load it whole with --limit)"
+            )
+        heapq.heappush(heap, (req.arrival_ms, seq, req))
+        if len(heap) > window:
+            last, _, out = heapq.heappop(heap)
+            yield out
+    while heap:
+        yield heapq.heappop(heap)[2]
 
 
 def _stem(path: str | Path) -> str:

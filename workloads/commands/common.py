@@ -6,11 +6,12 @@ progress.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvpool.workloads.errors import ReplayError, WorkloadError
@@ -70,17 +71,68 @@ def print_json(obj: Any) -> None:
 
 
 def load_requests(trace: str, limit: int | None) -> list:
-    from kvpool.workloads.trace import read_trace, resolve_trace
+    """The whole trace as a list (the first ``limit`` by arrival). A file that would not fit in memory
+    is refused with a message, or, with ``limit``, read only as far as needed."""
+    from kvpool.workloads.trace import arrival_ordered, read_trace, resolve_trace
 
     path = resolve_trace(trace)
-    reqs = read_trace(path, workload=trace if trace in ("conversation", "synthetic") else None)
-    if limit is not None:
-        if limit <= 0:
-            raise ReplayError("--limit must be > 0")
-        reqs = sorted(reqs, key=lambda r: r.arrival_ms)[:limit]
+    if limit is not None and limit <= 0:
+        raise ReplayError("--limit must be > 0")
+    need, have = memory_estimate(path), available_memory()
+    if have is not None and need > 0.8 * have:
+        if limit is None:
+            raise ReplayError(
+                f"{trace}: about {need / 2**30:.1f} GiB once loaded, {have / 2**30:.1f} GiB available. "
+                "This command needs the whole trace in memory (a sweep, an offline policy, a live replay): "
+                "use --limit N, or a single online-policy `kvpool replay --sim`, which streams the file"
+            )
+        reqs = list(itertools.islice(arrival_ordered(stream_requests(trace)), limit))
+    else:
+        reqs = read_trace(path, workload=_workload_name(trace))
+        if limit is not None:
+            reqs = sorted(reqs, key=lambda r: r.arrival_ms)[:limit]
     if not reqs:
         raise ReplayError(f"{trace}: no requests")
     return reqs
+
+
+def stream_requests(trace: str) -> Iterator:
+    """The trace's records one at a time, as they are read (for a streamed simulation)."""
+    from kvpool.workloads.trace import iter_trace, resolve_trace
+
+    return iter_trace(resolve_trace(trace), workload=_workload_name(trace))
+
+
+def _workload_name(trace: str) -> str | None:
+    return trace if trace in ("conversation", "synthetic") else None
+
+
+STREAM_ABOVE_BYTES = 256 * 2**20  # estimated in-memory size above which a single simulation streams
+
+
+def memory_estimate(path: str | os.PathLike) -> int:
+    """Bytes a loaded trace takes, roughly: 8x its text (Python ints and lists of hash ids), the text
+    size read from a gzip trailer (mod 4 GiB, so never below 4x the compressed size)."""
+    size = os.path.getsize(path)
+    text = size
+    if str(path).endswith(".gz"):
+        with open(path, "rb") as fh:
+            fh.seek(max(0, size - 4))
+            isize = int.from_bytes(fh.read(4), "little")
+        text = max(isize, 4 * size)
+    return 8 * text
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def progress_factory(args: argparse.Namespace) -> Callable[[str], Any]:

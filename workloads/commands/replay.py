@@ -5,6 +5,7 @@ hit rates per workload and tenant as tables or JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -12,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.workloads.commands.common import (
+    STREAM_ABOVE_BYTES,
     add_progress_flags,
     fmt_bytes,
     guard,
     load_requests,
+    memory_estimate,
     parse_size,
     print_json,
     progress_factory,
+    stream_requests,
 )
 from kvpool.workloads.errors import ReplayError
 
@@ -58,6 +62,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if args.live and args.sim:
         raise ReplayError("choose --sim or --live, not both")
+    if not args.live and _streams(args):
+        return _replay_stream(args)
     reqs = load_requests(args.trace, args.limit)
     if args.live:
         from kvpool.workloads.live import replay_live
@@ -80,10 +86,95 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return _replay_sim(args, reqs)
 
 
+def _streams(args: argparse.Namespace) -> bool:
+    """One online-policy simulation at one capacity streams its trace when asked (``--stream``) or when
+    the trace would take more than ``STREAM_ABOVE_BYTES`` loaded; everything else needs it whole."""
+    from kvpool.kvstore.index.eviction import POLICIES
+    from kvpool.workloads.trace import resolve_trace
+
+    single = (
+        "," not in args.policy
+        and args.policy.strip() in POLICIES
+        and args.checkpoint_sweep is None
+        and args.capacity_blocks is None
+        and "," not in (args.capacity_bytes or "")
+        and (args.capacity_bytes or "").strip() != "auto"
+    )
+    if args.stream and not single:
+        raise ReplayError(
+            "--stream runs one simulation: one online policy "
+            f"({', '.join(sorted(POLICIES))}) at one --capacity-bytes (or unbounded), no sweep"
+        )
+    return single and (args.stream or memory_estimate(resolve_trace(args.trace)) > STREAM_ABOVE_BYTES)
+
+
+def _ttft_model(args: argparse.Namespace) -> Any:
+    from kvpool.workloads.ttft import TtftModel
+
+    d = TtftModel()
+    return TtftModel(
+        dram_gbps=d.dram_gbps if args.dram_gbps is None else args.dram_gbps,
+        ssd_gbps=d.ssd_gbps if args.ssd_gbps is None else args.ssd_gbps,
+        network_gbps=d.network_gbps if args.net_gbps is None else args.net_gbps,
+        gpu_flops=d.gpu_flops if args.gpu_flops is None else args.gpu_flops,
+        mfu=d.mfu if args.mfu is None else args.mfu,
+    )
+
+
+def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int | None, unit: str,
+                block_size: int | None) -> Any:  # fmt: skip
+    from kvpool.workloads.sim import CheckpointPolicy, SimConfig
+
+    return SimConfig(
+        spec=spec,
+        policy=policy,
+        capacity=capacity,
+        capacity_unit=unit,
+        block_size=block_size,
+        checkpoints=CheckpointPolicy.parse(args.checkpoints),
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        store_output=not args.no_output_blocks,
+        visibility_delay_ms=args.visibility_delay_ms,
+        ssd_capacity=parse_size(args.ssd_bytes) if args.ssd_bytes else 0,
+        ttft=_ttft_model(args),
+    )
+
+
+def _replay_stream(args: argparse.Namespace) -> int:
+    """A single simulation fed as the file is read: memory is the index's, not the trace's."""
+    from kvpool.workloads.sim import simulate
+    from kvpool.workloads.specs import get_spec
+    from kvpool.workloads.trace import arrival_ordered
+
+    if args.limit is not None and args.limit <= 0:
+        raise ReplayError("--limit must be > 0")
+    spec = get_spec(args.spec, pure_mla=args.pure_mla)
+    cap = parse_size(args.capacity_bytes) if args.capacity_bytes else None
+    cfg = _sim_config(args, spec, args.policy.strip(), cap, "bytes", args.block_size)
+    stream = arrival_ordered(stream_requests(args.trace))
+    if args.limit is not None:
+        stream = itertools.islice(stream, args.limit)
+    result = simulate(stream, cfg, progress_factory(args)(f"replay {args.trace} (streamed)"))
+    if result.total.requests == 0:
+        raise ReplayError(f"{args.trace}: no requests")
+    return _emit(args, result)
+
+
+def _emit(args: argparse.Namespace, result: Any) -> int:
+    if args.out:
+        Path(args.out).write_text(json.dumps(result.to_dict(per_request=True)) + "\n", encoding="utf-8")
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        _print_sim_table(result.to_dict())
+    return 0
+
+
 def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
     from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
     from kvpool.workloads.progress import PointProgress
-    from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
+    from kvpool.workloads.sim import CheckpointPolicy, effective_block_size, simulate
     from kvpool.workloads.specs import get_spec
     from kvpool.workloads.sweep import capacity_sweep, check_policies, checkpoint_sweep, plot_rows, write_csv
 
@@ -138,27 +229,8 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
                           progress(f"{policies[0]} {args.trace}"))  # fmt: skip
         print_json(res.to_dict()) if args.json else _print_sim_table(res.to_dict())
         return 0
-    cfg = SimConfig(
-        spec=spec,
-        policy=policies[0],
-        capacity=caps[0] if caps else None,
-        capacity_unit=unit,
-        block_size=bs,
-        checkpoints=ck,
-        high_watermark=args.high_watermark,
-        low_watermark=args.low_watermark,
-        store_output=not args.no_output_blocks,
-        visibility_delay_ms=args.visibility_delay_ms,
-        ssd_capacity=parse_size(args.ssd_bytes) if args.ssd_bytes else 0,
-    )
-    result = simulate(reqs, cfg, progress(f"replay {args.trace}"))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result.to_dict(per_request=True)) + "\n", encoding="utf-8")
-    if args.json:
-        print_json(result.to_dict())
-    else:
-        _print_sim_table(result.to_dict())
-    return 0
+    cfg = _sim_config(args, spec, policies[0], caps[0] if caps else None, unit, bs)
+    return _emit(args, simulate(reqs, cfg, progress(f"replay {args.trace}")))
 
 
 def _print_sim_table(d: dict[str, Any]) -> None:
@@ -181,6 +253,13 @@ def _print_sim_table(d: dict[str, Any]) -> None:
             f"{w['mla_token_hit_rate']:>9.2%}{w['lost_token_fraction']:>8.2%}"
             f"{fmt_bytes(w['mla_bytes_written']):>14}{fmt_bytes(w['kda_bytes_written']):>14}"
             f"{fmt_bytes(w['bytes_evicted']):>14}"
+        )
+    if "ttft_est_ms_mean" in d:
+        print(
+            f"TTFT estimate (ms, docs/design/workloads.md): with the cache p50 {d['ttft_est_ms_p50']:.1f} "
+            f"p90 {d['ttft_est_ms_p90']:.1f} mean {d['ttft_est_ms_mean']:.1f}; recomputing everything "
+            f"p50 {d['ttft_nocache_ms_p50']:.1f} p90 {d['ttft_nocache_ms_p90']:.1f} "
+            f"mean {d['ttft_nocache_ms_mean']:.1f}"
         )
     if "objects_evicted" in d:  # offline schedules report hits only
         print(
@@ -256,6 +335,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a request's objects become visible this long after its arrival (prefill + decode time)",
     )
     r.add_argument("--limit", type=int, help="replay only the first N requests (by arrival)")
+    r.add_argument(
+        "--stream",
+        action="store_true",
+        help="read the trace as it is replayed (one online policy, one capacity); automatic for a trace "
+        "too large to load",
+    )
+    for flag, what in (("--dram-gbps", "DRAM tier read, GB/s (default 200)"),
+                       ("--ssd-gbps", "SSD tier read, GB/s (default 7)"),
+                       ("--net-gbps", "network into a prefill GPU, GB/s (default 50)"),
+                       ("--gpu-flops", "prefill GPU FLOP/s (default 989e12)"),
+                       ("--mfu", "prefill model FLOPs utilisation (default 0.40)")):  # fmt: skip
+        r.add_argument(flag, type=float, help=f"TTFT estimate: {what}")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     r.add_argument("--out", help="write the full result (with per-request detail, for `kvpool price`) here")
     r.add_argument(
