@@ -14,7 +14,7 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "kvpool.model.cli",  # generate
     "kvpool.kvstore.cli",  # store master|node|...
-    "kvpool.workloads.cli",  # replay, price, report, trace
+    "kvpool.workloads.cli",  # replay, price, provision, report, trace
     "kvpool.serve",  # prefill, decode (workers)
     "kvpool.verify",  # verify
     "kvpool.demo",  # demo

@@ -164,3 +164,47 @@ def tokens_arg(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     return value  # sign checked by pricing, so the message names the field
+
+
+PROVIDER_FLAGS = ("gpu-hour-usd", "gpu-flops", "mfu", "dram-gb-hour-usd", "ssd-gb-hour-usd")
+
+
+def add_provider_flags(p: argparse.ArgumentParser) -> None:
+    """The provider's assumptions, each defaulting to the profile file's [provider] table."""
+    for name in PROVIDER_FLAGS:
+        p.add_argument(f"--{name}", type=float, help="provider assumption (default from the profile file)")
+
+
+def provider_inputs(args: argparse.Namespace, defaults: Any) -> Any:
+    """``ProviderInputs`` from the profile file's defaults, overridden by the flags given."""
+    from kvpool.workloads.pricing import ProviderInputs
+
+    values = {}
+    for flag in PROVIDER_FLAGS:
+        name = flag.replace("-", "_")
+        given = getattr(args, name)
+        values[name] = getattr(defaults, name) if given is None else given
+    return ProviderInputs(**values)
+
+
+def add_tier_flags(p: argparse.ArgumentParser, with_compute: bool) -> None:
+    """Bandwidths of the TTFT estimate (``workloads/ttft.py``), and its compute rate unless the command
+    takes that from the provider flags."""
+    flags = [("--dram-gbps", "DRAM tier read, GB/s (default 200)"),
+             ("--ssd-gbps", "SSD tier read, GB/s (default 7)"),
+             ("--net-gbps", "network into a prefill GPU, GB/s (default 50)")]  # fmt: skip
+    if with_compute:
+        flags += [("--gpu-flops", "prefill GPU FLOP/s (default 989e12)"),
+                  ("--mfu", "prefill model FLOPs utilisation (default 0.40)")]  # fmt: skip
+    for flag, what in flags:
+        p.add_argument(flag, type=float, help=f"TTFT estimate: {what}")
+
+
+def ttft_model(args: argparse.Namespace) -> Any:
+    """``TtftModel`` defaults overridden by the tier (and compute) flags given."""
+    from kvpool.workloads.ttft import TtftModel
+
+    d = TtftModel()
+    given = {"dram_gbps": args.dram_gbps, "ssd_gbps": args.ssd_gbps, "network_gbps": args.net_gbps,
+             "gpu_flops": getattr(args, "gpu_flops", None), "mfu": getattr(args, "mfu", None)}  # fmt: skip
+    return TtftModel(**{k: getattr(d, k) if v is None else v for k, v in given.items()})

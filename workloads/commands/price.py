@@ -9,7 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvpool.workloads.commands.common import guard, parse_size, print_json, tokens_arg
+from kvpool.workloads.commands.common import (
+    add_provider_flags,
+    guard,
+    parse_size,
+    print_json,
+    provider_inputs,
+    tokens_arg,
+)
 
 
 @guard
@@ -69,17 +76,11 @@ def cmd_price(args: argparse.Namespace) -> int:
 
 def _provider(args: argparse.Namespace, d: Any, result_obj: dict[str, Any] | None) -> dict[str, Any]:
     from kvpool.workloads.errors import PricingError
-    from kvpool.workloads.pricing import ProviderInputs, best_capacity, provider_view
+    from kvpool.workloads.pricing import best_capacity, provider_view
     from kvpool.workloads.specs import get_spec
     from kvpool.workloads.sweep import read_csv
 
-    inputs = ProviderInputs(
-        gpu_hour_usd=d.gpu_hour_usd if args.gpu_hour_usd is None else args.gpu_hour_usd,
-        gpu_flops=d.gpu_flops if args.gpu_flops is None else args.gpu_flops,
-        mfu=d.mfu if args.mfu is None else args.mfu,
-        dram_gb_hour_usd=d.dram_gb_hour_usd if args.dram_gb_hour_usd is None else args.dram_gb_hour_usd,
-        ssd_gb_hour_usd=d.ssd_gb_hour_usd if args.ssd_gb_hour_usd is None else args.ssd_gb_hour_usd,
-    )
+    inputs = provider_inputs(args, d)
     if args.sweep_csv:
         rows = read_csv(args.sweep_csv)
         spec = get_spec(rows[0]["spec"].removesuffix("-mla-only")) if rows else get_spec(args.spec)
@@ -144,7 +145,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tier", choices=("dram", "ssd"), default="dram")
     p.add_argument("--sweep-csv", help="provider: a sweep CSV; picks the capacity of least total cost")
     p.add_argument("--sweep-policy", help="provider: use only this policy's rows of the sweep")
-    for name in ("gpu-hour-usd", "gpu-flops", "mfu", "dram-gb-hour-usd", "ssd-gb-hour-usd"):
-        p.add_argument(f"--{name}", type=float, help="provider assumption (default from the profile file)")
+    add_provider_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_price)

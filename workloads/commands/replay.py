@@ -15,6 +15,7 @@ from typing import Any
 from kvpool.workloads.commands.common import (
     STREAM_ABOVE_BYTES,
     add_progress_flags,
+    add_tier_flags,
     fmt_bytes,
     guard,
     load_requests,
@@ -23,6 +24,7 @@ from kvpool.workloads.commands.common import (
     print_json,
     progress_factory,
     stream_requests,
+    ttft_model,
 )
 from kvpool.workloads.errors import ReplayError
 
@@ -108,19 +110,6 @@ def _streams(args: argparse.Namespace) -> bool:
     return single and (args.stream or memory_estimate(resolve_trace(args.trace)) > STREAM_ABOVE_BYTES)
 
 
-def _ttft_model(args: argparse.Namespace) -> Any:
-    from kvpool.workloads.ttft import TtftModel
-
-    d = TtftModel()
-    return TtftModel(
-        dram_gbps=d.dram_gbps if args.dram_gbps is None else args.dram_gbps,
-        ssd_gbps=d.ssd_gbps if args.ssd_gbps is None else args.ssd_gbps,
-        network_gbps=d.network_gbps if args.net_gbps is None else args.net_gbps,
-        gpu_flops=d.gpu_flops if args.gpu_flops is None else args.gpu_flops,
-        mfu=d.mfu if args.mfu is None else args.mfu,
-    )
-
-
 def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int | None, unit: str,
                 block_size: int | None) -> Any:  # fmt: skip
     from kvpool.workloads.sim import CheckpointPolicy, SimConfig
@@ -137,7 +126,7 @@ def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int 
         store_output=not args.no_output_blocks,
         visibility_delay_ms=args.visibility_delay_ms,
         ssd_capacity=parse_size(args.ssd_bytes) if args.ssd_bytes else 0,
-        ttft=_ttft_model(args),
+        ttft=ttft_model(args),
     )
 
 
@@ -341,12 +330,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="read the trace as it is replayed (one online policy, one capacity); automatic for a trace "
         "too large to load",
     )
-    for flag, what in (("--dram-gbps", "DRAM tier read, GB/s (default 200)"),
-                       ("--ssd-gbps", "SSD tier read, GB/s (default 7)"),
-                       ("--net-gbps", "network into a prefill GPU, GB/s (default 50)"),
-                       ("--gpu-flops", "prefill GPU FLOP/s (default 989e12)"),
-                       ("--mfu", "prefill model FLOPs utilisation (default 0.40)")):  # fmt: skip
-        r.add_argument(flag, type=float, help=f"TTFT estimate: {what}")
+    add_tier_flags(r, with_compute=True)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     r.add_argument("--out", help="write the full result (with per-request detail, for `kvpool price`) here")
     r.add_argument(
