@@ -92,3 +92,20 @@ def test_provision_command_prints_json_and_exits_1_when_nothing_meets(
     assert "give a target" in capsys.readouterr().err
     assert main(["provision", "conversation", "--target-hit", "0.1", "--ssd-ratios", "x"]) == 2
     assert main(["provision", "conversation", "--target-hit", "0.1", "--policy", "reference"]) == 2
+
+
+def test_the_report_summary_reads_the_reference_at_the_chosen_capacity(conv: list[Request]) -> None:
+    from kvpool.workloads.pricing import load_profiles
+    from kvpool.workloads.report_summary import price_curves, summary_row
+    from kvpool.workloads.sim import CheckpointPolicy
+    from kvpool.workloads.sweep import capacity_sweep
+
+    profiles, _ = load_profiles()
+    caps = [8 * GiB, 256 * GiB]
+    curves = price_curves(conv, K3, caps, PROVIDER, profiles["moonshot-k3"], 512, "hybrid")
+    rows = capacity_sweep(conv, K3, caps, "bytes", ["reference"], CheckpointPolicy(), 512)
+    s = summary_row("conv", conv, K3, curves, rows, profiles, 512, "hybrid")
+    assert s["capacity_bytes"] == curves["best_dram_only"]["dram_bytes"]
+    ref = next(r for r in rows if int(r["capacity_bytes"]) == s["capacity_bytes"])
+    assert s["of_reference"] == pytest.approx(s["token_hit_rate"] / float(ref["token_hit_rate"]))
+    assert set(s["savings_usd"]) == set(profiles) and s["mix"]["token_hit_rate"] >= s["token_hit_rate"]

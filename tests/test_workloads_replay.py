@@ -216,7 +216,10 @@ def test_report_is_self_contained_html(tmp_path: Path, capsys: pytest.CaptureFix
     ]
     assert main(argv) == 0
     page = out.read_text()
-    assert page.count("data:image/png;base64,") == 2
-    for needle in ("optimum", "moonshot-k3", "openai-style", "Provider view", "prompt,junction"):
-        assert needle in page
+    assert page.count("data:image/png;base64,") == 3  # policies, checkpoints, price vs capacity
+    needles = ("optimum", "moonshot-k3", "openai-style", "Provider view", "prompt,junction",
+               "<h2>Summary</h2>", "Price vs capacity", "saved $ deepseek-style", "not swept")  # fmt: skip
+    for needle in needles:
+        assert needle in page, needle
+    assert page.index("<h2>Summary</h2>") < page.index("<h2>synthetic</h2>")  # the report opens with it
     assert (tmp_path / "rep" / "synthetic_policy.csv").exists()

@@ -1,6 +1,8 @@
-"""``kvpool report``: one self-contained HTML page (plots embedded as base64 PNG) gathering, per trace,
-its statistics, hit rate vs capacity per eviction policy against the offline optimum, checkpoint
-policies in the spec's bytes, user prices under every profile, and the provider's cheapest capacity.
+"""``kvpool report``: one self-contained HTML page (plots embedded as base64 PNG). It opens with a
+summary (``workloads/report_summary.py``: chosen capacity, token hit per workload, share of the offline
+reference, dollars saved per profile, cheapest DRAM + SSD mix), then per trace: its statistics, hit rate
+vs capacity per eviction policy against the offline reference and bound, checkpoint policies in the
+spec's bytes, price-vs-capacity curves (DRAM only and DRAM + SSD), and user prices under every profile.
 CSV and PNG files are also written next to the page for further use.
 """
 
@@ -12,8 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.workloads.pricing import ProviderInputs, best_capacity, load_profiles, price_result
+from kvpool.workloads.pricing import ProviderInputs, load_profiles, price_result
 from kvpool.workloads.progress import PointProgress
+from kvpool.workloads.report_summary import SSD_RATIO, plot_price_curves, price_curves, summary_row
 from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.stats import trace_stats
@@ -27,6 +30,8 @@ from kvpool.workloads.sweep import (
 )
 from kvpool.workloads.trace import read_trace, resolve_trace
 
+DEFAULT_POLICY = "hybrid"
+USER_PROFILE = "moonshot-k3"  # the user bill drawn in the price curves (falls back to the first profile)
 CHECKPOINT_POLICIES = ("prompt", "prompt,junction", "prompt,output,junction", "prompt,junction,every=16")
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;color:#222}
@@ -74,9 +79,12 @@ def build_report(
         f"<p class=note>Spec <b>{html.escape(spec.name)}</b>: {html.escape(spec.description)}; "
         f"MLA {spec.mla_bytes_per_token:,} B/token, KDA checkpoint {spec.kda_bytes_per_checkpoint:,} B. "
         "Token hit = usable prefix (joint MLA + checkpoint rule) / prompt tokens; block hit = MLA prefix run "
-        "/ prompt blocks. The optimum is offline MIN on MLA blocks (checkpoints free): an upper bound. "
-        "See docs/design/workloads.md and docs/design/pricing.md.</p>",
+        "/ prompt blocks. <i>reference</i> is a feasible offline schedule and <i>bound</i> an upper bound, "
+        "both paying checkpoint bytes; <i>optimum</i> is offline MIN on MLA blocks with checkpoints free. "
+        "See docs/design/eviction.md, docs/design/workloads.md and docs/design/pricing.md.</p>",
     ]
+    summary: list[dict[str, Any]] = []
+    user_profile = profiles.get(USER_PROFILE) or profiles[sorted(profiles)[0]]
     for trace in traces:
         reqs = read_trace(resolve_trace(trace), workload=trace if "/" not in trace else None)
         if limit:
@@ -88,18 +96,19 @@ def build_report(
         lo, hi = sweep_range(reqs, spec, bs)
         caps = [c * full_block for c in auto_capacities(hi, points, lo)]
         cks = [CheckpointPolicy.parse(c) for c in CHECKPOINT_POLICIES]
-        points = PointProgress((len(policies) + len(cks)) * len(caps), show_points)
+        points = PointProgress((len(policies) + len(cks) + 2) * len(caps), show_points)
         prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress, points)
         crow = checkpoint_sweep(reqs, spec, caps, "bytes", "hybrid", cks, bs, progress, points)
         for name, rows, group in (("policy", prow, "policy"), ("checkpoints", crow, "checkpoints")):
             write_csv(rows, out.parent / f"{stem}_{name}.csv")
             plot_rows(rows, out.parent / f"{stem}_{name}.png", group, "token_hit_rate",
                       f"{stem}: token hit rate vs capacity ({spec.name})")  # fmt: skip
-        mid = caps[len(caps) // 2]
-        res = simulate(reqs, SimConfig(spec=spec, capacity=mid, block_size=bs)).to_dict(per_request=True)
+        curves = price_curves(reqs, spec, caps, provider, user_profile, bs, DEFAULT_POLICY, points)
+        plot_price_curves(curves, out.parent / f"{stem}_price.png", f"{stem}: cost vs capacity ({spec.name})")
+        summary.append(summary_row(stem, reqs, spec, curves, prow, profiles, bs, DEFAULT_POLICY))
+        chosen = summary[-1]["capacity_bytes"]
+        res = simulate(reqs, SimConfig(spec=spec, capacity=chosen, block_size=bs)).to_dict(per_request=True)
         bills = {n: price_result(p, res, None) for n, p in sorted(profiles.items())}
-        lru_rows = [r for r in prow if r["policy"] == "lru"]
-        best = best_capacity(spec, provider, lru_rows, "dram")["best"] if lru_rows else None
         parts.append(f"<h2>{html.escape(stem)}</h2>")
         parts.append(_table(
             ["requests", "mean input", "mean output", "blocks", "unique blocks", "span s", "inf. block hit",
@@ -127,20 +136,56 @@ def build_report(
              for r in crow],
         ))  # fmt: skip
         parts.append(
-            f"<h3>User prices at {mid / 2**30:.0f} GiB (LRU, token hit {_pct(res['token_hit_rate'])})</h3>"
+            f"<h3>Price vs capacity ({DEFAULT_POLICY}; DRAM only and over a {SSD_RATIO}x SSD tier; user bill "
+            f"under {html.escape(user_profile.name)})</h3>" + _img(out.parent / f"{stem}_price.png")
+        )
+        parts.append(_table(
+            ["DRAM GiB", "SSD GiB", "token hit", "from SSD", "TTFT p90 ms", "provider $", "user $"],
+            [[f"{r['dram_bytes'] / 2**30:.1f}", f"{r['ssd_bytes'] / 2**30:.1f}", _pct(r["token_hit_rate"]),
+              _pct(r["ssd_token_hit_rate"]), f"{r['ttft_ms']:.0f}", f"{r['total_usd']:.2f}",
+              f"{r['user_cost_usd']:.2f}"] for r in curves["rows"]],
+        ))  # fmt: skip
+        parts.append(
+            f"<h3>User prices at {chosen / 2**30:.0f} GiB ({DEFAULT_POLICY}, the provider's cheapest "
+            f"DRAM-only capacity; token hit {_pct(res['token_hit_rate'])})</h3>"
         )
         parts.append(_table(
             ["profile", "cost $", "without cache $", "savings $", "saved"],
             [[n, f"{b['cost_usd']:.2f}", f"{b['cost_without_cache_usd']:.2f}", f"{b['savings_usd']:.2f}",
               _pct(b["savings_fraction"])] for n, b in bills.items()],
         ))  # fmt: skip
-        if best is not None:
-            parts.append(
-                f"<p>Provider view (LRU, DRAM at ${provider.dram_gb_hour_usd}/GB-h, "
-                f"GPU ${provider.gpu_hour_usd}/h "
-                f"at {provider.gpu_flops:.3g} FLOP/s x MFU {provider.mfu}): cheapest capacity "
-                f"<b>{best['capacity_gb']:.0f} GB</b>, prefill ${best['compute_spent_usd']:.2f} + memory "
-                f"${best['storage_usd']:.2f} over {best['hours']:.2f} h.</p>"
-            )
+        best = curves["best"]
+        parts.append(
+            f"<p>Provider view ({DEFAULT_POLICY}; DRAM ${provider.dram_gb_hour_usd}/GB-h, SSD "
+            f"${provider.ssd_gb_hour_usd}/GB-h, GPU ${provider.gpu_hour_usd}/h at {provider.gpu_flops:.3g} "
+            f"FLOP/s x MFU {provider.mfu}): cheapest DRAM only <b>{chosen / 2**30:.0f} GiB</b> "
+            f"(${summary[-1]['provider_usd']:.2f}); cheapest of the grid DRAM "
+            f"{best['dram_bytes'] / 2**30:.0f} GiB + SSD {best['ssd_bytes'] / 2**30:.0f} GiB "
+            f"(${best['total_usd']:.2f}, token hit "
+            f"{_pct(best['token_hit_rate'])}).</p>"
+        )
+    parts.insert(2, _summary_html(summary, sorted(profiles)))
     out.write_text("\n".join(parts) + "\n", encoding="utf-8")
     return out
+
+
+def _summary_html(rows: Sequence[dict[str, Any]], profile_names: Sequence[str]) -> str:
+    head = ["trace", "capacity GiB", "token hit", "per workload", "of reference", "cheapest DRAM + SSD",
+            *(f"saved $ {n}" for n in profile_names)]  # fmt: skip
+    body = []
+    for r in rows:
+        wl = ", ".join(f"{w} {_pct(h)}" for w, h in r["workloads"].items())
+        ref = "not swept" if r["of_reference"] is None else _pct(r["of_reference"])
+        m = r["mix"]
+        mix = (f"{m['dram_bytes'] / 2**30:.0f} + {m['ssd_bytes'] / 2**30:.0f} GiB, "
+               f"{_pct(m['token_hit_rate'])}, ${m['total_usd']:.2f} "
+               f"(DRAM only ${r['provider_usd']:.2f})")  # fmt: skip
+        cap = f"{r['capacity_bytes'] / 2**30:.1f}"
+        body.append([r["trace"], cap, _pct(r["token_hit_rate"]), wl, ref, mix,
+                     *(f"{r['savings_usd'][n]:.2f}" for n in profile_names)])  # fmt: skip
+    return (
+        f"<h2>Summary</h2><p class=note>Policy {DEFAULT_POLICY} at the provider's cheapest DRAM-only "
+        "capacity (prefill compute + DRAM GB-hours over the trace); the reference at the same capacity; "
+        "the cheapest DRAM + SSD mix of the grid at no lower token hit; dollars users save per profile."
+        "</p>" + _table(head, body)
+    )
