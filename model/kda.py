@@ -6,7 +6,7 @@
 Parameter names equal the Kimi-Linear checkpoint names (``q_conv1d``, ``f_a_proj``, ``A_log``, ...), so
 loading is a plain ``state_dict`` copy. The state crossing a token boundary is `KDALayerState`:
 ``S [H, dk, dv]`` fp32 and the last ``W-1`` *pre-conv* q/k/v rows (``[W-1, 3*H*dk]``, activation dtype,
-exact).
+exact). The recurrence runs on the backend of ``kda_backend`` (ours by default, fla's kernels on a GPU).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kda_ops import kda_chunk, kda_recurrent, lower_bound_gate, prepare_qk, short_conv, softplus_gate
+from .kda_backend import chunk_fn, recurrent_fn
+from .kda_ops import lower_bound_gate, prepare_qk, short_conv, softplus_gate
 from .norm import GatedRMSNorm
 from .state import KDALayerState
 
@@ -82,9 +83,9 @@ class KDALayer(nn.Module):
         if mode == "chunk":
             if T > 64:
                 raise ValueError(f"chunk mode takes one segment of <= 64 tokens, got {T}")
-            o, S = kda_chunk(q, k, v.float(), g, beta, state.recurrent)
+            o, S = chunk_fn()(q, k, v.float(), g, beta, state.recurrent)
         elif mode == "recurrent":
-            o, S = kda_recurrent(q, k, v.float(), g, beta, state.recurrent)
+            o, S = recurrent_fn()(q, k, v.float(), g, beta, state.recurrent)
         else:
             raise ValueError(f"unknown KDA mode {mode!r}")
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, dk)
