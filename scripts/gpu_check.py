@@ -133,12 +133,12 @@ def resume(dev: torch.device, models: dict[str, Any], n: int) -> dict[str, Any]:
 def _kda_inputs(T: int, H: int, d: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
     from kvpool.model.kda_ops import prepare_qk
 
-    gen = torch.Generator(device="cpu").manual_seed(5)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    gen = torch.Generator(device=dev).manual_seed(5)  # made on the device: 32k x 96 x 128 is GBs
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
     q, k = prepare_qk(r(T, H, d), r(T, H, d))
     g = -torch.nn.functional.softplus(r(T, H, d)) * 0.1
     beta = torch.sigmoid(r(T, H))
-    return tuple(t.to(dev) for t in (q, k, r(T, H, d), g, beta, torch.zeros(H, d, d)))
+    return q, k, r(T, H, d), g, beta, torch.zeros(H, d, d, device=dev)
 
 
 def kernels(dev: torch.device, cfg: Any, T: int, fla_ok: bool) -> dict[str, Any]:
