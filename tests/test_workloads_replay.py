@@ -205,6 +205,8 @@ def test_report_is_self_contained_html(tmp_path: Path, capsys: pytest.CaptureFix
         "report",
         "--trace",
         "synthetic",
+        "--trace",
+        "conversation",  # a second trace: every per-trace variable must be fresh
         "--limit",
         "200",
         "--points",
@@ -216,7 +218,7 @@ def test_report_is_self_contained_html(tmp_path: Path, capsys: pytest.CaptureFix
     ]
     assert main(argv) == 0
     page = out.read_text()
-    assert page.count("data:image/png;base64,") == 3  # policies, checkpoints, price vs capacity
+    assert page.count("data:image/png;base64,") == 6  # per trace: policies, checkpoints, price vs capacity
     needles = ("optimum", "moonshot-k3", "openai-style", "Provider view", "prompt,junction",
                "<h2>Summary</h2>", "Price vs capacity", "saved $ deepseek-style", "not swept")  # fmt: skip
     for needle in needles:

@@ -96,14 +96,14 @@ def build_report(
         lo, hi = sweep_range(reqs, spec, bs)
         caps = [c * full_block for c in auto_capacities(hi, points, lo)]
         cks = [CheckpointPolicy.parse(c) for c in CHECKPOINT_POLICIES]
-        points = PointProgress((len(policies) + len(cks) + 2) * len(caps), show_points)
-        prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress, points)
-        crow = checkpoint_sweep(reqs, spec, caps, "bytes", "hybrid", cks, bs, progress, points)
+        tally = PointProgress((len(policies) + len(cks) + 2) * len(caps), show_points)
+        prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress, tally)
+        crow = checkpoint_sweep(reqs, spec, caps, "bytes", "hybrid", cks, bs, progress, tally)
         for name, rows, group in (("policy", prow, "policy"), ("checkpoints", crow, "checkpoints")):
             write_csv(rows, out.parent / f"{stem}_{name}.csv")
             plot_rows(rows, out.parent / f"{stem}_{name}.png", group, "token_hit_rate",
                       f"{stem}: token hit rate vs capacity ({spec.name})")  # fmt: skip
-        curves = price_curves(reqs, spec, caps, provider, user_profile, bs, DEFAULT_POLICY, points)
+        curves = price_curves(reqs, spec, caps, provider, user_profile, bs, DEFAULT_POLICY, tally)
         plot_price_curves(curves, out.parent / f"{stem}_price.png", f"{stem}: cost vs capacity ({spec.name})")
         summary.append(summary_row(stem, reqs, spec, curves, prow, profiles, bs, DEFAULT_POLICY))
         chosen = summary[-1]["capacity_bytes"]
@@ -126,7 +126,9 @@ def build_report(
               _pct(r["token_hit_rate"]), _pct(r["lost_token_fraction"] or 0),
               f"{float(r['bytes_evicted'] or 0) / 2**30:.1f}"] for r in prow],
         ))  # fmt: skip
-        parts.append("<h3>Checkpoint policies (LRU)</h3>" + _img(out.parent / f"{stem}_checkpoints.png"))
+        parts.append(
+            f"<h3>Checkpoint policies ({DEFAULT_POLICY})</h3>" + _img(out.parent / f"{stem}_checkpoints.png")
+        )
         parts.append(_table(
             ["checkpoints", "capacity GiB", "token hit", "lost to checkpoints", "checkpoints written",
              "KDA GiB written", "MLA GiB written"],
