@@ -124,11 +124,21 @@ class Gateway:
                 f"the prompt has {len(prompt)} tokens",
                 param="messages" if endpoint == "chat" else "prompt",
             )
+        sampling = self.sampling(body, max_tokens)
+        limit, total = self.settings.max_prompt_tokens, len(prompt) + sampling.max_tokens
+        if total > limit:  # one context rule: prompt + max_tokens <= max_model_len (OpenAI's wording)
+            where = "messages" if endpoint == "chat" else "prompt"
+            raise PromptTooLong(
+                f"This model's maximum context length is {limit} tokens. However, you requested {total} "
+                f"tokens ({len(prompt)} in the {where}, {sampling.max_tokens} in the completion). "
+                f"Please reduce the length of the {where} or completion.",
+                param="messages" if endpoint == "chat" else "prompt",
+            )
         meta = body.metadata or {}
         workload = request.headers.get("x-workload") or meta.get("workload")
         tenant = meta.get("tenant") or tenant_label(body.cache_salt)
         wl, tn = self.metrics.labels(workload, tenant)
-        return GenRequest(prompt, self.sampling(body, max_tokens), body.cache_salt or "", wl, tn, endpoint)
+        return GenRequest(prompt, sampling, body.cache_salt or "", wl, tn, endpoint)
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         p = body.prompt
@@ -157,7 +167,7 @@ class Gateway:
         except GatewayError as exc:
             if exc.status == 429:
                 self.metrics.rejected.labels("ttft_slo" if "SLO" in exc.message else "backend").inc()
-            self.metrics.requests.labels(req.workload, req.endpoint, str(exc.status)).inc()
+            self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, str(exc.status)).inc()
             slot.release()
             raise
         except BaseException:
@@ -182,10 +192,10 @@ class Gateway:
                 async for c in chunks:
                     text.append(c.text)
             self._remember(req, gen, "".join(text))
-            self.metrics.requests.labels(req.workload, req.endpoint, "200").inc()
+            self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, "200").inc()
             return JSONResponse(fmt.full("".join(text), gen))
         except GatewayError as exc:
-            self.metrics.requests.labels(req.workload, req.endpoint, str(exc.status)).inc()
+            self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, str(exc.status)).inc()
             raise
         finally:
             gen.close()
@@ -220,7 +230,7 @@ class Gateway:
             yield _data(exc.body())
         finally:
             gen.close()
-            self.metrics.requests.labels(req.workload, req.endpoint, status).inc()
+            self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, status).inc()
             slot.release()
 
 

@@ -6,7 +6,10 @@ rate(kvpool_prompt_tokens_total[5m])``. Why a hashed tenant label: ``cache_salt`
 a tenant's cache; exporting it verbatim would hand it to anyone who can read /metrics. The label is the
 first 8 hex digits of SHA-256(salt) (``"none"`` without a salt), or ``metadata.tenant`` when the client names
 itself. Label sets are capped (``MAX_LABEL_VALUES`` per label, then ``"other"``) so a client cannot blow up
-the series count. Store gauges are refreshed from the master's ``Stats`` RPC.
+the series count. Store figures are refreshed from the master's ``Stats`` RPC: its levels as gauges, its
+cumulative counts (evictions, evicted bytes, demotions) as counters named ``_total``, exposed from the last
+snapshot by a collector (a Prometheus counter cannot be "set"). No ``_created`` series are exported: they
+double the series count and no query here uses them.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+from collections.abc import Iterator
 
 from kvpool.proto import master_pb2
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+disable_created_metrics()
 
 MAX_LABEL_VALUES = 64
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,48}$")
@@ -50,6 +58,27 @@ def tenant_label(salt: str | None) -> str:
     return hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()[:8] if salt else "none"
 
 
+_STORE_COUNTERS = (
+    ("kvpool_store_evictions", "evictions", "objects evicted since the master started"),
+    ("kvpool_store_evicted_bytes", "evicted_bytes", "bytes evicted since the master started"),
+    ("kvpool_store_demotions", "demotions", "objects moved DRAM -> SSD since the master started"),
+)
+
+
+class StoreCounters(Collector):
+    """The master's cumulative counts from its last ``Stats`` snapshot, as counters (``..._total``)."""
+
+    def __init__(self) -> None:
+        self.stats: master_pb2.StatsReply | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        for name, field, help_ in _STORE_COUNTERS:
+            family = CounterMetricFamily(name, help_)
+            if self.stats is not None:
+                family.add_metric([], getattr(self.stats, field))
+            yield family
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -57,7 +86,7 @@ class GatewayMetrics:
         self.workload = LabelCap()
         self.tenant = LabelCap()
         self.requests = Counter(
-            "kvpool_requests", "requests by outcome", ("workload", "endpoint", "status"), registry=r
+            "kvpool_requests", "requests by outcome", ("workload", "tenant", "endpoint", "status"), registry=r
         )
         self.prompt_tokens = Counter("kvpool_prompt_tokens", "prompt tokens served", wt, registry=r)
         self.cached_tokens = Counter(
@@ -126,15 +155,8 @@ class GatewayMetrics:
         )
         self.store_objects = Gauge("kvpool_store_objects", "objects indexed by the master", registry=r)
         self.store_capacity = Gauge("kvpool_store_capacity_bytes", "capacity of all nodes", registry=r)
-        self.store_evictions = Gauge(
-            "kvpool_store_evictions", "objects evicted since the master started", registry=r
-        )
-        self.store_evicted_bytes = Gauge(
-            "kvpool_store_evicted_bytes", "bytes evicted since the master started", registry=r
-        )
-        self.store_demotions = Gauge(
-            "kvpool_store_demotions", "objects moved DRAM -> SSD since the master started", registry=r
-        )
+        self.store_counters = StoreCounters()
+        r.register(self.store_counters)
         self.store_up = Gauge("kvpool_store_up", "1 when the master answered the last Stats call", registry=r)
 
     def labels(self, workload: str | None, tenant: str | None) -> tuple[str, str]:
@@ -148,6 +170,4 @@ class GatewayMetrics:
             self.store_bytes.labels(tier=tier).set(n)
         self.store_objects.set(stats.objects)
         self.store_capacity.set(stats.capacity_bytes)
-        self.store_evictions.set(stats.evictions)
-        self.store_evicted_bytes.set(stats.evicted_bytes)
-        self.store_demotions.set(stats.demotions)
+        self.store_counters.stats = stats

@@ -26,7 +26,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # the limit is the server's: one rule, one message
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
@@ -75,7 +75,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: Literal[False] | None = None
     top_logprobs: None = None
 

@@ -157,6 +157,7 @@ class Service:
             call = start_decode(decode.stub, reply, self._left(deadline, "decode"))  # type: ignore[arg-type]
             try:
                 first = await first_chunk(call, decode.address)
+                decode.served += 1
                 return Generation(self, req, plan, look, reply, decode, call, first, t0, deadline)
             except DecodeStreamEndedError as exc:
                 decode.inflight -= 1

@@ -302,9 +302,14 @@ def _print_table(report: Report) -> None:
             f"{diff:>10}  {r.resume_path}{'' if r.cached_verified else '  CACHED MISMATCH'}"
         )
     diff = "n/a" if report.max_logit_diff is None else f"{report.max_logit_diff:.2e}"
+    bitwise = (
+        "first-token logits not compared (an endpoint returns tokens only)"
+        if report.bitwise_first_logits is None
+        else f"{report.bitwise_first_logits} bitwise first-token logits"
+    )
     print(
         f"{report.identical}/{report.requests} identical greedy continuations "
-        f"({report.identical_fraction:.0%}), {report.bitwise_first_logits} bitwise first-token logits, "
+        f"({report.identical_fraction:.0%}), {bitwise}, "
         f"max first-token logit diff {diff}, cached {report.cached_tokens}/"
         f"{report.prompt_tokens} prompt tokens "
         f"({'verified' if report.cached_tokens_verified else 'MISMATCH'}) "

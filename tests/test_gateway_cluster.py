@@ -126,6 +126,9 @@ def test_models_and_health(up: UpProcess, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(up.url + "/health", timeout=5).json()
     assert health["status"] == "ok" and len(health["workers"]["prefill"]) == 2
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=2)
+    workers = httpx.get(up.url + "/health", timeout=5).json()["workers"]
+    assert sum(w["served"] for w in workers["decode"]) >= 1, workers  # decode is counted, not only prefill
 
 
 def test_streaming_and_non_streaming_give_the_same_text_and_usage(client: openai.OpenAI) -> None:
@@ -222,6 +225,8 @@ def _raw(up: UpProcess, path: str, body: bytes | dict, key: str = API_KEY) -> ht
         ({"model": MODEL, "prompt": "x" * 3000}, 400, "maximum context length"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400, "at most 64"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400, "at most 64"),  # one limit, one message
+        ({"model": MODEL, "prompt": [5] * 2040, "max_tokens": 20}, 400, "you requested 2060 tokens (2040 in"),
         ({"model": MODEL, "prompt": [5000]}, 400, "vocabulary"),
         ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
         ({"model": MODEL}, 400, "prompt"),

@@ -234,6 +234,14 @@ def test_kvpool_up_wires_every_metrics_port_and_status_shows_them(tmp_path, monk
         assert 'kvpool_decode_requests_total{status="ok"} 1.0' in texts["decode-0"]
         assert "kvpool_node_transport_bytes_total" in texts["node-0"]
         assert "kvpool_master_objects" in texts["master"] and "kvpool_requests_total" in texts["gateway"]
+        for name, text in texts.items():  # Prometheus conventions: no _created series, counters end in _total
+            assert "_created" not in text, name
+            for line in text.splitlines():
+                if line.startswith("# TYPE ") and line.endswith(" counter"):
+                    assert line.split()[2].endswith("_total"), (name, line)
+        assert "# TYPE kvpool_store_evictions_total counter" in texts["gateway"]
+        requests = [ln for ln in texts["gateway"].splitlines() if ln.startswith("kvpool_requests_total{")]
+        assert requests and all('tenant="none"' in ln and 'workload="default"' in ln for ln in requests)
         capsys.readouterr()
         assert run_status(argparse.Namespace(state=None, json=True)) == 0
         rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["services"]}

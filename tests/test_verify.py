@@ -65,3 +65,13 @@ def test_cached_tokens_check_needs_the_bytes():
     assert _check_cached(usage, schema, 64)
     assert not _check_cached(SimpleNamespace(**{**vars(usage), "bytes_fetched": need - 1}), schema, 64)
     assert not _check_cached(SimpleNamespace(**{**vars(usage), "cached_tokens": 100}), schema, 64)
+
+
+def test_the_endpoint_table_says_logits_were_not_compared(capsys):
+    from kvpool.verify import Report, Row, _print_table
+
+    row = Row("chat", 130, 64, True, None, None, True, "cached")
+    report = Report(rows=[row], mode="endpoint").summarize(0.0)
+    _print_table(report)
+    out = capsys.readouterr().out
+    assert "None" not in out and "first-token logits not compared" in out
