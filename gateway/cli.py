@@ -32,22 +32,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="'tiny' or a checkpoint directory (tokenizer, config)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--fingerprint", default=None, help="model fingerprint hex (a worker's readiness line)")
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--routing", choices=POLICIES, default=d.routing)
+    p.add_argument(
+        "--block-size", type=int, default=d.block_size, help="tokens per cache block (must match the workers)"
+    )
+    p.add_argument(
+        "--routing",
+        choices=POLICIES,
+        default=d.routing,
+        help="how prefill workers are chosen: cache (longest cached prefix, then load) or rr (round robin)",
+    )
     p.add_argument(
         "--ttft-slo-s", type=float, default=d.ttft_slo_s, help="429 above this estimated TTFT (0=off)"
     )
     p.add_argument(
         "--api-key", action="append", default=[], help="accepted API key (repeat; env KVPOOL_API_KEYS)"
     )
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
-    p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    p.add_argument("--max-concurrent", type=int, default=d.max_concurrent)
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=d.max_prompt_tokens,
+        help="max_model_len: prompt + max_tokens must fit in it",
+    )
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=d.max_output_tokens,
+        help="largest max_tokens a request may ask for",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body accepted (413 above)",
+    )
+    p.add_argument(
+        "--max-concurrent", type=int, default=d.max_concurrent, help="requests in flight at most (429 above)"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="seconds a request may take end to end (504 after)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (debug, info, warning, error)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

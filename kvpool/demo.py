@@ -31,9 +31,9 @@ DEMO_PROMPT = (
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the main job on the embedded tiny model")
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="tiny", help="embedded model name or a checkpoint directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens to generate per demo answer")
     p.add_argument("--turns", type=int, default=3, help="turns per demo chat")
     p.add_argument("--no-cluster", action="store_true", help="skip the multi-process cluster part")
     p.add_argument("--json", action="store_true", help="also print one JSON summary line")

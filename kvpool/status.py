@@ -15,7 +15,7 @@ from kvpool.up_config import runs_root
 def register(subparsers: argparse._SubParsersAction) -> None:
     st = subparsers.add_parser("status", help="show the cluster started by `kvpool up`")
     st.add_argument("--state", type=Path, default=None, help="state.json (default: the current run)")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     st.set_defaults(func=run_status)
 
 

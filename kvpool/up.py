@@ -310,7 +310,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--run-dir", type=Path, default=None, help="logs + state.json (default under $KVPOOL_RUNS)"
     )
     up.add_argument("--port", type=int, default=None, help="gateway port (overrides the config)")
-    up.add_argument("--routing", choices=("cache", "rr"), default=None)
+    up.add_argument(
+        "--routing",
+        choices=("cache", "rr"),
+        default=None,
+        help="gateway routing: cache (longest cached prefix, then load) or rr (round robin)",
+    )
     up.add_argument("--prefill", type=int, default=None, help="number of prefill workers")
     up.add_argument("--decode", type=int, default=None, help="number of decode workers")
     up.set_defaults(func=run_up)

@@ -283,7 +283,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prefill", default=None, help="prefill worker HOST:PORT (default: start a local cluster)"
     )
     p.add_argument("--decode", default=None, help="decode worker HOST:PORT (with --prefill)")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument(
+        "--block-size", type=int, default=64, help="tokens per cache block of the cluster under test"
+    )
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads here and in the workers (must match)"
     )

@@ -468,3 +468,21 @@ def test_without_any_decode_worker_requests_fail_fast_with_503(up: UpProcess, cl
     while httpx.get(up.url + "/health", timeout=5).status_code != 503:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+
+
+def test_the_readme_snippet_shows_a_hit_on_its_second_call(up: UpProcess) -> None:
+    """The README's first Python snippet, pasted after `kvpool up`, prints 0 cached tokens, then a hit."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = readme.split("python - <<'PY'", 1)[1].split("\n", 1)[1].split("\nPY\n", 1)[0]
+    code = code.replace("http://127.0.0.1:8000/v1", up.url + "/v1").replace(
+        'api_key="none"', f'api_key="{API_KEY}"'
+    )
+    code = code.replace('"tenant-a"', '"readme-snippet-tenant"')  # fresh tenant: cold on its first call
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    lines = [ln.split() for ln in run.stdout.strip().splitlines()]
+    (p1, _, _, c1, _), (p2, _, _, c2, _) = lines
+    assert int(c1) == 0 and int(p2) == int(p1) > 128
+    assert int(c2) == (int(p2) - 1) // 64 * 64 > 0, run.stdout

@@ -183,3 +183,13 @@ def test_cli_price_bad_input_exits_2(
     assert main(["price", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("kvpool price: error:")
+
+
+def test_savings_fraction_prints_as_a_short_decimal(capsys) -> None:
+    from kvpool.cli import main
+
+    argv = ["price", "--input-tokens", "1000000", "--cached-tokens", "400000", "--output-tokens", "0"]
+    argv.append("--json")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert '"savings_fraction": 0.36,' in out or '"savings_fraction": 0.36}' in out, out

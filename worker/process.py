@@ -48,7 +48,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any; see the readiness line)")
     p.add_argument("--block-size", type=int, default=64, help="hash block size (multiple of 64)")
     p.add_argument("--transport", default="auto", help="store data plane: auto|tcp|shm|ucx")
-    p.add_argument("--on-cache-error", choices=ON_CACHE_ERROR, default="recompute")
+    p.add_argument(
+        "--on-cache-error",
+        choices=ON_CACHE_ERROR,
+        default="recompute",
+        help="when the store fails mid-request: recompute (serve from scratch) or fail",
+    )
     p.add_argument("--store-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per store call")
     p.add_argument(
         "--request-timeout", type=float, default=120.0, help="max seconds per request (client deadline wins)"
@@ -67,7 +72,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, see the readiness line; "
         "absent or negative = off)",
     )
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", help="Python log level of the worker")
 
 
 @dataclass

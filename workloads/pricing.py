@@ -165,7 +165,7 @@ class Bill:
             "cost_usd": round(self.cost_usd, 9),
             "cost_without_cache_usd": round(self.cost_without_cache_usd, 9),
             "savings_usd": round(self.savings_usd, 9),
-            "savings_fraction": self.savings_fraction,
+            "savings_fraction": round(self.savings_fraction, 9),  # 0.36, not 0.36000000000000004
             "input_tokens": self.input_tokens,
             "cached_tokens": self.cached_tokens,
             "billable_cached_tokens": self.billable_cached_tokens,

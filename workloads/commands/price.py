@@ -127,9 +127,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("price", help="price token counts or a replay result under caching profiles")
     p.add_argument("--profile", default="moonshot-k3", help="profile name or 'all' (default moonshot-k3)")
     p.add_argument("--profile-file", help="TOML file with [profiles.NAME] tables (default: shipped profiles)")
-    p.add_argument("--input-tokens", type=tokens_arg)
-    p.add_argument("--cached-tokens", type=tokens_arg, default=0)
-    p.add_argument("--output-tokens", type=tokens_arg, default=0)
+    p.add_argument("--input-tokens", type=tokens_arg, help="prompt tokens to price")
+    p.add_argument("--cached-tokens", type=tokens_arg, default=0, help="of them, served from the cache")
+    p.add_argument("--output-tokens", type=tokens_arg, default=0, help="generated tokens")
     p.add_argument("--cache-write-tokens", type=tokens_arg, help="tokens written (default: uncached input)")
     p.add_argument("--write-tier", help="cache write tier of the profile, e.g. 5m or 1h")
     p.add_argument(
@@ -137,14 +137,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--result", help="a replay result JSON (`kvpool replay --out`) instead of counts")
     p.add_argument("--provider", action="store_true", help="add the provider view (compute saved vs memory)")
-    p.add_argument("--spec", choices=specs, default="k3")
+    p.add_argument("--spec", choices=specs, default="k3", help="model spec of the provider view")
     p.add_argument("--capacity-bytes", help="provider: cache capacity (e.g. 2TiB)")
     p.add_argument(
         "--hours", type=float, help="provider: hours the capacity is held (default: the trace span)"
     )
-    p.add_argument("--tier", choices=("dram", "ssd"), default="dram")
+    p.add_argument(
+        "--tier", choices=("dram", "ssd"), default="dram", help="provider: the tier the capacity is priced as"
+    )
     p.add_argument("--sweep-csv", help="provider: a sweep CSV; picks the capacity of least total cost")
     p.add_argument("--sweep-policy", help="provider: use only this policy's rows of the sweep")
     add_provider_flags(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=cmd_price)

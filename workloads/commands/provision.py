@@ -115,12 +115,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--ssd-ratios", default="0,4,16", help="SSD capacity as multiples of DRAM (default 0,4,16)"
     )
     p.add_argument("--policy", default="hybrid", help="online eviction policy (default hybrid)")
-    p.add_argument("--spec", choices=sorted(SPECS), default="k3")
+    p.add_argument(
+        "--spec", choices=sorted(SPECS), default="k3", help="model spec for byte sizes and FLOPs (default k3)"
+    )
     p.add_argument("--limit", type=int, help="first N requests (by arrival)")
     p.add_argument("--profile", default="moonshot-k3", help="user price profile for the user-cost column")
     p.add_argument("--profile-file", help="TOML file with [profiles.NAME] and [provider] tables")
     add_provider_flags(p)
     add_tier_flags(p, with_compute=False)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_progress_flags(p)
     p.set_defaults(func=cmd_provision)

@@ -314,8 +314,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--checkpoint-sweep", metavar="P1;P2;...", help="compare checkpoint policies (';'-separated)"
     )
-    r.add_argument("--high-watermark", type=float, default=0.95)
-    r.add_argument("--low-watermark", type=float, default=0.85)
+    r.add_argument(
+        "--high-watermark",
+        type=float,
+        default=0.95,
+        help="eviction starts when the cache is this full (fraction)",
+    )
+    r.add_argument(
+        "--low-watermark", type=float, default=0.85, help="eviction frees down to this fill (fraction)"
+    )
     r.add_argument("--no-output-blocks", action="store_true", help="do not store blocks closed by replies")
     r.add_argument(
         "--visibility-delay-ms",

@@ -35,11 +35,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     specs = sorted(SPECS)
     rep = subparsers.add_parser("report", help="sweeps + pricing on traces -> one self-contained HTML page")
     rep.add_argument("--trace", action="append", help="trace to include (repeatable; default both bundled)")
-    rep.add_argument("--out", default="out/report/report.html")
-    rep.add_argument("--spec", choices=specs, default="k3")
+    rep.add_argument(
+        "--out", default="out/report/report.html", help="HTML page to write (CSV and PNG files go beside it)"
+    )
+    rep.add_argument(
+        "--spec", choices=specs, default="k3", help="model spec for byte sizes and FLOPs (default k3)"
+    )
     rep.add_argument("--limit", type=int, help="first N requests of each trace (quicker)")
     rep.add_argument("--points", type=int, default=6, help="capacities per sweep")
-    rep.add_argument("--policies", default="hybrid,lru,reference,bound")
-    rep.add_argument("--profile-file")
+    rep.add_argument(
+        "--policies", default="hybrid,lru,reference,bound", help="eviction policies to sweep, comma-separated"
+    )
+    rep.add_argument(
+        "--profile-file",
+        help="TOML file with [profiles.NAME] and [provider] tables (default: shipped profiles)",
+    )
     add_progress_flags(rep)
     rep.set_defaults(func=cmd_report)
