@@ -334,8 +334,32 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     return o
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``host:port`` cannot be bound as the gateway will bind it (SO_REUSEADDR, as uvicorn)."""
+    import socket
+
+    if port == 0:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def run_up(args: argparse.Namespace) -> int:
-    cluster = Cluster(load_config(args.config, overrides_from_args(args)), args.run_dir)
+    config = load_config(args.config, overrides_from_args(args))
+    host, port = config["gateway"].get("host", "127.0.0.1"), int(config["gateway"].get("port", 8000))
+    if port_in_use(host, port):  # before anything starts: no half-started cluster to clean up
+        print(
+            f"kvpool up: port {port} on {host} is in use (another `kvpool up`? `kvpool status` shows it); "
+            "choose another with --port N",
+            file=sys.stderr,
+        )
+        return 1
+    cluster = Cluster(config, args.run_dir)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -374,3 +398,4 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.stop()
+        print(f"kvpool up: stopped {len(cluster.services)} services", flush=True)

@@ -94,6 +94,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> UpProcess:
     shm = cluster.service("node-0")["ready"].get("shm_name")
     popen.send_signal(signal.SIGTERM)
     assert popen.wait(40) == 0, (base / "up.log").read_text()[-3000:]
+    assert "kvpool up: stopped" in (base / "up.log").read_text()  # shutdown says it finished
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -486,3 +487,11 @@ def test_the_readme_snippet_shows_a_hit_on_its_second_call(up: UpProcess) -> Non
     (p1, _, _, c1, _), (p2, _, _, c2, _) = lines
     assert int(c1) == 0 and int(p2) == int(p1) > 128
     assert int(c2) == (int(p2) - 1) // 64 * 64 > 0, run.stdout
+
+
+def test_up_on_a_busy_port_says_so_before_starting_anything(up: UpProcess, tmp_path: Path) -> None:
+    port = up.url.rsplit(":", 1)[1]
+    argv = [sys.executable, "-m", "kvpool.cli", "up", "--port", port, "--run-dir", str(tmp_path / "r")]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 1 and f"port {port}" in run.stderr and "--port" in run.stderr, run.stderr
+    assert not (tmp_path / "r" / "state.json").exists()  # nothing was started
