@@ -47,6 +47,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kvpool.gateway")
+access = logging.getLogger("kvpool.access")  # one line per finished request (gateway/cli.py routes it)
 
 
 class Gateway:
@@ -167,7 +168,7 @@ class Gateway:
         except GatewayError as exc:
             if exc.status == 429:
                 self.metrics.rejected.labels("ttft_slo" if "SLO" in exc.message else "backend").inc()
-            self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, str(exc.status)).inc()
+            self.finished(req, str(exc.status), None)
             slot.release()
             raise
         except BaseException:
@@ -192,14 +193,25 @@ class Gateway:
                 async for c in chunks:
                     text.append(c.text)
             self._remember(req, gen, "".join(text))
-            self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, "200").inc()
+            self.finished(req, "200", gen)
             return JSONResponse(fmt.full("".join(text), gen))
         except GatewayError as exc:
-            self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, str(exc.status)).inc()
+            self.finished(req, str(exc.status), gen)
             raise
         finally:
             gen.close()
             slot.release()
+
+    def finished(self, req: GenRequest, status: str, gen: Generation | None) -> None:
+        """Count the outcome and write the access-log line: request id, endpoint, status, labels, tokens."""
+        self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, status).inc()
+        u = gen.usage if gen is not None else None
+        access.info(
+            "request_id=%s endpoint=%s status=%s workload=%s tenant=%s prompt_tokens=%d cached_tokens=%d "
+            "completion_tokens=%d",
+            req.request_id, req.endpoint, status, req.workload, req.tenant,
+            len(req.prompt_ids), u.cached_tokens if u else 0, u.completion_tokens if u else 0,
+        )  # fmt: skip
 
     def _remember(self, req: GenRequest, gen: Generation, text: str) -> None:
         if req.endpoint == "chat":
@@ -230,7 +242,7 @@ class Gateway:
             yield _data(exc.body())
         finally:
             gen.close()
-            self.metrics.requests.labels(req.workload, req.tenant, req.endpoint, status).inc()
+            self.finished(req, status, gen)
             slot.release()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -76,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one line per request (id, status, tokens, cached tokens) on stderr",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level (debug, info, warning, error)")
 
 
@@ -110,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from kvpool.gateway.app import create_app
 
+    if args.access_log:  # one line per request on stderr (kvpool up sends it to the gateway's log file)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s access %(message)s"))
+        access = logging.getLogger("kvpool.access")
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+        access.propagate = False
     app = create_app(settings_from_args(args))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
