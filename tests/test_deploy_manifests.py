@@ -91,7 +91,14 @@ def test_compose_file_structure_and_commands() -> None:
     services = compose["services"]
     assert {"master", "node", "prefill-0", "prefill-1", "decode-0", "gateway"} <= set(services)
     ports_of = {}
+    observability = {"prometheus", "grafana"}
+    assert observability <= set(services)
+    for name in observability:  # every file they mount is in the repo
+        for volume in services[name]["volumes"]:
+            assert (DEPLOY / volume.split(":")[0]).exists(), (name, volume)
     for name, svc in services.items():
+        if name in observability:
+            continue
         assert svc["image"] == "kvpool:0.1.0"
         assert svc["healthcheck"]["test"][0] == "CMD" and isinstance(svc["command"], list)
         parse_cli(svc["command"])

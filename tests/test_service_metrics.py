@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 from pathlib import Path
 
 import grpc
@@ -240,6 +241,7 @@ def test_kvpool_up_wires_every_metrics_port_and_status_shows_them(tmp_path, monk
                 if line.startswith("# TYPE ") and line.endswith(" counter"):
                     assert line.split()[2].endswith("_total"), (name, line)
         assert "# TYPE kvpool_store_evictions_total counter" in texts["gateway"]
+        _every_queried_metric_is_exported(texts)
         requests = [ln for ln in texts["gateway"].splitlines() if ln.startswith("kvpool_requests_total{")]
         assert requests and all('tenant="none"' in ln and 'workload="default"' in ln for ln in requests)
         capsys.readouterr()
@@ -272,3 +274,28 @@ def test_k8s_and_compose_expose_and_annotate_every_metrics_port() -> None:
     for name in ("node", "prefill-0", "prefill-1", "decode-0"):
         cmd = compose[name]["command"]
         assert cmd[cmd.index("--metrics-port") + 1] in compose[name]["expose"], name
+
+
+def _queried() -> tuple[set[str], set[str], set[str]]:
+    """(kvpool series the rules and the dashboard query, recording rules defined, recorded names queried)."""
+    deploy = Path(__file__).resolve().parent.parent / "deploy"
+    rules = yaml.safe_load((deploy / "prometheus" / "rules.yml").read_text())
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    defined = {r["record"] for g in rules["groups"] for r in g["rules"]}
+    dash = json.loads((deploy / "grafana" / "dashboards" / "kvpool.json").read_text())
+    dash_exprs = [t["expr"] for panel in dash["panels"] for t in panel["targets"]]
+    series = {m for e in exprs + dash_exprs for m in re.findall(r"(?<![:\w])kvpool_[a-z0-9_]+", e)}
+    recorded = {m for e in dash_exprs for m in re.findall(r"\b[a-z_]+:kvpool_[a-z0-9_:]+", e)}
+    return series, defined, recorded
+
+
+def _every_queried_metric_is_exported(texts: dict[str, str]) -> None:
+    exported = {
+        re.split(r"[{ ]", line, maxsplit=1)[0]
+        for text in texts.values()
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    series, defined, recorded = _queried()
+    assert series and not series - exported, sorted(series - exported)
+    assert recorded and recorded <= defined, sorted(recorded - defined)
