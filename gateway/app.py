@@ -36,6 +36,7 @@ from kvpool.gateway.errors import (
 from kvpool.gateway.guard import Guard
 from kvpool.gateway.metrics import GatewayMetrics, tenant_label
 from kvpool.gateway.model_info import ModelInfo, load_model_info
+from kvpool.gateway.openapi_doc import PROMETHEUS_TEXT, document
 from kvpool.gateway.router import PrefixProbe, Router
 from kvpool.gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from kvpool.gateway.service import Generation, GenRequest, Service
@@ -43,7 +44,6 @@ from kvpool.gateway.settings import GatewaySettings
 from kvpool.gateway.workers import WorkerPool
 from kvpool.worker.sampling import SamplingParams
 from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kvpool.gateway")
@@ -96,6 +96,8 @@ class Gateway:
 
     def sampling(self, body: _Sampling, max_tokens: int | None) -> SamplingParams:
         n = max_tokens if max_tokens is not None else self.settings.default_max_tokens
+        if body.max_tokens is not None and body.max_tokens > n:  # chat: both fields given, each is checked
+            n = body.max_tokens
         if n > self.settings.max_output_tokens:
             raise InvalidRequest(
                 f"max_tokens is {n}, this server allows at most {self.settings.max_output_tokens}",
@@ -390,7 +392,10 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = NotFound(str(exc.detail), code="method_not_allowed" if exc.status_code == 405 else None)
         err.status = exc.status_code
-        return err.response()
+        response = err.response()
+        if exc.headers:  # a 405 names the allowed methods (Allow, RFC 9110)
+            response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -399,17 +404,15 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
         return err.response()
 
     def openapi() -> dict:
-        """The generated schema, with ``model`` documented as the one served id (clients and fuzzers see
-        what is valid; the handler still answers 404 for any other id, like OpenAI)."""
+        """The generated schema, rewritten to declare what the server answers (``openapi_doc``); ``model``
+        is documented as the one served id, the handler still answers 404 for any other, like OpenAI."""
         if app.openapi_schema is None:
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
-                props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
-                if "model" in props:
-                    props["model"]["enum"] = [settings.model_id]
-            app.openapi_schema = schema
+            app.openapi_schema = document(
+                schema, settings.model_id, settings.max_output_tokens, gw.info.config.vocab_size
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -455,7 +458,7 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(gw.metrics.registry), media_type=PROMETHEUS_TEXT)
 
     return app
 

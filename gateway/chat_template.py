@@ -114,6 +114,5 @@ def render_chat(
         if i + 1 < len(messages) and messages[i + 1].role == "assistant":
             ids += codec.encode(GENERATION_TAG, bos=False)
             after_generation_tag = True
-    if messages[-1].role == "assistant":
-        raise InvalidRequest("the last message must not be an assistant message", param="messages")
+    # an assistant message last is answered with another assistant turn, as OpenAI does
     return ids + codec.encode(GENERATION_TAG, bos=False)

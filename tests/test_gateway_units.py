@@ -53,9 +53,11 @@ def test_turn_two_prompt_starts_with_turn_one_prompt_plus_answer_tokens(codec: T
     assert turn1[0] == codec.bos_id and codec.decode(turn1).endswith("<|assistant|>")
 
 
-def test_template_rejects_a_trailing_assistant_and_bad_unicode(codec: TextCodec) -> None:
-    with pytest.raises(InvalidRequest):
-        render_chat(codec, msgs(("user", "hi"), ("assistant", "x")), "")
+def test_template_answers_a_trailing_assistant_and_rejects_bad_unicode(codec: TextCodec) -> None:
+    head = render_chat(codec, msgs(("user", "hi")), "")
+    tail = render_chat(codec, msgs(("user", "hi"), ("assistant", "x")), "")
+    assert tail[: len(head)] == head  # the assistant message extends the conversation...
+    assert codec.decode(tail).endswith("<|assistant|>")  # ...and is answered by another assistant turn
     with pytest.raises(InvalidRequest):
         render_chat(codec, msgs(("user", "bad \ud800 surrogate")), "")
     with pytest.raises(InvalidRequest):
