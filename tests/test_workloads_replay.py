@@ -225,3 +225,18 @@ def test_report_is_self_contained_html(tmp_path: Path, capsys: pytest.CaptureFix
         assert needle in page, needle
     assert page.index("<h2>Summary</h2>") < page.index("<h2>synthetic</h2>")  # the report opens with it
     assert (tmp_path / "rep" / "synthetic_policy.csv").exists()
+
+
+def test_report_tables_fold_when_long_and_replay_prints_capacity_in_gib(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvpool.workloads.report import FOLD_ROWS, _table
+
+    assert "<details>" in _table(["a"], [[i] for i in range(FOLD_ROWS + 1)])
+    assert "<details>" not in _table(["a"], [[i] for i in range(FOLD_ROWS)])
+    assert (
+        main(["replay", "conversation", "--limit", "50", "--capacity-bytes", "60GiB", "--ssd-bytes", "1TiB"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "capacity 60.0 GiB + SSD 1.0 TiB" in out and "64424509440" not in out

@@ -45,12 +45,18 @@ def _img(path: Path) -> str:
     return f'<img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}">'
 
 
+FOLD_ROWS = 8  # tables longer than this open folded (click to expand)
+
+
 def _table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     out = ["<table><tr>", *(f"<th>{html.escape(h)}</th>" for h in head), "</tr>"]
     for r in rows:
         out.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>")
     out.append("</table>")
-    return "".join(out)
+    table = "".join(out)
+    if len(rows) > FOLD_ROWS:
+        return f"<details><summary>{len(rows)} rows</summary>{table}</details>"
+    return table
 
 
 def _pct(x: Any) -> str:

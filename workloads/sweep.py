@@ -28,6 +28,9 @@ ROW_FIELDS = (
     "checkpoints_written",
 )  # fmt: skip
 
+MARKERS = ("o", "s", "^", "D", "v", "x", "P", "*")
+DASHES = ("-", "--", "-.", (0, (1, 1)), (0, (5, 1, 1, 1)))
+
 ProgressFactory = Callable[[str], Callable[[int, int], None] | None]
 
 
@@ -206,9 +209,13 @@ def plot_rows(
     for row in rows:
         x = float(row["capacity_bytes"]) / 2**30
         groups.setdefault(str(row[group]), []).append((x, float(row[metric])))
-    for name, pts in groups.items():
+    for k, (name, pts) in enumerate(groups.items()):
         pts.sort()
-        style = {"linestyle": "--", "color": "black"} if name == "optimum" else {"marker": "o"}
+        if name == "optimum":
+            style: dict[str, Any] = {"linestyle": ":", "color": "black"}
+        else:  # a marker and a dash pattern per line, so coinciding lines stay distinguishable
+            style = {"marker": MARKERS[k % len(MARKERS)], "linestyle": DASHES[k % len(DASHES)],
+                     "markersize": 7 - k % 3, "markerfacecolor": "none" if k % 2 else None}  # fmt: skip
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style)
     ax.set_xscale("log")
     ax.set_xlabel("cache capacity (GiB)")

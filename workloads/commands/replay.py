@@ -224,7 +224,14 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
 
 def _print_sim_table(d: dict[str, Any]) -> None:
     cfg = d["config"]
-    cap = "unbounded" if cfg["capacity"] is None else f"{cfg['capacity']} {cfg['capacity_unit']}"
+    if cfg["capacity"] is None:
+        cap = "unbounded"
+    elif cfg["capacity_unit"] == "bytes":
+        cap = fmt_bytes(cfg["capacity"]) + (
+            f" + SSD {fmt_bytes(cfg['ssd_capacity'])}" if cfg["ssd_capacity"] else ""
+        )
+    else:
+        cap = f"{cfg['capacity']} blocks"
     print(
         f"spec {cfg['spec']}  policy {cfg['policy']}  capacity {cap}  block {cfg['block_size']}  "
         f"checkpoints {cfg['checkpoints'] if cfg['hybrid'] else 'n/a (pure MLA)'}"
