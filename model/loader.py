@@ -12,7 +12,8 @@ from .hybrid import HybridModel, resolve_device
 
 # embedded seeded models by name: (layers, DSA indexer key storage or None for dense MLA)
 TINY_MODELS: dict[str, tuple[int, str | None]] = {
-    "tiny": (4, None),
+    "tiny": (4, None),  # trained weights (model/data/tiny.safetensors)
+    "tiny-random": (4, None),  # the same architecture, seeded random weights (tests that need them)
     "tiny8": (8, None),
     "tiny-dsa": (4, "bfloat16"),  # K3.1-style: DSA indexer on the MLA layer, bf16 indexer keys
     "tiny-dsa-fp8": (4, "float8_e4m3fn"),  # same weights, keys cached as fp8 e4m3 + fp32 scale
@@ -35,10 +36,15 @@ def load_model(
     device: str | torch.device | None = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> HybridModel:
-    """A name from `TINY_MODELS` (``"tiny"``, ``"tiny8"``, ``"tiny-dsa"``, ``"tiny-dsa-fp8"``) -> a seeded
-    embedded model; otherwise a Kimi-Linear checkpoint dir."""
+    """A name from `TINY_MODELS` -> an embedded model (``"tiny"``: trained weights; ``"tiny-random"``,
+    ``"tiny8"``, ``"tiny-dsa"``, ``"tiny-dsa-fp8"``: seeded random ones); otherwise a Kimi-Linear checkpoint
+    dir."""
     dev = resolve_device(device)
     config = tiny_model_config(str(name_or_path))
+    if str(name_or_path) == "tiny":
+        from .tiny import build_trained_tiny
+
+        return build_trained_tiny(device=dev, dtype=dtype)
     if config is not None:
         from .tiny import build_tiny
 

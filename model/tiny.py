@@ -1,4 +1,7 @@
-"""The embedded default model: a tiny KDA+MLA hybrid built deterministically from a seed (no download).
+"""The embedded default model: a tiny KDA+MLA hybrid built deterministically from a seed (no download),
+then, for ``tiny`` itself, given the trained weights shipped in ``model/data/tiny.safetensors``
+(``scripts/train_tiny.py``: next-byte prediction on Python standard-library sources), so the default
+model answers in text. ``tiny-random`` and the other embedded names keep the seeded random weights.
 
 Shape from reference overview §7.4: vocab 1024, hidden 256, layers [KDA, KDA, KDA, MLA] (MLA at 0-based
 ``i % 4 == 3``, i.e. K3's 1-based 4, 8, ...), KDA 4 heads x 32, MLA 4 heads (kv_lora 64, rope 16, nope 32,
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -22,6 +26,7 @@ from .config import DENSE, KDA, MLA, ModelConfig
 from .hybrid import HybridModel
 
 TINY_SEED = 0
+TRAINED_WEIGHTS = Path(__file__).resolve().parent / "data" / "tiny.safetensors"
 
 
 def tiny_config(num_layers: int = 4) -> ModelConfig:
@@ -115,3 +120,26 @@ def _auto() -> torch.device:
     from .hybrid import resolve_device
 
     return resolve_device("auto")
+
+
+def build_trained_tiny(
+    device: str | torch.device | None = "cpu", dtype: torch.dtype = torch.float32
+) -> HybridModel:
+    """``tiny`` with its trained weights (same architecture and tokenizer as the seeded one)."""
+    from safetensors.torch import load_file
+
+    from .errors import WeightsError
+
+    if not TRAINED_WEIGHTS.is_file():
+        raise WeightsError(
+            f"the trained tiny weights are missing ({TRAINED_WEIGHTS}); see scripts/train_tiny.py"
+        )
+    model = HybridModel(tiny_config(4), device="cpu")
+    state = load_file(str(TRAINED_WEIGHTS))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise WeightsError(
+            f"trained tiny weights do not fit the config: missing {missing}, unexpected {unexpected}"
+        )
+    model.invalidate_fingerprint()
+    return model.to(device=device if device not in (None, "auto") else _auto(), dtype=dtype)

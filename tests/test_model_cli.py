@@ -21,13 +21,13 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_tiny_json():
-    from kvpool.model.tiny import build_tiny
+    from kvpool.model.loader import load_model
 
     p = _run("--model", "tiny", "--prompt-ids", "1,40,41,42", "--max-tokens", "6", "--json", "--ignore-eos")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["prompt_ids"] == [1, 40, 41, 42] and len(out["output_ids"]) == 6 and "text" in out
-    model = build_tiny()
+    model = load_model("tiny")  # the trained default
     assert out["output_ids"] == model.generate([1, 40, 41, 42], 6, eos_ids=())
     assert out["fingerprint"] == model.fingerprint().hex()
     p = _run("--prompt", "hello", "--max-tokens", "3", "--json")
