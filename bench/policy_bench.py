@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.workloads.generators import generate_mix
 from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
+from kvpool.workloads.progress import PointProgress
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import Request, bundled_trace, read_mooncake
@@ -125,13 +126,17 @@ def main() -> int:
     caps = (89, 815) if args.quick else CAPACITIES_GIB
     results: dict[str, Any] = {}
     seconds: list[float] = []
-    for name, reqs in traces(args.quick).items():
+    loaded = traces(args.quick)
+    tally = PointProgress(len(loaded) * len(policies) * len(caps))  # one line per point on stderr, with ETA
+    for name, reqs in loaded.items():
         unbounded, _ = hit(reqs, "lru", None)
         rows: dict[str, dict[str, float]] = {}
         for policy in policies:
             rows[policy] = {}
             for cap in caps:
+                tally.begin()
                 rate, s = hit(reqs, policy, cap * GiB)
+                tally.finished(f"{name} {policy}", cap * GiB)
                 rows[policy][str(cap)] = rate
                 if policy not in OFFLINE_POLICIES:
                     seconds.append(s)
