@@ -96,13 +96,12 @@ class Gateway:
 
     def sampling(self, body: _Sampling, max_tokens: int | None) -> SamplingParams:
         n = max_tokens if max_tokens is not None else self.settings.default_max_tokens
-        if body.max_tokens is not None and body.max_tokens > n:  # chat: both fields given, each is checked
-            n = body.max_tokens
-        if n > self.settings.max_output_tokens:
-            raise InvalidRequest(
-                f"max_tokens is {n}, this server allows at most {self.settings.max_output_tokens}",
-                param="max_tokens",
-            )
+        for asked in (n, body.max_tokens):  # chat may give both fields: each is checked, the first one used
+            if asked is not None and asked > self.settings.max_output_tokens:
+                raise InvalidRequest(
+                    f"max_tokens is {asked}, this server allows at most {self.settings.max_output_tokens}",
+                    param="max_tokens",
+                )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > 4:
             raise InvalidRequest("stop: at most 4 sequences", param="stop")

@@ -162,6 +162,21 @@ def test_up_on_a_busy_port_says_so_before_starting_anything(up: UpProcess, tmp_p
     assert not (tmp_path / "r" / "state.json").exists()  # nothing was started
 
 
+def test_chat_uses_max_completion_tokens_and_checks_max_tokens_too(up: UpProcess) -> None:
+    msgs = [{"role": "user", "content": "count"}]
+    body = {
+        "model": MODEL,
+        "messages": msgs,
+        "max_completion_tokens": 3,
+        "max_tokens": 50,
+        "ignore_eos": True,
+    }
+    r = _raw(up, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = _raw(up, "/v1/chat/completions", {**body, "max_tokens": 5000})
+    assert r.status_code == 400 and "max_tokens is 5000" in r.json()["error"]["message"]
+
+
 def test_streaming_and_non_streaming_give_the_same_text_and_usage(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Explain block hashing in one line. " * 4}]
     full = chat(client, messages, max_tokens=32, temperature=0)
