@@ -65,12 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         reqs = reqs[: args.limit]
     load_s = time.perf_counter() - t
     rows = []
-    points = list(_points())
-    for k, (name, run) in enumerate(points, 1):
+    for name, run in _points():
         t, c = time.perf_counter(), time.process_time()
         d = run(reqs)
         secs, cpu = time.perf_counter() - t, time.process_time() - c
-        print(f"[{k}/{len(points)}] {name}: {secs:.1f} s", file=sys.stderr, flush=True)  # progress on stderr
         rows.append(
             {
                 "point": name,
