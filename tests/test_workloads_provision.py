@@ -104,7 +104,7 @@ def test_the_report_summary_reads_the_reference_at_the_chosen_capacity(conv: lis
     caps = [8 * GiB, 256 * GiB]
     curves = price_curves(conv, K3, caps, PROVIDER, profiles["moonshot-k3"], 512, "hybrid")
     rows = capacity_sweep(conv, K3, caps, "bytes", ["reference"], CheckpointPolicy(), 512)
-    s = summary_row("conv", conv, K3, curves, rows, profiles, 512, "hybrid")
+    s, _ = summary_row("conv", conv, K3, curves, rows, profiles, 512, "hybrid")
     assert s["capacity_bytes"] == curves["best_dram_only"]["dram_bytes"]
     ref = next(r for r in rows if int(r["capacity_bytes"]) == s["capacity_bytes"])
     assert s["of_reference"] == pytest.approx(s["token_hit_rate"] / float(ref["token_hit_rate"]))

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.stats import percentile
 from kvpool.workloads.trace import Request
 
 
@@ -36,14 +37,6 @@ class LiveOutcome:
     e2e_ms: float
     error: str = ""
     sent_ms: float = 0.0  # when it was sent, ms after the replay started (pacing + waiting for a slot)
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
-    return s[k]
 
 
 def summarize(outcomes: Sequence[LiveOutcome]) -> dict[str, Any]:
@@ -62,10 +55,10 @@ def summarize(outcomes: Sequence[LiveOutcome]) -> dict[str, Any]:
             "cached_tokens": cached,
             "output_tokens": sum(o.output_tokens for o in ok),
             "token_hit_rate": cached / prompt if prompt else 0.0,
-            "ttft_ms_p50": _percentile(ttft, 0.5),
-            "ttft_ms_p90": _percentile(ttft, 0.9),
-            "ttft_ms_p99": _percentile(ttft, 0.99),
-            "e2e_ms_p50": _percentile([o.e2e_ms for o in ok], 0.5),
+            "ttft_ms_p50": percentile(ttft, 0.5),
+            "ttft_ms_p90": percentile(ttft, 0.9),
+            "ttft_ms_p99": percentile(ttft, 0.99),
+            "e2e_ms_p50": percentile([o.e2e_ms for o in ok], 0.5),
         }
 
     out = block(outcomes)

@@ -17,7 +17,7 @@ from typing import Any
 from kvpool.workloads.pricing import ProviderInputs, load_profiles, price_result
 from kvpool.workloads.progress import PointProgress
 from kvpool.workloads.report_summary import SSD_RATIO, plot_price_curves, price_curves, summary_row
-from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
+from kvpool.workloads.sim import CheckpointPolicy, effective_block_size
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.stats import trace_stats
 from kvpool.workloads.sweep import (
@@ -111,9 +111,9 @@ def build_report(
                       f"{stem}: token hit rate vs capacity ({spec.name})")  # fmt: skip
         curves = price_curves(reqs, spec, caps, provider, user_profile, bs, DEFAULT_POLICY, tally)
         plot_price_curves(curves, out.parent / f"{stem}_price.png", f"{stem}: cost vs capacity ({spec.name})")
-        summary.append(summary_row(stem, reqs, spec, curves, prow, profiles, bs, DEFAULT_POLICY))
-        chosen = summary[-1]["capacity_bytes"]
-        res = simulate(reqs, SimConfig(spec=spec, capacity=chosen, block_size=bs)).to_dict(per_request=True)
+        row, res = summary_row(stem, reqs, spec, curves, prow, profiles, bs, DEFAULT_POLICY)
+        summary.append(row)
+        chosen = row["capacity_bytes"]
         bills = {n: price_result(p, res, None) for n, p in sorted(profiles.items())}
         parts.append(f"<h2>{html.escape(stem)}</h2>")
         parts.append(_table(

@@ -48,8 +48,9 @@ def summary_row(
     profiles: dict[str, PriceProfile],
     block_size: int,
     policy: str,
-) -> dict[str, Any]:
-    """What the summary says about one trace (see the module docstring)."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the summary says about one trace (see the module docstring), and the simulation at the chosen
+    capacity it was read from (``to_dict(per_request=True)``), for the report's price table."""
     chosen = curves["best_dram_only"]
     cap = int(chosen["dram_bytes"])
     res = simulate(requests, SimConfig(spec=spec, policy=policy, capacity=cap, block_size=block_size))
@@ -58,7 +59,7 @@ def summary_row(
     ref_hit = float(ref[0]["token_hit_rate"]) if ref else None
     mixes = [r for r in curves["rows"] if r["token_hit_rate"] >= d["token_hit_rate"]]
     mix = min(mixes, key=lambda r: r["total_usd"]) if mixes else chosen
-    return {
+    row = {
         "trace": trace,
         "capacity_bytes": cap,
         "token_hit_rate": d["token_hit_rate"],
@@ -69,6 +70,7 @@ def summary_row(
         "provider_usd": chosen["total_usd"],
         "mix": {k: mix[k] for k in ("dram_bytes", "ssd_bytes", "token_hit_rate", "total_usd")},
     }
+    return row, d
 
 
 def plot_price_curves(curves: dict[str, Any], path: Path, title: str) -> None:

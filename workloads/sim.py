@@ -411,8 +411,7 @@ def simulate(
     ``visibility_delays_ms`` (one per request of a list, in the order given) overrides it per request, e.g.
     with each request's measured TTFT from a live replay (prefill has pushed by its first token).
     """
-    stream, total, first = _arrivals(requests, config, visibility_delays_ms)
-    sized = requests if isinstance(requests, Sequence) else ([first] if first is not None else [])
+    stream, total, sized = _arrivals(requests, config, visibility_delays_ms)
     block_size = effective_block_size(sized, config.spec, config.block_size)
     r = _Replay(config, block_size)
     pending: list[tuple[float, int, _Store]] = []  # (visible at, sequence, store)
@@ -458,8 +457,9 @@ def simulate(
 
 def _arrivals(
     requests: Iterable[Request], config: SimConfig, delays: Sequence[float] | None
-) -> tuple[Iterator[tuple[Request, float]], int, Request | None]:
-    """(request, visibility delay ms) in arrival order, the count when known, and the first request."""
+) -> tuple[Iterator[tuple[Request, float]], int, Sequence[Request]]:
+    """(request, visibility delay ms) in arrival order, the count when known (0 for a stream), and the
+    requests that size the blocks: all of a list, the first of a stream."""
     if not isinstance(requests, Sequence):
         if delays is not None:
             raise ReplayError("per-request visibility delays need the requests as a list, not a stream")
@@ -467,7 +467,7 @@ def _arrivals(
         first = next(ordered, None)
         head = [] if first is None else [first]
         it = ((q, config.visibility_delay_ms) for q in itertools.chain(head, ordered))
-        return it, 0, first
+        return it, 0, head
     if delays is not None:
         if len(delays) != len(requests):
             raise ReplayError(f"{len(delays)} visibility delays for {len(requests)} requests")
@@ -475,7 +475,7 @@ def _arrivals(
             raise ReplayError("visibility delays must be finite and >= 0 ms")
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
     it = ((requests[i], config.visibility_delay_ms if delays is None else delays[i]) for i in order)
-    return it, len(requests), requests[order[0]] if order else None
+    return it, len(requests), requests
 
 
 def effective_block_size(requests: Sequence[Request], spec: ModelSpec, block_size: int | None) -> int:

@@ -14,6 +14,15 @@ from kvpool.workloads.chains import ChainBuilder
 from kvpool.workloads.trace import Request
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` as the sample at index round(q x (n - 1)) of the sorted list;
+    0 for no values. One definition for measured (live) and estimated (simulated) TTFT, so they compare."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
 def trace_stats(requests: Sequence[Request], block_size: int = 512) -> dict[str, Any]:
     """Counts per workload and overall; blocks are full blocks for token records, ids for trace records."""
     builder = ChainBuilder("stats", block_size)

@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.pricing import ProviderDefaults
 from kvpool.workloads.specs import ModelSpec
+from kvpool.workloads.stats import percentile
 
 GB = 1e9
+_PROVIDER = ProviderDefaults()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +43,8 @@ class TtftModel:
     dram_gbps: float = 200.0
     ssd_gbps: float = 7.0
     network_gbps: float = 50.0
-    gpu_flops: float = 989e12
-    mfu: float = 0.40
+    gpu_flops: float = _PROVIDER.gpu_flops  # one source with the provider view of the pricing
+    mfu: float = _PROVIDER.mfu
 
     def check(self) -> None:
         for name in self.__slots__:
@@ -65,23 +68,17 @@ class TtftModel:
         return 1000.0 * (self.load_s(dram_bytes, ssd_bytes) + self.recompute_s(input_tokens - cached, spec))
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
-
-
 def summarize(with_cache: Sequence[float], without: Sequence[float]) -> dict[str, float]:
     """Mean and p50/p90/p99 of the estimates with and without the cache (ms)."""
-    a, b = sorted(with_cache), sorted(without)
+    a, b = with_cache, without
     n = len(a)
     out = {
         "ttft_est_ms_mean": sum(a) / n if n else 0.0,
         "ttft_nocache_ms_mean": sum(b) / n if n else 0.0,
     }
     for q, name in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
-        out[f"ttft_est_ms_{name}"] = _percentile(a, q)
-        out[f"ttft_nocache_ms_{name}"] = _percentile(b, q)
+        out[f"ttft_est_ms_{name}"] = percentile(a, q)
+        out[f"ttft_nocache_ms_{name}"] = percentile(b, q)
     return out
 
 
