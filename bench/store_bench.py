@@ -37,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kvpool.workloads.progress import StepProgress
 from store_common import (
     DEFAULT_REPS,
     DEFAULT_WARMUP,
@@ -344,12 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     per_round: dict[str, list[Row]] = {}
     extra_rounds: dict[str, list[dict[str, Any]]] = {}
     dead: set[str] = set()  # a section that could not run at all is not retried in later rounds
+    progress = StepProgress(plan_rounds(args) * len(names), "store_bench")
     for rnd in range(plan_rounds(args)):
         for name in names:
             if name in dead or (rnd > 0 and name == "master_memory"):  # 1 M objects: once is enough
+                progress.finished(f"round {rnd + 1} {name} (skipped)")
                 continue
             full_t, quick_t = SECTIONS[name][2:]
             res = run_section(name, plan, quick_t if plan.quick else full_t, log)
+            progress.finished(f"round {rnd + 1} {name}")
             seconds[name] = round(seconds.get(name, 0) + res.get("seconds", 0), 1)
             got_rows = res.get("rows", [])
             for r in got_rows:

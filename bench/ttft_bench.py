@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpool.workloads.progress import StepProgress
+
 HITS = (0.0, 0.5, 0.9, 0.99)
 GOAL_RATIO_AT_90 = 0.25
 
@@ -59,6 +61,7 @@ async def _measure(args: argparse.Namespace, cluster: object) -> dict:
             blocks = _blocks(h, L, B)
             if blocks:
                 await client.prefill(PrefillRequest(f"seed{h}", base[: blocks * B], tenant, sp), False)
+        progress = StepProgress(1 + len(HITS), "ttft_bench")
         for h in ("cold", *HITS):
             blocks = 0 if h == "cold" else _blocks(h, L, B)
             samples = []
@@ -85,6 +88,7 @@ async def _measure(args: argparse.Namespace, cluster: object) -> dict:
                     "floor_s": floor + fetched * 8 / (args.link_gbps * 1e9),
                 }
             )
+            progress.finished("cold" if h == "cold" else f"hit {h:.0%}")
     finally:
         await client.close()
     cold = rows[0]["server_ttft_s"]

@@ -11,6 +11,7 @@ answers and ``usage.prompt_tokens_details.cached_tokens`` per turn; ``hit_table`
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 SYSTEM = "You are kvpool's assistant. Answer briefly and precisely about disaggregated KV caching. "
 TOOLS = (
@@ -56,8 +57,11 @@ def run(
     max_tokens: int = 12,
     model: str | None = None,
     timeout_s: float = 60.0,
+    on_turn: Callable[[str], None] | None = None,
 ) -> list[dict]:
-    """One chat per workload, ``turns`` turns each; returns answers and cached tokens per turn."""
+    """One chat per workload, ``turns`` turns each; returns answers and cached tokens per turn.
+
+    ``on_turn`` hears one line per finished turn (the demo prints progress with it)."""
     import openai
 
     client = openai.OpenAI(
@@ -86,6 +90,9 @@ def run(
             record["answers"].append(answer)
             record["cached_tokens"].append(r.usage.prompt_tokens_details.cached_tokens)
             record["prompt_tokens"].append(r.usage.prompt_tokens)
+            if on_turn is not None:
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                on_turn(f"{workload} turn {turn + 1}, {cached}/{r.usage.prompt_tokens} tokens cached")
         results.append(record)
     return results
 

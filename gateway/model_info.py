@@ -33,9 +33,7 @@ def model_config(model: str) -> ModelConfig:
 
 def load_model_info(model: str, fingerprint_hex: str | None) -> ModelInfo:
     config = model_config(model)
-    from kvpool.model.loader import TINY_MODELS
-
-    tokenizer = load_tokenizer(None if model in TINY_MODELS else model, config)
+    tokenizer = load_tokenizer(model, config)
     if fingerprint_hex:
         fingerprint = bytes.fromhex(fingerprint_hex)
     else:

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from kvpool.gateway.demo_chats import hit_table, run
+from kvpool.gateway.demo_chats import SCRIPTS, hit_table, run
 from kvpool.up import Cluster
 from kvpool.up_config import load_config
+from kvpool.workloads.progress import StepProgress
 
 DEMO_PROMPT = (
     "The cache is cut into fixed token blocks; each block has a chained prefix hash. Prefill nodes compute "
@@ -44,7 +45,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB"
 
 
-def run_local(turns: int = 3, overrides: dict | None = None) -> dict:
+def run_local(turns: int = 3, overrides: dict | None = None, progress: bool = False) -> dict:
     """Cluster up (``kvpool.up.Cluster``, gateway on a free port) → ``run`` → cluster down; for ``make demo``.
 
     Returns ``{"results", "table", "base_url", "run_dir", "up_s", "chats_s", "down_s"}``.
@@ -56,7 +57,8 @@ def run_local(turns: int = 3, overrides: dict | None = None) -> dict:
     cluster = Cluster(load_config(None, merged)).start()
     try:
         t1 = time.monotonic()
-        results = run(cluster.base_url, turns=turns)
+        steps = StepProgress(turns * len(SCRIPTS), "chat", enabled=progress)
+        results = run(cluster.base_url, turns=turns, on_turn=steps.finished)
         t2 = time.monotonic()
     finally:
         cluster.stop()
@@ -75,7 +77,7 @@ def run_local(turns: int = 3, overrides: dict | None = None) -> dict:
 def run_cluster_part(turns: int) -> dict:
     """Cluster up → chats through the openai client → table → cluster down."""
     print("[cluster] starting master, storage node, 2 prefill, 1 decode and the gateway on 127.0.0.1 ...")
-    r = run_local(turns=turns)
+    r = run_local(turns=turns, progress=True)
     print(f"[cluster] up in {r['up_s']:.1f} s at {r['base_url']} (logs in {r['run_dir']})")
     for chat in r["results"]:
         print(f"\n  workload {chat['workload']}:")
@@ -104,7 +106,7 @@ def run_demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     model = load_model(args.model, device=args.device)
-    tok = load_tokenizer(None, model.config)
+    tok = load_tokenizer(args.model, model.config)
     schema = model.cache_schema(block_size=64)
     prompt = tok.encode(DEMO_PROMPT * 2)
     B = schema.block_size

@@ -135,7 +135,6 @@ class _Reference:
         import torch
 
         from kvpool.colocated import Colocated
-        from kvpool.model import loader
         from kvpool.model.loader import load_model
         from kvpool.model.tokenizer import load_tokenizer
 
@@ -143,9 +142,7 @@ class _Reference:
         torch.set_num_threads(threads)  # the workers' --threads: same kernels on both sides
         torch.use_deterministic_algorithms(True)
         self.model = load_model(model_name)
-        self.tokenizer = load_tokenizer(
-            None if model_name in loader.TINY_MODELS else model_name, self.model.config
-        )
+        self.tokenizer = load_tokenizer(model_name, self.model.config)
         self.schema = self.model.cache_schema(block_size)
         self.colocated = Colocated(self.model, None, block_size=block_size, tokenizer=self.tokenizer)
 

@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -45,12 +44,12 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .loader import TINY_MODELS, load_model
+    from .loader import load_model
     from .tokenizer import load_tokenizer
 
     try:
         model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
-        tok = load_tokenizer(None if args.model in TINY_MODELS else Path(args.model), model.config)
+        tok = load_tokenizer(args.model, model.config)
         prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else tok.encode(args.prompt)
         t0 = time.perf_counter()
         out = model.generate(prompt_ids, args.max_tokens, eos_ids=() if args.ignore_eos else None)

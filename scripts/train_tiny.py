@@ -1,14 +1,16 @@
 """Train the embedded default model ``tiny`` so that it answers in text, not random bytes.
 
-Architecture and tokenizer are unchanged: ``model/tiny.py``'s config (3 KDA + 1 MLA, 64-token segments),
-the byte-level tokenizer (byte b = id b + 3). The weights start from the seeded random init and learn
-next-byte prediction on the Python standard library's top-level ``*.py`` sources of the interpreter that
-runs this script (PSF License; see ``model/data/NOTICE``). The last 5 % of the files (by name) are held
-out for the validation loss. One sequence is one prefill through the model's own ``prefill`` on the
-canonical schedule, so what is trained is exactly what serves.
+The architecture is unchanged: ``model/tiny.py``'s config (3 KDA + 1 MLA, 64-token segments, vocab 1024).
+First a byte-level BPE tokenizer is trained (``tokenizers``: 256 byte symbols, specials ``<pad>`` 0,
+``<bos>`` 1, ``<eos>`` 2, merges up to the model's vocab of 1024; every byte string encodes, so any text
+round-trips). Then the weights start from the seeded random init and learn next-token prediction. Both
+use the Python standard library's top-level ``*.py`` sources of the interpreter that runs this script
+(PSF License; see ``model/data/NOTICE``); the last 5 % of the files (by name) are held out for the
+validation loss, stated per token and per byte. One sequence is one prefill through the model's own
+``prefill`` on the canonical schedule, so what is trained is exactly what serves.
 
-    .venv/bin/python scripts/train_tiny.py --steps 1200      # ~20 min on one CPU core
-    writes model/data/tiny.safetensors and model/data/tiny_training.json (the losses, the corpus digest)
+    .venv/bin/python scripts/train_tiny.py --steps 1000      # ~15 min on one CPU core
+    writes model/data/tiny_tokenizer.json, model/data/tiny.safetensors and model/data/tiny_training.json
 
 Reproducible: seed 0, one thread, the same Python version (the corpus is its stdlib).
 """
@@ -20,6 +22,7 @@ import glob
 import hashlib
 import json
 import math
+import os
 import platform
 import sys
 import sysconfig
@@ -27,24 +30,51 @@ import time
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "model" / "data"
-BYTE_OFFSET = 3
+SPECIALS = ["<pad>", "<bos>", "<eos>"]  # ids 0, 1, 2: the tiny config's pad / bos / eos
 
 
-def corpus() -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(train ids, validation ids, sha256 of the corpus bytes) from the stdlib's top-level sources."""
+def sources() -> tuple[list[str], list[str], str, int]:
+    """(train texts, validation texts, sha256 of the corpus bytes, validation bytes) from the stdlib."""
     files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
     cut = int(len(files) * 0.95)
     parts = [Path(f).read_bytes() for f in files]
     digest = hashlib.sha256(b"".join(parts)).hexdigest()
-    to_ids = lambda bs: torch.tensor(list(b"".join(bs)), dtype=torch.long) + BYTE_OFFSET  # noqa: E731
-    return to_ids(parts[:cut]), to_ids(parts[cut:]), digest
+    texts = [p.decode("utf-8", errors="replace") for p in parts]
+    return texts[:cut], texts[cut:], digest, sum(len(p) for p in parts[cut:])
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE over the training texts: deterministic for one corpus (one thread, fixed specials)."""
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return tok
+
+
+def to_ids(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
+    """The texts' tokens back to back (no specials), as one long training stream."""
+    out: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        out.extend(enc.ids)
+    return torch.tensor(out, dtype=torch.long)
 
 
 def loss_of(model: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross entropy (nats) of one sequence through the serving prefill, with gradients."""
+    """Mean next-token cross entropy (nats) of one sequence through the serving prefill, with gradients."""
     prefill = type(model).prefill.__wrapped__  # the serving path, without its no_grad
     logits = prefill(model, seq.tolist(), logits="all").logits
     return torch.nn.functional.cross_entropy(logits[:-1].float(), seq[1:])
@@ -70,8 +100,15 @@ def main() -> int:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    train, val, digest = corpus()
+    os.environ["RAYON_NUM_THREADS"] = "1"  # tokenizers' trainer: one thread, one merge order
+    train_texts, val_texts, digest, val_bytes = sources()
     model = build_tiny()
+    tok = train_tokenizer(train_texts, model.config.vocab_size)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(args.out / "tiny_tokenizer.json"))
+    train, val = to_ids(tok, train_texts), to_ids(tok, val_texts)
+    bytes_per_token = val_bytes / len(val)
+    print(f"tokenizer: vocab {tok.get_vocab_size()}, {bytes_per_token:.2f} bytes/token", flush=True)
     model.requires_grad_(True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -87,7 +124,7 @@ def main() -> int:
     log: list[dict[str, float]] = []
     t0 = time.perf_counter()
     initial_val = evaluate(model, val, args.length, 32)
-    print(f"step 0: validation loss {initial_val:.3f} nats/byte", flush=True)
+    print(f"step 0: validation loss {initial_val:.3f} nats/token", flush=True)
     for step in range(1, args.steps + 1):
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -107,10 +144,10 @@ def main() -> int:
                 flush=True,
             )
     final_val = evaluate(model, val, args.length, 32)
-    print(f"validation loss {final_val:.3f} nats/byte ({final_val / math.log(2):.3f} bits/byte)", flush=True)
+    per_byte = final_val / bytes_per_token
+    print(f"validation loss {final_val:.3f} nats/token = {per_byte:.3f} nats/byte", flush=True)
     from safetensors.torch import save_file
 
-    args.out.mkdir(parents=True, exist_ok=True)
     state = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
     save_file(state, str(args.out / "tiny.safetensors"))
     (args.out / "tiny.safetensors").chmod(0o644)  # shipped in the repo: readable by everyone
@@ -118,14 +155,21 @@ def main() -> int:
         "corpus": "Python standard library, top-level *.py files (PSF License)",
         "python": platform.python_version(),
         "corpus_sha256": digest,
-        "train_bytes": len(train),
-        "validation_bytes": len(val),
+        "tokenizer": "byte-level BPE, tiny_tokenizer.json",
+        "train_tokens": len(train),
+        "validation_tokens": len(val),
+        "validation_bytes": val_bytes,
+        "bytes_per_token": bytes_per_token,
         "steps": args.steps,
         "batch": args.batch,
         "length": args.length,
         "lr": args.lr,
         "seed": 0,
-        "validation_loss_nats_per_byte": {"initial": initial_val, "final": final_val},
+        "validation_loss_nats_per_token": {"initial": initial_val, "final": final_val},
+        "validation_loss_nats_per_byte": {
+            "initial": initial_val / bytes_per_token,
+            "final": final_val / bytes_per_token,
+        },
         "final_train_loss": log[-1]["train_loss"] if log else None,
         "seconds": time.perf_counter() - t0,
         "log": log,

@@ -22,6 +22,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_tiny_json():
     from kvpool.model.loader import load_model
+    from kvpool.model.tokenizer import load_tokenizer
 
     p = _run("--model", "tiny", "--prompt-ids", "1,40,41,42", "--max-tokens", "6", "--json", "--ignore-eos")
     assert p.returncode == 0, p.stderr
@@ -30,7 +31,11 @@ def test_generate_tiny_json():
     model = load_model("tiny")  # the trained default
     assert out["output_ids"] == model.generate([1, 40, 41, 42], 6, eos_ids=())
     assert out["fingerprint"] == model.fingerprint().hex()
-    p = _run("--prompt", "hello", "--max-tokens", "3", "--json")
+    p = _run("--prompt", "hello", "--max-tokens", "3", "--json")  # tiny speaks its BPE
+    assert p.returncode == 0 and json.loads(p.stdout)["prompt_ids"] == load_tokenizer(
+        "tiny", model.config
+    ).encode("hello")
+    p = _run("--model", "tiny-random", "--prompt", "hello", "--max-tokens", "3", "--json")  # bytes
     assert p.returncode == 0 and json.loads(p.stdout)["prompt_ids"] == [1, *(b + 3 for b in b"hello")]
 
 

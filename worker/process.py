@@ -89,10 +89,7 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     torch.use_deterministic_algorithms(True)
     model = load_model(args.model)
     model.cache_schema(args.block_size)  # rejects a block size off the 64-token grid before serving
-    from kvpool.model.loader import TINY_MODELS
-
-    model_dir = None if args.model in TINY_MODELS else args.model
-    tokenizer = load_tokenizer(model_dir, model.config)
+    tokenizer = load_tokenizer(args.model, model.config)
     store = (
         None
         if args.no_store

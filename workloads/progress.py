@@ -67,3 +67,30 @@ class PointProgress:
 def _duration(seconds: float) -> str:
     whole = round(seconds)
     return f"{whole // 60} min {whole % 60} s" if whole >= 60 else f"{whole} s"
+
+
+class StepProgress:
+    """One line per finished step of a long command on stderr, ``[k/N] what: seconds, ETA``, whether or not
+    it is a terminal (benches and the demo run for minutes in CI logs too). The ETA is the mean step so far
+    times the steps left: steps of one command are alike enough for that to be a fair guide."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.done = 0
+        self._start = time.monotonic()
+        self._step = self._start
+
+    def finished(self, what: str) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.enabled:
+            eta = (now - self._start) / self.done * max(self.total - self.done, 0)
+            self.stream.write(
+                f"[{self.label} {self.done}/{self.total}] {what}: {now - self._step:.1f} s, "
+                f"ETA {_duration(eta)}\n"
+            )
+            self.stream.flush()
+        self._step = now

@@ -19,6 +19,7 @@ from kvpool.kvstore.client.records import PutItem
 from kvpool.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
+    TransportTimeoutError,
 )
 from kvpool.kvstore.transport.base import Buffer
 from kvpool.proto import common_pb2, master_pb2
@@ -31,21 +32,37 @@ class StoreClient:
 
     Same methods and arguments as the async client (documented there); safe to call from several threads:
     each call is handed to the loop, where concurrent calls' transfers overlap.
+
+    ``deadline_s`` bounds every call, transfers included: past it the call is cancelled on the loop and
+    raises ``TransportTimeoutError``. Callers inside another engine's step (the vLLM connector) need that
+    guarantee whatever the store does; None leaves each call to the client's own RPC timeouts.
     """
 
-    def __init__(self, master: str, transport: str = "auto", **kwargs: Any) -> None:
+    def __init__(
+        self, master: str, transport: str = "auto", deadline_s: float | None = None, **kwargs: Any
+    ) -> None:
+        self.deadline_s = deadline_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvpool-store-client", daemon=True
         )
         self._thread.start()
-        self._async: AsyncStoreClient = self._call(_make_async(master, transport, kwargs))
+        self._async: AsyncStoreClient = asyncio.run_coroutine_threadsafe(
+            _make_async(master, transport, kwargs), self._loop
+        ).result()
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], bounded: bool = True) -> T:
         if not self._thread.is_alive():
             coro.close()
             raise StoreUnavailableError("client is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if self.deadline_s is None or not bounded:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        try:
+            return asyncio.run_coroutine_threadsafe(
+                asyncio.wait_for(coro, self.deadline_s), self._loop
+            ).result()
+        except TimeoutError:
+            raise TransportTimeoutError(f"store call exceeded its {self.deadline_s} s deadline") from None
 
     @property
     def transport(self) -> str:
@@ -138,7 +155,8 @@ class StoreClient:
     def close(self) -> None:
         if self._thread.is_alive():
             self._call(self._async.close())
-            self._call(_cancel_background_tasks())  # e.g. ucxx's progress task, bound to this loop
+            # unbounded: it cancels every other task on the loop, which would include a deadline's own
+            self._call(_cancel_background_tasks(), bounded=False)  # e.g. ucxx's progress task, bound to this loop
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             if not self._thread.is_alive():

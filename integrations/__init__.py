@@ -1,0 +1,1 @@
+"""Adapters that put kvpool's store behind other serving engines (``kvpool.integrations.<engine>``)."""

@@ -1,0 +1,88 @@
+"""vLLM's paged KV buffers as the connector reads and writes them: whole blocks, whatever the layout.
+
+Every backend keeps a layer's cache as one tensor (or several, for recurrent state) with one dimension
+indexed by block id: ``[num_blocks, heads, block, 2·head]`` on CPU, ``[2, num_blocks, block, heads, head]``
+for flash attention, ``[num_blocks, ...]`` per state tensor. The connector never interprets the other
+dimensions: it moves whole blocks along the block dimension, so one object is bit-for-bit the blocks the
+engine computed, and any backend whose block dimension is found works unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from kvpool.integrations.vllm.codec import Part
+
+
+class LayoutError(ValueError):
+    """A registered KV tensor has no unambiguous block dimension."""
+
+
+def block_dim(t: torch.Tensor, num_blocks: int) -> int:
+    """The dimension of ``t`` indexed by block id: the first of size ``num_blocks`` among the first two."""
+    dims = [d for d in range(min(2, t.dim())) if t.shape[d] == num_blocks]
+    if not dims:
+        raise LayoutError(
+            f"no dimension of size {num_blocks} (blocks) in a KV tensor of shape {tuple(t.shape)}"
+        )
+    return dims[0]
+
+
+class PagedKV:
+    """The registered KV tensors of one worker, by layer name, with each tensor's block dimension."""
+
+    def __init__(
+        self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], num_blocks: int
+    ) -> None:
+        self.tensors: dict[str, list[tuple[torch.Tensor, int]]] = {}
+        for name, value in kv_caches.items():
+            ts = [value] if isinstance(value, torch.Tensor) else list(value)
+            self.tensors[name] = [(t, block_dim(t, num_blocks)) for t in ts]
+
+    def parts(self, layer_groups: Sequence[Sequence[str]], blocks: Sequence[Sequence[int]]) -> list[Part]:
+        """Parts (name, bytes) of an object holding ``blocks[i]`` of every layer in ``layer_groups[i]``."""
+        out = []
+        for names, ids in zip(layer_groups, blocks, strict=True):
+            for name in names:
+                for j, (t, d) in enumerate(self.tensors[name]):
+                    per_block = t.numel() // t.shape[d] * t.element_size()
+                    out.append(Part(f"{name}#{j}", per_block * len(ids)))
+        return out
+
+    def gather(
+        self, layer_groups: Sequence[Sequence[str]], blocks: Sequence[Sequence[int]]
+    ) -> list[memoryview]:
+        """The bytes of those blocks, one contiguous host buffer per part (device tensors are copied off)."""
+        out = []
+        for names, ids in zip(layer_groups, blocks, strict=True):
+            for name in names:
+                for t, d in self.tensors[name]:
+                    idx = torch.tensor(ids, dtype=torch.long, device=t.device)
+                    host = t.index_select(d, idx).contiguous().cpu()
+                    out.append(memoryview(host.view(torch.uint8).numpy()).cast("B"))
+        return out
+
+    def scatter(
+        self,
+        payload: memoryview,
+        layer_groups: Sequence[Sequence[str]],
+        blocks: Sequence[Sequence[int]],
+        skip: Sequence[int],
+    ) -> None:
+        """Write an object's payload back into the blocks, leaving the first ``skip[i]`` of group i alone."""
+        offset = 0
+        for names, ids, s in zip(layer_groups, blocks, skip, strict=True):
+            for name in names:
+                for t, d in self.tensors[name]:
+                    shape = list(t.shape)
+                    shape[d] = len(ids)
+                    n = t.numel() // t.shape[d] * len(ids) * t.element_size()
+                    raw = torch.frombuffer(payload[offset : offset + n], dtype=torch.uint8)
+                    src = raw.view(t.dtype).view(shape)
+                    offset += n
+                    if s >= len(ids):
+                        continue
+                    keep = torch.arange(s, len(ids))
+                    idx = torch.tensor(ids[s:], dtype=torch.long, device=t.device)
+                    t.index_copy_(d, idx, src.index_select(d, keep).to(t.device, non_blocking=False))

@@ -1,0 +1,49 @@
+"""Fixtures shared by the vLLM connector tests: one tiny random Llama, one real kvpool store, and the
+baseline answers of an engine without any connector (every test compares against them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.harness.store_procs import start_master, start_node
+from tests.vllm_connector.engines import Engine, prompts_of
+from tests.vllm_connector.make_model import make_tiny_llama
+
+# several 64-token chunks each, and not multiples of 64 (the last chunk is the engine's to compute)
+PROMPTS = prompts_of([300, 450, 200], seed=1)
+PD_PROMPTS = prompts_of([260, 390], seed=2)  # the producer/consumer pair's own prompts
+
+
+@pytest.fixture(scope="session")
+def vllm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="session")
+def model_dir(vllm_dir: Path) -> Path:
+    return make_tiny_llama(vllm_dir / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def store(vllm_dir: Path):
+    master = start_master(vllm_dir)
+    node = start_node(vllm_dir, master.address, "256MiB", "tcp,shm,ucx", prefault=False)
+    yield master, node
+    for p in (node, master):
+        if p.alive():
+            p.stop()
+
+
+@pytest.fixture(scope="session")
+def baseline(model_dir: Path, vllm_dir: Path) -> dict[str, list[list[int]]]:
+    """Greedy tokens of an engine with no connector at all, for PROMPTS and PD_PROMPTS."""
+    e = Engine({"model": str(model_dir)}, vllm_dir / "engine-baseline.log")
+    try:
+        return {
+            "prompts": [o["tokens"] for o in e.run(PROMPTS)["outputs"]],
+            "pd": [o["tokens"] for o in e.run(PD_PROMPTS)["outputs"]],
+        }
+    finally:
+        e.close()

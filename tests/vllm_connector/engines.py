@@ -1,0 +1,102 @@
+"""Drive ``engine.py`` processes (one vLLM engine each) and a real kvpool store for the connector tests
+and the bench. Every wait has a deadline; an engine's stderr goes to a log file beside the test's."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINE = Path(__file__).with_name("engine.py")
+START_DEADLINE_S = 180.0
+RUN_DEADLINE_S = 120.0
+
+
+class EngineError(RuntimeError):
+    """An engine process died, printed something unexpected, or missed its deadline."""
+
+
+class Engine:
+    """One engine process: ``run(prompts, ...)`` sends a command and waits for its answer line."""
+
+    def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ENGINE), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready = self._next(START_DEADLINE_S)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._lines.put(line)
+        self._lines.put(None)
+
+    def _next(self, deadline_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=deadline_s)
+        except queue.Empty:
+            raise EngineError(f"engine gave no answer in {deadline_s} s (log: {self.log_path})") from None
+        if line is None:
+            raise EngineError(f"engine exited (code {self.proc.poll()}); log: {self.log_path}")
+        return json.loads(line)
+
+    def run(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        salt: str | None = None,
+        deadline_s: float = RUN_DEADLINE_S,
+    ) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        cmd = {"prompts": prompts, "max_tokens": max_tokens, "salt": salt}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._next(deadline_s)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def kvpool_spec(model: Path, master: str, role: str, **extra: Any) -> dict[str, Any]:
+    return {"model": str(model), "connector": {"role": role, "master": master, **extra}}
+
+
+def prompts_of(lengths: list[int], seed: int, vocab: int = 512) -> list[list[int]]:
+    """Deterministic token prompts (ids 1..vocab-1) of the given lengths."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+def wait_until(pred, deadline_s: float, step_s: float = 0.1) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step_s)
+    return pred()
