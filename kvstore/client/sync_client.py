@@ -155,8 +155,9 @@ class StoreClient:
     def close(self) -> None:
         if self._thread.is_alive():
             self._call(self._async.close())
-            # unbounded: it cancels every other task on the loop, which would include a deadline's own
-            self._call(_cancel_background_tasks(), bounded=False)  # e.g. ucxx's progress task, bound to this loop
+            # e.g. ucxx's progress task, bound to this loop; unbounded: it cancels every other task on the
+            # loop, which would include a deadline's own
+            self._call(_cancel_background_tasks(), bounded=False)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             if not self._thread.is_alive():
