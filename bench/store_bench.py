@@ -59,6 +59,7 @@ SECTIONS: dict[str, tuple[str, str, int, int]] = {
     "tcp": ("store_ours", "section_tcp", 360, 150),
     "shm": ("store_ours", "section_shm", 360, 150),
     "ucx": ("store_ours", "section_ucx", 420, 180),
+    "push": ("store_ours", "section_push", 600, 300),
     "match_prefix": ("store_ours", "section_match_prefix", 240, 120),
     "master_memory": ("store_ours", "section_master_memory", 900, 300),
 }
@@ -69,6 +70,8 @@ GOALS = {
     "ucx_ge_2x_redis": "ucx put and get >= 2 x Redis (4 MB)",
     "tcp_ge_2x_mooncake": "tcp put and get >= 2 x Mooncake Store (4 MB)",
     "ucx_ge_2x_mooncake": "ucx put and get >= 2 x Mooncake Store (4 MB)",
+    "shm_push_ge_60pct_memcpy": "shm prefill push >= 0.6 x memcpy (largest size)",
+    "tcp_push_ge_90pct_socket": "tcp prefill push >= 0.9 x plain socket put (largest size)",
     "match_prefix_p50_le_1ms": "match_prefix p50 <= 1 ms (2,000-block chain)",
     "master_bytes_per_object_le_256": "master memory <= 256 B per object",
 }
@@ -206,6 +209,14 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
         for base_id, base in (("redis", redis), ("mooncake", mooncake)):
             for op in ("put", "get"):
                 ratios[f"{ours_id}_{op}_over_{base_id}_{op}"] = _ratio(_cell(ours, op, s), _cell(base, op, s))
+    push = (extras.get("push") or {}).get("gbps", {})
+    big = max((k for k in (memcpy.put if memcpy else {}) if _cell(memcpy, "put", k)), default=None)
+    sock = rows.get("socket")
+    big_sock = max((k for k in (sock.put if sock else {}) if _cell(sock, "put", k)), default=None)
+    ratios["shm_push_over_memcpy"] = _ratio(push.get("shm", {}).get("batch"), _cell(memcpy, "put", big))
+    ratios["tcp_push_over_socket"] = _ratio(push.get("tcp", {}).get("batch"), _cell(sock, "put", big_sock))
+    for t, modes in push.items():
+        ratios[f"{t}_push_batch_over_sequential"] = _ratio(modes.get("batch"), modes.get("sequential"))
     mp = extras.get("match_prefix") or {}
     mem = extras.get("master_memory") or {}
     ratios["match_prefix_p50_ms"] = mp.get("p50_ms")
@@ -220,6 +231,8 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
 
     goals: dict[str, bool | None] = {
         "shm_get_ge_50pct_memcpy": at_least(["shm_get_over_memcpy"], 0.5),
+        "shm_push_ge_60pct_memcpy": at_least(["shm_push_over_memcpy"], 0.6),
+        "tcp_push_ge_90pct_socket": at_least(["tcp_push_over_socket"], 0.9),
         "match_prefix_p50_le_1ms": at_most(ratios["match_prefix_p50_ms"], 1.0),
         "master_bytes_per_object_le_256": at_most(ratios["master_bytes_per_object"], 256),
     }
@@ -249,8 +262,17 @@ def median_row(rounds: list[Row]) -> Row:
 
 
 def median_extra(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """match_prefix / memory figures: the first round's record with its latencies replaced by medians."""
+    """match_prefix / memory / push figures: the first round's record with its latencies and rates replaced
+    by medians."""
     out = dict(rounds[0])
+    if "gbps" in out:  # push: transport -> mode -> GB/s
+        out["gbps"] = {
+            t: {
+                m: round(statistics.median(r["gbps"][t][m] for r in rounds if t in r["gbps"]), 3)
+                for m in modes
+            }
+            for t, modes in out["gbps"].items()
+        }
     for k in ("p50_ms", "p99_ms", "min_ms", "one_block_p50_ms", "grpc_p50_ms", "full_locations_p50_ms"):
         vals = [r[k] for r in rounds if isinstance(r.get(k), int | float)]
         if vals:
@@ -359,11 +381,11 @@ def main(argv: list[str] | None = None) -> int:
             for r in got_rows:
                 row = Row.from_json(r)
                 per_round.setdefault(row.id, []).append(row)
-            for k in ("match_prefix", "master_memory"):
+            for k in ("match_prefix", "master_memory", "push"):
                 if res.get(k):
                     extra_rounds.setdefault(k, []).append(res[k])
             why = res.get("skipped") or {}
-            measured = got_rows or any(k in res for k in ("match_prefix", "master_memory"))
+            measured = got_rows or any(k in res for k in ("match_prefix", "master_memory", "push"))
             if rnd == 0 and why and not measured:
                 dead.add(name)
             skipped.update(why if rnd == 0 else {f"{k} (round {rnd + 1})": v for k, v in why.items()})
@@ -376,7 +398,13 @@ def main(argv: list[str] | None = None) -> int:
         print()
         if ordered:
             print(render_table(ordered, plan.sizes_mb))
-        mp, mem = extras.get("match_prefix"), extras.get("master_memory")
+        mp, mem, push = extras.get("match_prefix"), extras.get("master_memory"), extras.get("push")
+        if push:
+            print(
+                f"\nprefill push ({push['objects']} objects, {push['bytes'] / 2**20:,.0f} MiB, K3 shape x "
+                f"{push['scale']}), GB/s batched | one by one: "
+                + ", ".join(f"{t} {m['batch']:.2f} | {m['sequential']:.2f}" for t, m in push["gbps"].items())
+            )
         if mp:
             print(
                 f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain through the client (master wire): "
@@ -418,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "unit": "GB/s (1e9 B/s), median of timed reps (median over rounds), every rep verified",
         "rows": [r.to_json() for r in ordered],
         "match_prefix": extras.get("match_prefix"),
+        "push": extras.get("push"),
         "master_memory": extras.get("master_memory"),
         "ratios": ratios,
         "goals": goals,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import os
 import statistics
 import subprocess
 import tempfile
@@ -174,6 +175,75 @@ def section_shm(plan: Plan) -> dict[str, Any]:
 def section_ucx(plan: Plan) -> dict[str, Any]:
     """kvpool over ucxx (tcp/sm on this host: no RDMA in pip's UCX)."""
     return _transport_section(plan, "ucx")
+
+
+# ------------------------------------------------------------------------------------------ prefill push
+
+# One K3 request's push (overview §7.5): 24 MLA blocks of 14.2 MB (512 tokens x 27,648 B) and one KDA
+# checkpoint of 428.6 MiB. Scaled by KVPOOL_BENCH_PUSH_SCALE (default 1/4: 3.5 MB blocks + a 107 MiB
+# checkpoint, 192 MiB in all, so that three rounds of three transports fit this box's memory next to the
+# node's pool); the shape, 24 small objects and one 30x larger one, is kept.
+PUSH_BLOCKS = 24
+PUSH_BLOCK_BYTES = 512 * 27_648
+PUSH_CKPT_BYTES = 449_372_160
+
+
+def push_scale() -> float:
+    return float(os.environ.get("KVPOOL_BENCH_PUSH_SCALE", "0.25"))
+
+
+async def _measure_push(master: str, transport: str, reps: int, warmup: int) -> dict[str, float]:
+    """GB/s of one request's whole push: ``batch_put`` (one control exchange each way, pipelined per node)
+    against the same objects put one after another (two master round trips each)."""
+    from kvpool.kvstore.client.async_client import AsyncStoreClient
+    from kvpool.kvstore.client.records import PutItem
+    from kvpool.proto import common_pb2
+
+    scale = push_scale()
+    sizes = [int(PUSH_BLOCK_BYTES * scale)] * PUSH_BLOCKS + [int(PUSH_CKPT_BYTES * scale)]
+    payloads = [make_payload(n, seed=i) for i, n in enumerate(sizes)]
+    total = sum(sizes)
+    out: dict[str, float] = {}
+    async with AsyncStoreClient(master, transport=transport) as client:
+        for mode in ("batch", "sequential"):
+            times = []
+            for rep in range(warmup + reps):
+                keys = [f"push/{transport}/{mode}/{rep}/{i}".encode() for i in range(len(sizes))]
+                kinds = [common_pb2.MLA_BLOCK] * PUSH_BLOCKS + [common_pb2.KDA_CHECKPOINT]
+                items = [PutItem(k, p, kind) for k, p, kind in zip(keys, payloads, kinds, strict=True)]
+                t0 = time.perf_counter()
+                if mode == "batch":
+                    errors = [e for e in await client.batch_put(items) if e is not None]
+                    if errors:
+                        raise VerifyError(f"push: {errors[0]!r}")
+                else:
+                    for item in items:
+                        await client.put(item.key, item.data, kind=item.kind)
+                dt = time.perf_counter() - t0
+                back = await client.get(keys[-1])
+                check_equal(np.frombuffer(back, dtype=np.uint8), payloads[-1], f"{transport} push")
+                await client.remove(keys)
+                await asyncio.sleep(0.2)
+                if rep >= warmup:
+                    times.append(dt)
+            out[mode] = gbps(total, statistics.median(times))
+    return out
+
+
+def section_push(plan: Plan) -> dict[str, Any]:
+    """One prefill's whole push (K3-shaped, scaled) per transport, batched vs object by object."""
+    scale = push_scale()
+    total = int((PUSH_BLOCKS * PUSH_BLOCK_BYTES + PUSH_CKPT_BYTES) * scale)
+    reps, warmup = (1, 1) if plan.quick else (3, 1)
+    result: dict[str, Any] = {"scale": scale, "objects": PUSH_BLOCKS + 1, "bytes": total, "gbps": {}}
+    for transport in ("shm", "tcp", "ucx"):
+        with children() as procs, tempfile.TemporaryDirectory(prefix="store-bench-push-") as tmp:
+            log_dir = Path(tmp)
+            master_addr, _ = start_master(procs, log_dir)
+            planes = "tcp,shm,ucx" if transport == "ucx" else "tcp,shm"
+            start_node(procs, log_dir, master_addr, 2 * total + 64 * MB, planes)
+            result["gbps"][transport] = asyncio.run(_measure_push(master_addr, transport, reps, warmup))
+    return {"rows": [], "push": result}
 
 
 # ---------------------------------------------------------------------------------------- match_prefix

@@ -116,6 +116,40 @@ class PutAbortReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ItemError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PutStartBatchRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
+
+class PutStartBatchReply(_message.Message):
+    __slots__ = ("items", "errors")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutStartReply]
+    errors: _containers.RepeatedCompositeFieldContainer[ItemError]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartReply, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
+
+class PutCommitBatchRequest(_message.Message):
+    __slots__ = ("put_ids",)
+    PUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    put_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, put_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PutCommitBatchReply(_message.Message):
+    __slots__ = ("errors",)
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    errors: _containers.RepeatedCompositeFieldContainer[ItemError]
+    def __init__(self, errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
+
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms", "counts_only", "compact")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]

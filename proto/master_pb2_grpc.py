@@ -59,6 +59,16 @@ class MasterStub:
                 request_serializer=proto_dot_master__pb2.PutAbortRequest.SerializeToString,
                 response_deserializer=proto_dot_master__pb2.PutAbortReply.FromString,
                 _registered_method=True)
+        self.PutStartBatch = channel.unary_unary(
+                '/kvpool.v1.Master/PutStartBatch',
+                request_serializer=proto_dot_master__pb2.PutStartBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_master__pb2.PutStartBatchReply.FromString,
+                _registered_method=True)
+        self.PutCommitBatch = channel.unary_unary(
+                '/kvpool.v1.Master/PutCommitBatch',
+                request_serializer=proto_dot_master__pb2.PutCommitBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_master__pb2.PutCommitBatchReply.FromString,
+                _registered_method=True)
         self.MatchPrefix = channel.unary_unary(
                 '/kvpool.v1.Master/MatchPrefix',
                 request_serializer=proto_dot_master__pb2.MatchPrefixRequest.SerializeToString,
@@ -131,6 +141,20 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutAbort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutStartBatch(self, request, context):
+        """A whole push (a prefill's blocks and checkpoint) in one control exchange each way: every item gets the
+        answer PutStart/PutCommit would give it, or its own error; one bad item never fails the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutCommitBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,6 +243,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.PutAbort,
                     request_deserializer=proto_dot_master__pb2.PutAbortRequest.FromString,
                     response_serializer=proto_dot_master__pb2.PutAbortReply.SerializeToString,
+            ),
+            'PutStartBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutStartBatch,
+                    request_deserializer=proto_dot_master__pb2.PutStartBatchRequest.FromString,
+                    response_serializer=proto_dot_master__pb2.PutStartBatchReply.SerializeToString,
+            ),
+            'PutCommitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutCommitBatch,
+                    request_deserializer=proto_dot_master__pb2.PutCommitBatchRequest.FromString,
+                    response_serializer=proto_dot_master__pb2.PutCommitBatchReply.SerializeToString,
             ),
             'MatchPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.MatchPrefix,
@@ -396,6 +430,60 @@ class Master:
             '/kvpool.v1.Master/PutAbort',
             proto_dot_master__pb2.PutAbortRequest.SerializeToString,
             proto_dot_master__pb2.PutAbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStartBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/PutStartBatch',
+            proto_dot_master__pb2.PutStartBatchRequest.SerializeToString,
+            proto_dot_master__pb2.PutStartBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutCommitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/PutCommitBatch',
+            proto_dot_master__pb2.PutCommitBatchRequest.SerializeToString,
+            proto_dot_master__pb2.PutCommitBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

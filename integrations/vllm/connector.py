@@ -17,6 +17,7 @@ recomputes the blocks, and a failed save is a future miss. Extra config keys (``
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -229,6 +230,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     def _load(self, load: LoadPlan) -> None:
         assert self._paged is not None
         keys = [tr.key for tr in load.transfers]
+        t0 = time.perf_counter()
         try:
             got = self.store.batch_get(keys)
         except StoreError as exc:
@@ -255,6 +257,12 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._paged.scatter(payload, layers, tr.blocks, tr.skip or (0,) * len(tr.blocks))
             self.stats.add("loaded_objects")
             self.stats.add("loaded_bytes", len(data))
+        log.debug(
+            "request %s: %d objects loaded in %.1f ms",
+            load.req_id,
+            len(keys),
+            1e3 * (time.perf_counter() - t0),
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

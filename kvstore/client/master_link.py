@@ -140,6 +140,16 @@ class MasterLink:
     ) -> master_pb2.PutCommitReply:
         return await self.call("PutCommit", request, timeout_s)
 
+    async def put_start_batch(
+        self, request: master_pb2.PutStartBatchRequest, timeout_s: float | None = None
+    ) -> master_pb2.PutStartBatchReply:
+        return await self.call("PutStartBatch", request, timeout_s)
+
+    async def put_commit_batch(
+        self, request: master_pb2.PutCommitBatchRequest, timeout_s: float | None = None
+    ) -> master_pb2.PutCommitBatchReply:
+        return await self.call("PutCommitBatch", request, timeout_s)
+
     async def put_abort(
         self, request: master_pb2.PutAbortRequest, timeout_s: float | None = None
     ) -> master_pb2.PutAbortReply:

@@ -31,6 +31,7 @@ from kvpool.kvstore.index.records import (
     Tier,
     UnknownKeyError,
 )
+from kvpool.kvstore.master import batch_puts
 from kvpool.kvstore.master.config import MAX_BLOCKS_PER_MATCH, MAX_PIN_MS
 from kvpool.kvstore.master.membership import NodeMembership
 from kvpool.kvstore.master.messages import (
@@ -130,6 +131,12 @@ class MasterCore(NodeMembership):
         self._absorb_index_events()
         self._count("puts_committed")
         return master_pb2.PutCommitReply()
+
+    def put_start_batch(self, req: master_pb2.PutStartBatchRequest) -> master_pb2.PutStartBatchReply:
+        return batch_puts.put_start_batch(self, req)
+
+    def put_commit_batch(self, req: master_pb2.PutCommitBatchRequest) -> master_pb2.PutCommitBatchReply:
+        return batch_puts.put_commit_batch(self, req)
 
     def put_abort(self, req: master_pb2.PutAbortRequest) -> master_pb2.PutAbortReply:
         self._drop_put(self._take_put(req.put_id))

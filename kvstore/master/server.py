@@ -63,6 +63,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def PutCommit(self, request, context):
         return await self._run(self.core.put_commit, request, context)
 
+    async def PutStartBatch(self, request, context):
+        return await self._run(self.core.put_start_batch, request, context)
+
+    async def PutCommitBatch(self, request, context):
+        return await self._run(self.core.put_commit_batch, request, context)
+
     async def PutAbort(self, request, context):
         return await self._run(self.core.put_abort, request, context)
 

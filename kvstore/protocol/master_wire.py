@@ -73,6 +73,20 @@ METHODS: dict[str, WireMethod] = {
         WireMethod(8, "Pin", "pin", master_pb2.PinRequest, master_pb2.PinReply),
         WireMethod(9, "Stats", "stats", master_pb2.StatsRequest, master_pb2.StatsReply),
         WireMethod(10, "SetQuota", "set_quota", master_pb2.SetQuotaRequest, master_pb2.SetQuotaReply),
+        WireMethod(
+            11,
+            "PutStartBatch",
+            "put_start_batch",
+            master_pb2.PutStartBatchRequest,
+            master_pb2.PutStartBatchReply,
+        ),
+        WireMethod(
+            12,
+            "PutCommitBatch",
+            "put_commit_batch",
+            master_pb2.PutCommitBatchRequest,
+            master_pb2.PutCommitBatchReply,
+        ),
     )
 }
 BY_ID: dict[int, WireMethod] = {m.method_id: m for m in METHODS.values()}

@@ -160,3 +160,12 @@ def test_the_step_plan_moves_each_group_s_own_blocks(connector) -> None:
     assert plan2.loads == [] and [t.key for t in plan2.saves] == [mla_key(h[8]), mla_key(h[9])]
     connector.request_finished_all_groups(r, (attn, state))
     assert r.request_id not in connector._trackers
+
+
+def test_the_connector_counts_in_prometheus(connector) -> None:
+    from prometheus_client import REGISTRY
+
+    before = REGISTRY.get_sample_value("kvpool_vllm_connector_lookups_total") or 0
+    connector.get_num_new_matched_tokens(request("counted"), 0)
+    assert REGISTRY.get_sample_value("kvpool_vllm_connector_lookups_total") == before + 1
+    assert connector.stats.as_dict()["lookups"] >= 1

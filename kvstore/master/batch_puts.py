@@ -1,0 +1,64 @@
+"""Batched two-phase puts: a whole push (one prefill's MLA blocks and checkpoint) in one control exchange
+each way instead of one per object.
+
+Each item gets exactly what the single call would answer (same core method, same order), or its own
+``ItemError``: one bad item (too big, a tenant over quota, an unknown kind) never fails the others. A key that
+appears twice in one batch is refused on its second appearance with ALREADY_EXISTS, so the writer learns
+that one of its own items was dropped instead of mistaking it for another writer's put in progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from kvpool.kvstore.errors import MasterError
+from kvpool.proto import master_pb2
+
+R = TypeVar("R")
+
+
+class MasterCore(Protocol):
+    """What a batch needs of ``kvpool.kvstore.master.core.MasterCore`` (which calls in here)."""
+
+    def put_start(self, req: master_pb2.PutStartRequest) -> master_pb2.PutStartReply: ...
+
+    def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply: ...
+
+    def count(self, name: str, n: int = 1) -> None: ...
+_OK = master_pb2.ItemError()
+
+
+def _each(call: Callable[[], R]) -> tuple[R | None, master_pb2.ItemError]:
+    try:
+        return call(), _OK
+    except MasterError as exc:
+        return None, master_pb2.ItemError(code=exc.grpc_status, message=f"{type(exc).__name__}: {exc}")
+
+
+def put_start_batch(core: MasterCore, req: master_pb2.PutStartBatchRequest) -> master_pb2.PutStartBatchReply:
+    out = master_pb2.PutStartBatchReply()
+    seen: set[bytes] = set()
+    for item in req.items:
+        if item.meta.key in seen:
+            reply, err = (
+                None,
+                master_pb2.ItemError(code="ALREADY_EXISTS", message="key appears twice in one batch"),
+            )
+        else:
+            seen.add(item.meta.key)
+            reply, err = _each(lambda item=item: core.put_start(item))
+        out.items.append(reply or master_pb2.PutStartReply())
+        out.errors.append(err)
+    core.count("put_batches")
+    return out
+
+
+def put_commit_batch(
+    core: MasterCore, req: master_pb2.PutCommitBatchRequest
+) -> master_pb2.PutCommitBatchReply:
+    out = master_pb2.PutCommitBatchReply()
+    for put_id in req.put_ids:
+        _, err = _each(lambda put_id=put_id: core.put_commit(master_pb2.PutCommitRequest(put_id=put_id)))
+        out.errors.append(err)
+    return out
