@@ -9,6 +9,7 @@ engine computed, and any backend whose block dimension is found works unchanged.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -78,11 +79,13 @@ class PagedKV:
                     shape = list(t.shape)
                     shape[d] = len(ids)
                     n = t.numel() // t.shape[d] * len(ids) * t.element_size()
-                    raw = torch.frombuffer(payload[offset : offset + n], dtype=torch.uint8)
+                    with warnings.catch_warnings():  # read-only source: only ever read from
+                        warnings.simplefilter("ignore", UserWarning)
+                        raw = torch.frombuffer(payload[offset : offset + n], dtype=torch.uint8)
                     src = raw.view(t.dtype).view(shape)
                     offset += n
                     if s >= len(ids):
                         continue
-                    keep = torch.arange(s, len(ids))
                     idx = torch.tensor(ids[s:], dtype=torch.long, device=t.device)
-                    t.index_copy_(d, idx, src.index_select(d, keep).to(t.device, non_blocking=False))
+                    part = src if s == 0 else src.narrow(d, s, len(ids) - s)  # a view: one copy, into t
+                    t.index_copy_(d, idx, part.to(t.device, non_blocking=False))
