@@ -1,10 +1,11 @@
 """One vLLM engine process for the connector tests and the bench, driven by JSON lines on stdin.
 
-Run with the vLLM venv's Python: ``python tests/vllm/engine.py SPEC_JSON``. SPEC: ``model`` (a directory),
-``connector`` (``null`` for none, else ``{"role": ..., "master": ..., ...extra}``, or ``{"example": DIR}``
-for vLLM's own disk ``ExampleConnector``), ``block_size``. It prints ``{"ready": ...}`` once the engine is up,
-then answers each command line ``{"prompts": [[ids...]], "max_tokens": N, "salt": S}`` with one line
-``{"outputs": [{"tokens": [...], "cached": n}], "seconds": s}`` (greedy), until stdin closes.
+Run with the vLLM venv's Python: ``python tests/vllm_connector/engine.py SPEC_JSON``. SPEC: ``model`` (a
+directory), ``connector`` (``null`` for none, else ``{"role": ..., "master": ..., ...extra}``, or
+``{"example": DIR}`` for vLLM's own disk ``ExampleConnector``), ``block_size``, ``dtype``. Once the engine is
+up it prints ``KVPOOL-ENGINE {"ready": ...}``, then answers each command line ``{"prompts": [[ids...]],
+"max_tokens": N, "salt": S}`` with one line ``KVPOOL-ENGINE {"outputs": [{"tokens": [...], "cached": n}],
+"seconds": s}`` (greedy), until stdin closes. The marker keeps answers apart from vLLM's own stdout logs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import sys
 import time
 
+MARK = "KVPOOL-ENGINE "  # our answer lines; vLLM logs on the same stdout
 
 def build_llm(spec: dict):
     from vllm import LLM
@@ -73,10 +75,10 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t0 = time.perf_counter()
     llm = build_llm(spec)
-    print(json.dumps({"ready": True, "start_s": time.perf_counter() - t0}), flush=True)
+    print(MARK + json.dumps({"ready": True, "start_s": time.perf_counter() - t0}), flush=True)
     for line in sys.stdin:
         if line.strip():
-            print(json.dumps(run(llm, json.loads(line))), flush=True)
+            print(MARK + json.dumps(run(llm, json.loads(line))), flush=True)
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINE = Path(__file__).with_name("engine.py")
+MARK = "KVPOOL-ENGINE "  # engine.py's answer lines (vLLM logs on the same stdout)
 START_DEADLINE_S = 180.0
 RUN_DEADLINE_S = 120.0
 
@@ -44,8 +45,8 @@ class Engine:
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith("{"):
-                self._lines.put(line)
+            if line.startswith(MARK):
+                self._lines.put(line[len(MARK) :])
             else:  # vLLM logs on stdout: keep it beside stderr in the engine's log
                 self._log.write(line)
                 self._log.flush()
