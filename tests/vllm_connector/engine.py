@@ -70,15 +70,22 @@ def run(llm, cmd: dict) -> dict:
     }
 
 
+def answer(obj: dict) -> None:
+    """One marked line in one write(2): vLLM's threads log into the same stdout buffer, and a line built
+    by print() from two buffered writes could get a log line between its JSON and its newline."""
+    sys.stdout.flush()
+    os.write(1, (MARK + json.dumps(obj) + "\n").encode())
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t0 = time.perf_counter()
     llm = build_llm(spec)
-    print(MARK + json.dumps({"ready": True, "start_s": time.perf_counter() - t0}), flush=True)
+    answer({"ready": True, "start_s": time.perf_counter() - t0})
     for line in sys.stdin:
         if line.strip():
-            print(MARK + json.dumps(run(llm, json.loads(line))), flush=True)
+            answer(run(llm, json.loads(line)))
     return 0
 
 

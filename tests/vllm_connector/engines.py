@@ -59,7 +59,8 @@ class Engine:
             raise EngineError(f"engine gave no answer in {deadline_s} s (log: {self.log_path})") from None
         if line is None:
             raise EngineError(f"engine exited (code {self.proc.poll()}); log: {self.log_path}")
-        return json.loads(line)
+        obj, _ = json.JSONDecoder().raw_decode(line)  # anything after the object is someone else's log
+        return obj
 
     def run(
         self,
