@@ -333,13 +333,19 @@ def test_stop_strings_cut_the_text():
     assert ended.index(True) == 6 and stop.text == "hel"
 
 
-def test_streamed_deltas_add_up_and_never_take_text_back():
-    """Held back: a possible stop-string start and an unfinished UTF-8 character ("€" is 3 bytes)."""
-    tok = ByteTokenizer(1024)
+@pytest.mark.parametrize("tokenizer", ["bytes", "tiny-bpe"])
+def test_streamed_deltas_add_up_and_never_take_text_back(tokenizer):
+    """Held back: a possible stop-string start and an unfinished UTF-8 character ("€" is 3 bytes; with the
+    trained tiny's byte-level BPE an emoji spans several tokens too)."""
+    from kvpool.model.tiny import tiny_config
+    from kvpool.model.tokenizer import load_tokenizer
+
+    tok = ByteTokenizer(1024) if tokenizer == "bytes" else load_tokenizer("tiny", tiny_config())
     for text, stops, want in (
         ("hello world", ("lo w",), "hel"),
         ("a€b lo", (), "a€b lo"),
         ("xyz", ("q",), "xyz"),
+        ("def f():\n    return '🙂 ok'", (), "def f():\n    return '🙂 ok'"),
     ):
         stop = StopChecker(tok, stops)
         ids = tok.encode(text)[1:]
