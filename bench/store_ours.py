@@ -197,6 +197,7 @@ async def _measure_push(master: str, transport: str, reps: int, warmup: int) -> 
     against the same objects put one after another (two master round trips each)."""
     from kvpool.kvstore.client.async_client import AsyncStoreClient
     from kvpool.kvstore.client.records import PutItem
+    from kvpool.kvstore.keys import kda_key, mla_key
     from kvpool.proto import common_pb2
 
     scale = push_scale()
@@ -208,7 +209,11 @@ async def _measure_push(master: str, transport: str, reps: int, warmup: int) -> 
         for mode in ("batch", "sequential"):
             times = []
             for rep in range(warmup + reps):
-                keys = [f"push/{transport}/{mode}/{rep}/{i}".encode() for i in range(len(sizes))]
+                names = [
+                    hashlib.sha256(f"push/{transport}/{mode}/{rep}/{i}".encode()).digest()
+                    for i in range(len(sizes))
+                ]
+                keys = [mla_key(h) for h in names[:-1]] + [kda_key(names[-1])]
                 kinds = [common_pb2.MLA_BLOCK] * PUSH_BLOCKS + [common_pb2.KDA_CHECKPOINT]
                 items = [PutItem(k, p, kind) for k, p, kind in zip(keys, payloads, kinds, strict=True)]
                 t0 = time.perf_counter()
