@@ -3,9 +3,11 @@
 Scheduler side: one ``match_prefix`` per lookup over kvpool's chained chunk hashes (``chunks.py``), the
 joint rule for hybrid models, and a ``StepPlan`` of loads and saves per engine step (``plan.py``).
 Worker side: loads before the forward pass and saves after it, whole vLLM blocks moved through the store
-client (``paged.py``, ``codec.py``). Loads and saves are synchronous inside the step and every store call
-has a deadline, so a dead or slow store costs at most that deadline: the load becomes a load error, vLLM
-recomputes the blocks, and a failed save is a future miss. Extra config keys (``kv_connector_extra_config``):
+client (``mover.py`` over ``paged.py`` and ``codec.py``). Loads and saves are synchronous inside the step
+and every store call has a deadline, so a dead or slow store costs at most that deadline: the load becomes a
+load error, vLLM recomputes the blocks, and a failed save is a future miss.
+
+Extra config keys (``kv_connector_extra_config``):
 
 * ``master`` (required): the kvpool master, ``HOST:PORT``;
 * ``transport``: the data plane (``auto`` | ``tcp`` | ``shm`` | ``ucx``), default ``auto``;
@@ -17,19 +19,17 @@ recomputes the blocks, and a failed save is a future miss. Extra config keys (``
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 from kvpool.integrations.vllm.chunks import GroupLayout, chunk_hashes, chunk_tokens, fingerprint
 from kvpool.integrations.vllm.chunks import matchable_chunks as _matchable
-from kvpool.integrations.vllm.codec import BadObjectError, decode, encode
 from kvpool.integrations.vllm.metrics import ConnectorStats
+from kvpool.integrations.vllm.mover import BlockMover
 from kvpool.integrations.vllm.paged import PagedKV
-from kvpool.integrations.vllm.plan import LoadPlan, Planner, RequestTracker, StepPlan, Transfer, blocks_of
-from kvpool.kvstore.client.records import PutItem
+from kvpool.integrations.vllm.plan import Planner, RequestTracker, StepPlan
 from kvpool.kvstore.client.sync_client import StoreClient
-from kvpool.kvstore.errors import ObjectNotAdmittedError, StoreError
+from kvpool.kvstore.errors import StoreError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -134,7 +134,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_loads: dict[str, tuple[Request, int, int]] = {}
         self._trackers: dict[str, RequestTracker] = {}
         # worker side
-        self._paged: PagedKV | None = None
+        self._mover: BlockMover | None = None
         self._load_errors: set[int] = set()
 
     # ---------------------------------------------------------------- scheduler side
@@ -232,53 +232,18 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._paged = PagedKV(kv_caches, self._kv_cache_config.num_blocks)
+        paged = PagedKV(kv_caches, self._kv_cache_config.num_blocks)
+        self._mover = BlockMover(self.store, paged, self.fp, self.groups, self.stats)
 
-    def _layers(self, tr: Transfer) -> list[tuple[str, ...]]:
-        return [self.groups[g].layer_names for g in tr.groups]
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpoolConnectorMetadata) and self._mover is not None
+        return meta.plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvpoolConnectorMetadata) and self._paged is not None
-        for load in meta.plan.loads:
-            self._load(load)
-
-    def _load(self, load: LoadPlan) -> None:
-        assert self._paged is not None
-        keys = [tr.key for tr in load.transfers]
-        t0 = time.perf_counter()
-        try:
-            got = self.store.batch_get(keys)
-        except StoreError as exc:
-            got = [exc] * len(keys)
-        for i, (tr, data) in enumerate(zip(load.transfers, got, strict=True)):
-            layers = self._layers(tr)
-            try:
-                if isinstance(data, Exception):
-                    raise data
-                payload = decode(data, self.fp, tr.kind, self._paged.parts(layers, tr.blocks))
-            except (StoreError, BadObjectError) as exc:
-                failed = blocks_of(load, i)
-                self._load_errors |= failed
-                self.stats.add("load_errors", len(load.transfers) - i)
-                log.warning(
-                    "request %s: object %d of %d not loaded (%s); vLLM recomputes %d blocks",
-                    load.req_id,
-                    i + 1,
-                    len(load.transfers),
-                    exc,
-                    len(failed),
-                )
-                return
-            self._paged.scatter(payload, layers, tr.blocks, tr.skip or (0,) * len(tr.blocks))
-            self.stats.add("loaded_objects")
-            self.stats.add("loaded_bytes", len(data))
-        log.debug(
-            "request %s: %d objects loaded in %.1f ms",
-            load.req_id,
-            len(keys),
-            1e3 * (time.perf_counter() - t0),
-        )
+        assert self._mover is not None
+        for load in self._plan().loads:
+            self._load_errors |= self._mover.load(load)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -289,29 +254,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return  # the whole step's objects go out together in wait_for_save
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvpoolConnectorMetadata) and self._paged is not None
-        if not meta.plan.saves:
-            return
-        items = []
-        for tr in meta.plan.saves:
-            layers = self._layers(tr)
-            parts = self._paged.parts(layers, tr.blocks)
-            data = encode(self.fp, tr.kind, parts, self._paged.gather(layers, tr.blocks))
-            items.append(PutItem(tr.key, data, kind=tr.kind, parent=tr.parent))
-        try:
-            results = self.store.batch_put(items)
-        except StoreError as exc:
-            results = [exc] * len(items)
-        for item, err in zip(items, results, strict=True):
-            if err is None:
-                self.stats.add("saved_objects")
-                self.stats.add("saved_bytes", len(item.data))
-            elif isinstance(err, ObjectNotAdmittedError):
-                self.stats.add("not_admitted")
-            else:
-                self.stats.add("save_errors")
-                log.warning("kvpool save of %s failed: %s", item.key[:9].hex(), err)
+        saves = self._plan().saves
+        if saves:
+            assert self._mover is not None
+            self._mover.save(saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
