@@ -41,6 +41,7 @@ from kvpool.gateway.router import PrefixProbe, Router
 from kvpool.gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from kvpool.gateway.service import Generation, GenRequest, Service
 from kvpool.gateway.settings import GatewaySettings
+from kvpool.gateway.tenants import bound_salt, key_tenant
 from kvpool.gateway.workers import WorkerPool
 from kvpool.worker.sampling import SamplingParams
 from prometheus_client import generate_latest
@@ -138,9 +139,10 @@ class Gateway:
             )
         meta = body.metadata or {}
         workload = request.headers.get("x-workload") or meta.get("workload")
-        tenant = meta.get("tenant") or tenant_label(body.cache_salt)
+        bound = key_tenant(request)
+        tenant = bound or meta.get("tenant") or tenant_label(body.cache_salt)
         wl, tn = self.metrics.labels(workload, tenant)
-        return GenRequest(prompt, sampling, body.cache_salt or "", wl, tn, endpoint)
+        return GenRequest(prompt, sampling, bound_salt(bound, body.cache_salt), wl, tn, endpoint)
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         p = body.prompt
@@ -435,7 +437,8 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gw.check_model(body)
-        prompt = render_chat(gw.info.codec, body.messages, body.cache_salt or "", gw.memo)
+        salt = bound_salt(key_tenant(request), body.cache_salt)
+        prompt = render_chat(gw.info.codec, body.messages, salt, gw.memo)
         req = gw.gen_request(body, prompt, request, "chat", body.output_limit())
         return await gw.run(req, body, Formatter(True, settings.model_id))
 

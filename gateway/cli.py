@@ -46,7 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ttft-slo-s", type=float, default=d.ttft_slo_s, help="429 above this estimated TTFT (0=off)"
     )
     p.add_argument(
-        "--api-key", action="append", default=[], help="accepted API key (repeat; env KVPOOL_API_KEYS)"
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted API key, or KEY=TENANT to bind its requests to a tenant (their cache salt is derived "
+        "server-side from the tenant; repeat; env KVPOOL_API_KEYS, comma-separated)",
     )
     p.add_argument(
         "--max-prompt-tokens",

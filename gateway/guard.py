@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvpool.gateway.errors import BodyTooLarge, GatewayError, Unauthorized
+from kvpool.gateway.tenants import parse_key
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -23,23 +24,27 @@ PROTECTED_PREFIX = "/v1/"
 class Guard:
     def __init__(self, app: Callable, api_keys: list[str], max_body_bytes: int) -> None:
         self.app = app
-        self.api_keys = [k.encode() for k in api_keys if k]
+        self.api_keys = [(k.encode(), tenant) for k, tenant in map(parse_key, api_keys) if k]
         self.max_body_bytes = max_body_bytes
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+    def _authorized(self, headers: dict[bytes, bytes]) -> tuple[bool, str | None]:
+        """(the request carries a configured key, the tenant that key is bound to or None)."""
         auth = headers.get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
+            return False, None
         token = token.strip()
-        return any(hmac.compare_digest(token, k) for k in self.api_keys)
+        found = [tenant for k, tenant in self.api_keys if hmac.compare_digest(token, k)]
+        return (True, found[0]) if found else (False, None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_keys and scope["path"].startswith(PROTECTED_PREFIX) and not self._authorized(headers):
+        ok, tenant = self._authorized(headers) if self.api_keys else (True, None)
+        scope.setdefault("state", {})["tenant"] = tenant  # read by the app: the salt it binds (tenants.py)
+        if self.api_keys and scope["path"].startswith(PROTECTED_PREFIX) and not ok:
             await _reply(
                 Unauthorized("Incorrect API key provided (send 'Authorization: Bearer <key>')"),
                 scope,

@@ -30,7 +30,7 @@ count = 2
 count = 1
 [gateway]
 port = 0
-api_keys = ["test-key"]
+api_keys = ["test-key", "acme-key=acme", "beta-key=beta"]
 max_prompt_tokens = 2048
 max_output_tokens = 64
 max_body_bytes = 65536
@@ -251,6 +251,28 @@ def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
     assert second.usage.prompt_tokens_details.cached_tokens == (second.usage.prompt_tokens - 1) // 64 * 64 > 0
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert unsalted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_keys_bound_to_tenants_never_share_even_with_a_stolen_salt(up: UpProcess) -> None:
+    """acme's key and beta's key send the same prompt with the same client salt: beta finds nothing of acme's
+    (the salt is derived from the key's tenant server-side), acme finds its own, and the metrics name them."""
+    prompt = "A confidential contract between acme and its supplier, clause by clause. " * 5
+    acme = openai.OpenAI(base_url=up.url + "/v1", api_key="acme-key", timeout=60, max_retries=0)
+    beta = openai.OpenAI(base_url=up.url + "/v1", api_key="beta-key", timeout=60, max_retries=0)
+
+    def cached(c: openai.OpenAI) -> int:
+        r = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "shared"}
+        )
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(acme) == 0
+    assert cached(beta) == 0  # the stolen salt: another tenant's chain
+    assert cached(acme) > 0 and cached(beta) > 0  # each tenant hits its own
+    plain = openai.OpenAI(base_url=up.url + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+    assert cached(plain) == 0  # a bare key keeps the client's salt: neither tenant's chain
+    text = httpx.get(up.url + "/metrics", timeout=5).text
+    assert 'tenant="acme"' in text and 'tenant="beta"' in text
 
 
 def _raw(up: UpProcess, path: str, body: bytes | dict, key: str = API_KEY) -> httpx.Response:
