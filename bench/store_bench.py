@@ -178,6 +178,12 @@ def _cell(row: Row | None, op: str, size: int) -> float | None:
     return (row.put if op == "put" else row.get).get(size)
 
 
+def _largest_put(row: Row | None) -> float | None:
+    """A row's put rate at its largest measured size: the limit a push (one large batch) is held against."""
+    sizes = [k for k, v in (row.put if row else {}).items() if v]
+    return _cell(row, "put", max(sizes)) if sizes else None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b <= 0 else round(a / b, 3)
 
@@ -210,11 +216,9 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
             for op in ("put", "get"):
                 ratios[f"{ours_id}_{op}_over_{base_id}_{op}"] = _ratio(_cell(ours, op, s), _cell(base, op, s))
     push = (extras.get("push") or {}).get("gbps", {})
-    big = max((k for k in (memcpy.put if memcpy else {}) if _cell(memcpy, "put", k)), default=None)
-    sock = rows.get("socket")
-    big_sock = max((k for k in (sock.put if sock else {}) if _cell(sock, "put", k)), default=None)
-    ratios["shm_push_over_memcpy"] = _ratio(push.get("shm", {}).get("batch"), _cell(memcpy, "put", big))
-    ratios["tcp_push_over_socket"] = _ratio(push.get("tcp", {}).get("batch"), _cell(sock, "put", big_sock))
+    socket = rows.get("socket")
+    ratios["shm_push_over_memcpy"] = _ratio(push.get("shm", {}).get("batch"), _largest_put(memcpy))
+    ratios["tcp_push_over_socket"] = _ratio(push.get("tcp", {}).get("batch"), _largest_put(socket))
     for t, modes in push.items():
         ratios[f"{t}_push_batch_over_sequential"] = _ratio(modes.get("batch"), modes.get("sequential"))
     mp = extras.get("match_prefix") or {}

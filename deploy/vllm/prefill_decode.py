@@ -44,9 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     ap.add_argument("--cache-salt", default=None, help="tenant salt: only engines with the same salt share")
     args = ap.parse_args(argv)
-    prompts = json.loads(args.prompts.read_text())
-    if not isinstance(prompts, list) or not prompts:
-        ap.error("--prompts must hold a non-empty JSON list")
+    try:
+        prompts = json.loads(args.prompts.read_text())
+    except (OSError, ValueError) as exc:
+        ap.error(f"--prompts: cannot read a JSON list from {args.prompts}: {exc}")
+    one = lambda p: isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p))  # noqa: E731
+    if not isinstance(prompts, list) or not prompts or not all(map(one, prompts)):
+        ap.error("--prompts must hold a non-empty JSON list of strings or of token-id lists")
 
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig

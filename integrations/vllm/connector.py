@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,9 +61,7 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
     out = []
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
-        if type(spec) is FullAttentionSpec or (
-            isinstance(spec, FullAttentionSpec) and "MLA" in type(spec).__name__
-        ):
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):  # not their windowed/sparse subclasses
             attention = True
         elif isinstance(spec, MambaSpec):
             attention = False
@@ -131,7 +129,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._hashes: dict[str, list] = {}
         self._matched: dict[str, int] = {}  # chunks usable in the store at the request's lookup
-        self._pending_loads: dict[str, tuple[Request, int, int]] = {}
+        self._pending_loads: dict[str, tuple[int, int]] = {}  # req id -> tokens [start, end) to load
         self._trackers: dict[str, RequestTracker] = {}
         # worker side
         self._mover: BlockMover | None = None
@@ -171,7 +169,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         if num_external_tokens > 0:
             end = self._matched.get(request.request_id, 0) * self.chunk
-            self._pending_loads[request.request_id] = (request, end - num_external_tokens, end)
+            self._pending_loads[request.request_id] = (end - num_external_tokens, end)
             self.stats.add("hit_tokens", num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -208,7 +206,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         pending = self._pending_loads.get(t.req_id)
         if pending is None:
             return
-        _, start, end = pending
+        start, end = pending
         load = self.planner.load(t, start, end)
         if load is None:  # vLLM did not allocate what it promised: load nothing, recompute it all
             log.warning("request %s: blocks for the external hit are not allocated; not loading", t.req_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from prometheus_client import REGISTRY, Counter
+from prometheus_client import Counter
 
 _HELP = {
     "lookups": "prefix lookups the scheduler side asked the kvpool master",
@@ -46,10 +46,8 @@ _COUNTERS: dict[str, Counter] = {}
 
 
 def _counter(field: str) -> Counter:
+    """One counter per field and process, however many connectors the process holds (registered once)."""
     c = _COUNTERS.get(field)
     if c is None:
-        name = f"kvpool_vllm_connector_{field}"
-        existing = REGISTRY._names_to_collectors.get(name + "_total")  # a second connector in one process
-        c = existing if isinstance(existing, Counter) else Counter(name, _HELP[field])
-        _COUNTERS[field] = c
+        c = _COUNTERS[field] = Counter(f"kvpool_vllm_connector_{field}", _HELP[field])
     return c

@@ -67,7 +67,7 @@ class BlockMover:
                     len(failed),
                 )
                 return failed
-            self.paged.scatter(payload, layers, tr.blocks, tr.skip or (0,) * len(tr.blocks))
+            self.paged.scatter(payload, layers, tr.blocks, tr.skips)
             self.stats.add("loaded_objects")
             self.stats.add("loaded_bytes", len(data))
         log.debug(

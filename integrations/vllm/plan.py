@@ -39,10 +39,14 @@ class Transfer:
     blocks: tuple[tuple[int, ...], ...]
     skip: tuple[int, ...] = ()  # loads: leading blocks per group left alone (the engine computed them)
 
+    @property
+    def skips(self) -> tuple[int, ...]:
+        """Per group, how many leading blocks a load leaves alone (none unless ``skip`` says so)."""
+        return self.skip or (0,) * len(self.blocks)
+
     def written(self) -> list[tuple[int, ...]]:
         """Per group, the block ids a load writes (all of them but the skipped leading ones)."""
-        skip = self.skip or (0,) * len(self.blocks)
-        return [ids[s:] for ids, s in zip(self.blocks, skip, strict=True)]
+        return [ids[s:] for ids, s in zip(self.blocks, self.skips, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,9 +47,7 @@ class StoreClient:
             target=self._loop.run_forever, name="kvpool-store-client", daemon=True
         )
         self._thread.start()
-        self._async: AsyncStoreClient = asyncio.run_coroutine_threadsafe(
-            _make_async(master, transport, kwargs), self._loop
-        ).result()
+        self._async: AsyncStoreClient = self._call(_make_async(master, transport, kwargs), bounded=False)
 
     def _call(self, coro: Coroutine[Any, Any, T], bounded: bool = True) -> T:
         if not self._thread.is_alive():

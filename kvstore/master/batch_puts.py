@@ -48,7 +48,7 @@ def put_start_batch(core: MasterCore, req: master_pb2.PutStartBatchRequest) -> m
         else:
             seen.add(item.meta.key)
             reply, err = _each(lambda item=item: core.put_start(item))
-        out.items.append(reply or master_pb2.PutStartReply())
+        out.items.append(reply if reply is not None else master_pb2.PutStartReply())
         out.errors.append(err)
     core.count("put_batches")
     return out

@@ -9,7 +9,6 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +96,3 @@ def prompts_of(lengths: list[int], seed: int, vocab: int = 512) -> list[list[int
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
-
-def wait_until(pred, deadline_s: float, step_s: float = 0.1) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step_s)
-    return pred()
