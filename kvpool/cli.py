@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "kvpool.gateway.cli",  # gateway
     "kvpool.up",  # up
     "kvpool.status",  # status
+    "kvpool.chaos",  # chaos (faults on a --netns cluster)
 )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 def master_argv(
     *,
+    host: str = "127.0.0.1",
     port: int = 0,
     metrics_port: int = -1,
     policy: str = "hybrid",
@@ -21,6 +22,8 @@ def master_argv(
 ) -> list[str]:
     return [
         "kvpool.kvstore.master.cli",
+        "--host",
+        host,
         "--port",
         str(port),
         "--metrics-port",

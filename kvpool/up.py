@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.placement import LoopbackPlacement, NetnsPlacement, make_placement
 from kvpool.runtime.spawn import Child, LaunchError, wait_ready
 from kvpool.runtime.spawn import start as spawn_start
 from kvpool.service_argv import master_argv, node_argv, worker_argv
@@ -51,6 +52,7 @@ class Service(Child):
     """One service of the cluster: a spawned child (``kvpool.runtime.spawn``) with its role."""
 
     role: str = ""
+    netns: str | None = None
 
     @property
     def port(self) -> int:
@@ -74,6 +76,8 @@ class Service(Child):
             "role": self.role,
             "pid": self.popen.pid,
             "address": self.address,
+            "netns": self.netns,
+            "ip": self.ready.get("host", "127.0.0.1"),
             "metrics": self.metrics_url,
             "log": str(self.log_path),
             "ready": self.ready,
@@ -87,16 +91,33 @@ class Cluster:
     children's death signal to the thread that spawned them.
     """
 
-    def __init__(self, config: dict[str, Any] | None = None, run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any] | None = None,
+        run_dir: Path | None = None,
+        *,
+        netns: bool = False,
+        link: str | None = None,
+    ) -> None:
         self.config = config or load_config()
         self.run_dir = run_dir or runs_root() / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.services: dict[str, Service] = {}
         self.fingerprint: str | None = None
+        self._netns, self._link = netns, link
+        self.placement: LoopbackPlacement | NetnsPlacement = LoopbackPlacement()
 
     # -- processes ---------------------------------------------------------------------------------------
-    def _spawn(self, name: str, role: str, argv: list[str]) -> Service:
+    def _spawn(self, name: str, role: str, argv: list[str], *, isolated: bool = False) -> Service:
+        """Start one service; ``isolated`` services get their own namespace under ``--netns`` (and bind its
+        IP), the others (the gateway, test helpers) stay in the launcher's namespace."""
         log_path = self.run_dir / f"{name}.log"
-        svc = spawn_start(name, argv, log_path, own_session=True, child_type=Service, role=role)
+        placed = self.placement.place(name) if isolated else LoopbackPlacement().place(name)
+        if isolated and placed.netns:
+            argv = [*argv, "--host", placed.host]
+        svc = spawn_start(
+            name, argv, log_path, own_session=True, child_type=Service, role=role,
+            prefix=placed.prefix, netns=placed.netns,
+        )  # fmt: skip
         self.services[name] = svc
         return svc
 
@@ -108,6 +129,7 @@ class Cluster:
         cl, m, st, pf, dc = c["cluster"], c["master"], c["store"], c["prefill"], c["decode"]
         timeout = float(cl.get("ready_timeout_s", 90))
         try:
+            self.placement = make_placement(self.run_dir, self._netns, self._link)
             master = self._spawn(
                 "master",
                 "master",
@@ -118,6 +140,7 @@ class Cluster:
                     heartbeat_ms=int(m.get("heartbeat_ms", 500)),
                     node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
                 ),
+                isolated=True,
             )
             self._wait_ready(master, timeout)
             nodes = [
@@ -130,6 +153,7 @@ class Cluster:
                         st.get("transport", "tcp,shm"),
                         [*self._ssd_args(i), *_metrics_args(st, i)],
                     ),
+                    isolated=True,
                 )
                 for i in range(int(st.get("nodes", 1)))
             ]
@@ -172,6 +196,7 @@ class Cluster:
                     transport=section.get("transport", "auto"),
                     extra=[*role_flags, *_metrics_args(section, i), *section.get("args", [])],
                 ),
+                isolated=True,
             )
             for i in range(int(section.get("count", 1)))
         ]
@@ -255,6 +280,7 @@ class Cluster:
             "gateway_url": self.services["gateway"].ready.get("url") if "gateway" in self.services else None,
             "routing": self.config["gateway"].get("routing"),
             "services": [s.describe() for s in self.services.values()],
+            "netns": self.placement.state(),
         }
 
     def write_state(self) -> Path:
@@ -285,6 +311,7 @@ class Cluster:
                         s.popen.wait(5)
         for ssd in self.run_dir.glob("ssd-*"):
             shutil.rmtree(ssd, ignore_errors=True)
+        self.placement.close()
         for s in self.by_role("node"):
             name = s.ready.get("shm_name")
             if name:
@@ -318,6 +345,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--prefill", type=int, default=None, help="number of prefill workers")
     up.add_argument("--decode", type=int, default=None, help="number of decode workers")
+    up.add_argument(
+        "--netns",
+        action="store_true",
+        help="multi-host on one box (root): master, each node and each worker in its own network namespace "
+        "with its own IP on a bridge; the gateway stays on this host's 127.0.0.1",
+    )
+    up.add_argument(
+        "--link",
+        default=None,
+        help="with --netns: shape every service's link, "
+        'e.g. "delay 200us jitter 20us rate 10gbit loss 0.1%%"',
+    )
     up.set_defaults(func=run_up)
 
 
@@ -359,7 +398,7 @@ def run_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    cluster = Cluster(config, args.run_dir)
+    cluster = Cluster(config, args.run_dir, netns=args.netns, link=args.link)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -378,7 +417,9 @@ def run_up(args: argparse.Namespace) -> int:
             f"logs in {cluster.run_dir}"
         )
         for s in cluster.services.values():
-            print(f"  {s.name:<10} pid {s.popen.pid:<8} {s.address:<22} {s.metrics_url or ''}")
+            where = f"netns {s.netns}" if s.netns else ""
+            line = f"  {s.name:<10} pid {s.popen.pid:<8} {s.address:<22} {s.metrics_url or ''} {where}"
+            print(line.rstrip())
         print(f"OpenAI API: {cluster.base_url}/v1   (Ctrl-C to stop; `kvpool status` to inspect)", flush=True)
         reported: set[str] = set()
         while True:

@@ -115,16 +115,19 @@ def start(
     own_session: bool = False,
     env: dict[str, str] | None = None,
     child_type: type[C] = Child,  # type: ignore[assignment]
+    prefix: Sequence[str] = (),
     **fields: Any,
 ) -> C:
     """Start ``python -m <module_argv>`` with stdout+stderr appended to ``log_path``; does not wait.
-    ``child_type`` (a ``Child`` subclass) and its extra ``fields`` let a launcher keep its own view of it."""
+    ``child_type`` (a ``Child`` subclass) and its extra ``fields`` let a launcher keep its own view of it.
+    ``prefix`` runs it through a wrapper that execs it in place (``ip netns exec NS``): same pid, so the
+    death signal and the launcher's kill still reach the service itself."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", **(env or {})}
     with log_path.open("ab") as out:
         offset = out.tell()
         popen = subprocess.Popen(
-            [sys.executable, "-m", *module_argv],
+            [*prefix, sys.executable, "-m", *module_argv],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -26,7 +26,7 @@ from kvpool.kvstore.errors import (
 from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, decode_header
 from kvpool.kvstore.protocol.shm_segment import attach_segment
 from kvpool.kvstore.transport.base import Deadlines
-from kvpool.kvstore.transport.select import TransportSelector
+from kvpool.kvstore.transport.select import TransportSelector, has_rdma_device
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from store_helpers import location, start_node
 
@@ -284,8 +284,23 @@ def test_explicit_choice_never_falls_back(node):
     with pytest.raises(TransportUnavailableError):
         TransportSelector("ucx").for_node(no_ucx)
     assert TransportSelector("auto").for_node(node.endpoint).name == "shm"
-    assert TransportSelector("auto").for_node(remote).name == "ucx"
     assert TransportSelector("auto").for_node(no_ucx).name == "shm"
+
+
+def test_auto_prefers_ucx_only_where_rdma_exists(node, tmp_path):
+    """A remote node with both listeners: ucx when the machine has a verbs device, tcp (logged) when not."""
+    remote = common_pb2.NodeEndpoint()
+    remote.CopyFrom(node.endpoint)
+    remote.host_id = "elsewhere/0"
+    with_rdma = TransportSelector("auto")
+    with_rdma.rdma = True
+    assert with_rdma.for_node(remote).name == "ucx"
+    without = TransportSelector("auto")
+    without.rdma = False
+    assert without.for_node(remote).name == "tcp"
+    assert not has_rdma_device(tmp_path / "absent")
+    (tmp_path / "ib" / "mlx5_0").mkdir(parents=True)
+    assert has_rdma_device(tmp_path / "ib")
 
 
 @pytest.mark.parametrize("choice", ["tcp", "ucx"])
