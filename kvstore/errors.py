@@ -83,6 +83,13 @@ class TransportTimeoutError(StoreUnavailableError, TimeoutError):
     grpc_status = "DEADLINE_EXCEEDED"
 
 
+class MasterSilentError(StoreUnavailableError):
+    """The master let a call run to its deadline moments ago (partitioned, frozen or drowning): calls fail at
+    once until a probe call gets an answer, instead of each one waiting out its own deadline."""
+
+    code = 13
+
+
 class TransportUnavailableError(StoreError):
     """An explicitly chosen transport cannot reach this peer (no silent fallback)."""
 

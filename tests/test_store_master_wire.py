@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpool.kvstore.client.master_link import MasterLink, host_of
+from kvpool.kvstore.client.master_link import SILENT_BACKOFF_S, MasterLink, host_of
 from kvpool.kvstore.client.master_wire import MasterWireClient
 from kvpool.kvstore.errors import (
     BadRequestError,
     CapacityExceededError,
+    MasterSilentError,
     ObjectNotFoundError,
     StoreUnavailableError,
     TransportTimeoutError,
@@ -521,6 +522,39 @@ def test_an_unreachable_wire_port_costs_a_batch_one_connect_timeout() -> None:
     asyncio.run(run())
 
 
+def test_a_silent_master_opens_the_breaker_calls_fail_fast_and_one_probe_closes_it(
+    master: MasterProcess,
+) -> None:
+    """A frozen master costs one deadline, not one per call: the calls after it fail in microseconds with
+    ``MasterSilentError`` (counted), and the first answered probe after the backoff closes the breaker."""
+
+    async def run() -> None:
+        async with MasterLink(master.address, rpc_timeout_s=0.5) as link:
+            await link.call("Stats", master_pb2.StatsRequest())
+            os.kill(master.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TransportTimeoutError):
+                    await link.call("Stats", master_pb2.StatsRequest())
+                t0 = time.monotonic()
+                for _ in range(20):
+                    with pytest.raises(MasterSilentError):
+                        await link.call("Lookup", master_pb2.LookupRequest(keys=[key(1, b"x")]))
+                assert time.monotonic() - t0 < 0.05
+                assert link.counters["failed_fast"] == 20 and link.counters["silent"] == 1
+                await asyncio.sleep(SILENT_BACKOFF_S[0])
+                with pytest.raises(TransportTimeoutError):  # the probe: still silent, backoff doubles
+                    await link.call("Stats", master_pb2.StatsRequest())
+                with pytest.raises(MasterSilentError, match="1.0s"):
+                    await link.call("Stats", master_pb2.StatsRequest())
+            finally:
+                os.kill(master.proc.pid, signal.SIGCONT)
+            await asyncio.sleep(2 * SILENT_BACKOFF_S[0])
+            assert isinstance(await link.call("Stats", master_pb2.StatsRequest()), master_pb2.StatsReply)
+            await link.call("Stats", master_pb2.StatsRequest())  # closed again: no fail-fast
+
+    asyncio.run(run())
+
+
 def test_link_timeouts_are_typed_and_bounded(master: MasterProcess) -> None:
     async def run() -> None:
         async with MasterLink(master.address, rpc_timeout_s=0.5) as link:
@@ -533,6 +567,7 @@ def test_link_timeouts_are_typed_and_bounded(master: MasterProcess) -> None:
             finally:
                 os.kill(master.proc.pid, signal.SIGCONT)
             assert time.monotonic() - t0 < 1.5
+            await asyncio.sleep(SILENT_BACKOFF_S[0])  # past the breaker's first backoff: a probe goes
             assert isinstance(await link.call("Stats", master_pb2.StatsRequest()), master_pb2.StatsReply)
 
     asyncio.run(run())

@@ -69,8 +69,10 @@ class ClientCore:
             self._counters[name] = self._counters.get(name, 0) + n
 
     def metrics(self) -> dict[str, float]:
-        """Counters: ops.*, failures.*, latency_s.* (sums), bytes_in.<transport>, bytes_out.<transport>."""
-        return {**self._counters, **self.transports.metrics()}
+        """Counters: ops.*, failures.*, latency_s.* (sums), bytes_in.<transport>, bytes_out.<transport>,
+        master.* (the master link's: grpc_calls, wire_calls, silent, failed_fast, ...)."""
+        link = {f"master.{k}": float(v) for k, v in self._link.counters.items()} if self._link else {}
+        return {**self._counters, **self.transports.metrics(), **link}
 
     def _meta(
         self, key: bytes, view: memoryview, kind: int, tenant: str | None, parent: bytes, ttl_ms: int

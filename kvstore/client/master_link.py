@@ -27,6 +27,13 @@ When the wire fails:
 * a deadline passed (``TransportTimeoutError``): raised, never retried (the call's time is spent).
 
 Every wait is bounded by ``rpc_timeout_s`` per call, retry included (the retry gets what is left).
+
+A silent master (partitioned, frozen): a refused connection fails fast by itself, but silence costs each
+call its whole deadline, and a worker makes several per request. So a call that runs to its deadline opens a
+breaker: for ``SILENT_BACKOFF_S`` (0.5 s, doubling to 5 s while probes keep timing out) calls raise
+``MasterSilentError`` at once, counted as ``failed_fast``; one call per backoff is let through as the probe,
+and the first answer closes the breaker. The callers already treat any store error as a miss (recompute)
+or a failed put (counted), so during a master partition requests cost their compute, not n deadlines.
 """
 
 from __future__ import annotations
@@ -37,7 +44,12 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 from kvpool.kvstore.client.master_wire import MasterWireClient
-from kvpool.kvstore.errors import StoreError, StoreUnavailableError, TransportTimeoutError
+from kvpool.kvstore.errors import (
+    MasterSilentError,
+    StoreError,
+    StoreUnavailableError,
+    TransportTimeoutError,
+)
 from kvpool.kvstore.protocol.grpc_errors import CHANNEL_OPTIONS, raise_typed
 from kvpool.kvstore.protocol.master_wire import METHODS as WIRE_METHODS
 from kvpool.kvstore.protocol.master_wire import WireConnectError
@@ -47,6 +59,7 @@ from kvpool.proto import master_pb2, master_pb2_grpc
 RETRY_OVER_GRPC = frozenset({"Lookup", "MatchPrefix", "Stats", "Describe"})
 MIN_RETRY_S = 0.05  # a retry with less time left than this is not worth starting
 WIRE_BACKOFF_S = (1.0, 30.0)  # gRPC only for this long after the wire could not be reached (doubling)
+SILENT_BACKOFF_S = (0.5, 5.0)  # fail fast this long after a call ran to its deadline (doubling)
 
 
 def host_of(address: str) -> str:
@@ -84,6 +97,8 @@ class MasterLink:
         self._backoff_s = 0.0
         self._wire_retry_at = 0.0  # loop time before which calls skip the wire (see WIRE_BACKOFF_S)
         self._describing: asyncio.Lock | None = None
+        self._silent_backoff_s = 0.0
+        self._silent_until = 0.0  # loop time before which calls fail fast (see SILENT_BACKOFF_S)
 
     @property
     def wire(self) -> MasterWireClient | None:
@@ -98,7 +113,41 @@ class MasterLink:
         return self._stub
 
     async def call(self, name: str, request: Message, timeout_s: float | None = None) -> Any:
-        """The master's reply to rpc ``name``; typed ``StoreError`` on failure."""
+        """The master's reply to rpc ``name``; typed ``StoreError`` on failure (``MasterSilentError`` at
+        once while the breaker is open)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now < self._silent_until:
+            self._count("failed_fast")
+            raise MasterSilentError(
+                f"master {self.address} let a call run to its deadline within the last "
+                f"{self._silent_backoff_s:.1f}s; {name} fails fast until a probe gets an answer"
+            )
+        probing = self._silent_backoff_s > 0
+        if probing:  # this call is the probe: the others keep failing fast while it runs
+            self._silent_until = now + self._silent_backoff_s
+        try:
+            reply = await self._call(name, request, timeout_s)
+        except TransportTimeoutError:
+            self._silent_backoff_s = min(
+                max(self._silent_backoff_s * 2, SILENT_BACKOFF_S[0]), SILENT_BACKOFF_S[1]
+            )
+            self._silent_until = loop.time() + self._silent_backoff_s
+            self._count("silent")
+            raise
+        except StoreError as exc:
+            if probing and not isinstance(exc, StoreUnavailableError):
+                self._close_breaker()  # the master answered (with an error): it is not silent
+            raise
+        if probing:
+            self._close_breaker()
+        return reply
+
+    def _close_breaker(self) -> None:
+        self._silent_backoff_s = 0.0
+        self._silent_until = 0.0
+
+    async def _call(self, name: str, request: Message, timeout_s: float | None) -> Any:
         timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -26,6 +26,8 @@ class MasterCore(Protocol):
     def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply: ...
 
     def count(self, name: str, n: int = 1) -> None: ...
+
+
 _OK = master_pb2.ItemError()
 
 
