@@ -30,10 +30,11 @@ Every wait is bounded by ``rpc_timeout_s`` per call, retry included (the retry g
 
 A silent master (partitioned, frozen): a refused connection fails fast by itself, but silence costs each
 call its whole deadline, and a worker makes several per request. So a call that runs to its deadline opens a
-breaker: for ``SILENT_BACKOFF_S`` (0.5 s, doubling to 5 s while probes keep timing out) calls raise
-``MasterSilentError`` at once, counted as ``failed_fast``; one call per backoff is let through as the probe,
-and the first answer closes the breaker. The callers already treat any store error as a miss (recompute)
-or a failed put (counted), so during a master partition requests cost their compute, not n deadlines.
+breaker: calls raise ``MasterSilentError`` at once (counted as ``failed_fast``) while a background probe
+(``Describe``, one per ``SILENT_BACKOFF_S`` step: 0.2 s doubling to 2 s) asks the master; its first answer
+closes the breaker. No request's call is ever the probe, so no request waits out a deadline a second time.
+The callers already treat any store error as a miss (recompute) or a failed put (counted), so during a
+master partition requests cost their compute, not n deadlines.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from kvpool.proto import master_pb2, master_pb2_grpc
 RETRY_OVER_GRPC = frozenset({"Lookup", "MatchPrefix", "Stats", "Describe"})
 MIN_RETRY_S = 0.05  # a retry with less time left than this is not worth starting
 WIRE_BACKOFF_S = (1.0, 30.0)  # gRPC only for this long after the wire could not be reached (doubling)
-SILENT_BACKOFF_S = (0.5, 5.0)  # fail fast this long after a call ran to its deadline (doubling)
+SILENT_BACKOFF_S = (0.2, 2.0)  # the breaker's probe: first after 0.2 s, then doubling up to 2 s
 
 
 def host_of(address: str) -> str:
@@ -97,8 +98,7 @@ class MasterLink:
         self._backoff_s = 0.0
         self._wire_retry_at = 0.0  # loop time before which calls skip the wire (see WIRE_BACKOFF_S)
         self._describing: asyncio.Lock | None = None
-        self._silent_backoff_s = 0.0
-        self._silent_until = 0.0  # loop time before which calls fail fast (see SILENT_BACKOFF_S)
+        self._probe: asyncio.Task | None = None  # running while the breaker is open (see SILENT_BACKOFF_S)
 
     @property
     def wire(self) -> MasterWireClient | None:
@@ -115,37 +115,43 @@ class MasterLink:
     async def call(self, name: str, request: Message, timeout_s: float | None = None) -> Any:
         """The master's reply to rpc ``name``; typed ``StoreError`` on failure (``MasterSilentError`` at
         once while the breaker is open)."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if now < self._silent_until:
+        if self._probe is not None:
             self._count("failed_fast")
             raise MasterSilentError(
-                f"master {self.address} let a call run to its deadline within the last "
-                f"{self._silent_backoff_s:.1f}s; {name} fails fast until a probe gets an answer"
+                f"master {self.address} let a call run to its deadline and has not answered a probe since; "
+                f"{name} fails fast until it does"
             )
-        probing = self._silent_backoff_s > 0
-        if probing:  # this call is the probe: the others keep failing fast while it runs
-            self._silent_until = now + self._silent_backoff_s
         try:
-            reply = await self._call(name, request, timeout_s)
+            return await self._call(name, request, timeout_s)
         except TransportTimeoutError:
-            self._silent_backoff_s = min(
-                max(self._silent_backoff_s * 2, SILENT_BACKOFF_S[0]), SILENT_BACKOFF_S[1]
-            )
-            self._silent_until = loop.time() + self._silent_backoff_s
             self._count("silent")
+            if self._probe is None:
+                self._probe = asyncio.get_running_loop().create_task(self._probe_until_answered())
             raise
-        except StoreError as exc:
-            if probing and not isinstance(exc, StoreUnavailableError):
-                self._close_breaker()  # the master answered (with an error): it is not silent
-            raise
-        if probing:
-            self._close_breaker()
-        return reply
 
-    def _close_breaker(self) -> None:
-        self._silent_backoff_s = 0.0
-        self._silent_until = 0.0
+    @property
+    def silent(self) -> bool:
+        """Whether the breaker is open (calls fail fast)."""
+        return self._probe is not None
+
+    async def _probe_until_answered(self) -> None:
+        """Ask ``Describe`` (over gRPC, bounded) after each backoff step until the master answers anything."""
+        backoff = SILENT_BACKOFF_S[0]
+        try:
+            while True:
+                await asyncio.sleep(backoff)
+                self._count("probes")
+                try:
+                    await self.stub.Describe(
+                        master_pb2.DescribeRequest(), timeout=min(self.rpc_timeout_s, 1.0)
+                    )
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                        return  # an answer, even an error, means the master is there
+                backoff = min(backoff * 2, SILENT_BACKOFF_S[1])
+        finally:
+            self._probe = None
 
     async def _call(self, name: str, request: Message, timeout_s: float | None) -> Any:
         timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
@@ -245,6 +251,10 @@ class MasterLink:
             return await self._discover(self.rpc_timeout_s if timeout_s is None else timeout_s)
 
     async def close(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
         wire, self._wire = self._wire, None
         if wire is not None:
             await wire.close()
