@@ -45,6 +45,8 @@ class ChaosTarget:
         self.hosts = {name: Host(**h) for name, h in netns["topology"]["hosts"].items()}
         self.link = netns["link"]
         self.relays = netns.get("relays", {})
+        control = netns.get("delay_control")
+        self.delay_control = Path(control) if control else None
         self.pids = {s["name"]: int(s["pid"]) for s in self.state.get("services", [])}
 
     def host(self, service: str) -> Host:
@@ -60,14 +62,13 @@ class ChaosTarget:
         netfaults.loss(self.host(service), percent)
 
     def delay(self, service: str, delay_ms: float, jitter_ms: float = 0.0) -> None:
-        self.host(service)
-        relay = self.relays.get(service)
-        if relay is None:
+        host = self.host(service)
+        if self.delay_control is None:
             raise ChaosError(
                 'delay needs the relay that `kvpool up --netns --link "delay ..."` starts; '
                 "this cluster has none"
             )
-        netfaults.write_delay(Path(relay["control"]), delay_ms, jitter_ms)
+        netfaults.write_delay(self.delay_control, host.ip, delay_ms, jitter_ms)
 
     def signal(self, service: str, sig: signal.Signals) -> None:
         if service not in self.pids:
@@ -81,9 +82,10 @@ class ChaosTarget:
         """Partitions and loss off, delay back to the baseline, frozen processes resumed."""
         for name in [service] if service else sorted(self.hosts):
             netfaults.heal(self.host(name), float(self.link.get("loss_pct", 0.0)))
-            if name in self.relays:
+            if self.delay_control is not None:
                 netfaults.write_delay(
-                    Path(self.relays[name]["control"]),
+                    self.delay_control,
+                    self.hosts[name].ip,
                     float(self.link.get("delay_ms", 0.0)),
                     float(self.link.get("jitter_ms", 0.0)),
                 )

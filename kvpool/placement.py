@@ -54,28 +54,29 @@ class NetnsPlacement:
         self.relays: dict[str, Child] = {}
 
     def place(self, name: str) -> Placed:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             host = self.topology.add_host(name)
             netfaults.install_chains(host)
             self.topology.shape_rate(host, self.link.rate_bps)
             netfaults.loss(host, self.link.loss_pct)
             if self.link.needs_relay:
+                netfaults.write_delay(self.control_file, host.ip, self.link.delay_ms, self.link.jitter_ms)
                 self._start_relay(name)
         except NetnsError as exc:
             raise LaunchError(f"namespace for {name}: {exc}") from exc
         return Placed(host=host.ip, prefix=host.exec_prefix(), netns=host.netns)
 
-    def control_file(self, name: str) -> Path:
-        return self.run_dir / f"relay-{name}.json"
+    @property
+    def control_file(self) -> Path:
+        """Every link's delay, by IP: what all relays read and ``kvpool chaos delay`` writes."""
+        return self.run_dir / "link-delays.json"
 
     def _start_relay(self, name: str) -> None:
         host = self.topology.hosts[name]
-        control = self.control_file(name)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        netfaults.write_delay(control, self.link.delay_ms, self.link.jitter_ms)
         relay = start(
             f"relay-{name}",
-            ["kvpool.runtime.netrelay", "--control", str(control)],
+            ["kvpool.runtime.netrelay", "--control", str(self.control_file), "--self-ip", host.ip],
             self.run_dir / f"relay-{name}.log",
             own_session=True,
             prefix=host.exec_prefix(),
@@ -89,10 +90,8 @@ class NetnsPlacement:
             "topology": self.topology.to_dict(),
             "link": asdict(self.link),
             "swept": self.swept,
-            "relays": {
-                name: {"pid": r.pid, "port": r.ready.get("port"), "control": str(self.control_file(name))}
-                for name, r in self.relays.items()
-            },
+            "delay_control": str(self.control_file) if self.relays else None,
+            "relays": {name: {"pid": r.pid, "port": r.ready.get("port")} for name, r in self.relays.items()},
         }
 
     def close(self) -> None:

@@ -4,13 +4,14 @@ Why iptables chains of our own: each namespace gets ``KVPOOL-IN`` (jumped to fro
 ``KVPOOL-OUT`` (from OUTPUT on eth0). A partition is a DROP in both, loss is a ``statistic --mode random``
 DROP in both; ``heal`` flushes the two chains and puts the link's baseline loss back. Nothing else in the
 namespace is touched, so healing can never leave a stray rule behind. Delay is not a kernel rule here (no
-netem on this kernel): it is the host's relay (``kvpool.runtime.netrelay``), steered through a small JSON
-control file that the relay polls.
+netem on this kernel): it is the relays' (``kvpool.runtime.netrelay``), steered through one small JSON
+control file per cluster, ``{ip: {"delay_ms": .., "jitter_ms": ..}}``, that every relay polls.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -55,25 +56,30 @@ def heal(host: _Host, baseline_loss_pct: float = 0.0) -> None:
 
 
 def install_redirect(host: _Host, relay_port: int) -> None:
-    """Send every TCP connection in or out of eth0 through the host's relay (transparent: the relay reads
-    the original destination with ``SO_ORIGINAL_DST``); the relay's own connections carry ``RELAY_MARK``."""
-    in_ns(host.netns, ["iptables", "-t", "nat", "-A", "PREROUTING", "-i", NS_DEV, "-p", "tcp",
-                       "-j", "REDIRECT", "--to-ports", str(relay_port)])  # fmt: skip
+    """Send every TCP connection this host opens through eth0 to its relay (transparent: the relay reads
+    the original destination with ``SO_ORIGINAL_DST``); the relay's own connections carry ``RELAY_MARK``.
+
+    Only connections the host *opens* are redirected: the relay then connects from the host's own IP, so
+    the far end sees the true peer address (UCX learns its peer's address from the socket: a relay on the
+    accepting side would make every peer look like the node itself)."""
     in_ns(host.netns, ["iptables", "-t", "nat", "-A", "OUTPUT", "-o", NS_DEV, "-p", "tcp",
                        "-m", "mark", "!", "--mark", str(RELAY_MARK),
                        "-j", "REDIRECT", "--to-ports", str(relay_port)])  # fmt: skip
 
 
-def write_delay(control: Path, delay_ms: float, jitter_ms: float = 0.0) -> None:
-    """Set a relay's delay; it picks the change up within its poll interval (50 ms)."""
-    tmp = control.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"delay_ms": delay_ms, "jitter_ms": jitter_ms}))
+def write_delay(control: Path, ip: str, delay_ms: float, jitter_ms: float = 0.0) -> None:
+    """Set the delay of the link of the host at ``ip``; relays pick it up within their poll (50 ms)."""
+    delays = read_delays(control)
+    delays[ip] = (delay_ms, jitter_ms)
+    tmp = control.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({k: {"delay_ms": d, "jitter_ms": j} for k, (d, j) in delays.items()}))
     tmp.replace(control)
 
 
-def read_delay(control: Path) -> tuple[float, float]:
+def read_delays(control: Path) -> dict[str, tuple[float, float]]:
+    """``{ip: (delay_ms, jitter_ms)}`` of every link in the control file (empty when there is none)."""
     try:
         data = json.loads(control.read_text())
-        return float(data.get("delay_ms", 0.0)), float(data.get("jitter_ms", 0.0))
-    except (OSError, ValueError):
-        return 0.0, 0.0
+        return {ip: (float(v.get("delay_ms", 0.0)), float(v.get("jitter_ms", 0.0))) for ip, v in data.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}

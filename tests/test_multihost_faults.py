@@ -118,7 +118,9 @@ def _prompt(tag: str) -> str:
 
 
 @pytest.fixture(scope="module", params=["tcp", "ucx"])
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsCluster]:
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NetnsCluster]:
     transport = request.param
     base = tmp_path_factory.mktemp(f"netns-{transport}")
     (base / "cluster.toml").write_text(CONFIG.replace("{transport}", transport))
@@ -209,7 +211,9 @@ def test_a_partitioned_master_fails_puts_fast_and_counted_and_answers_stay_ident
     cold, _, _ = cluster.chat(prompt)
     cluster.chat(prompt)
     failed0 = cluster.metric("prefill-0", "kvpool_prefill_cache_errors_total", '{kind="push_failed"}')
-    unreachable0 = cluster.metric("prefill-0", "kvpool_prefill_cache_errors_total", '{kind="store_unreachable"}')
+    unreachable0 = cluster.metric(
+        "prefill-0", "kvpool_prefill_cache_errors_total", '{kind="store_unreachable"}'
+    )
     cluster.chaos("partition", "master")
     try:
         first = cluster.chat(prompt)
@@ -250,7 +254,9 @@ def test_known_keys_stay_readable_while_the_master_is_partitioned(cluster: Netns
                 for k, v in blobs.items():
                     assert await client.get(k) == v
                 t0 = time.monotonic()
-                results = await client.batch_put(list(_items({os.urandom(16): b"x" * 4096 for _ in range(4)})))
+                results = await client.batch_put(
+                    list(_items({os.urandom(16): b"x" * 4096 for _ in range(4)}))
+                )
                 results += await client.batch_put(list(_items({os.urandom(16): b"y" * 4096})))
                 assert all(isinstance(r, StoreError) for r in results)
                 assert time.monotonic() - t0 < 1.0 + 0.5  # one deadline, then the breaker fails fast
@@ -320,7 +326,16 @@ def test_a_frozen_node_with_its_link_up_costs_a_deadline_not_a_hang(cluster: Net
 
 def test_chaos_refuses_unknown_services_and_a_loopback_cluster(cluster: NetnsCluster, tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "chaos", "partition", "nope", "--state", str(cluster.state_path)],
+        [
+            sys.executable,
+            "-m",
+            "kvpool.cli",
+            "chaos",
+            "partition",
+            "nope",
+            "--state",
+            str(cluster.state_path),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

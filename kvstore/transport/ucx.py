@@ -50,6 +50,9 @@ UCX_DEFAULTS = {
     "UCXPY_PROGRESS_MODE": "blocking",
     # a restarted node rebinds its ucx port while old connections sit in TIME_WAIT (else UCXXBusyError)
     "UCX_TCP_CM_REUSEADDR": "y",
+    # a host reaching its peers through a Linux bridge (containers, `kvpool up --netns`): UCX skips bridge
+    # interfaces by default and then finds no route ("Destination is unreachable")
+    "UCX_TCP_BRIDGE_ENABLE": "y",
 }
 
 _ucxx: ModuleType | None = None
@@ -70,9 +73,36 @@ def load_ucxx() -> ModuleType:
     except Exception as exc:  # ImportError, OSError for missing shared libraries
         _error = f"ucxx is not usable here: {type(exc).__name__}: {exc}"
         raise TransportUnavailableError(_error) from exc
+    _rearm_after_events()
     ucxx.init(progress_mode="blocking")
     _ucxx = ucxx
     return ucxx
+
+
+def _rearm_after_events() -> None:
+    """Make ucxx's blocking progress mode go back to sleep after an event.
+
+    Why: in ucxx (0.4x), ``BlockingMode._fd_reader_callback`` progresses the worker but never re-arms it
+    (ucx-py's original scheduled a new arm task there). Once the first event has arrived the worker's epoll
+    fd stays readable, so asyncio calls the callback on every loop turn: each process with a ucx endpoint
+    then burns a core polling (measured: ~50 % CPU per idle node and worker on a 2-core box), and everything
+    else on the machine — the model, the other transports — slows by as much. This restores the re-arm:
+    after progressing, an arm task is scheduled; it arms the worker once the loop's other ready tasks ran.
+    """
+    from ucxx._lib_async import continuous_ucx_progress as progress
+
+    blocking = progress.BlockingMode
+    if getattr(blocking, "_kvpool_rearms", False):
+        return
+
+    def fd_reader_callback(self) -> None:  # type: ignore[no-untyped-def]
+        self.worker.progress()
+        task = self.arm_task
+        if task is None or task.done():
+            self.arm_task = self.event_loop.create_task(self._arm_worker())
+
+    blocking._fd_reader_callback = fd_reader_callback
+    blocking._kvpool_rearms = True
 
 
 def ucx_available() -> bool:
