@@ -29,7 +29,7 @@ from kvpool.kvstore.protocol.data_frame import (
     encode_control,
     error_frame,
 )
-from kvpool.kvstore.transport.ucx import load_ucxx
+from kvpool.kvstore.transport.ucx import load_ucxx, until_message
 from kvpool.proto import node_pb2
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class UcxDataServer:
         try:
             while True:
                 try:
-                    await ep.recv(ctrl)  # idle wait: no deadline; a closed peer raises
+                    await until_message(ep)  # idle wait without ucxx's poll loop
+                    await ep.recv(ctrl)  # no deadline; a closed peer raises
                 except Exception:
                     return
                 try:

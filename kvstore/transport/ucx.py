@@ -105,6 +105,48 @@ def _rearm_after_events() -> None:
     blocking._kvpool_rearms = True
 
 
+IDLE_HOT_S = 0.002  # keep yielding this long after the last message (a burst's next frame is close behind)
+IDLE_MAX_SLEEP_S = 0.001  # then sleep, doubling from 50 µs up to this, between probes
+
+
+async def until_message(ep) -> None:  # type: ignore[no-untyped-def]
+    """Return once a message for ``ep`` is queued on the worker, or the endpoint has failed.
+
+    Why: in blocking mode ucxx waits for a receive by yielding to the event loop until it completes
+    (``UCXRequest.wait_yield``), so a node that keeps a receive posted on every idle connection turns one
+    core per process into a poll loop (measured: 100 % CPU per idle node on a 2-core box, which then
+    steals that core from the model and the other transports). This waits with a probe instead: hot for
+    ``IDLE_HOT_S``, then sleeping up to ``IDLE_MAX_SLEEP_S`` between probes; the receive posted after it
+    completes at once. If ucxx's internals differ from what this expects, it returns at once (the old
+    busy wait, never a hang).
+    """
+    try:
+        from ucxx.types import Tag
+
+        worker = ep._ctx.worker
+        tag = ep._tags["msg_recv"]
+        tag = tag if isinstance(tag, Tag) else Tag(tag)
+    except Exception:
+        return
+    loop = asyncio.get_running_loop()
+    hot_until = loop.time() + IDLE_HOT_S
+    sleep = 0.0
+    while True:
+        try:
+            if ep.closed:
+                return
+            ep._ep.raise_on_error()
+            if worker.tag_probe(tag).matched:
+                return
+        except Exception:
+            return  # the receive that follows raises the endpoint's error
+        if loop.time() < hot_until:
+            await asyncio.sleep(0)
+        else:
+            sleep = min(max(sleep * 2, 50e-6), IDLE_MAX_SLEEP_S)
+            await asyncio.sleep(sleep)
+
+
 def ucx_available() -> bool:
     try:
         load_ucxx()
