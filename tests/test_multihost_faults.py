@@ -43,7 +43,7 @@ node_timeout_ms = {NODE_TIMEOUT_MS}
 [store]
 nodes = 2
 capacity = "64MiB"
-transport = "tcp,ucx"
+transport = "tcp,shm,ucx"  # nodes export shm too: nothing in another namespace may use it
 [prefill]
 count = 1
 transport = "{{transport}}"
@@ -162,16 +162,36 @@ def test_every_service_has_its_own_namespace_and_ip_and_no_shm_crosses_them(clus
     cold, cached, _ = cluster.chat(prompt)
     warm, cached2, _ = cluster.chat(prompt)
     assert cached == 0 and cached2 > 0 and warm == cold
-    served = sum(
-        cluster.metric(n, "kvpool_node_transport_bytes_total", f'{{direction="out",transport="{t}"}}')
-        for n in ("node-0", "node-1")
+    served = {
+        t: sum(
+            cluster.metric(n, "kvpool_node_transport_bytes_total", f'{{direction="out",transport="{t}"}}')
+            for n in ("node-0", "node-1")
+        )
         for t in ("tcp", "ucx", "shm")
-    )
-    via_shm = sum(
-        cluster.metric(n, "kvpool_node_transport_bytes_total", '{direction="out",transport="shm"}')
-        for n in ("node-0", "node-1")
-    )
-    assert served > 0 and via_shm == 0
+    }
+    assert served[cluster.transport] > 0 and served["shm"] == 0, served
+
+
+def test_auto_picks_the_network_not_shm_for_a_node_in_another_namespace(cluster: NetnsCluster) -> None:
+    """The nodes export shared memory, but a client in the root namespace is another host to them."""
+    import asyncio
+
+    from kvpool.kvstore.client.async_client import AsyncStoreClient
+
+    async def body() -> dict[str, float]:
+        client = AsyncStoreClient(cluster.service("master")["address"], "auto", rpc_timeout_s=2.0)
+        try:
+            blobs = {os.urandom(16): os.urandom(256 << 10) for _ in range(4)}
+            assert all(r is None for r in await client.batch_put(list(_items(blobs))))
+            for k, v in blobs.items():
+                assert await client.get(k) == v
+            return client.metrics()
+        finally:
+            await client.close()
+
+    metrics = asyncio.run(body())
+    assert metrics.get("bytes_out.tcp", 0) >= 4 * (256 << 10)
+    assert metrics.get("bytes_in.shm", 0) == 0 and metrics.get("bytes_out.shm", 0) == 0
 
 
 def test_a_node_partitioned_mid_get_costs_a_deadline_and_a_recompute_never_a_wrong_token(
