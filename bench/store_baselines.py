@@ -127,7 +127,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def socket_server(max_bytes: int) -> None:
+def socket_server(max_bytes: int, host: str = HOST) -> None:
     """Plain blocking-socket server: receive puts into a preallocated buffer, serve gets from another.
 
     Nothing but ``recv_into``/``sendall`` on a TCP_NODELAY socket: the ceiling any TCP data plane in Python
@@ -138,7 +138,7 @@ def socket_server(max_bytes: int) -> None:
     get_buf = make_payload(max_bytes, PAYLOAD_SEED)
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    lsock.bind((HOST, 0))
+    lsock.bind((host, 0))
     lsock.listen(1)
     lsock.settimeout(60)
     print(json_line({"ready": True, "port": lsock.getsockname()[1]}), flush=True)
@@ -175,9 +175,6 @@ def json_line(obj: dict[str, Any]) -> str:
 
 def section_socket(plan: Plan) -> dict[str, Any]:
     """Plain-socket ceiling: one round trip per object through a blocking TCP socket on loopback."""
-    row = Row(
-        "socket", "plain socket (recv_into)", note="blocking sockets, preallocated buffers, TCP_NODELAY"
-    )
     max_bytes = max(plan.sizes_mb) * MB
     with children() as procs:
         proc = subprocess.Popen(
@@ -185,52 +182,63 @@ def section_socket(plan: Plan) -> dict[str, Any]:
         )
         procs.append(proc)
         port = int(read_json_line(proc, 60, "port")["port"])
-        sock = socket.create_connection((HOST, port), timeout=60)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        ack = bytearray(1)
-        try:
-            for size in plan.sizes_mb:
-                n = size * MB
-                reps = plan.reps_for(size)
-                src = make_payload(n)
-                back = np.zeros(n, dtype=np.uint8)
-
-                def put_prep(i: int, src: np.ndarray = src) -> None:
-                    stamp(src, i)
-
-                def put_op(i: int, n: int = n, src: np.ndarray = src) -> None:
-                    sock.sendall(_HDR.pack(_OP_PUT, n, i))
-                    sock.sendall(memoryview(src))
-                    _recv_exact(sock, memoryview(ack))
-
-                def put_verify(i: int, n: int = n, src: np.ndarray = src, back: np.ndarray = back) -> None:
-                    sock.sendall(_HDR.pack(_OP_HASH, n, i))
-                    _recv_exact(sock, memoryview(back))
-                    check_equal(back, src, "socket put")
-
-                row.put[size] = gbps(n, time_reps(put_op, put_verify, plan.warmup, reps, put_prep))
-
-                want = make_payload(max_bytes, PAYLOAD_SEED)[:n].copy()  # the server's slice of its buffer
-                dst = np.zeros(n, dtype=np.uint8)
-                dview = memoryview(dst)
-
-                def get_prep(i: int, dst: np.ndarray = dst) -> None:
-                    dst[:8] = 0
-                    dst[-8:] = 0
-
-                def get_op(i: int, n: int = n, dview: memoryview = dview) -> None:
-                    sock.sendall(_HDR.pack(_OP_GET, n, i))
-                    _recv_exact(sock, dview)
-
-                def get_verify(i: int, dst: np.ndarray = dst, want: np.ndarray = want) -> None:
-                    stamp(want, i)
-                    check_equal(dst, want, "socket get")
-
-                row.get[size] = gbps(n, time_reps(get_op, get_verify, plan.warmup, reps, get_prep))
-            sock.sendall(_HDR.pack(_OP_QUIT, 0, 0))
-        finally:
-            sock.close()
+        row = measure_socket(plan, HOST, port)
     return {"rows": [row.to_json()]}
+
+
+def measure_socket(plan: Plan, host: str, port: int) -> Row:
+    """Put/get rows of a running ``socket_server`` at ``host:port`` (loopback here; a veth in the
+    multi-host bench), ended with a quit op."""
+    row = Row(
+        "socket", "plain socket (recv_into)", note="blocking sockets, preallocated buffers, TCP_NODELAY"
+    )
+    max_bytes = max(plan.sizes_mb) * MB
+    sock = socket.create_connection((host, port), timeout=60)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = bytearray(1)
+    try:
+        for size in plan.sizes_mb:
+            n = size * MB
+            reps = plan.reps_for(size)
+            src = make_payload(n)
+            back = np.zeros(n, dtype=np.uint8)
+
+            def put_prep(i: int, src: np.ndarray = src) -> None:
+                stamp(src, i)
+
+            def put_op(i: int, n: int = n, src: np.ndarray = src) -> None:
+                sock.sendall(_HDR.pack(_OP_PUT, n, i))
+                sock.sendall(memoryview(src))
+                _recv_exact(sock, memoryview(ack))
+
+            def put_verify(i: int, n: int = n, src: np.ndarray = src, back: np.ndarray = back) -> None:
+                sock.sendall(_HDR.pack(_OP_HASH, n, i))
+                _recv_exact(sock, memoryview(back))
+                check_equal(back, src, "socket put")
+
+            row.put[size] = gbps(n, time_reps(put_op, put_verify, plan.warmup, reps, put_prep))
+
+            want = make_payload(max_bytes, PAYLOAD_SEED)[:n].copy()  # the server's slice of its buffer
+            dst = np.zeros(n, dtype=np.uint8)
+            dview = memoryview(dst)
+
+            def get_prep(i: int, dst: np.ndarray = dst) -> None:
+                dst[:8] = 0
+                dst[-8:] = 0
+
+            def get_op(i: int, n: int = n, dview: memoryview = dview) -> None:
+                sock.sendall(_HDR.pack(_OP_GET, n, i))
+                _recv_exact(sock, dview)
+
+            def get_verify(i: int, dst: np.ndarray = dst, want: np.ndarray = want) -> None:
+                stamp(want, i)
+                check_equal(dst, want, "socket get")
+
+            row.get[size] = gbps(n, time_reps(get_op, get_verify, plan.warmup, reps, get_prep))
+        sock.sendall(_HDR.pack(_OP_QUIT, 0, 0))
+    finally:
+        sock.close()
+    return row
 
 
 # ---------------------------------------------------------------------------------------------- Redis
@@ -448,6 +456,6 @@ def _segment_bytes(plan: Plan) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "socket-server":
-        socket_server(int(sys.argv[2]))
+        socket_server(int(sys.argv[2]), *sys.argv[3:4])
     else:
-        sys.exit("usage: store_baselines.py socket-server MAX_BYTES")
+        sys.exit("usage: store_baselines.py socket-server MAX_BYTES [HOST]")
