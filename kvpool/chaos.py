@@ -70,7 +70,7 @@ class ChaosTarget:
             )
         netfaults.write_delay(self.delay_control, host.ip, delay_ms, jitter_ms)
 
-    def signal(self, service: str, sig: signal.Signals) -> None:
+    def send_signal(self, service: str, sig: signal.Signals) -> None:
         if service not in self.pids:
             raise ChaosError(f"no service {service!r} (have: {', '.join(sorted(self.pids))})")
         try:
@@ -125,7 +125,7 @@ def apply(args: argparse.Namespace) -> str:
         elif args.action == "delay":
             target.delay(args.service, parse_duration_ms(args.amount), parse_duration_ms(args.jitter))
         else:
-            target.signal(args.service, signal.SIGSTOP)
+            target.send_signal(args.service, signal.SIGSTOP)
     except ValueError as exc:
         raise ChaosError(str(exc)) from exc
     return f"{args.action} {args.service} {args.amount or ''}".rstrip()

@@ -31,16 +31,33 @@ class NetnsError(RuntimeError):
     """A namespace could not be created, shaped or torn down (the failing command and its stderr)."""
 
 
+def tool_path(name: str) -> str:
+    """Full path of a system tool: ``PATH`` first, then the sbin directories a non-login root shell (CI,
+    sudo with a reset PATH) may lack."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for folder in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"):
+        candidate = os.path.join(folder, name)
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return name
+
+
 def run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run one ``ip``/``tc``/``iptables`` command; ``NetnsError`` with its stderr when it fails."""
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    argv = [tool_path(argv[0]), *argv[1:]]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as exc:
+        raise NetnsError(f"`{argv[0]}` is not installed (scripts/sysdeps.sh installs it)") from exc
     if check and proc.returncode != 0:
         raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
 
 
 def in_ns(netns: str, argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return run(["ip", "netns", "exec", netns, *argv], check=check)
+    return run(["ip", "netns", "exec", netns, tool_path(argv[0]), *argv[1:]], check=check)
 
 
 def check_can_create() -> None:
@@ -48,7 +65,7 @@ def check_can_create() -> None:
     if os.geteuid() != 0:
         raise NetnsError("network namespaces need root (run as root, or without --netns)")
     for tool in ("ip", "tc", "iptables"):
-        if shutil.which(tool) is None:
+        if not os.path.isabs(tool_path(tool)):
             raise NetnsError(f"`{tool}` is not installed (scripts/sysdeps.sh installs it)")
 
 
@@ -147,7 +164,7 @@ class Host:
     veth: str
 
     def exec_prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.netns]
+        return [tool_path("ip"), "netns", "exec", self.netns]
 
 
 @dataclass

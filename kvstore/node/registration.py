@@ -5,6 +5,11 @@ restarted master must get the node's objects back). A heartbeat reply with ``rer
 restarted and does not know this node) triggers a fresh RegisterNode carrying the inventory, which is how the
 index is rebuilt without any data moving. Every call has a deadline; an unreachable master never blocks
 the data plane.
+
+A heartbeat waits at most two intervals (at least 1 s): longer than that the master has stopped counting it
+anyway. After a heartbeat that timed out the node opens a new channel: a partition leaves the old TCP
+connection in exponential retransmission backoff (seconds by the time the link heals), while a new
+connection's handshake goes out at once, so a healed node is back in the index within about one heartbeat.
 """
 
 from __future__ import annotations
@@ -75,13 +80,26 @@ class MasterRegistration:
                         ssd_used_bytes=self.store.ssd_used,
                         fragmentation=alloc.fragmentation,
                     ),
-                    timeout=CALL_TIMEOUT_S,
+                    timeout=self.heartbeat_timeout_s,
                 )
                 if reply.reregister:
                     await self.register()
             except grpc.aio.AioRpcError as exc:
                 self.store.count("heartbeat_failures")
                 log.debug("heartbeat to %s failed: %s", self.address, exc.code().name)
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await self._new_channel()
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return min(max(2 * self.heartbeat_interval_s, 1.0), CALL_TIMEOUT_S)
+
+    async def _new_channel(self) -> None:
+        old = self._channel
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._stub = master_pb2_grpc.MasterStub(self._channel)
+        self.store.count("master_reconnects")
+        await old.close(grace=None)
 
     async def close(self) -> None:
         if self._task:

@@ -29,7 +29,7 @@ from kvpool.kvstore.protocol.data_frame import (
     encode_control,
     error_frame,
 )
-from kvpool.kvstore.transport.ucx import load_ucxx, until_message
+from kvpool.kvstore.transport.ucx import abort_endpoint, load_ucxx, until_message
 from kvpool.proto import node_pb2
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,7 @@ class UcxDataServer:
         except Exception as exc:
             log.debug("ucx endpoint closed: %s", exc)
         finally:
-            with contextlib.suppress(Exception):
-                ep.abort()
+            abort_endpoint(ep)
             if task is not None:
                 self._handlers.discard(task)
 
@@ -128,7 +127,7 @@ class UcxDataServer:
                 await ep.recv(np.frombuffer(self.store.pool.view(pending.extent), np.uint8))
         except BaseException:
             with contextlib.suppress(Exception):
-                ep.abort()  # no late write into the extent once it is freed
+                abort_endpoint(ep)  # no late write into the extent once it is freed
             self.store.abort_put(pending)
             raise
         try:
@@ -162,7 +161,7 @@ class UcxDataServer:
                 await ep.send(np.frombuffer(data, np.uint8))
         except BaseException:
             with contextlib.suppress(Exception):
-                ep.abort()  # the extent may be freed after release: stop any in-flight send first
+                abort_endpoint(ep)  # the extent may be freed after release: stop any in-flight send first
             raise
         finally:
             self.store.release(obj)

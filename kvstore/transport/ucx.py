@@ -155,6 +155,16 @@ def ucx_available() -> bool:
     return True
 
 
+HANDSHAKE_UNBOUNDED_S = 1e9  # ucxx's own handshake timeout: never (see UcxTransport._connect)
+
+
+def _abort_when_connected(task: asyncio.Task) -> None:
+    """Done-callback of an abandoned connect: close the endpoint it produced (errors are already moot)."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    abort_endpoint(task.result())
+
+
 # --- client side ------------------------------------------------------------------------------------------
 class UcxTransport(Transport):
     """ucxx tag send/recv to the node's ucxx listener; one request at a time per pooled endpoint.
@@ -172,6 +182,7 @@ class UcxTransport(Transport):
         self._idle: dict[tuple[str, int], list[object]] = {}
         self._max_idle = max_endpoints_per_peer
         self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self._connecting: set[asyncio.Task] = set()  # handshakes in flight, abandoned ones included
 
     async def _acquire(
         self, node: common_pb2.NodeEndpoint, fresh: bool = False
@@ -184,24 +195,38 @@ class UcxTransport(Transport):
         idle = self._idle.get(addr)
         if idle and not fresh:
             return addr, idle.pop(), True
+        connect = self._connect(ucxx, node.host, node.ucx_port)
+        where = f"ucx connect to {node.host}:{node.ucx_port}"
         try:
-            ep = await with_deadline(
-                ucxx.create_endpoint(node.host, node.ucx_port, connect_timeout=self.deadlines.connect_s),
-                self.deadlines.connect_s + 1.0,
-                f"ucx connect to {node.host}:{node.ucx_port}",
-            )
-        except StoreError:
-            raise
-        except Exception as exc:
-            raise StoreUnavailableError(f"ucx connect to {node.host}:{node.ucx_port}: {exc}") from exc
+            ep = await with_deadline(asyncio.shield(connect), self.deadlines.connect_s, where)
+        except BaseException as exc:
+            connect.add_done_callback(_abort_when_connected)  # finishes in the background, then closes
+            if isinstance(exc, StoreError | asyncio.CancelledError) or not isinstance(exc, Exception):
+                raise
+            raise StoreUnavailableError(f"{where}: {exc}") from exc
         return addr, ep, False
+
+    def _connect(self, ucxx: ModuleType, host: str, port: int) -> asyncio.Task:
+        """``create_endpoint`` as a task that is never cancelled and never times out inside ucxx.
+
+        Why: ucxx's handshake receives the peer's info into a 16-byte ``bytearray`` (Python's small-object
+        heap) and, when its own ``connect_timeout`` fires or the call is cancelled, returns with that receive
+        still posted. A peer that was only frozen or partitioned answers later, UCX writes 16 bytes into
+        freed interpreter memory and the process dies in ``malloc`` (seen: a prefill worker, SIGSEGV, after
+        ``kvpool chaos freeze node-0`` then ``heal``). So the caller's deadline waits on a shield, and an
+        abandoned connect runs to its end in the background and is then closed (``_abort_when_connected``).
+        """
+        task = asyncio.ensure_future(ucxx.create_endpoint(host, port, connect_timeout=HANDSHAKE_UNBOUNDED_S))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+        return task
 
     def _release(self, addr: tuple[str, int], ep: object, ok: bool) -> None:
         idle = self._idle.setdefault(addr, [])
         if ok and len(idle) < self._max_idle:
             idle.append(ep)
         else:
-            _abort(ep)
+            abort_endpoint(ep)
 
     async def _exchange(self, node: common_pb2.NodeEndpoint, size: int, body) -> int:  # type: ignore[no-untyped-def]
         """Run ``body(ep)`` on a pooled endpoint; at most ``max_endpoints_per_peer`` run at once per node, so
@@ -235,7 +260,7 @@ class UcxTransport(Transport):
                     continue
                 raise StoreUnavailableError(f"ucx transfer with {addr[0]}:{addr[1]} failed: {exc}") from exc
             finally:
-                self._release(addr, ep, ok)
+                self._release(addr, ep, ok)  # a failed endpoint is aborted: ucxx cancels its posted receives
         raise AssertionError("unreachable")
 
     async def put(
@@ -295,11 +320,18 @@ class UcxTransport(Transport):
     async def close(self) -> None:
         for idle in self._idle.values():
             for ep in idle:
-                _abort(ep)
+                abort_endpoint(ep)
         self._idle.clear()
         self._slots.clear()
 
 
-def _abort(ep: object) -> None:
+# How long closing an endpoint may hold the event loop. ucxx's default is 10 s per phase, and with a peer that
+# is frozen or partitioned the close waits all of it, in the loop's thread: every other request of the
+# process (and its gRPC health answer) stalls behind one dead peer.
+ABORT_PERIOD_NS = 100_000_000
+
+
+def abort_endpoint(ep: object) -> None:
+    """Close ``ep`` at once, waiting at most ``ABORT_PERIOD_NS`` for the peer; never raises."""
     with contextlib.suppress(Exception):
-        ep.abort()  # type: ignore[attr-defined]
+        ep.abort(period=ABORT_PERIOD_NS)  # type: ignore[attr-defined]
