@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from kvpool.runtime.spawn import pid_alive
 from kvpool.up_config import runs_root
 
 
@@ -17,16 +17,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     st.add_argument("--state", type=Path, default=None, help="state.json (default: the current run)")
     st.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     st.set_defaults(func=run_status)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _grpc_serving(address: str) -> bool:
@@ -43,7 +33,7 @@ def _grpc_serving(address: str) -> bool:
 
 def service_health(svc: dict) -> str:
     """``down`` (no process), ``up`` (answers its health check), ``unhealthy``."""
-    if not _alive(int(svc["pid"])):
+    if not pid_alive(int(svc["pid"])):
         return "down"
     if svc["role"] == "gateway":
         import httpx

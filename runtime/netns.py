@@ -20,6 +20,8 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
 
+from kvpool.runtime.spawn import pid_alive
+
 NS_PREFIX = "kvp"
 BRIDGE_PREFIX = "kvb"
 VETH_PREFIX = "kvv"
@@ -69,16 +71,6 @@ def check_can_create() -> None:
             raise NetnsError(f"`{tool}` is not installed (scripts/sysdeps.sh installs it)")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Delete namespaces, bridges and veths of ours whose launcher pid is gone; returns what was removed."""
     removed: list[str] = []
@@ -86,12 +78,12 @@ def sweep_stale() -> list[str]:
     for line in listing.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = re.fullmatch(rf"{NS_PREFIX}(\d+)-.+", name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             run(["ip", "netns", "del", name], check=False)
             removed.append(name)
     links = run(["ip", "-o", "link", "show"], check=False).stdout
     for m in re.finditer(rf"^\d+: ((?:{BRIDGE_PREFIX}|{VETH_PREFIX})(\d+)\w*)[@:]", links, re.M):
-        if not _pid_alive(int(m.group(2))):
+        if not pid_alive(int(m.group(2))):
             run(["ip", "link", "del", m.group(1)], check=False)
             removed.append(m.group(1))
     return removed

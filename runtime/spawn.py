@@ -83,6 +83,17 @@ class Child:
         return self.log()[-n:]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _child_setup_fn() -> Callable[[], None]:
     """What runs in the child between fork and exec: own session, and SIGTERM when the launcher dies.
 

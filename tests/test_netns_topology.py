@@ -18,6 +18,7 @@ from kvpool.runtime import netfaults
 from kvpool.runtime.netns import (
     BRIDGE_PREFIX,
     NS_PREFIX,
+    Host,
     LinkSpec,
     Topology,
     run,
@@ -168,6 +169,17 @@ while True:
 """
 
 
+def _start_echo(host: Host, port: int) -> subprocess.Popen:
+    """A byte-echo server in ``host``'s namespace, returned once it listens."""
+    echo = subprocess.Popen(
+        [*host.exec_prefix(), sys.executable, "-c", _BYTE_ECHO.format(ip=host.ip, port=port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
+    return echo
+
+
 def test_the_relay_adds_both_links_delays_and_follows_changes_live(topo: Topology, tmp_path: Path) -> None:
     a, b = topo.add_host("a"), topo.add_host("b")
     control = tmp_path / "delays.json"
@@ -175,14 +187,9 @@ def test_the_relay_adds_both_links_delays_and_follows_changes_live(topo: Topolog
     netfaults.write_delay(control, b.ip, 10.0)
     relay = start("relay", ["kvpool.runtime.netrelay", "--control", str(control), "--self-ip", a.ip],
                   tmp_path / "relay.log", prefix=a.exec_prefix())  # fmt: skip
-    echo = subprocess.Popen(
-        [*b.exec_prefix(), sys.executable, "-c", _BYTE_ECHO.format(ip=b.ip, port=7008)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    echo = _start_echo(b, 7008)
     try:
         wait_ready(relay, 30)
-        assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
         bare = _rtt_ms(a.exec_prefix(), b.ip, 7008)
         netfaults.install_redirect(a, int(relay.ready["port"]))
         delayed = _rtt_ms(a.exec_prefix(), b.ip, 7008)
@@ -200,13 +207,8 @@ def test_partition_drops_silently_loss_drops_some_and_heal_restores(topo: Topolo
     a, b = topo.add_host("a"), topo.add_host("b")
     for h in (a, b):
         netfaults.install_chains(h)
-    echo = subprocess.Popen(
-        [*b.exec_prefix(), sys.executable, "-c", _BYTE_ECHO.format(ip=b.ip, port=7009)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    echo = _start_echo(b, 7009)
     try:
-        assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
         connect = (
             "import socket,time\nt=time.monotonic()\n"
             f"try:\n    socket.create_connection(('{b.ip}',7009),timeout=1.0); print('ok')\n"
@@ -237,13 +239,8 @@ def test_partition_drops_silently_loss_drops_some_and_heal_restores(topo: Topolo
 def test_a_frozen_peer_keeps_its_link_up(topo: Topology) -> None:
     """SIGSTOP leaves the kernel answering the handshake: the half-open case the deadlines must bound."""
     b = topo.add_host("b")
-    echo = subprocess.Popen(
-        [*b.exec_prefix(), sys.executable, "-c", _BYTE_ECHO.format(ip=b.ip, port=7010)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    echo = _start_echo(b, 7010)
     try:
-        assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
         os.kill(echo.pid, 19)  # SIGSTOP
         sock = socket.create_connection((b.ip, 7010), timeout=2)  # from the root namespace, via the bridge
         sock.settimeout(0.5)
