@@ -61,6 +61,7 @@ def run_status(args: argparse.Namespace) -> int:
             "address": s["address"],
             "metrics": s.get("metrics"),
             "health": service_health(s),
+            "netns": s.get("netns"),
             "log": s["log"],
         }
         for s in state["services"]
@@ -74,6 +75,6 @@ def run_status(args: argparse.Namespace) -> int:
         for r in rows:
             print(
                 f"  {r['name']:<10} {r['role']:<8} pid {r['pid']:<8} {r['address']:<22} {r['health']:<10} "
-                f"{r['metrics'] or '-'}"
+                f"{r['metrics'] or '-'}" + (f"  netns {r['netns']}" if r["netns"] else "")
             )
     return 0 if all(r["health"] == "up" for r in rows) else 3

@@ -159,6 +159,13 @@ def test_every_service_has_its_own_namespace_and_ip_and_no_shm_crosses_them(clus
     assert len({s["netns"] for s in isolated}) == len(isolated) == 5
     assert len({s["ip"] for s in isolated}) == 5 and all(s["ip"].startswith("10.") for s in isolated)
     assert services["gateway"]["netns"] is None and cluster.url.startswith("http://127.0.0.1:")
+    status = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli", "status", "--json", "--state", str(cluster.state_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stdout + status.stderr  # every service answers across the bridge
+    shown = {s["name"]: s["netns"] for s in json.loads(status.stdout)["services"]}
+    assert shown == {name: s["netns"] for name, s in services.items()}
     prompt = _prompt("layout")
     cold, cached, _ = cluster.chat(prompt)
     warm, cached2, _ = cluster.chat(prompt)
