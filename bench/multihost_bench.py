@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpool.workloads.progress import StepProgress
-from store_common import MB, Plan, Row
+from store_common import MB, Plan, Row, children, read_json_line
 
 HERE = Path(__file__).resolve()
 TTFT_HITS = (0.0, 0.5, 0.9)
@@ -61,45 +61,41 @@ def section_store(plan: Plan) -> dict[str, Any]:
     from store_ours import _capacity_for
 
     topo = Topology.create()
-    children = []
     try:
-        hosts = {name: topo.add_host(name) for name in ("master", "node", "client")}
-        logs = Path(tempfile.mkdtemp(prefix="multihost-bench-"))
-        master = start("master", ["kvpool.kvstore.master.cli", "--host", hosts["master"].ip, "--port", "0"],
-                       logs / "master.log", prefix=hosts["master"].exec_prefix())  # fmt: skip
-        children.append(master)
-        wait_ready(master, 60)
-        master_addr = f"{hosts['master'].ip}:{master.ready['port']}"
-        node = start(
-            "node",
-            ["kvpool.kvstore.cli", "node", "--master", master_addr, "--host", hosts["node"].ip,
-             "--capacity", str(_capacity_for(plan)), "--transport", "tcp,ucx"],
-            logs / "node.log",
-            prefix=hosts["node"].exec_prefix(),
-        )  # fmt: skip
-        children.append(node)
-        wait_ready(node, 60)
-        max_bytes = max(plan.sizes_mb) * MB
-        sink = subprocess.Popen(
-            [*hosts["node"].exec_prefix(), sys.executable, str(HERE.parent / "store_baselines.py"),
-             "socket-server", str(max_bytes), hosts["node"].ip],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        line = sink.stdout.readline() if sink.stdout else ""
-        sink_port = json.loads(line)["port"]
-        client = subprocess.run(
-            [*hosts["client"].exec_prefix(), sys.executable, str(HERE), "client",
-             "--master", master_addr, "--socket", f"{hosts['node'].ip}:{sink_port}",
-             "--plan", json.dumps(plan.to_json())],
-            capture_output=True, text=True, timeout=1800,
-        )  # fmt: skip
-        sink.kill()
-        if client.returncode != 0:
-            raise RuntimeError(f"client namespace failed: {client.stderr[-2000:]}")
-        return json.loads(client.stdout.strip().splitlines()[-1])
+        with children() as procs:  # every server stopped on the way out, whatever happened
+            hosts = {name: topo.add_host(name) for name in ("master", "node", "client")}
+            logs = Path(tempfile.mkdtemp(prefix="multihost-bench-"))
+            master_argv = ["kvpool.kvstore.master.cli", "--host", hosts["master"].ip, "--port", "0"]
+            master = start("master", master_argv, logs / "master.log", prefix=hosts["master"].exec_prefix())
+            procs.append(master.popen)
+            wait_ready(master, 60)
+            master_addr = f"{hosts['master'].ip}:{master.ready['port']}"
+            node = start(
+                "node",
+                ["kvpool.kvstore.cli", "node", "--master", master_addr, "--host", hosts["node"].ip,
+                 "--capacity", str(_capacity_for(plan)), "--transport", "tcp,ucx"],
+                logs / "node.log",
+                prefix=hosts["node"].exec_prefix(),
+            )  # fmt: skip
+            procs.append(node.popen)
+            wait_ready(node, 60)
+            sink = subprocess.Popen(
+                [*hosts["node"].exec_prefix(), sys.executable, str(HERE.parent / "store_baselines.py"),
+                 "socket-server", str(max(plan.sizes_mb) * MB), hosts["node"].ip],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            procs.append(sink)
+            sink_port = read_json_line(sink, 60, "port")["port"]
+            client = subprocess.run(
+                [*hosts["client"].exec_prefix(), sys.executable, str(HERE), "client",
+                 "--master", master_addr, "--socket", f"{hosts['node'].ip}:{sink_port}",
+                 "--plan", json.dumps(plan.to_json())],
+                capture_output=True, text=True, timeout=1800,
+            )  # fmt: skip
+            if client.returncode != 0:
+                raise RuntimeError(f"client namespace failed: {client.stderr[-2000:]}")
+            return json.loads(client.stdout.strip().splitlines()[-1])
     finally:
-        for c in children:
-            c.kill()
         topo.destroy()
 
 

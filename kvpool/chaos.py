@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from kvpool.runtime import netfaults
-from kvpool.runtime.netns import Host, NetnsError, parse_duration_ms, parse_percent
+from kvpool.runtime.netns import Host, LinkSpec, NetnsError, Topology, parse_duration_ms, parse_percent
 from kvpool.up_config import runs_root
 
 
@@ -42,9 +42,8 @@ class ChaosTarget:
             raise ChaosError(
                 f"{state_path}: this cluster was not started with --netns; links cannot be faulted"
             )
-        self.hosts = {name: Host(**h) for name, h in netns["topology"]["hosts"].items()}
-        self.link = netns["link"]
-        self.relays = netns.get("relays", {})
+        self.hosts = Topology.from_dict(netns["topology"]).hosts
+        self.link = LinkSpec(**netns["link"])
         control = netns.get("delay_control")
         self.delay_control = Path(control) if control else None
         self.pids = {s["name"]: int(s["pid"]) for s in self.state.get("services", [])}
@@ -81,14 +80,10 @@ class ChaosTarget:
     def heal(self, service: str | None = None) -> None:
         """Partitions and loss off, delay back to the baseline, frozen processes resumed."""
         for name in [service] if service else sorted(self.hosts):
-            netfaults.heal(self.host(name), float(self.link.get("loss_pct", 0.0)))
+            host = self.host(name)
+            netfaults.heal(host, self.link.loss_pct)
             if self.delay_control is not None:
-                netfaults.write_delay(
-                    self.delay_control,
-                    self.hosts[name].ip,
-                    float(self.link.get("delay_ms", 0.0)),
-                    float(self.link.get("jitter_ms", 0.0)),
-                )
+                netfaults.write_delay(self.delay_control, host.ip, self.link.delay_ms, self.link.jitter_ms)
             if name in self.pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pids[name], signal.SIGCONT)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.placement import LoopbackPlacement, NetnsPlacement, make_placement
+from kvpool.placement import LoopbackPlacement, NetnsPlacement, Placed, make_placement
 from kvpool.runtime.spawn import Child, LaunchError, wait_ready
 from kvpool.runtime.spawn import start as spawn_start
 from kvpool.service_argv import master_argv, node_argv, worker_argv
@@ -111,8 +111,8 @@ class Cluster:
         """Start one service; ``isolated`` services get their own namespace under ``--netns`` (and bind its
         IP), the others (the gateway, test helpers) stay in the launcher's namespace."""
         log_path = self.run_dir / f"{name}.log"
-        placed = self.placement.place(name) if isolated else LoopbackPlacement().place(name)
-        if isolated and placed.netns:
+        placed = self.placement.place(name) if isolated else Placed()
+        if placed.netns:
             argv = [*argv, "--host", placed.host]
         svc = spawn_start(
             name, argv, log_path, own_session=True, child_type=Service, role=role,

@@ -13,7 +13,6 @@ Everything here shells out to ``ip`` / ``tc`` / ``iptables`` (root only); a fail
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -241,10 +240,3 @@ def _free_subnet(tag: int) -> str:
         if f"{SUBNET_BASE}.{k}." not in routes:
             return subnet
     raise NetnsError(f"no free {SUBNET_BASE}.k.0/24 subnet on this box")
-
-
-def ns_of_pid(pid: int) -> str | None:
-    """The network-namespace identity of ``pid`` (``net:[inode]``), or None."""
-    with contextlib.suppress(OSError):
-        return os.readlink(f"/proc/{pid}/ns/net")
-    return None

@@ -93,10 +93,7 @@ class Pair:
         if not self._closed.is_set():
             self._closed.set()
             for s in self.socks:
-                with contextlib.suppress(OSError):
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
-                with contextlib.suppress(OSError):
-                    s.close()
+                reset(s)
 
     def _read(self, src: socket.socket, q: queue.Queue[tuple[float, bytes | None]]) -> None:
         last = 0.0
@@ -128,6 +125,14 @@ class Pair:
             self.close()
 
 
+def reset(sock: socket.socket) -> None:
+    """Close with a RST (zero linger), as a dying peer's kernel would; never raises."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
 def original_destination(sock: socket.socket) -> tuple[str, int]:
     raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
     port, addr = struct.unpack("!2xH4s8x", raw)
@@ -149,9 +154,7 @@ def _open(client: socket.socket, control: DelayControl) -> None:
         upstream.connect(dest)
         upstream.settimeout(None)
     except OSError:
-        with contextlib.suppress(OSError):
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            client.close()
+        reset(client)
         return
     for s in (client, upstream):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -126,8 +126,7 @@ class UcxDataServer:
             if pending.meta.size:
                 await ep.recv(np.frombuffer(self.store.pool.view(pending.extent), np.uint8))
         except BaseException:
-            with contextlib.suppress(Exception):
-                abort_endpoint(ep)  # no late write into the extent once it is freed
+            abort_endpoint(ep)  # no late write into the extent once it is freed
             self.store.abort_put(pending)
             raise
         try:
@@ -160,8 +159,7 @@ class UcxDataServer:
             if len(data):
                 await ep.send(np.frombuffer(data, np.uint8))
         except BaseException:
-            with contextlib.suppress(Exception):
-                abort_endpoint(ep)  # the extent may be freed after release: stop any in-flight send first
+            abort_endpoint(ep)  # the extent may be freed after release: stop any in-flight send first
             raise
         finally:
             self.store.release(obj)

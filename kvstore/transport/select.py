@@ -2,9 +2,9 @@
 
 ``auto``: shm when the node is on this host (same ``host_id``) and exports its pool; else ucx when the node
 runs a ucx listener, ucxx imports here *and* this machine has an RDMA device; else tcp. Without RDMA, UCX
-moves bytes over TCP sockets itself and, under the store's load, stalls in 8 ms steps (measured at 0.18 /
-0.37 GB/s put/get against tcp's 1.27 / 1.53 at 4 MB): ``auto`` then prefers our tcp and logs it once. An
-explicit ``--transport ucx`` still uses ucx. The decision is made once per node and cached.
+moves bytes over TCP sockets itself: it only re-implements our tcp path, with its own failure modes (stalls
+in 8 ms steps under load, docs/measurements/store_data_plane.md), so ``auto`` prefers our tcp and logs it
+once. An explicit ``--transport ucx`` still uses ucx. The decision is made once per node and cached.
 An explicit ``tcp`` / ``shm`` / ``ucx`` that cannot reach a node raises ``TransportUnavailableError`` — a
 silent fallback would hide a misconfiguration behind a slower path (Mooncake issues #553, #1259).
 """
@@ -101,7 +101,9 @@ class TransportSelector:
                 name = next((n for n in order if self._usable(n, node) is None), None)
                 if name == "tcp" and not self.rdma and not self._told_no_rdma and node.ucx_port:
                     self._told_no_rdma = True
-                    log.info("transport auto: no RDMA device here: tcp rather than ucx (ucx over TCP stalls)")
+                    log.info(
+                        "transport auto: no RDMA device here: tcp rather than ucx (ucx would run over TCP)"
+                    )
                 if name is None:
                     raise TransportUnavailableError(f"no transport reaches node {node.node_id}")
             else:

@@ -201,9 +201,9 @@ class UcxTransport(Transport):
             ep = await with_deadline(asyncio.shield(connect), self.deadlines.connect_s, where)
         except BaseException as exc:
             connect.add_done_callback(_abort_when_connected)  # finishes in the background, then closes
-            if isinstance(exc, StoreError | asyncio.CancelledError) or not isinstance(exc, Exception):
-                raise
-            raise StoreUnavailableError(f"{where}: {exc}") from exc
+            if isinstance(exc, Exception) and not isinstance(exc, StoreError):  # ucxx's own error
+                raise StoreUnavailableError(f"{where}: {exc}") from exc
+            raise
         return addr, ep, False
 
     def _connect(self, ucxx: ModuleType, host: str, port: int) -> asyncio.Task:
