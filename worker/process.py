@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from kvpool.kvstore.client.async_client import AsyncStoreClient
+from kvpool.kvstore.client.core import RPC_SHARE_OF_BUDGET
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import load_tokenizer
@@ -75,12 +76,6 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING", help="Python log level of the worker")
 
 
-# A store call's own deadline is this share of --store-timeout, the request's safety net around it: the
-# call's deadline then fires first, so the client sees a silent master as a timeout (and opens its breaker,
-# kvstore/client/master_link.py) instead of a cancellation it cannot tell from a client going away.
-RPC_SHARE = 0.8
-
-
 @dataclass
 class Runtime:
     model: HybridModel
@@ -99,7 +94,9 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     store = (
         None
         if args.no_store
-        else AsyncStoreClient(args.master, args.transport, rpc_timeout_s=RPC_SHARE * args.store_timeout)
+        else AsyncStoreClient(
+            args.master, args.transport, rpc_timeout_s=RPC_SHARE_OF_BUDGET * args.store_timeout
+        )
     )
     return Runtime(model, store, tokenizer)
 

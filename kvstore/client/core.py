@@ -23,6 +23,11 @@ from kvpool.kvstore.transport.select import TransportSelector
 from kvpool.proto import common_pb2, master_pb2
 
 LOCATION_CACHE = 16_384  # keys whose last known location is remembered for direct reads (<1 KB each)
+# A caller that wraps store calls in its own time budget (a worker's --store-timeout, the sync client's
+# deadline_s) gives each master call this share of it: the call's own deadline then fires first, so the
+# master link sees a silent master as a timeout and opens its breaker (master_link.py), instead of a
+# cancellation it cannot tell from a caller going away.
+RPC_SHARE_OF_BUDGET = 0.8
 T = TypeVar("T")
 
 

@@ -15,6 +15,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvpool.kvstore.client.async_client import AsyncStoreClient
+from kvpool.kvstore.client.core import RPC_SHARE_OF_BUDGET
 from kvpool.kvstore.client.records import PutItem
 from kvpool.kvstore.errors import (
     StoreError,
@@ -35,13 +36,16 @@ class StoreClient:
 
     ``deadline_s`` bounds every call, transfers included: past it the call is cancelled on the loop and
     raises ``TransportTimeoutError``. Callers inside another engine's step (the vLLM connector) need that
-    guarantee whatever the store does; None leaves each call to the client's own RPC timeouts.
+    guarantee whatever the store does; None leaves each call to the client's own RPC timeouts. With a
+    deadline and no ``rpc_timeout_s`` of their own, master calls get ``RPC_SHARE_OF_BUDGET`` of it.
     """
 
     def __init__(
         self, master: str, transport: str = "auto", deadline_s: float | None = None, **kwargs: Any
     ) -> None:
         self.deadline_s = deadline_s
+        if deadline_s is not None:
+            kwargs.setdefault("rpc_timeout_s", RPC_SHARE_OF_BUDGET * deadline_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvpool-store-client", daemon=True
