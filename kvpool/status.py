@@ -66,6 +66,13 @@ def run_status(args: argparse.Namespace) -> int:
         }
         for s in state["services"]
     ]
+    masters = [r for r in rows if r["role"] == "master"]
+    if len(masters) > 1:  # an HA group: say which one leads
+        from kvpool.ha_cluster import leader_of
+
+        leader = leader_of([r["address"] for r in masters if r["health"] == "up"])
+        for r in masters:
+            r["leader"] = r["address"] == leader
     if args.json:
         print(
             json.dumps({"run_dir": state["run_dir"], "gateway_url": state["gateway_url"], "services": rows})
@@ -75,6 +82,8 @@ def run_status(args: argparse.Namespace) -> int:
         for r in rows:
             print(
                 f"  {r['name']:<10} {r['role']:<8} pid {r['pid']:<8} {r['address']:<22} {r['health']:<10} "
-                f"{r['metrics'] or '-'}" + (f"  netns {r['netns']}" if r["netns"] else "")
+                f"{r['metrics'] or '-'}"
+                + (f"  netns {r['netns']}" if r["netns"] else "")
+                + ({True: "  leader", False: "  standby"}.get(r.get("leader"), ""))
             )
     return 0 if all(r["health"] == "up" for r in rows) else 3

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool import ha_cluster
 from kvpool.placement import LoopbackPlacement, NetnsPlacement, Placed, make_placement
 from kvpool.runtime.spawn import Child, LaunchError, wait_ready
 from kvpool.runtime.spawn import start as spawn_start
@@ -98,12 +99,16 @@ class Cluster:
         *,
         netns: bool = False,
         link: str | None = None,
+        ha: bool = False,
+        etcd_members: int = 1,
     ) -> None:
         self.config = config or load_config()
         self.run_dir = run_dir or runs_root() / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.services: dict[str, Service] = {}
         self.fingerprint: str | None = None
         self._netns, self._link = netns, link
+        self._ha, self._etcd_members = ha, etcd_members
+        self.master_address = ""  # what every client is given: one address, or the HA group's list
         self.placement: LoopbackPlacement | NetnsPlacement = LoopbackPlacement()
 
     # -- processes ---------------------------------------------------------------------------------------
@@ -130,25 +135,28 @@ class Cluster:
         timeout = float(cl.get("ready_timeout_s", 90))
         try:
             self.placement = make_placement(self.run_dir, self._netns, self._link)
-            master = self._spawn(
-                "master",
-                "master",
-                master_argv(
-                    port=int(m.get("port", 0)),
-                    metrics_port=int(m.get("metrics_port", -1)),
-                    policy=m.get("policy", "hybrid"),
-                    heartbeat_ms=int(m.get("heartbeat_ms", 500)),
-                    node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
-                ),
-                isolated=True,
-            )
-            self._wait_ready(master, timeout)
+            if self._ha:
+                if self._netns:
+                    raise LaunchError("--ha runs on loopback only; it cannot be combined with --netns yet")
+                etcd = ha_cluster.start_etcd(self, self._etcd_members, timeout)
+                flags = ha_cluster.master_flags(etcd)
+                masters = [
+                    self._spawn(f"master-{i}", "master", [*self._master_argv(m, i), *flags])
+                    for i in range(ha_cluster.MASTERS)
+                ]
+                for master in masters:
+                    self._wait_ready(master, timeout)
+                ha_cluster.wait_for_leader([s.address for s in masters], timeout)
+            else:
+                masters = [self._spawn("master", "master", self._master_argv(m, 0), isolated=True)]
+                self._wait_ready(masters[0], timeout)
+            master = self.master_address = ",".join(s.address for s in masters)
             nodes = [
                 self._spawn(
                     f"node-{i}",
                     "node",
                     node_argv(
-                        master.address,
+                        master,
                         st["capacity"],
                         st.get("transport", "tcp,shm"),
                         [*self._ssd_args(i), *_metrics_args(st, i)],
@@ -178,9 +186,18 @@ class Cluster:
             raise
         return self
 
-    def _spawn_workers(
-        self, role: str, master: Service, section: dict, role_flags: list[str]
-    ) -> list[Service]:
+    def _master_argv(self, m: dict, i: int) -> list[str]:
+        """Master ``i``'s flags; fixed ports in the config give master i port P + i."""
+        port, metrics = int(m.get("port", 0)), int(m.get("metrics_port", -1))
+        return master_argv(
+            port=port + i if port else 0,
+            metrics_port=metrics + i if metrics > 0 else metrics,
+            policy=m.get("policy", "hybrid"),
+            heartbeat_ms=int(m.get("heartbeat_ms", 500)),
+            node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
+        )
+
+    def _spawn_workers(self, role: str, master: str, section: dict, role_flags: list[str]) -> list[Service]:
         """Start ``section["count"]`` workers of ``role``; all start at once (their torch imports overlap)."""
         cl = self.config["cluster"]
         return [
@@ -189,7 +206,7 @@ class Cluster:
                 role,
                 worker_argv(
                     role,
-                    master.address,
+                    master,
                     model=cl["model"],
                     block_size=int(cl["block_size"]),
                     threads=int(cl.get("threads", 1)),
@@ -208,12 +225,12 @@ class Cluster:
             return []
         return ["--ssd-path", str(self.run_dir / f"ssd-{i}"), "--ssd-capacity", str(capacity)]
 
-    def _gateway_argv(self, master: Service, workers: list[Service]) -> list[str]:
+    def _gateway_argv(self, master: str, workers: list[Service]) -> list[str]:
         g, cl = self.config["gateway"], self.config["cluster"]
         argv = [
             "kvpool.gateway.cli",
             "--master",
-            master.address,
+            master,
             "--model",
             cl["model"],
             "--block-size",
@@ -281,6 +298,7 @@ class Cluster:
             "routing": self.config["gateway"].get("routing"),
             "services": [s.describe() for s in self.services.values()],
             "netns": self.placement.state(),
+            "master_address": self.master_address,
         }
 
     def write_state(self) -> Path:
@@ -296,7 +314,7 @@ class Cluster:
     # -- shutdown ---------------------------------------------------------------------------------------
     def stop(self) -> None:
         """Gateway, then workers, then nodes, then master; SIGTERM, then SIGKILL after a deadline."""
-        for roles in (("gateway",), ("prefill", "decode"), ("node",), ("master",)):
+        for roles in (("gateway",), ("prefill", "decode"), ("node",), ("master",), ("etcd",)):
             group = [s for s in self.services.values() if s.role in roles and s.alive()]
             for s in group:
                 with contextlib.suppress(ProcessLookupError):
@@ -357,6 +375,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --netns: shape every service's link, "
         'e.g. "delay 200us jitter 20us rate 10gbit loss 0.1%%"',
     )
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="control plane HA: etcd plus two masters that elect a leader (clients follow it); loopback only",
+    )
+    up.add_argument(
+        "--etcd-members", type=int, default=1, help="with --ha: etcd cluster size (1 or 3; tests use 3)"
+    )
     up.set_defaults(func=run_up)
 
 
@@ -398,7 +424,15 @@ def run_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    cluster = Cluster(config, args.run_dir, netns=args.netns, link=args.link)
+    if args.netns and args.ha:
+        print("kvpool up: --ha runs on loopback only; not with --netns yet", file=sys.stderr)
+        return 2
+    if args.etcd_members not in (1, 3, 5):
+        print("kvpool up: --etcd-members must be 1, 3 or 5 (an odd quorum)", file=sys.stderr)
+        return 2
+    cluster = Cluster(
+        config, args.run_dir, netns=args.netns, link=args.link, ha=args.ha, etcd_members=args.etcd_members
+    )
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:

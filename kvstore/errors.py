@@ -90,6 +90,31 @@ class MasterSilentError(StoreUnavailableError):
     code = 13
 
 
+class NotLeaderError(StoreUnavailableError):
+    """This master is an HA standby (or a deposed leader): nothing was executed, so any call may go to the
+    leader instead. ``leader`` is where the leader said it serves (``host:port``), None while unknown."""
+
+    code = 14
+
+    @property
+    def leader(self) -> str | None:
+        for word in str(self).split():
+            if word.startswith(LEADER_HINT):
+                return word.removeprefix(LEADER_HINT).rstrip(";,.") or None
+        return None
+
+
+LEADER_HINT = "leader="  # how a NotLeaderError's message names the leader: "... leader=HOST:PORT ..."
+
+
+class StaleEpochError(StoreError):
+    """HA fencing: a node refused an order or a put from a master whose leadership epoch is older than the
+    newest the node has seen (a deposed leader that has not noticed yet). Nothing was done."""
+
+    code = 15
+    grpc_status = "FAILED_PRECONDITION"
+
+
 class TransportUnavailableError(StoreError):
     """An explicitly chosen transport cannot reach this peer (no silent fallback)."""
 
@@ -124,6 +149,9 @@ _BY_CODE: dict[int, type[StoreError]] = {
         TransportTimeoutError,
         TransportUnavailableError,
         ObjectExistsError,
+        MasterSilentError,
+        NotLeaderError,
+        StaleEpochError,
     )
 }
 

@@ -13,14 +13,20 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("wire_port", "instance", "wire_methods")
+    __slots__ = ("wire_port", "instance", "wire_methods", "epoch", "leader", "leader_address")
     WIRE_PORT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     WIRE_METHODS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     wire_port: int
     instance: str
     wire_methods: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, wire_port: _Optional[int] = ..., instance: _Optional[str] = ..., wire_methods: _Optional[_Iterable[str]] = ...) -> None: ...
+    epoch: int
+    leader: bool
+    leader_address: str
+    def __init__(self, wire_port: _Optional[int] = ..., instance: _Optional[str] = ..., wire_methods: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., leader: _Optional[bool] = ..., leader_address: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "dram_capacity_bytes", "ssd_capacity_bytes", "inventory")
@@ -35,14 +41,16 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.ObjectMeta, _Mapping]]] = ...) -> None: ...
 
 class RegisterNodeReply(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "node_timeout_ms", "adopted_objects")
+    __slots__ = ("heartbeat_interval_ms", "node_timeout_ms", "adopted_objects", "epoch")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     NODE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     node_timeout_ms: int
     adopted_objects: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., node_timeout_ms: _Optional[int] = ..., adopted_objects: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., node_timeout_ms: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "dram_used_bytes", "ssd_used_bytes", "fragmentation")
@@ -57,10 +65,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., dram_used_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("reregister",)
+    __slots__ = ("reregister", "epoch")
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     reregister: bool
-    def __init__(self, reregister: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, reregister: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("meta", "replace_if_corrupt")
@@ -71,7 +81,7 @@ class PutStartRequest(_message.Message):
     def __init__(self, meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., replace_if_corrupt: _Optional[bool] = ...) -> None: ...
 
 class PutStartReply(_message.Message):
-    __slots__ = ("status", "put_id", "node", "deadline_ms")
+    __slots__ = ("status", "put_id", "node", "deadline_ms", "epoch")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[PutStartReply.Status]
@@ -88,11 +98,13 @@ class PutStartReply(_message.Message):
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     status: PutStartReply.Status
     put_id: str
     node: _common_pb2.NodeEndpoint
     deadline_ms: int
-    def __init__(self, status: _Optional[_Union[PutStartReply.Status, str]] = ..., put_id: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, status: _Optional[_Union[PutStartReply.Status, str]] = ..., put_id: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutCommitRequest(_message.Message):
     __slots__ = ("put_id",)

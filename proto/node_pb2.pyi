@@ -43,10 +43,12 @@ class InventoryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "epoch")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class KeysReply(_message.Message):
     __slots__ = ("done", "missing")

@@ -299,14 +299,15 @@ def test_dispatch_turns_a_bug_into_internal_and_counts_it() -> None:
     def broken(_request: object) -> None:
         raise ZeroDivisionError("boom")
 
+    core.broken = broken  # type: ignore[attr-defined]
     with pytest.raises(CoreCallError) as err:
-        dispatch.run(broken, master_pb2.StatsRequest())
+        dispatch.run("broken", master_pb2.StatsRequest())
     assert err.value.code == "INTERNAL" and err.value.message == "ZeroDivisionError: boom"
     with pytest.raises(CoreCallError) as err:
-        dispatch.run(core.lookup, master_pb2.LookupRequest(keys=[b""]))
+        dispatch.run("lookup", master_pb2.LookupRequest(keys=[b""]))
     assert err.value.code == "INVALID_ARGUMENT"
     assert core.counters["rpc_internal"] == 1 and core.counters["rpc_invalid_argument"] == 1
-    reply, wait_for = dispatch.run(core.stats, master_pb2.StatsRequest())
+    reply, wait_for = dispatch.run("stats", master_pb2.StatsRequest())
     assert reply.policy == "hybrid" and wait_for == []
 
 

@@ -59,6 +59,7 @@ class ClientCore:
         # transfer while the master's Lookup is in flight (see _read_into)
         self._where: OrderedDict[bytes, common_pb2.ObjectLocation] = OrderedDict()
         self._last_put_node: common_pb2.NodeEndpoint | None = None  # where shm puts reserve speculatively
+        self.leader_epoch = 0  # HA: the master leader's epoch as of this client's last PutStart (0 = no HA)
         self._touches: TouchReporter | None = None  # made on first use: it needs the running loop
 
     # --- plumbing ----------------------------------------------------------------------------------------

@@ -35,6 +35,11 @@ breaker: calls raise ``MasterSilentError`` at once (counted as ``failed_fast``) 
 closes the breaker. No request's call is ever the probe, so no request waits out a deadline a second time.
 The callers already treat any store error as a miss (recompute) or a failed put (counted), so during a
 master partition requests cost their compute, not n deadlines.
+
+HA (``address`` lists the group's masters, ``"a:1,b:2"``): a standby answers ``NotLeaderError`` having run
+nothing, so the link moves to the leader it named and sends the call once more within the same deadline. A
+master that cannot be reached or lets a call time out is left for the next one on the following call, and the
+breaker's probe walks the list until a leader answers. No etcd client is needed to follow a failover.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ from google.protobuf.message import Message
 from kvpool.kvstore.client.master_wire import MasterWireClient
 from kvpool.kvstore.errors import (
     MasterSilentError,
+    NotLeaderError,
     StoreError,
     StoreUnavailableError,
     TransportTimeoutError,
 )
 from kvpool.kvstore.protocol.grpc_errors import CHANNEL_OPTIONS, raise_typed
+from kvpool.kvstore.protocol.master_addresses import MasterAddresses
 from kvpool.kvstore.protocol.master_wire import METHODS as WIRE_METHODS
 from kvpool.kvstore.protocol.master_wire import WireConnectError
 from kvpool.proto import master_pb2, master_pb2_grpc
@@ -85,7 +92,7 @@ class MasterLink:
         *,
         connect_timeout_s: float = 1.0,
     ) -> None:
-        self.address = address
+        self.masters = MasterAddresses(address)
         self.rpc_timeout_s = rpc_timeout_s
         self.use_wire = use_wire
         self.connect_timeout_s = connect_timeout_s
@@ -99,6 +106,12 @@ class MasterLink:
         self._wire_retry_at = 0.0  # loop time before which calls skip the wire (see WIRE_BACKOFF_S)
         self._describing: asyncio.Lock | None = None
         self._probe: asyncio.Task | None = None  # running while the breaker is open (see SILENT_BACKOFF_S)
+        self._closing: set[asyncio.Task] = set()  # channels of masters left behind, closing
+
+    @property
+    def address(self) -> str:
+        """The master calls go to now (with HA: the leader, as far as this link knows)."""
+        return self.masters.current
 
     @property
     def wire(self) -> MasterWireClient | None:
@@ -121,13 +134,40 @@ class MasterLink:
                 f"master {self.address} let a call run to its deadline and has not answered a probe since; "
                 f"{name} fails fast until it does"
             )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.rpc_timeout_s if timeout_s is None else timeout_s)
         try:
-            return await self._call(name, request, timeout_s)
+            try:
+                return await self._call(name, request, timeout_s)
+            except NotLeaderError as exc:  # nothing ran: once more at the leader, within the same deadline
+                if not self._move(exc.leader) or deadline - loop.time() < MIN_RETRY_S:
+                    raise
+                return await self._call(name, request, deadline - loop.time())
         except TransportTimeoutError:
             self._count("silent")
+            self._move(None)
             if self._probe is None:
-                self._probe = asyncio.get_running_loop().create_task(self._probe_until_answered())
+                self._probe = loop.create_task(self._probe_until_answered())
             raise
+        except StoreUnavailableError as exc:
+            if not isinstance(exc, NotLeaderError):
+                self._move(None)  # unreachable: the next call tries the next master of the group
+            raise
+
+    def _move(self, leader: str | None) -> bool:
+        """Point the link at ``leader`` (or the next master); False with a single master."""
+        if not self.masters.follow(leader):
+            return False
+        self._count("master_moves")
+        channel, self._channel, self._stub = self._channel, None, None
+        wire, self._wire = self._wire, None
+        self._described = not self.use_wire
+        for closing in (channel.close() if channel else None, wire.close() if wire else None):
+            if closing is not None:
+                task = asyncio.get_running_loop().create_task(closing)
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        return True
 
     @property
     def silent(self) -> bool:
@@ -142,13 +182,17 @@ class MasterLink:
                 await asyncio.sleep(backoff)
                 self._count("probes")
                 try:
-                    await self.stub.Describe(
+                    reply = await self.stub.Describe(
                         master_pb2.DescribeRequest(), timeout=min(self.rpc_timeout_s, 1.0)
                     )
-                    return
+                    if reply.leader or not self.masters.several:
+                        return
+                    self._move(reply.leader_address or None)  # a standby: ask the leader it names next
+                    continue
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                         return  # an answer, even an error, means the master is there
+                    self._move(None)
                 backoff = min(backoff * 2, SILENT_BACKOFF_S[1])
         finally:
             self._probe = None
@@ -169,7 +213,7 @@ class MasterLink:
                 self._wire_retry_at = loop.time() + self._backoff_s
             self._count("wire_unreachable")
             return await self._grpc(name, request, deadline)
-        except TransportTimeoutError:
+        except (TransportTimeoutError, NotLeaderError):  # no retry here: the time is spent / the caller moves
             raise
         except StoreUnavailableError:
             self._forget_wire()
@@ -261,6 +305,8 @@ class MasterLink:
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     def _lock(self) -> asyncio.Lock:
         if self._describing is None:

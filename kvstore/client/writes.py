@@ -58,6 +58,7 @@ class StoreWrites(ClientCore):
     async def _put(self, item: PutItem, replace_if_corrupt: bool = False) -> bool:
         view = as_bytes_view(item.data)
         meta = self._meta(item.key, view, item.kind, item.tenant, item.parent, item.ttl_ms)
+        meta.epoch = self.leader_epoch  # the speculative reserve below runs before this put's PutStart
         shm, guess, spec, token = None, self._last_put_node, None, ""
         if guess is not None and not replace_if_corrupt:
             with contextlib.suppress(StoreError):
@@ -80,6 +81,7 @@ class StoreWrites(ClientCore):
                 self._count("put.not_admitted")
             return False  # EXISTS / IN_PROGRESS / NOT_ADMITTED: nothing to write
         self._last_put_node = start.node
+        meta.epoch = self.leader_epoch = start.epoch  # HA fencing: nodes refuse puts of deposed leaders
         try:
             if not await self._finish_speculative_put(shm, guess, spec, token, start, meta):
                 transport = self.transports.for_node(start.node)
@@ -191,6 +193,7 @@ class StoreWrites(ClientCore):
                 continue
             if start.status != master_pb2.PutStartReply.STARTED:
                 continue
+            metas[i].epoch = start.epoch  # HA fencing: a node refuses puts placed by a deposed leader
             try:
                 transport = self.transports.for_node(start.node)
             except StoreError as exc:

@@ -27,7 +27,12 @@ class MasterBase:
     """State of a master; see ``core`` for the RPC semantics."""
 
     def __init__(
-        self, config: MasterConfig | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        config: MasterConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        state: StateStore | None = None,
+        epoch: int = 0,
     ) -> None:
         self.config = config or MasterConfig()
         self.config.validate()
@@ -50,7 +55,9 @@ class MasterBase:
         self.counters: dict[str, int] = {}
         self._trim_sweeps_left = 0  # after a bulk adoption: sweeps that return freed memory to the OS
         self._mmap_threshold_fixed = False
-        self.state = StateStore(self.config.state_path)  # StateFileError if unreadable: refuse to start
+        # StateFileError if unreadable: refuse to start. With HA the caller passes the state read from etcd.
+        self.state = state if state is not None else StateStore(self.config.state_path)
+        self.epoch = epoch  # HA leadership epoch (0 = no HA): on every put placement and node order
         for tenant, max_bytes in self.state.state.quotas.items():
             self.index.set_quota(tenant, max_bytes)
 

@@ -111,6 +111,21 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
         default=-1,
         help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, -1 = off)",
     )
+    ha = p.add_argument_group("high availability (etcd)")
+    ha.add_argument(
+        "--etcd",
+        metavar="HOST:PORT[,HOST:PORT]",
+        default=None,
+        help="campaign for leadership of --ha-group in this etcd cluster; quotas and pins live there",
+    )
+    ha.add_argument("--ha-group", default="kvpool", help="masters with the same group elect one leader")
+    ha.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        default=None,
+        help="where clients reach this master's gRPC (default: --host and the bound port)",
+    )
+    ha.add_argument("--lease-ttl", type=int, default=2, help="leader lease in seconds (etcd minimum 2)")
     p.add_argument("--log-level", default="INFO", help="stderr log level")
 
 
@@ -145,21 +160,34 @@ def run_master(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.validate()
+        if args.etcd and args.state_file:
+            raise ValueError(
+                "--state-file and --etcd exclude each other: with HA, quotas and pins live in etcd"
+            )
+        if args.etcd and args.lease_ttl < 2:
+            raise ValueError("--lease-ttl must be at least 2 s (etcd's minimum lease)")
     except ValueError as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_serve(config, args.host, args.port, args.metrics_port))
+        return asyncio.run(_serve(config, args.host, args.port, args.metrics_port, args))
     except StateFileError as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         return 2
 
 
-async def _serve(config: MasterConfig, host: str, port: int, metrics_port: int) -> int:
+async def _serve(
+    config: MasterConfig, host: str, port: int, metrics_port: int, args: argparse.Namespace
+) -> int:
     from kvpool.kvstore.master.metrics import render
     from kvpool.kvstore.master.server import MasterServer
 
     server = MasterServer(config, host, port)
+    ha = None
+    if args.etcd:  # gated before the first call can arrive: a standby must never serve as a leader
+        from kvpool.kvstore.master.ha import HaConfig, HaMaster
+
+        ha = HaMaster(server, HaConfig(args.etcd, args.ha_group, args.advertise or "", args.lease_ttl))
     metrics = (
         MetricsHttpServer(lambda: render(server.core.stats()).encode(), host, metrics_port)
         if metrics_port >= 0
@@ -170,9 +198,14 @@ async def _serve(config: MasterConfig, host: str, port: int, metrics_port: int) 
         bound = await server.start()
         bound_metrics = await metrics.start() if metrics is not None else None
         ready = {"port": bound, "host": host, "policy": config.policy, "wire_port": server.wire_port or None}
+        if ha is not None:
+            await ha.start(f"{host}:{bound}")
+            ready["ha"] = {"group": args.ha_group, "advertise": ha.advertise, "etcd": args.etcd}
         return {**ready, "metrics_port": bound_metrics}
 
     async def stop() -> None:
+        if ha is not None:
+            await ha.stop()
         if metrics is not None:
             await metrics.stop()
         await server.stop()

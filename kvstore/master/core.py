@@ -119,6 +119,7 @@ class MasterCore(NodeMembership):
             put_id=put_id,
             node=self._endpoint(node_id),
             deadline_ms=self.config.put_deadline_ms,
+            epoch=self.epoch,
         )
 
     def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
@@ -350,7 +351,7 @@ class MasterCore(NodeMembership):
             rec = self._nodes.get(node_id)
             if rec is None or not queued:
                 continue
-            pending = PendingActions(rec.endpoint)
+            pending = PendingActions(rec.endpoint, epoch=self.epoch)
             for key, action in queued.items():
                 pending.keys.setdefault(action, []).append(key)
             out.append(pending)

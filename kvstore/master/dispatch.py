@@ -7,6 +7,10 @@ into INTERNAL (a bug costs one call, never the server) and hands the node orders
 :class:`~kvpool.kvstore.master.node_notifier.NodeNotifier` right away. Most replies go out at once; the calls
 in :data:`WAITS_FOR_NODES` are answered only after their node orders were attempted (bounded), which
 :meth:`CoreDispatch.settle` does.
+
+Calls are named, not bound, because with HA the core is replaced on every election (a new leader starts
+from an empty index that the nodes' inventories refill). A ``gate`` (``ha.LeaderGate``) may refuse a call
+before it runs: a standby answers ``NotLeaderError`` naming the leader, and nothing was executed.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvpool.kvstore.errors import MasterError
 from kvpool.kvstore.master.core import MasterCore
@@ -36,16 +40,31 @@ class CoreCallError(Exception):
         self.message = message
 
 
+class Gate(Protocol):
+    """Decides whether this master may run a call now (HA: only the leader may)."""
+
+    def refusal(self, method: str) -> str | None:
+        """None to run ``method``; else why not, naming the leader (``leader=HOST:PORT``) when known."""
+        ...
+
+
 class CoreDispatch:
     """Runs core calls and delivers their node orders (see the module docstring)."""
 
-    def __init__(self, core: MasterCore, notifier: NodeNotifier) -> None:
+    def __init__(self, core: MasterCore, notifier: NodeNotifier, gate: Gate | None = None) -> None:
         self.core = core
         self.notifier = notifier
+        self.gate = gate
 
-    def run(self, fn: Callable[[Any], Any], request: Any) -> tuple[Any, list[asyncio.Future[None]]]:
-        """The reply and the futures of the node orders to wait for before answering (empty unless ``fn``
-        is in :data:`WAITS_FOR_NODES`). Raises :class:`CoreCallError`."""
+    def run(self, method: str, request: Any) -> tuple[Any, list[asyncio.Future[None]]]:
+        """The reply of core method ``method`` and the futures of the node orders to wait for before
+        answering (empty unless ``method`` is in :data:`WAITS_FOR_NODES`). Raises :class:`CoreCallError`."""
+        if self.gate is not None:
+            refusal = self.gate.refusal(method)
+            if refusal is not None:
+                self.core.count("rpc_not_leader")
+                raise CoreCallError("UNAVAILABLE", f"NotLeaderError: {refusal}")
+        fn: Callable[[Any], Any] = getattr(self.core, method)
         try:
             reply = fn(request)
         except MasterError as exc:
@@ -57,7 +76,7 @@ class CoreDispatch:
             raise CoreCallError("INTERNAL", f"{type(exc).__name__}: {exc}") from exc
         finally:
             done = self.flush()
-        return reply, (done if getattr(fn, "__name__", "") in WAITS_FOR_NODES else [])
+        return reply, (done if method in WAITS_FOR_NODES else [])
 
     def flush(self) -> list[asyncio.Future[None]]:
         """Hand every queued node order to the notifier; the futures resolve as each is attempted."""

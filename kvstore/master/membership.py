@@ -59,6 +59,7 @@ class NodeMembership(MasterBase):
             heartbeat_interval_ms=self.config.heartbeat_ms,
             node_timeout_ms=self.config.node_timeout_ms,
             adopted_objects=adopted,
+            epoch=self.epoch,
         )
 
     def _adopt(self, node_id: str, meta: common_pb2.ObjectMeta) -> bool:
@@ -118,11 +119,11 @@ class NodeMembership(MasterBase):
         rec = self._nodes.get(req.node_id)
         if rec is None:
             self._count("heartbeats_unknown")
-            return master_pb2.HeartbeatReply(reregister=True)
+            return master_pb2.HeartbeatReply(reregister=True, epoch=self.epoch)
         rec.last_heartbeat = self._clock()
         rec.dram_reported = req.dram_used_bytes
         rec.ssd_reported = req.ssd_used_bytes
-        return master_pb2.HeartbeatReply(reregister=False)
+        return master_pb2.HeartbeatReply(reregister=False, epoch=self.epoch)
 
     def _forget_node(self, node_id: str, reason: str) -> int:
         """Drop a node and everything indexed on it (dead, or about to re-adopt its inventory)."""

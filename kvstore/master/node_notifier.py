@@ -27,8 +27,8 @@ class _NodeWorker:
         self.address = f"{endpoint.host}:{endpoint.grpc_port}"
         self.channel = grpc.aio.insecure_channel(self.address)
         self.stub = node_pb2_grpc.StorageNodeStub(self.channel)
-        # (action, keys, done): ``done`` resolves once the call was attempted (delivered or failed)
-        self.queue: list[tuple[NodeAction, list[bytes], asyncio.Future[None]]] = []
+        # (action, keys, epoch, done): ``done`` resolves once the call was attempted (delivered or failed)
+        self.queue: list[tuple[NodeAction, list[bytes], int, asyncio.Future[None]]] = []
         self.task: asyncio.Task[None] | None = None
 
 
@@ -60,7 +60,7 @@ class NodeNotifier:
                 keys = batch.keys.get(action)
                 if keys:
                     fut: asyncio.Future[None] = loop.create_future()
-                    worker.queue.append((action, keys, fut))
+                    worker.queue.append((action, keys, batch.epoch, fut))
                     done.append(fut)
             if worker.task is None or worker.task.done():
                 worker.task = loop.create_task(self._drain(worker))
@@ -78,7 +78,7 @@ class NodeNotifier:
                 worker.task.cancel()
         await asyncio.gather(*(w.task for w in self._workers.values() if w.task), return_exceptions=True)
         for worker in self._workers.values():  # nobody may wait on a call that will never be made
-            for _action, _keys, done in worker.queue:
+            for *_order, done in worker.queue:
                 if not done.done():
                     done.set_result(None)
             worker.queue.clear()
@@ -96,14 +96,14 @@ class NodeNotifier:
 
     async def _drain(self, worker: _NodeWorker) -> None:
         while worker.queue:
-            action, keys, done = worker.queue.pop(0)
+            action, keys, epoch, done = worker.queue.pop(0)
             try:
-                await self._deliver(worker, action, keys)
+                await self._deliver(worker, action, keys, epoch)
             finally:
                 if not done.done():
                     done.set_result(None)
 
-    async def _deliver(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes]) -> None:
+    async def _deliver(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes], epoch: int) -> None:
         for start in range(0, len(keys), MAX_KEYS_PER_NODE_CALL):
             chunk = keys[start : start + MAX_KEYS_PER_NODE_CALL]
             method = {
@@ -112,7 +112,7 @@ class NodeNotifier:
                 NodeAction.PROMOTE: worker.stub.Promote,
             }[action]
             try:
-                reply = await method(node_pb2.KeysRequest(keys=chunk), timeout=self.timeout_s)
+                reply = await method(node_pb2.KeysRequest(keys=chunk, epoch=epoch), timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 self._count(f"node_{action.value}_failed", len(chunk))
                 log.warning(

@@ -35,4 +35,5 @@ class PendingActions:
     """Keys a node must act on, per action, in the order they were decided."""
 
     node: common_pb2.NodeEndpoint
+    epoch: int = 0  # HA: the leadership epoch of the master that decided them (nodes fence older ones)
     keys: dict[NodeAction, list[bytes]] = field(default_factory=dict)

@@ -38,66 +38,75 @@ Req = TypeVar("Req")
 class MasterServicer(master_pb2_grpc.MasterServicer):
     """Adapter from gRPC calls to MasterCore methods (through the :class:`CoreDispatch` the wire shares)."""
 
-    def __init__(self, dispatch: CoreDispatch, wire_port: int = 0) -> None:
-        self.core = dispatch.core
+    def __init__(
+        self,
+        dispatch: CoreDispatch,
+        wire_port: int = 0,
+        leadership: Callable[[], tuple[int, bool, str]] = lambda: (0, True, ""),
+    ) -> None:
         self.dispatch = dispatch
         self.wire_port = wire_port  # 0: no wire listener
+        self.leadership = leadership  # (epoch, leader?, leader address) for Describe; no HA: (0, True, "")
 
-    async def _run(self, fn: Callable[[Req], Any], request: Req, context: grpc.aio.ServicerContext) -> Any:
+    async def _run(self, method: str, request: Req, context: grpc.aio.ServicerContext) -> Any:
         try:
-            reply, done = self.dispatch.run(fn, request)
+            reply, done = self.dispatch.run(method, request)
         except CoreCallError as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.message)
         await self.dispatch.settle(done)  # Remove: only once its nodes dropped the keys (WAITS_FOR_NODES)
         return reply
 
     async def RegisterNode(self, request, context):
-        return await self._run(self.core.register_node, request, context)
+        return await self._run("register_node", request, context)
 
     async def Heartbeat(self, request, context):
-        return await self._run(self.core.heartbeat, request, context)
+        return await self._run("heartbeat", request, context)
 
     async def PutStart(self, request, context):
-        return await self._run(self.core.put_start, request, context)
+        return await self._run("put_start", request, context)
 
     async def PutCommit(self, request, context):
-        return await self._run(self.core.put_commit, request, context)
+        return await self._run("put_commit", request, context)
 
     async def PutStartBatch(self, request, context):
-        return await self._run(self.core.put_start_batch, request, context)
+        return await self._run("put_start_batch", request, context)
 
     async def PutCommitBatch(self, request, context):
-        return await self._run(self.core.put_commit_batch, request, context)
+        return await self._run("put_commit_batch", request, context)
 
     async def PutAbort(self, request, context):
-        return await self._run(self.core.put_abort, request, context)
+        return await self._run("put_abort", request, context)
 
     async def MatchPrefix(self, request, context):
-        return await self._run(self.core.match_prefix, request, context)
+        return await self._run("match_prefix", request, context)
 
     async def Lookup(self, request, context):
-        return await self._run(self.core.lookup, request, context)
+        return await self._run("lookup", request, context)
 
     async def Release(self, request, context):
-        return await self._run(self.core.release, request, context)
+        return await self._run("release", request, context)
 
     async def Remove(self, request, context):
-        return await self._run(self.core.remove, request, context)
+        return await self._run("remove", request, context)
 
     async def Pin(self, request, context):
-        return await self._run(self.core.pin, request, context)
+        return await self._run("pin", request, context)
 
     async def SetQuota(self, request, context):
-        return await self._run(self.core.set_quota, request, context)
+        return await self._run("set_quota", request, context)
 
     async def Stats(self, request, context):
-        return await self._run(self.core.stats, request, context)
+        return await self._run("stats", request, context)
 
     async def Describe(self, request, context):
+        epoch, leader, leader_address = self.leadership()
         return master_pb2.DescribeReply(
             wire_port=self.wire_port,
-            instance=self.core.instance,
+            instance=self.dispatch.core.instance,
             wire_methods=sorted(WIRE_METHODS) if self.wire_port else [],
+            epoch=epoch,
+            leader=leader,
+            leader_address=leader_address,
         )
 
 
@@ -109,16 +118,28 @@ class MasterServer:
         self.config = config or MasterConfig()
         self.host = host
         self.requested_port = port
-        self.core = MasterCore(self.config)
         timeout_s = self.config.node_call_timeout_ms / 1000.0
-        self.notifier = NodeNotifier(timeout_s, self.core.count, self._on_missing)
-        self.dispatch = CoreDispatch(self.core, self.notifier)
+        self.notifier = NodeNotifier(timeout_s, lambda name, n: self.core.count(name, n), self._on_missing)
+        self.dispatch = CoreDispatch(MasterCore(self.config), self.notifier)
+        # HA (``ha.HaMaster``): (epoch, leader?, leader address) for Describe, and whether sweeps may act
+        self.leadership: Callable[[], tuple[int, bool, str]] = lambda: (0, True, "")
+        self.may_sweep: Callable[[], bool] = lambda: True
         self.sweep_interval_s = self.config.sweep_ms / 1000.0
         self.port = 0
         self.wire_port = 0
         self.wire: MasterWireServer | None = None
         self._server: GrpcServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
+
+    @property
+    def core(self) -> MasterCore:
+        """The core serving now (with HA, a new one per election)."""
+        return self.dispatch.core
+
+    def replace_core(self, core: MasterCore) -> None:
+        """HA: serve from ``core`` from now on; the old one's state (and unsent node orders) is dropped."""
+        self.core.take_actions()
+        self.dispatch.core = core
 
     async def start(self) -> int:
         if self.config.wire_port >= 0:
@@ -132,7 +153,7 @@ class MasterServer:
             raise
 
     async def _start_grpc(self) -> int:
-        servicer = MasterServicer(self.dispatch, self.wire_port)
+        servicer = MasterServicer(self.dispatch, self.wire_port, lambda: self.leadership())
         server = GrpcServer(
             {SERVICE_NAME: lambda s: master_pb2_grpc.add_MasterServicer_to_server(servicer, s)},
             self.host,
@@ -173,6 +194,8 @@ class MasterServer:
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(self.sweep_interval_s)
+            if not self.may_sweep():  # an HA standby, or a leader not sure it still leads: act on nothing
+                continue
             try:
                 self.core.sweep()
                 self.dispatch.flush()

@@ -6,6 +6,10 @@ pins are operator/client intent that no node holds, and losing them on failover 
 replaced atomically (write to a temp file, fsync, rename) on every change, so a crash leaves the old or
 the new version, never a torn one. Pin deadlines are wall-clock seconds: monotonic clocks do not survive
 a restart.
+
+With HA the same document lives in etcd instead of a file (``ha.EtcdState``): the store is built from the
+text read at election (``text=``) and hands every new version to ``on_save``, which writes it under the
+leader's epoch so that a deposed leader's late write cannot land.
 """
 
 from __future__ import annotations
@@ -37,24 +41,40 @@ class DurableState:
 class StateStore:
     """Load once at start, then ``save()`` after each change. ``path=None`` keeps state in memory only."""
 
-    def __init__(self, path: Path | None, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        wall_clock: Callable[[], float] = time.time,
+        *,
+        text: str | None = None,
+        on_save: Callable[[str], None] | None = None,
+    ) -> None:
         self.path = path
         self._wall = wall_clock
-        self.state = self._load()
+        self._on_save = on_save
+        where = str(path) if path is not None else "master state"
+        if text is None and path is not None and path.exists():
+            text = self._read(path)
+        self.state = self._parse(text, where) if text else DurableState()
 
-    def _load(self) -> DurableState:
-        if self.path is None or not self.path.exists():
-            return DurableState()
+    @staticmethod
+    def _read(path: Path) -> str:
         try:
-            raw = json.loads(self.path.read_text())
+            return path.read_text()
+        except OSError as exc:
+            raise StateFileError(f"{path}: unreadable master state ({exc})") from None
+
+    def _parse(self, text: str, where: str) -> DurableState:
+        try:
+            raw = json.loads(text)
             if raw.get("format") != FORMAT:
-                raise StateFileError(f"{self.path}: format {raw.get('format')!r}, expected {FORMAT}")
+                raise StateFileError(f"{where}: format {raw.get('format')!r}, expected {FORMAT}")
             quotas = {str(t): int(b) for t, b in raw["quotas"].items()}
             pins = {bytes.fromhex(k): float(until) for k, until in raw["pins"].items()}
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, StateFileError):
                 raise
-            raise StateFileError(f"{self.path}: unreadable master state ({exc})") from None
+            raise StateFileError(f"{where}: unreadable master state ({exc})") from None
         now = self._wall()
         return DurableState(quotas, {k: u for k, u in pins.items() if u > now})
 
@@ -83,7 +103,7 @@ class StateStore:
         return max(0, int((until - self._wall()) * 1000))
 
     def save(self) -> None:
-        if self.path is None:
+        if self.path is None and self._on_save is None:
             return
         body = json.dumps(
             {
@@ -93,6 +113,10 @@ class StateStore:
             },
             sort_keys=True,
         )
+        if self._on_save is not None:
+            self._on_save(body)
+        if self.path is None:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=self.path.name, dir=self.path.parent)
         try:

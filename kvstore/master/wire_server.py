@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 from kvpool.kvstore.master.dispatch import CoreCallError, CoreDispatch
@@ -18,7 +16,6 @@ from kvpool.kvstore.protocol.master_wire import (
     FRAME_TIMEOUT_S,
     MAX_BODY,
     MAX_ERROR_BYTES,
-    METHODS,
     STATUS_OK,
     FrameBuffer,
     WireFrameError,
@@ -94,7 +91,7 @@ class _ServerConnection(asyncio.Protocol):
             self._reply_error(method, request_id, "INVALID_ARGUMENT", f"undecodable {method.name}: {exc}")
             return
         try:
-            reply, done = self.server.dispatch.run(self.server.handlers[method.method_id], request)
+            reply, done = self.server.dispatch.run(method.core_method, request)
         except CoreCallError as exc:
             self._reply_error(method, request_id, exc.code, exc.message)
             return
@@ -166,11 +163,7 @@ class MasterWireServer:
         frame_timeout_s: float = FRAME_TIMEOUT_S,
         max_body: int = MAX_BODY,
     ) -> None:
-        self.core = dispatch.core
         self.dispatch = dispatch
-        self.handlers: dict[int, Callable[[Any], Any]] = {
-            m.method_id: getattr(self.core, m.core_method) for m in METHODS.values()
-        }
         self.frame_timeout_s = frame_timeout_s
         self.max_body = max_body
         self.port = 0
@@ -185,7 +178,7 @@ class MasterWireServer:
         return self.port
 
     def count(self, name: str) -> None:
-        self.core.count(name)
+        self.dispatch.core.count(name)
 
     async def close(self) -> None:
         """Stop listening and drop every connection (their in-flight calls fail on the client side)."""

@@ -29,7 +29,9 @@ from kvpool.kvstore.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    StaleEpochError,
 )
+from kvpool.kvstore.node.fence import EpochFence
 from kvpool.kvstore.node.pool import Extent, SharedPool
 from kvpool.kvstore.protocol.data_frame import MAX_KEY
 from kvpool.proto import common_pb2
@@ -88,11 +90,20 @@ class ObjectStore:
         # acquire and orders Promote; a node promoting on its own would use DRAM the master does not count.
         self.auto_promote = True
         self._stale_deletes: dict[bytes, float] = {}  # key -> until when a Delete targets a replaced copy
+        self.fence = EpochFence()  # HA: puts and orders of deposed master leaders are refused
         if ssd_path is not None:
             ssd_path.mkdir(parents=True, exist_ok=True)
             self._load_ssd()
 
     # --- bookkeeping -------------------------------------------------------------------------------------
+    def fenced(self, epoch: int, what: str) -> None:
+        """Pass ``epoch`` through the HA fence (counted and raised as ``StaleEpochError`` when stale)."""
+        try:
+            self.fence.check(epoch, what)
+        except StaleEpochError:
+            self.count("stale_epoch_refused")
+            raise
+
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
@@ -122,6 +133,7 @@ class ObjectStore:
         """Reserve space for ``meta``; None when the same object is already here (duplicate put = no-op)."""
         if not meta.key or len(meta.key) > MAX_KEY:
             raise BadRequestError(f"key must be 1..{MAX_KEY} bytes, got {len(meta.key)}")
+        self.fenced(meta.epoch, "put")
         if meta.size > self.max_object:
             raise ObjectTooLargeError(
                 f"object of {meta.size} B exceeds the node's limit of {self.max_object} B"

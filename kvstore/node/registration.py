@@ -10,6 +10,11 @@ A heartbeat waits at most two intervals (at least 1 s): longer than that the mas
 anyway. After a heartbeat that timed out the node opens a new channel: a partition leaves the old TCP
 connection in exponential retransmission backoff (seconds by the time the link heals), while a new
 connection's handshake goes out at once, so a healed node is back in the index within about one heartbeat.
+
+HA: ``address`` may list the masters of a group (``a,b``). A standby answers ``NotLeaderError`` naming the
+leader; the node moves there (or to the next master when one cannot be reached) and registers again, with
+its inventory, which is how a new leader rebuilds its index. Every leader reply carries its epoch, which the
+node's fence (``fence.EpochFence``) remembers so that a deposed leader's later orders and puts are refused.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import asyncio
 import logging
 
 import grpc
+from kvpool.kvstore.errors import NotLeaderError, StoreUnavailableError
 from kvpool.kvstore.node.object_store import ObjectStore
-from kvpool.kvstore.protocol.grpc_errors import CHANNEL_OPTIONS
+from kvpool.kvstore.protocol.grpc_errors import CHANNEL_OPTIONS, typed_error
+from kvpool.kvstore.protocol.master_addresses import MasterAddresses
 from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -30,14 +37,19 @@ class MasterRegistration:
     """Registers ``endpoint`` with the master at ``address`` and keeps it alive."""
 
     def __init__(self, address: str, store: ObjectStore, endpoint: common_pb2.NodeEndpoint) -> None:
-        self.address = address
+        self.masters = MasterAddresses(address)
         self.store = store
         self.endpoint = endpoint
         self.heartbeat_interval_s = 1.0
         self.registrations = 0
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = master_pb2_grpc.MasterStub(self._channel)
         self._task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        """The master this node talks to now (the leader, as far as it knows)."""
+        return self.masters.current
 
     async def register(self) -> master_pb2.RegisterNodeReply:
         reply = await self._stub.RegisterNode(
@@ -49,6 +61,7 @@ class MasterRegistration:
             ),
             timeout=CALL_TIMEOUT_S,
         )
+        self.store.fence.observe(reply.epoch)
         if reply.heartbeat_interval_ms:
             self.heartbeat_interval_s = reply.heartbeat_interval_ms / 1000
         self.registrations += 1
@@ -62,6 +75,8 @@ class MasterRegistration:
                 return await self.register()
             except grpc.aio.AioRpcError as exc:
                 log.warning("RegisterNode at %s failed (%s); retrying", self.address, exc.code().name)
+                if await self._follow_leader(exc):
+                    continue
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, backoff_max_s)
 
@@ -82,13 +97,37 @@ class MasterRegistration:
                     ),
                     timeout=self.heartbeat_timeout_s,
                 )
+                self.store.fence.observe(reply.epoch)
                 if reply.reregister:
                     await self.register()
             except grpc.aio.AioRpcError as exc:
                 self.store.count("heartbeat_failures")
                 log.debug("heartbeat to %s failed: %s", self.address, exc.code().name)
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                if await self._follow_leader(exc):
+                    await self._register_soon()
+                elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     await self._new_channel()
+
+    async def _follow_leader(self, exc: grpc.aio.AioRpcError) -> bool:
+        """After a failed call: with several masters, move to the leader a standby named (or the next master
+        when this one is unreachable or silent) on a new channel. False when staying put."""
+        err = typed_error(exc)
+        if not isinstance(err, StoreUnavailableError) or not self.masters.several:
+            return False
+        before = self.address
+        if not self.masters.follow(err.leader if isinstance(err, NotLeaderError) else None):
+            return False
+        log.info("master %s is not the leader (%s): moving to %s", before, type(err).__name__, self.address)
+        self.store.count("master_moves")
+        await self._new_channel()
+        return True
+
+    async def _register_soon(self) -> None:
+        """Register at the master just moved to (bounded; the heartbeat loop retries on failure)."""
+        try:
+            await self.register()
+        except grpc.aio.AioRpcError as exc:
+            log.debug("RegisterNode at %s failed: %s", self.address, exc.code().name)
 
     @property
     def heartbeat_timeout_s(self) -> float:

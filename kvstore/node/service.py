@@ -64,18 +64,27 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
         for meta in self.store.inventory():
             yield meta
 
-    async def Delete(self, request, context):
+    async def _check_order(
+        self, request: node_pb2.KeysRequest, context: grpc.aio.ServicerContext, what: str
+    ) -> None:
         await self._check_keys(request, context)
+        try:
+            self.store.fenced(request.epoch, what)
+        except StoreError as exc:
+            await self._fail(context, exc)
+
+    async def Delete(self, request, context):
+        await self._check_order(request, context, "Delete")
         done, missing = self.store.delete(list(request.keys))
         return node_pb2.KeysReply(done=done, missing=missing)
 
     async def Demote(self, request, context):
-        await self._check_keys(request, context)
+        await self._check_order(request, context, "Demote")
         done, missing = await self.store.demote(list(request.keys))
         return node_pb2.KeysReply(done=done, missing=missing)
 
     async def Promote(self, request, context):
-        await self._check_keys(request, context)
+        await self._check_order(request, context, "Promote")
         try:
             done, missing = await self.store.promote(list(request.keys))
         except StoreError as exc:

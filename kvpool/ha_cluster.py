@@ -1,0 +1,84 @@
+"""The HA control plane of ``kvpool up --ha``: etcd members and the masters' election flags.
+
+``start_etcd`` starts ``n`` etcd members on loopback (``runtime.etcd_member``: each prints a readiness
+line once its member reports a quorum), all at once because a member waits for its peers. The masters then
+get ``--etcd <all members> --ha-group <per run>``; ``wait_for_leader`` returns once one of them answers
+``Describe`` as the leader, so everything started after it finds a leader on its first call.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from kvpool.runtime.spawn import LaunchError
+
+if TYPE_CHECKING:
+    from kvpool.up import Cluster, Service
+
+MASTERS = 2
+LEASE_TTL_S = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_etcd(cluster: Cluster, members: int, timeout_s: float) -> list[Service]:
+    ports = [(free_port(), free_port()) for _ in range(members)]
+    initial = ",".join(f"etcd-{i}=http://127.0.0.1:{peer}" for i, (_port, peer) in enumerate(ports))
+    etcd = [
+        cluster._spawn(f"etcd-{i}", "etcd", _member_argv(cluster, i, port, peer, initial))
+        for i, (port, peer) in enumerate(ports)
+    ]
+    for member in etcd:
+        cluster._wait_ready(member, timeout_s)
+    return etcd
+
+
+def _member_argv(cluster: Cluster, i: int, port: int, peer: int, initial: str) -> list[str]:
+    return [
+        "kvpool.runtime.etcd_member",
+        "--name", f"etcd-{i}",
+        "--data-dir", str(cluster.run_dir / f"etcd-{i}"),
+        "--port", str(port),
+        "--peer-port", str(peer),
+        "--initial-cluster", initial,
+    ]  # fmt: skip
+
+
+def master_flags(etcd: list[Service]) -> list[str]:
+    group = f"run-{etcd[0].popen.pid}"
+    endpoints = ",".join(s.address for s in etcd)
+    return ["--etcd", endpoints, "--ha-group", group, "--lease-ttl", str(LEASE_TTL_S)]
+
+
+def leader_of(addresses: list[str], timeout_s: float = 1.0) -> str | None:
+    """The address whose master says it leads (``Describe``), None if none does now."""
+    import grpc
+
+    from kvpool.proto import master_pb2, master_pb2_grpc
+
+    for address in addresses:
+        with grpc.insecure_channel(address) as ch:
+            try:
+                stub = master_pb2_grpc.MasterStub(ch)
+                reply = stub.Describe(master_pb2.DescribeRequest(), timeout=timeout_s)
+            except grpc.RpcError:
+                continue
+            if reply.leader:
+                return address
+    return None
+
+
+def wait_for_leader(addresses: list[str], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        leader = leader_of(addresses)
+        if leader is not None:
+            return leader
+        time.sleep(0.1)
+    raise LaunchError(f"no master of {addresses} was elected leader within {timeout_s:.0f}s")

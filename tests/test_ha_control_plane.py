@@ -1,0 +1,321 @@
+"""The HA control plane for real: ``kvpool up --ha --etcd-members 3`` runs three etcd members, two masters
+that elect a leader through etcd, one storage node, a prefill and a decode worker and the gateway, all real
+processes. The cases run in order on one cluster, each leaving it with a leader and a standby:
+
+1. ``kvpool status --json`` names exactly one leader;
+2. split brain: SIGSTOP the leader for twice its lease, the standby wins, SIGCONT the old one, and nothing is
+   committed or deleted on the old leader's word (it refuses, and the node fences its epoch);
+3. one etcd member killed of three: service unchanged, puts still land;
+4. ``kill -9`` of the leader under a steady stream: 0 wrong tokens, 0 client errors, puts resume within
+   ``PUT_RESUME_S`` and the hit rate is back to 90 % of its level within ``HITS_BACK_S``;
+5. every etcd member down: the leader keeps serving reads (cache hits), refuses writes, and logs it.
+
+Answers are greedy, so every answer must equal the cold answer of its prompt token for token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+LEASE_TTL_S = 2  # kvpool.ha_cluster.LEASE_TTL_S
+PUT_RESUME_S = 5.0
+HITS_BACK_S = 10.0
+UP_TIMEOUT_S = 150
+CONFIG = """
+[cluster]
+ready_timeout_s = 120
+[master]
+heartbeat_ms = 300
+node_timeout_ms = 3000
+[store]
+nodes = 1
+capacity = "64MiB"
+transport = "tcp,shm"
+[prefill]
+count = 1
+args = ["--store-timeout", "2"]
+[decode]
+count = 1
+args = ["--store-timeout", "2"]
+[gateway]
+port = 0
+max_output_tokens = 16
+request_timeout_s = 60.0
+"""
+
+
+def _prompt(tag: str) -> str:
+    return f"[{tag}] " + " ".join(f"the leader keeps block {i} of {tag} in its index." for i in range(40))
+
+
+class HaCluster:
+    def __init__(self, popen: subprocess.Popen, run_dir: Path) -> None:
+        self.popen, self.run_dir = popen, run_dir
+        self.state_path = run_dir / "state.json"
+        self.state = json.loads(self.state_path.read_text())
+        self.url = self.state["gateway_url"]
+        self.cold: dict[str, str] = {}
+
+    def service(self, name: str) -> dict:
+        return next(s for s in self.state["services"] if s["name"] == name)
+
+    def masters(self) -> list[dict]:
+        return [s for s in self.state["services"] if s["role"] == "master"]
+
+    def chat(self, prompt: str) -> tuple[str, int, int]:
+        """(answer, cached prompt tokens, prompt tokens); the answer must equal the prompt's cold answer."""
+        r = httpx.post(
+            f"{self.url}/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+            timeout=60.0,
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        usage = body["usage"]
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        text = body["choices"][0]["text"]
+        assert self.cold.setdefault(prompt, text) == text, f"wrong tokens for {prompt[:20]}"
+        return text, cached, int(usage["prompt_tokens"])
+
+    def describe(self, address: str) -> master_pb2.DescribeReply | None:
+        with grpc.insecure_channel(address) as ch:
+            try:
+                return master_pb2_grpc.MasterStub(ch).Describe(master_pb2.DescribeRequest(), timeout=1.0)
+            except grpc.RpcError:
+                return None
+
+    def leader(self, timeout_s: float = 15.0, not_pid: int | None = None) -> dict:
+        """The master that says it leads (waiting for one, other than ``not_pid``, up to ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for m in self.masters():
+                if m["pid"] != not_pid:
+                    d = self.describe(m["address"])
+                    if d is not None and d.leader:
+                        return {**m, "epoch": d.epoch}
+            time.sleep(0.05)
+        raise AssertionError(f"no leader within {timeout_s}s")
+
+    def master_call(self, address: str, method: str, request: object) -> object:
+        with grpc.insecure_channel(address) as ch:
+            return getattr(master_pb2_grpc.MasterStub(ch), method)(request, timeout=2.0)
+
+    def counters(self, address: str) -> dict[str, int]:
+        return dict(self.master_call(address, "Stats", master_pb2.StatsRequest()).counters)
+
+    def node_keys(self) -> set[bytes]:
+        with grpc.insecure_channel(self.service("node-0")["address"]) as ch:
+            stub = node_pb2_grpc.StorageNodeStub(ch)
+            return {m.key for m in stub.Inventory(node_pb2.InventoryRequest(), timeout=5.0)}
+
+    def log(self, name: str) -> str:
+        return Path(self.service(name)["log"]).read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HaCluster]:
+    base = tmp_path_factory.mktemp("ha")
+    (base / "cluster.toml").write_text(CONFIG)
+    run_dir = base / "run"
+    env = dict(os.environ, KVPOOL_RUNS=str(base / "runs"))
+    log = (base / "up.log").open("wb")
+    argv = [sys.executable, "-m", "kvpool.cli", "up", "--ha", "--etcd-members", "3"]
+    popen = subprocess.Popen(
+        [*argv, "--config", str(base / "cluster.toml"), "--run-dir", str(run_dir)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while not (run_dir / "state.json").exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            popen.kill()
+            pytest.fail(f"kvpool up --ha failed: {(base / 'up.log').read_text()[-3000:]}")
+        time.sleep(0.2)
+    c = HaCluster(popen, run_dir)
+    try:
+        yield c
+    finally:
+        for m in c.masters():  # a case that failed mid-freeze must not leave a stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(m["pid"], signal.SIGCONT)
+        popen.send_signal(signal.SIGTERM)
+        assert popen.wait(60) == 0, (base / "up.log").read_text()[-3000:]
+
+
+def test_status_names_one_leader_and_every_master_pid(cluster: HaCluster) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli", "status", "--json", "--state", str(cluster.state_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    masters = [s for s in json.loads(r.stdout)["services"] if s["role"] == "master"]
+    assert len(masters) == 2 and sorted(m["leader"] for m in masters) == [False, True]
+    assert {m["pid"] for m in masters} == {m["pid"] for m in cluster.masters()}
+    assert len([s for s in json.loads(r.stdout)["services"] if s["role"] == "etcd"]) == 3
+    prompt = _prompt("status")
+    _, cached, _ = cluster.chat(prompt)
+    _, cached2, _ = cluster.chat(prompt)
+    assert cached == 0 and cached2 > 0
+
+
+def test_a_leader_frozen_past_its_lease_is_fenced_and_commits_or_deletes_nothing(cluster: HaCluster) -> None:
+    old = cluster.leader()
+    warm = _prompt("split-brain")
+    cluster.chat(warm)
+    os.kill(old["pid"], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        new = cluster.leader(timeout_s=4 * LEASE_TTL_S + 5, not_pid=old["pid"])
+        assert new["epoch"] > old["epoch"]
+        time.sleep(max(0.0, 2 * LEASE_TTL_S - (time.monotonic() - t0)))
+        for i in range(3):  # the cluster runs on the new leader: puts land, hits return
+            cluster.chat(_prompt(f"under-new-leader-{i}"))
+        deadline = time.monotonic() + HITS_BACK_S
+        while cluster.chat(warm)[1] == 0:
+            assert time.monotonic() < deadline, "no hit under the new leader"
+            time.sleep(0.3)
+        kept = cluster.node_keys()
+        assert kept
+    finally:
+        os.kill(old["pid"], signal.SIGCONT)
+    victim = sorted(kept)[0]
+    meta = common_pb2.ObjectMeta(key=b"M" + os.urandom(32), kind=common_pb2.MLA_BLOCK, size=64, checksum=1)
+    writes = [
+        ("PutStart", master_pb2.PutStartRequest(meta=meta)),
+        ("Remove", master_pb2.RemoveRequest(keys=[victim])),
+        ("SetQuota", master_pb2.SetQuotaRequest(tenant="t", max_bytes=1)),
+    ]
+    for method, request in writes:  # the old leader, awake: every write refused, naming the leader
+        with pytest.raises(grpc.RpcError) as err:
+            cluster.master_call(old["address"], method, request)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details().startswith("NotLeaderError"), err.value.details()
+    # the node fences the old epoch too: a Delete ordered under it is refused and deletes nothing
+    with grpc.insecure_channel(cluster.service("node-0")["address"]) as ch:
+        stub = node_pb2_grpc.StorageNodeStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Delete(node_pb2.KeysRequest(keys=[victim], epoch=old["epoch"]), timeout=2.0)
+    assert (
+        err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "StaleEpochError" in err.value.details()
+    )
+    time.sleep(LEASE_TTL_S)
+    assert kept <= cluster.node_keys(), "an object was deleted on the deposed leader's word"
+    d = cluster.describe(old["address"])
+    assert d is not None and not d.leader and d.leader_address == new["address"]
+    assert cluster.leader()["pid"] == new["pid"]
+    assert cluster.chat(warm)[1] > 0
+
+
+def test_one_etcd_member_down_of_three_changes_nothing(cluster: HaCluster) -> None:
+    leader = cluster.leader()
+    member = cluster.service("etcd-2")
+    os.kill(int(member["ready"]["etcd_pid"]), signal.SIGKILL)
+    before = cluster.counters(leader["address"]).get("puts_committed", 0)
+    for i in range(3):
+        cluster.chat(_prompt(f"two-of-three-{i}"))
+    time.sleep(3 * LEASE_TTL_S)  # several lease refreshes on the remaining quorum
+    assert cluster.leader()["pid"] == leader["pid"]
+    assert cluster.counters(leader["address"]).get("puts_committed", 0) > before
+
+
+@dataclass
+class Stream:
+    """Requests back to back: a warm prompt (hit rate), then a fresh one (puts). Records per request."""
+
+    cluster: HaCluster
+    warm: list[str]
+    samples: list[tuple[float, float]] = field(default_factory=list)  # (time, cached share of a warm prompt)
+    fresh: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            try:
+                _, cached, total = self.cluster.chat(self.warm[i % len(self.warm)])
+                self.samples.append((time.monotonic(), cached / total))
+                prompt = _prompt(f"fresh-{i}")
+                self.cluster.chat(prompt)
+                self.fresh.append(prompt)
+            except (AssertionError, httpx.HTTPError) as exc:
+                self.errors.append(repr(exc))
+            i += 1
+
+
+def test_kill_9_of_the_leader_under_load_loses_no_tokens_and_recovers_in_seconds(cluster: HaCluster) -> None:
+    warm = [_prompt(f"steady-{i}") for i in range(3)]
+    for p in warm:
+        cluster.chat(p)
+    leader = cluster.leader()
+    standby = next(m for m in cluster.masters() if m["pid"] != leader["pid"])
+    stream = Stream(cluster, warm)
+    thread = threading.Thread(target=stream.run, daemon=True)
+    thread.start()
+    try:
+        time.sleep(3.0)
+        before = [share for _, share in stream.samples]
+        level = sum(before) / len(before)
+        assert level > 0.5, before
+        t_kill = time.monotonic()
+        os.kill(leader["pid"], signal.SIGKILL)
+        put_at = None
+        while put_at is None and time.monotonic() - t_kill < 3 * PUT_RESUME_S:
+            with contextlib.suppress(grpc.RpcError):
+                if cluster.counters(standby["address"]).get("puts_committed", 0) > 0:
+                    put_at = time.monotonic() - t_kill
+            time.sleep(0.05)
+        back_at = None
+        while back_at is None and time.monotonic() - t_kill < 2 * HITS_BACK_S:
+            after = [s for t, s in stream.samples if t > t_kill + 0.01]
+            if after and after[-1] >= 0.9 * level:
+                back_at = next(t for t, s in stream.samples if t > t_kill and s >= 0.9 * level) - t_kill
+            time.sleep(0.1)
+    finally:
+        stream.stop.set()
+        thread.join(120)
+    print(f"\nHA failover: first committed put {put_at}s after kill -9, hit rate back in {back_at}s")
+    assert stream.errors == []
+    assert put_at is not None and put_at <= PUT_RESUME_S, put_at
+    assert back_at is not None and back_at <= HITS_BACK_S, back_at
+    for p in stream.fresh[-3:]:  # asked again: now served from cache, token for token the cold answer
+        cluster.chat(p)
+    cluster.state["services"] = [s for s in cluster.state["services"] if s["pid"] != leader["pid"]]
+
+
+def test_with_every_etcd_member_down_the_leader_serves_reads_and_refuses_writes(cluster: HaCluster) -> None:
+    leader = cluster.leader()
+    warm = _prompt("etcd-gone")
+    cluster.chat(warm)
+    assert cluster.chat(warm)[1] > 0
+    for name in ("etcd-0", "etcd-1", "etcd-2"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(cluster.service(name)["ready"]["etcd_pid"]), signal.SIGKILL)
+    time.sleep(2 * LEASE_TTL_S)
+    _, cached, _ = cluster.chat(warm)  # reads: still a hit, same tokens
+    assert cached > 0
+    cluster.chat(_prompt("etcd-gone-fresh"))  # a write: refused by the master, recomputed, no error
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.master_call(
+            leader["address"], "SetQuota", master_pb2.SetQuotaRequest(tenant="t", max_bytes=1)
+        )
+    assert "read-only (etcd unreachable)" in err.value.details()
+    assert "serving reads only" in cluster.log(leader["name"])
