@@ -106,7 +106,7 @@ class MasterLink:
         self._wire_retry_at = 0.0  # loop time before which calls skip the wire (see WIRE_BACKOFF_S)
         self._describing: asyncio.Lock | None = None
         self._probe: asyncio.Task | None = None  # running while the breaker is open (see SILENT_BACKOFF_S)
-        self._closing: set[asyncio.Task] = set()  # channels of masters left behind, closing
+        self._retired: set[asyncio.Task] = set()  # channels of masters left behind, closed after a grace
 
     @property
     def address(self) -> str:
@@ -162,12 +162,23 @@ class MasterLink:
         channel, self._channel, self._stub = self._channel, None, None
         wire, self._wire = self._wire, None
         self._described = not self.use_wire
-        for closing in (channel.close() if channel else None, wire.close() if wire else None):
-            if closing is not None:
-                task = asyncio.get_running_loop().create_task(closing)
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+        if channel is not None or wire is not None:
+            task = asyncio.get_running_loop().create_task(self._retire(channel, wire))
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
         return True
+
+    async def _retire(self, channel: grpc.aio.Channel | None, wire: MasterWireClient | None) -> None:
+        """Close a left-behind master's channels once calls still in flight on them had their deadline:
+        closing a gRPC channel cancels its calls, and a cancellation must never reach a caller as if its
+        own task had been cancelled."""
+        try:
+            await asyncio.sleep(self.rpc_timeout_s)
+        finally:
+            if wire is not None:
+                await wire.close()
+            if channel is not None:
+                await channel.close()
 
     @property
     def silent(self) -> bool:
@@ -305,8 +316,10 @@ class MasterLink:
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+        for task in list(self._retired):
+            task.cancel()
+        if self._retired:
+            await asyncio.gather(*self._retired, return_exceptions=True)
 
     def _lock(self) -> asyncio.Lock:
         if self._describing is None:
