@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool.proto import decode_pb2_grpc, prefill_pb2_grpc
+from kvpool.runtime import cluster_auth
 
 log = logging.getLogger("kvpool.gateway")
 MAX_MESSAGE_BYTES = 64 << 20
@@ -75,9 +76,9 @@ def _worker(role: str, address: str, source: str = "") -> Worker:
 
 
 def _channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
+    return cluster_auth.aio_channel(
         address,
-        options=[
+        [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.enable_retries", 0),

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
 
-from kvpool.runtime.spawn import LaunchError
+from kvpool.runtime.spawn import Child, LaunchError
 
-if TYPE_CHECKING:
-    from kvpool.up import Cluster, Service
+Spawn = Callable[[str, str, list[str]], Child]  # (name, role, module argv) -> the started child
 
 MASTERS = 2
 LEASE_TTL_S = 2
@@ -27,43 +27,46 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_etcd(cluster: Cluster, members: int, timeout_s: float) -> list[Service]:
+def start_etcd(
+    spawn: Spawn, wait_ready: Callable[[Child, float], object], run_dir: Path, members: int, timeout_s: float
+) -> list[Child]:
     ports = [(free_port(), free_port()) for _ in range(members)]
     initial = ",".join(f"etcd-{i}=http://127.0.0.1:{peer}" for i, (_port, peer) in enumerate(ports))
     etcd = [
-        cluster._spawn(f"etcd-{i}", "etcd", _member_argv(cluster, i, port, peer, initial))
+        spawn(f"etcd-{i}", "etcd", _member_argv(run_dir, i, port, peer, initial))
         for i, (port, peer) in enumerate(ports)
     ]
     for member in etcd:
-        cluster._wait_ready(member, timeout_s)
+        wait_ready(member, timeout_s)
     return etcd
 
 
-def _member_argv(cluster: Cluster, i: int, port: int, peer: int, initial: str) -> list[str]:
+def _member_argv(run_dir: Path, i: int, port: int, peer: int, initial: str) -> list[str]:
     return [
         "kvpool.runtime.etcd_member",
         "--name", f"etcd-{i}",
-        "--data-dir", str(cluster.run_dir / f"etcd-{i}"),
+        "--data-dir", str(run_dir / f"etcd-{i}"),
         "--port", str(port),
         "--peer-port", str(peer),
         "--initial-cluster", initial,
     ]  # fmt: skip
 
 
-def master_flags(etcd: list[Service]) -> list[str]:
+def master_flags(etcd: list[Child]) -> list[str]:
     group = f"run-{etcd[0].popen.pid}"
-    endpoints = ",".join(s.address for s in etcd)
+    endpoints = ",".join(f"{s.ready['host']}:{s.ready['port']}" for s in etcd)
     return ["--etcd", endpoints, "--ha-group", group, "--lease-ttl", str(LEASE_TTL_S)]
 
 
-def leader_of(addresses: list[str], timeout_s: float = 1.0) -> str | None:
+def leader_of(addresses: list[str], timeout_s: float = 1.0, key: bytes | None = None) -> str | None:
     """The address whose master says it leads (``Describe``), None if none does now."""
     import grpc
 
     from kvpool.proto import master_pb2, master_pb2_grpc
+    from kvpool.runtime import cluster_auth
 
     for address in addresses:
-        with grpc.insecure_channel(address) as ch:
+        with cluster_auth.sync_channel(address, key=key) as ch:
             try:
                 stub = master_pb2_grpc.MasterStub(ch)
                 reply = stub.Describe(master_pb2.DescribeRequest(), timeout=timeout_s)
@@ -74,10 +77,10 @@ def leader_of(addresses: list[str], timeout_s: float = 1.0) -> str | None:
     return None
 
 
-def wait_for_leader(addresses: list[str], timeout_s: float) -> str:
+def wait_for_leader(addresses: list[str], timeout_s: float, key: bytes | None = None) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        leader = leader_of(addresses)
+        leader = leader_of(addresses, key=key)
         if leader is not None:
             return leader
         time.sleep(0.1)

@@ -69,8 +69,10 @@ def run_status(args: argparse.Namespace) -> int:
     masters = [r for r in rows if r["role"] == "master"]
     if len(masters) > 1:  # an HA group: say which one leads
         from kvpool.ha_cluster import leader_of
+        from kvpool.runtime.cluster_auth import read_secret_file
 
-        leader = leader_of([r["address"] for r in masters if r["health"] == "up"])
+        key = read_secret_file(state["secret_file"]) if state.get("secret_file") else None
+        leader = leader_of([r["address"] for r in masters if r["health"] == "up"], key=key)
         for r in masters:
             r["leader"] = r["address"] == leader
     if args.json:

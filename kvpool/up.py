@@ -31,6 +31,7 @@ from typing import Any
 
 from kvpool import ha_cluster
 from kvpool.placement import LoopbackPlacement, NetnsPlacement, Placed, make_placement
+from kvpool.runtime import cluster_auth
 from kvpool.runtime.spawn import Child, LaunchError, wait_ready
 from kvpool.runtime.spawn import start as spawn_start
 from kvpool.service_argv import master_argv, node_argv, worker_argv
@@ -109,6 +110,7 @@ class Cluster:
         self._netns, self._link = netns, link
         self._ha, self._etcd_members = ha, etcd_members
         self.master_address = ""  # what every client is given: one address, or the HA group's list
+        self.secret_file: Path | None = None  # this run's cluster secret (every internal listener needs it)
         self.placement: LoopbackPlacement | NetnsPlacement = LoopbackPlacement()
 
     # -- processes ---------------------------------------------------------------------------------------
@@ -119,9 +121,10 @@ class Cluster:
         placed = self.placement.place(name) if isolated else Placed()
         if placed.netns:
             argv = [*argv, "--host", placed.host]
+        env = {cluster_auth.ENV_FILE: str(self.secret_file)} if self.secret_file else None
         svc = spawn_start(
             name, argv, log_path, own_session=True, child_type=Service, role=role,
-            prefix=placed.prefix, netns=placed.netns,
+            prefix=placed.prefix, netns=placed.netns, env=env,
         )  # fmt: skip
         self.services[name] = svc
         return svc
@@ -134,11 +137,14 @@ class Cluster:
         cl, m, st, pf, dc = c["cluster"], c["master"], c["store"], c["prefill"], c["decode"]
         timeout = float(cl.get("ready_timeout_s", 90))
         try:
+            self.secret_file = self._write_secret()
             self.placement = make_placement(self.run_dir, self._netns, self._link)
             if self._ha:
                 if self._netns:
                     raise LaunchError("--ha runs on loopback only; it cannot be combined with --netns yet")
-                etcd = ha_cluster.start_etcd(self, self._etcd_members, timeout)
+                etcd = ha_cluster.start_etcd(
+                    self._spawn, self._wait_ready, self.run_dir, self._etcd_members, timeout
+                )
                 flags = ha_cluster.master_flags(etcd)
                 masters = [
                     self._spawn(f"master-{i}", "master", [*self._master_argv(m, i), *flags])
@@ -146,7 +152,8 @@ class Cluster:
                 ]
                 for master in masters:
                     self._wait_ready(master, timeout)
-                ha_cluster.wait_for_leader([s.address for s in masters], timeout)
+                key = cluster_auth.read_secret_file(str(self.secret_file))
+                ha_cluster.wait_for_leader([s.address for s in masters], timeout, key=key)
             else:
                 masters = [self._spawn("master", "master", self._master_argv(m, 0), isolated=True)]
                 self._wait_ready(masters[0], timeout)
@@ -185,6 +192,15 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def _write_secret(self) -> Path:
+        """A fresh cluster secret for this run, readable by this user only."""
+        path = self.run_dir / "cluster.secret"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(cluster_auth.new_secret())
+        return path
 
     def _master_argv(self, m: dict, i: int) -> list[str]:
         """Master ``i``'s flags; fixed ports in the config give master i port P + i."""
@@ -299,6 +315,7 @@ class Cluster:
             "services": [s.describe() for s in self.services.values()],
             "netns": self.placement.state(),
             "master_address": self.master_address,
+            "secret_file": str(self.secret_file) if self.secret_file else None,
         }
 
     def write_state(self) -> Path:

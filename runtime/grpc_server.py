@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvpool.runtime import cluster_auth
 
 AddServicer = Callable[[grpc.aio.Server], None]
 
@@ -32,12 +33,14 @@ class GrpcServer:
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> int:
+        key = cluster_auth.secret()  # with a cluster secret, every call but health checks must present it
         server = grpc.aio.server(
+            interceptors=[cluster_auth.ServerAuth(key)] if key else None,
             options=[
                 ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", self.max_message_bytes),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         for add in self.services.values():
             add(server)

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +31,20 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvpool.kvstore.protocol import data_frame, master_wire
+from kvpool.proto import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    master_pb2,
+    master_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from kvpool.runtime import cluster_auth
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +109,7 @@ class HaCluster:
         return text, cached, int(usage["prompt_tokens"])
 
     def describe(self, address: str) -> master_pb2.DescribeReply | None:
-        with grpc.insecure_channel(address) as ch:
+        with cluster_auth.sync_channel(address) as ch:
             try:
                 return master_pb2_grpc.MasterStub(ch).Describe(master_pb2.DescribeRequest(), timeout=1.0)
             except grpc.RpcError:
@@ -114,14 +128,14 @@ class HaCluster:
         raise AssertionError(f"no leader within {timeout_s}s")
 
     def master_call(self, address: str, method: str, request: object) -> object:
-        with grpc.insecure_channel(address) as ch:
+        with cluster_auth.sync_channel(address) as ch:
             return getattr(master_pb2_grpc.MasterStub(ch), method)(request, timeout=2.0)
 
     def counters(self, address: str) -> dict[str, int]:
         return dict(self.master_call(address, "Stats", master_pb2.StatsRequest()).counters)
 
     def node_keys(self) -> set[bytes]:
-        with grpc.insecure_channel(self.service("node-0")["address"]) as ch:
+        with cluster_auth.sync_channel(self.service("node-0")["address"]) as ch:
             stub = node_pb2_grpc.StorageNodeStub(ch)
             return {m.key for m in stub.Inventory(node_pb2.InventoryRequest(), timeout=5.0)}
 
@@ -150,9 +164,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HaCluster]:
             pytest.fail(f"kvpool up --ha failed: {(base / 'up.log').read_text()[-3000:]}")
         time.sleep(0.2)
     c = HaCluster(popen, run_dir)
+    cluster_auth.configure(cluster_auth.read_secret_file(c.state["secret_file"]))  # this process is a client
     try:
         yield c
     finally:
+        cluster_auth.configure(None)
         for m in c.masters():  # a case that failed mid-freeze must not leave a stopped process behind
             with contextlib.suppress(ProcessLookupError):
                 os.kill(m["pid"], signal.SIGCONT)
@@ -174,6 +190,93 @@ def test_status_names_one_leader_and_every_master_pid(cluster: HaCluster) -> Non
     _, cached, _ = cluster.chat(prompt)
     _, cached2, _ = cluster.chat(prompt)
     assert cached == 0 and cached2 > 0
+
+
+def _closed_without_answer(address: tuple[str, int], payload: bytes) -> bool:
+    """Send ``payload`` on a fresh raw connection; True when the peer closes it without a byte back."""
+    with socket.create_connection(address, timeout=5.0) as sock:
+        sock.sendall(payload)
+        sock.settimeout(5.0)
+        try:
+            return sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+def test_a_peer_without_the_cluster_secret_is_rejected_on_every_listener_and_writes_nothing(
+    cluster: HaCluster, tmp_path: Path
+) -> None:
+    leader, node = cluster.leader(), cluster.service("node-0")
+    kept = cluster.node_keys()
+    key = b"M" + os.urandom(32)
+    meta = common_pb2.ObjectMeta(key=key, kind=common_pb2.MLA_BLOCK, size=64, checksum=1)
+    grpc_calls = [
+        (leader["address"], master_pb2_grpc.MasterStub, "PutStart", master_pb2.PutStartRequest(meta=meta)),
+        (
+            node["address"],
+            node_pb2_grpc.StorageNodeStub,
+            "Delete",
+            node_pb2.KeysRequest(keys=sorted(kept)[:1]),
+        ),
+        (
+            cluster.service("prefill-0")["address"],
+            prefill_pb2_grpc.PrefillStub,
+            "Prefill",
+            prefill_pb2.PrefillRequest(),
+        ),
+        (
+            cluster.service("decode-0")["address"],
+            decode_pb2_grpc.DecodeStub,
+            "Generate",
+            decode_pb2.GenerateRequest(),
+        ),
+    ]
+    for address, stub_type, method, request in grpc_calls:
+        for channel in (
+            grpc.insecure_channel(address),
+            cluster_auth.sync_channel(address, key=os.urandom(32)),
+        ):
+            with channel, pytest.raises(grpc.RpcError) as err:
+                reply = getattr(stub_type(channel), method)(request, timeout=5.0)
+                list(reply) if method == "Generate" else reply  # a stream fails on its first read
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, err.value)
+        with grpc.insecure_channel(address) as ch:  # liveness stays open to probes
+            assert (
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5.0).status == 1
+            )
+    # raw listeners: a frame without the hello, or after a hello made with another secret, is never read
+    wire_port = cluster.describe(leader["address"]).wire_port
+    host = leader["address"].rsplit(":", 1)[0]
+    wire_frame = master_wire.encode(1, 0, 1, master_pb2.PutStartRequest(meta=meta).SerializeToString())
+    header = node_pb2.PutHeader(put_id="x", meta=meta).SerializeToString()
+    put_frame = data_frame.encode(
+        data_frame.Frame(data_frame.OP_PUT, key=key, aux=header, request_id=1, payload_len=64, checksum=1)
+    ) + bytes(64)
+    node_tcp = (node["ready"]["host"], int(node["ready"]["tcp_port"]))
+    forged = cluster_auth.hello(os.urandom(32))
+    for address, frame in (((host, wire_port), wire_frame), (node_tcp, put_frame)):
+        assert _closed_without_answer(address, frame)
+        assert _closed_without_answer(address, forged + frame)
+    # a storage node started without the secret never joins the cluster
+    stranger = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.kvstore.cli", "node", "--master", cluster.state["master_address"],
+         "--capacity", "16MiB", "--transport", "tcp"],
+        stdout=(tmp_path / "stranger.log").open("wb"), stderr=subprocess.STDOUT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_CLUSTER_SECRET")},
+    )  # fmt: skip
+    try:
+        time.sleep(3.0)
+        assert cluster.master_call(leader["address"], "Stats", master_pb2.StatsRequest()).nodes == 1
+        assert "UNAUTHENTICATED" in (tmp_path / "stranger.log").read_text()
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+    assert key not in cluster.node_keys() and kept <= cluster.node_keys()
+    counters = cluster.counters(leader["address"])
+    assert counters.get("auth_rejected_grpc", 0) >= 2 and counters.get("auth_rejected_master_wire", 0) >= 2
+    with cluster_auth.sync_channel(node["address"]) as ch:
+        info = node_pb2_grpc.StorageNodeStub(ch).Info(node_pb2.NodeInfoRequest(), timeout=5.0)
+    assert info.counters["auth_rejected_node_tcp"] >= 2 and info.counters["auth_rejected_grpc"] >= 2
 
 
 def test_a_leader_frozen_past_its_lease_is_fenced_and_commits_or_deletes_nothing(cluster: HaCluster) -> None:
@@ -209,7 +312,7 @@ def test_a_leader_frozen_past_its_lease_is_fenced_and_commits_or_deletes_nothing
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert err.value.details().startswith("NotLeaderError"), err.value.details()
     # the node fences the old epoch too: a Delete ordered under it is refused and deletes nothing
-    with grpc.insecure_channel(cluster.service("node-0")["address"]) as ch:
+    with cluster_auth.sync_channel(cluster.service("node-0")["address"]) as ch:
         stub = node_pb2_grpc.StorageNodeStub(ch)
         with pytest.raises(grpc.RpcError) as err:
             stub.Delete(node_pb2.KeysRequest(keys=[victim], epoch=old["epoch"]), timeout=2.0)

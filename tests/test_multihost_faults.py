@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvpool.runtime import cluster_auth
 from kvpool.runtime.netns import run
 
 pytestmark = pytest.mark.slow
@@ -142,9 +143,11 @@ def cluster(
             pytest.fail(f"kvpool up --netns failed: {(base / 'up.log').read_text()[-3000:]}")
         time.sleep(0.2)
     c = NetnsCluster(popen, run_dir, transport)
+    cluster_auth.configure(cluster_auth.read_secret_file(c.state["secret_file"]))  # this process is a client
     try:
         yield c
     finally:
+        cluster_auth.configure(None)
         c.chaos("heal")
         popen.send_signal(signal.SIGTERM)
         assert popen.wait(60) == 0, (base / "up.log").read_text()[-3000:]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 from kvpool.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvpool.runtime import cluster_auth
 from kvpool.worker.errors import ServingError
 from kvpool.worker.handoff import PrefillRequest
 from kvpool.worker.wire import logits_from_reply, request_to_pb
@@ -61,7 +62,7 @@ class RemoteCompletion:
 class DisaggClient:
     def __init__(self, prefill: str, decode: str, timeout_s: float = 60.0) -> None:
         self.decode_address = decode
-        self._channels = [grpc.aio.insecure_channel(prefill), grpc.aio.insecure_channel(decode)]
+        self._channels = [cluster_auth.aio_channel(prefill), cluster_auth.aio_channel(decode)]
         self.prefill_stub = prefill_pb2_grpc.PrefillStub(self._channels[0])
         self.decode_stub = decode_pb2_grpc.DecodeStub(self._channels[1])
         self.timeout_s = timeout_s

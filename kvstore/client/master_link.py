@@ -62,6 +62,7 @@ from kvpool.kvstore.protocol.master_addresses import MasterAddresses
 from kvpool.kvstore.protocol.master_wire import METHODS as WIRE_METHODS
 from kvpool.kvstore.protocol.master_wire import WireConnectError
 from kvpool.proto import master_pb2, master_pb2_grpc
+from kvpool.runtime import cluster_auth
 
 # Read-only calls a second execution cannot harm: retried over gRPC when the wire breaks mid-call.
 RETRY_OVER_GRPC = frozenset({"Lookup", "MatchPrefix", "Stats", "Describe"})
@@ -121,7 +122,7 @@ class MasterLink:
     @property
     def stub(self) -> master_pb2_grpc.MasterStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = cluster_auth.aio_channel(self.address, CHANNEL_OPTIONS)
             self._stub = master_pb2_grpc.MasterStub(self._channel)
         return self._stub
 

@@ -23,6 +23,7 @@ from kvpool.kvstore.protocol.master_wire import (
     encode,
     no_delay,
 )
+from kvpool.runtime import cluster_auth
 
 
 class _ClientConnection(asyncio.Protocol):
@@ -41,6 +42,9 @@ class _ClientConnection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         no_delay(transport)
+        hello = cluster_auth.client_hello()  # with a cluster secret: before any frame
+        if hello:
+            transport.write(hello)
 
     def data_received(self, data: bytes) -> None:
         try:

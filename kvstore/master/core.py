@@ -44,6 +44,7 @@ from kvpool.kvstore.master.messages import (
 )
 from kvpool.kvstore.master.records import NodeAction, PendingActions, PendingPut
 from kvpool.proto import common_pb2, master_pb2
+from kvpool.runtime import cluster_auth
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ class MasterCore(NodeMembership):
             bytes_per_tier=st.bytes_per_tier,
             bytes_per_tenant=st.bytes_per_tenant,
             policy=st.policy,
-            counters=self.counters,
+            counters={**self.counters, **cluster_auth.rejection_counters()},
             demotions=st.demotions,
             expired=st.expired,
             admission_rate=None if self.index.admission is None else self.index.admission.rate,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import grpc
 from kvpool.kvstore.master.records import NodeAction, PendingActions
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.runtime import cluster_auth
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class _NodeWorker:
     def __init__(self, endpoint: common_pb2.NodeEndpoint) -> None:
         self.node_id = endpoint.node_id
         self.address = f"{endpoint.host}:{endpoint.grpc_port}"
-        self.channel = grpc.aio.insecure_channel(self.address)
+        self.channel = cluster_auth.aio_channel(self.address)
         self.stub = node_pb2_grpc.StorageNodeStub(self.channel)
         # (action, keys, epoch, done): ``done`` resolves once the call was attempted (delivered or failed)
         self.queue: list[tuple[NodeAction, list[bytes], int, asyncio.Future[None]]] = []

@@ -24,6 +24,8 @@ from kvpool.kvstore.protocol.master_wire import (
     no_delay,
     status_number,
 )
+from kvpool.runtime import cluster_auth
+from kvpool.runtime.cluster_auth import HELLO_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class _ServerConnection(asyncio.Protocol):
         self.server = server
         self.frames = FrameBuffer(server.max_body)
         self.transport: asyncio.Transport | None = None
+        # with a cluster secret: the connection's first bytes must be the hello; nothing runs before it
+        self._hello: bytearray | None = bytearray() if server.auth is not None else None
         self._frame_timer: asyncio.TimerHandle | None = None
         self._waiting: set[asyncio.Task[None]] = set()
         self._out: list[bytes] = []
@@ -62,6 +66,20 @@ class _ServerConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        if self._hello is not None:
+            need = HELLO_SIZE - len(self._hello)
+            self._hello += data[:need]
+            data = data[need:]
+            if len(self._hello) < HELLO_SIZE:
+                return
+            assert self.server.auth is not None
+            if not self.server.auth.verify(bytes(self._hello), self._peer()):
+                self.server.count("wire_auth_rejected")
+                self.abort()
+                return
+            self._hello = None
+            if not data:
+                return
         try:
             frames = self.frames.feed(data)
             for method_id, status, request_id, body in frames:
@@ -164,6 +182,7 @@ class MasterWireServer:
         max_body: int = MAX_BODY,
     ) -> None:
         self.dispatch = dispatch
+        self.auth = cluster_auth.server_hello_check("master wire")
         self.frame_timeout_s = frame_timeout_s
         self.max_body = max_body
         self.port = 0

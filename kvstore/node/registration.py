@@ -28,6 +28,7 @@ from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.protocol.grpc_errors import CHANNEL_OPTIONS, typed_error
 from kvpool.kvstore.protocol.master_addresses import MasterAddresses
 from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.runtime import cluster_auth
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 5.0
@@ -42,7 +43,7 @@ class MasterRegistration:
         self.endpoint = endpoint
         self.heartbeat_interval_s = 1.0
         self.registrations = 0
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = cluster_auth.aio_channel(self.address, CHANNEL_OPTIONS)
         self._stub = master_pb2_grpc.MasterStub(self._channel)
         self._task: asyncio.Task | None = None
 
@@ -135,7 +136,7 @@ class MasterRegistration:
 
     async def _new_channel(self) -> None:
         old = self._channel
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = cluster_auth.aio_channel(self.address, CHANNEL_OPTIONS)
         self._stub = master_pb2_grpc.MasterStub(self._channel)
         self.store.count("master_reconnects")
         await old.close(grace=None)

@@ -16,6 +16,7 @@ from kvpool.kvstore.errors import (
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.protocol.grpc_errors import status_of
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.runtime import cluster_auth
 
 SERVICE_NAME = "kvpool.v1.StorageNode"
 MAX_KEYS_PER_CALL = 100_000
@@ -57,7 +58,7 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
             ssd_used_bytes=self.store.ssd_used,
             fragmentation=alloc.fragmentation,
             objects=len(self.store.objects),
-            counters=self.store.counters,
+            counters={**self.store.counters, **cluster_auth.rejection_counters()},
         )
 
     async def Inventory(self, request, context) -> AsyncIterator[common_pb2.ObjectMeta]:

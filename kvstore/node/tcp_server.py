@@ -50,6 +50,7 @@ from kvpool.kvstore.protocol.data_frame import (
 )
 from kvpool.kvstore.transport.base import FLAG_TRAILER, recv_exactly_into, recv_hashing_into, send_parts
 from kvpool.proto import common_pb2, node_pb2
+from kvpool.runtime import cluster_auth
 
 log = logging.getLogger(__name__)
 DRAIN_LIMIT = 64 << 20  # refused payloads up to this size are read and dropped to keep the stream in sync
@@ -87,6 +88,7 @@ class TcpDataServer:
         self._tasks: set[asyncio.Task] = set()
         self._accept_task: asyncio.Task | None = None
         self._scratch = bytearray(1 << 20)
+        self.auth = cluster_auth.server_hello_check("node tcp")  # None: no cluster secret configured
 
     def start(self) -> None:
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
@@ -117,6 +119,8 @@ class TcpDataServer:
         header = bytearray(HEADER_SIZE)
         hview = memoryview(header)
         try:
+            if self.auth is not None and not await self._authenticated(loop, conn):
+                return
             while True:
                 # idle wait for the first byte has no deadline (pooled connections sit idle); the rest of
                 # the frame must follow within the frame deadline
@@ -158,6 +162,22 @@ class TcpDataServer:
             log.exception("tcp connection failed")
         finally:
             conn.close()
+
+    async def _authenticated(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bool:
+        """The connection's first bytes are the cluster hello (``runtime.cluster_auth``), within the frame
+        deadline; anything else closes it before a frame is read."""
+        assert self.auth is not None
+        hello = bytearray(cluster_auth.HELLO_SIZE)
+        try:
+            async with asyncio.timeout(self.frame_timeout_s):
+                await recv_exactly_into(loop, conn, memoryview(hello))
+        except (TimeoutError, ProtocolError):
+            hello = bytearray()
+        peer = ":".join(map(str, conn.getpeername()[:2])) if conn.fileno() >= 0 else "?"
+        if self.auth.verify(bytes(hello), peer):
+            return True
+        self.store.count("auth_rejected")
+        return False
 
     async def _send_error(self, conn: socket.socket, op: int, exc: StoreError, request_id: int = 0) -> None:
         with contextlib.suppress(OSError, TimeoutError):

@@ -31,6 +31,7 @@ from kvpool.kvstore.protocol.data_frame import (
 )
 from kvpool.kvstore.transport.ucx import abort_endpoint, load_ucxx, until_message
 from kvpool.proto import node_pb2
+from kvpool.runtime import cluster_auth
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class UcxDataServer:
         self.store = store
         self.frame_timeout_s = frame_timeout_s
         self.floor_rate = floor_rate
+        self.auth = cluster_auth.server_hello_check("node ucx")  # None: no cluster secret configured
         ucxx = load_ucxx()
         self._listener = ucxx.create_listener(self._handle, port=port or None)
         self.port: int = self._listener.port
@@ -62,6 +64,8 @@ class UcxDataServer:
             self._handlers.add(task)
         ctrl = np.empty(CONTROL_SIZE, np.uint8)
         try:
+            if self.auth is not None and not await self._authenticated(ep):
+                return
             while True:
                 try:
                     await until_message(ep)  # idle wait without ucxx's poll loop
@@ -90,6 +94,21 @@ class UcxDataServer:
             abort_endpoint(ep)
             if task is not None:
                 self._handlers.discard(task)
+
+    async def _authenticated(self, ep) -> bool:  # type: ignore[no-untyped-def]
+        """The endpoint's first message is the cluster hello (``runtime.cluster_auth``); a control frame
+        instead (larger than the hello: truncated) or a wrong MAC closes it before a frame is read."""
+        assert self.auth is not None
+        hello = np.zeros(cluster_auth.HELLO_SIZE, np.uint8)
+        try:
+            await until_message(ep)
+            await ep.recv(hello)
+        except Exception:
+            hello = np.zeros(0, np.uint8)
+        if self.auth.verify(hello.tobytes(), "ucx peer"):
+            return True
+        self.store.count("auth_rejected")
+        return False
 
     async def _reply(self, ep, frame: Frame) -> None:  # type: ignore[no-untyped-def]
         with contextlib.suppress(Exception):

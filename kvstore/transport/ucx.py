@@ -42,6 +42,7 @@ from kvpool.kvstore.transport.base import (
     with_deadline,
 )
 from kvpool.proto import common_pb2, node_pb2
+from kvpool.runtime import cluster_auth
 
 UCX_DEFAULTS = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -158,6 +159,20 @@ def ucx_available() -> bool:
 HANDSHAKE_UNBOUNDED_S = 1e9  # ucxx's own handshake timeout: never (see UcxTransport._connect)
 
 
+async def _endpoint_with_hello(ucxx: ModuleType, host: str, port: int):  # type: ignore[no-untyped-def]
+    """Connect, then (with a cluster secret) send the hello the node reads before any frame. Both inside
+    the one never-cancelled connect task: a send cancelled mid-flight could leave UCX reading freed bytes."""
+    ep = await ucxx.create_endpoint(host, port, connect_timeout=HANDSHAKE_UNBOUNDED_S)
+    hello = cluster_auth.client_hello()
+    if hello:
+        try:
+            await ep.send(np.frombuffer(hello, np.uint8))
+        except BaseException:
+            abort_endpoint(ep)
+            raise
+    return ep
+
+
 def _abort_when_connected(task: asyncio.Task) -> None:
     """Done-callback of an abandoned connect: close the endpoint it produced (errors are already moot)."""
     if task.cancelled() or task.exception() is not None:
@@ -216,7 +231,7 @@ class UcxTransport(Transport):
         ``kvpool chaos freeze node-0`` then ``heal``). So the caller's deadline waits on a shield, and an
         abandoned connect runs to its end in the background and is then closed (``_abort_when_connected``).
         """
-        task = asyncio.ensure_future(ucxx.create_endpoint(host, port, connect_timeout=HANDSHAKE_UNBOUNDED_S))
+        task = asyncio.ensure_future(_endpoint_with_hello(ucxx, host, port))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
         return task
