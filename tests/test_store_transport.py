@@ -19,6 +19,7 @@ from kvpool.kvstore.errors import (
     CorruptObjectError,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    StoreError,
     StoreUnavailableError,
     TransportTimeoutError,
     TransportUnavailableError,
@@ -28,7 +29,7 @@ from kvpool.kvstore.protocol.shm_segment import attach_segment
 from kvpool.kvstore.transport.base import Deadlines
 from kvpool.kvstore.transport.select import TransportSelector, has_rdma_device
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
-from store_helpers import location, start_node
+from store_helpers import NodeProc, location, start_node
 
 TRANSPORTS = ["tcp", "shm", "ucx"]
 FAST = Deadlines(connect_s=2.0, base_s=1.5, floor_rate=100e6)
@@ -413,3 +414,43 @@ def test_pooled_connection_to_a_restarted_node_is_replaced(tmp_path, choice):
         run(_with(choice, body))
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("choice", ["tcp", "ucx"])
+def test_a_node_with_a_cluster_secret_serves_only_clients_that_hold_it(tmp_path, choice):
+    """tcp and ucx start with the 56-byte hello; a client without the secret writes nothing and is told so
+    by a closed connection within its deadline, a client with it is served as usual."""
+    from kvpool.runtime import cluster_auth
+    from kvpool.runtime.spawn import spawn
+
+    key = os.urandom(32).hex()
+    argv = ["node", "--no-master", "--capacity", "16MiB", "--transport", "tcp,ucx", "--no-prefault"]
+    env = {cluster_auth.ENV_VALUE: key}
+    proc = node_proc = spawn(
+        "node", ["kvpool.kvstore.cli", *argv], tmp_path, 60, child_type=NodeProc, env=env
+    )
+    data = os.urandom(50_000)
+    meta = meta_for(data)
+
+    async def stranger(sel):
+        with pytest.raises(StoreError):
+            await sel.for_node(node_proc.endpoint).put(node_proc.endpoint, "x", meta, data)
+
+    async def member(sel):
+        t = sel.for_node(node_proc.endpoint)
+        await t.put(node_proc.endpoint, "y", meta, data)
+        out = bytearray(len(data))
+        await t.get_into(location(node_proc, meta), out)
+        assert out == data
+
+    try:
+        cluster_auth.configure(None)
+        t0 = time.monotonic()
+        run(_with(choice, stranger))
+        assert time.monotonic() - t0 < FAST.for_size(len(data)) + 2
+        cluster_auth.configure(key.encode())
+        run(_with(choice, member))
+    finally:
+        cluster_auth.configure(None)
+        proc.kill()
+    assert "rejected unauthenticated" in proc.log_path.read_text()
