@@ -11,6 +11,8 @@ What it measures (put and get GB/s for each object size, 1 GB = 1e9 B):
 * ``redis``: ``redis-server`` (started here, persistence off) through redis-py SET/GET.
 * ``mooncake``: Mooncake Store over TCP (own venv, installed on demand; skipped with the reason otherwise).
 * ``tcp`` / ``shm`` / ``ucx``: kvpool's own master + storage node (their CLIs) through the store client.
+* ``tcp_auth`` / ``shm_auth``: the same with a cluster secret required (runtime/cluster_auth.py): the cost
+  of authenticated internal traffic, as ``*_auth_*_over_*`` ratios against the rows of the same run.
 * ``match_prefix`` p50/p99 latency over gRPC for a 2,000-block chain, and master RSS per indexed object.
 
 Each family runs in its own child process with a deadline; when it fails or runs late the child (and every
@@ -57,7 +59,9 @@ SECTIONS: dict[str, tuple[str, str, int, int]] = {
     "redis": ("store_baselines", "section_redis", 300, 120),
     "mooncake": ("store_baselines", "section_mooncake", 900, 600),
     "tcp": ("store_ours", "section_tcp", 360, 150),
+    "tcp_auth": ("store_ours", "section_tcp_auth", 360, 150),
     "shm": ("store_ours", "section_shm", 360, 150),
+    "shm_auth": ("store_ours", "section_shm_auth", 360, 150),
     "ucx": ("store_ours", "section_ucx", 420, 180),
     "push": ("store_ours", "section_push", 600, 300),
     "match_prefix": ("store_ours", "section_match_prefix", 240, 120),
@@ -215,6 +219,11 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
         for base_id, base in (("redis", redis), ("mooncake", mooncake)):
             for op in ("put", "get"):
                 ratios[f"{ours_id}_{op}_over_{base_id}_{op}"] = _ratio(_cell(ours, op, s), _cell(base, op, s))
+    for t in ("tcp", "shm"):  # the cluster secret's cost: same transport, same run, auth on over off
+        for op in ("put", "get"):
+            ratios[f"{t}_auth_{op}_over_{t}_{op}"] = _ratio(
+                _cell(rows.get(f"{t}_auth"), op, s), _cell(rows.get(t), op, s)
+            )
     push = (extras.get("push") or {}).get("gbps", {})
     socket = rows.get("socket")
     ratios["shm_push_over_memcpy"] = _ratio(push.get("shm", {}).get("batch"), _largest_put(memcpy))

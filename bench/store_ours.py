@@ -57,22 +57,35 @@ def _entry(args: list[str]) -> list[str]:
     return ["kvpool.cli", *args]
 
 
-def _spawn(procs: list[subprocess.Popen[Any]], args: list[str], log_dir: Path, name: str) -> dict[str, Any]:
+def _spawn(
+    procs: list[subprocess.Popen[Any]],
+    args: list[str],
+    log_dir: Path,
+    name: str,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Start ``python -m kvpool.cli ARGS`` through the one spawner and return its readiness record."""
-    child = spawn(name, _entry(args), log_dir, READY_TIMEOUT_S)
+    child = spawn(name, _entry(args), log_dir, READY_TIMEOUT_S, env=env)
     procs.append(child.popen)
     return {**child.ready, "pid": child.pid}
 
 
-def start_master(procs: list[subprocess.Popen[Any]], log_dir: Path, *extra: str) -> tuple[str, int]:
+def start_master(
+    procs: list[subprocess.Popen[Any]], log_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[str, int]:
     """A ``kvpool store master`` on a free port; returns (address, pid)."""
     args = ["store", "master", "--host", HOST, "--port", "0", "--log-level", "WARNING", *extra]
-    ready = _spawn(procs, args, log_dir, "master")
+    ready = _spawn(procs, args, log_dir, "master", env)
     return f"{ready.get('host', HOST)}:{ready['port']}", int(ready["pid"])
 
 
 def start_node(
-    procs: list[subprocess.Popen[Any]], log_dir: Path, master: str, capacity: int, transports: str
+    procs: list[subprocess.Popen[Any]],
+    log_dir: Path,
+    master: str,
+    capacity: int,
+    transports: str,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A ``kvpool store node`` registered with ``master`` (its readiness line comes after registration)."""
     return _spawn(
@@ -91,6 +104,7 @@ def start_node(
         ],
         log_dir,
         "node",
+        env,
     )
 
 
@@ -103,10 +117,11 @@ def _capacity_for(plan: Plan) -> int:
     return max(256 * MB, int(largest * 1.5) + 64 * MB)
 
 
-async def _measure_transport(plan: Plan, master: str, transport: str) -> Row:
+async def _measure_transport(plan: Plan, master: str, transport: str, row_id: str = "") -> Row:
     from kvpool.kvstore.client.async_client import AsyncStoreClient
 
-    row = Row(transport, f"kvpool {transport}", note="master + storage node processes, AsyncStoreClient")
+    note = "master + storage node processes, AsyncStoreClient"
+    row = Row(row_id or transport, f"kvpool {row_id or transport}", note=note)
     async with AsyncStoreClient(master, transport=transport) as client:
         for size in plan.sizes_mb:
             n = size * MB
@@ -152,13 +167,21 @@ async def _measure_transport(plan: Plan, master: str, transport: str) -> Row:
     return row
 
 
-def _transport_section(plan: Plan, transport: str) -> dict[str, Any]:
+def _transport_section(plan: Plan, transport: str, auth: bool = False) -> dict[str, Any]:
+    """One transport's row; ``auth``: master and node require a cluster secret and this client holds it
+    (every gRPC call carries the token, every connection starts with the hello)."""
+    from kvpool.runtime import cluster_auth
+
+    key = cluster_auth.new_secret() if auth else None
+    env = {cluster_auth.ENV_VALUE: key} if key else None
+    cluster_auth.configure(key.encode() if key else None)
     with children() as procs, tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
         log_dir = Path(tmp)
-        master, _ = start_master(procs, log_dir)
+        master, _ = start_master(procs, log_dir, env=env)
         planes = "tcp,shm,ucx" if transport == "ucx" else "tcp,shm"  # ucxx only where it is measured
-        start_node(procs, log_dir, master, _capacity_for(plan), planes)
-        row = asyncio.run(_measure_transport(plan, master, transport))
+        start_node(procs, log_dir, master, _capacity_for(plan), planes, env)
+        row_id = f"{transport}_auth" if auth else transport
+        row = asyncio.run(_measure_transport(plan, master, transport, row_id))
     return {"rows": [row.to_json()]}
 
 
@@ -170,6 +193,16 @@ def section_tcp(plan: Plan) -> dict[str, Any]:
 def section_shm(plan: Plan) -> dict[str, Any]:
     """kvpool's same-host path straight into/out of the node's shared-memory pool."""
     return _transport_section(plan, "shm")
+
+
+def section_tcp_auth(plan: Plan) -> dict[str, Any]:
+    """kvpool tcp with a cluster secret (the auth overhead, against the ``tcp`` row of the same run)."""
+    return _transport_section(plan, "tcp", auth=True)
+
+
+def section_shm_auth(plan: Plan) -> dict[str, Any]:
+    """kvpool shm with a cluster secret: its control frames go over the authenticated tcp connection."""
+    return _transport_section(plan, "shm", auth=True)
 
 
 def section_ucx(plan: Plan) -> dict[str, Any]:
