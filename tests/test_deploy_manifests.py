@@ -20,7 +20,8 @@ from kvpool.cli import build_parser
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.37.0"
-STATELESS = {"kvpool-master", "kvpool-prefill", "kvpool-decode", "kvpool-gateway"}
+STATELESS = {"kvpool-prefill", "kvpool-decode", "kvpool-gateway"}
+STATEFUL = {"kvpool-node", "kvpool-master", "kvpool-etcd"}  # stable names: node ids, HA masters, etcd members
 
 
 def k8s_docs() -> list[dict]:
@@ -46,7 +47,8 @@ def test_k8s_layout_probes_services_and_commands() -> None:
     docs = k8s_docs()
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert {n for k, n in kinds if k == "Deployment"} == STATELESS
-    assert ("StatefulSet", "kvpool-node") in kinds
+    assert {n for k, n in kinds if k == "StatefulSet"} == STATEFUL
+    assert ("Secret", "kvpool-cluster-secret") in kinds
     config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
     services = [d for d in docs if d["kind"] == "Service"]
     for d in docs:
@@ -64,6 +66,10 @@ def test_k8s_layout_probes_services_and_commands() -> None:
                 port = (probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket"))["port"]
                 assert port in ports, (c["name"], port)
             assert all(r["configMapRef"]["name"] == "kvpool-config" for r in c.get("envFrom", []))
+            if c["image"] != "kvpool:0.1.0":  # etcd: its own image and flags
+                continue
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert config["KVPOOL_CLUSTER_SECRET_FILE"].rsplit("/", 1)[0] in mounts, c["name"]
             env = dict(config, POD_NAME=f"{d['metadata']['name']}-0")
             argv = [re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a) for a in c["args"]]
             parse_cli(argv)
@@ -89,12 +95,15 @@ def test_gateway_discovers_workers_through_headless_services() -> None:
 def test_compose_file_structure_and_commands() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"master", "node", "prefill-0", "prefill-1", "decode-0", "gateway"} <= set(services)
+    assert {"etcd", "master-0", "master-1", "node", "prefill-0", "prefill-1", "decode-0", "gateway"} <= set(
+        services
+    )
+    assert compose["secrets"]["kvpool_cluster_secret"]["file"] == "./cluster.secret"
     ports_of = {}
-    observability = {"prometheus", "grafana"}
+    observability = {"prometheus", "grafana", "etcd"}
     assert observability <= set(services)
     for name in observability:  # every file they mount is in the repo
-        for volume in services[name]["volumes"]:
+        for volume in services[name].get("volumes", []):
             assert (DEPLOY / volume.split(":")[0]).exists(), (name, volume)
     for name, svc in services.items():
         if name in observability:
@@ -110,9 +119,10 @@ def test_compose_file_structure_and_commands() -> None:
     gw = services["gateway"]["command"]
     for i, arg in enumerate(gw):
         if arg in ("--prefill", "--decode", "--master"):
-            host, port = gw[i + 1].split(":")
-            assert ports_of[host] == int(port), (arg, gw[i + 1])
-            assert host in services["gateway"]["depends_on"] or arg == "--master"
+            for address in gw[i + 1].split(","):
+                host, port = address.split(":")
+                assert ports_of[host] == int(port), (arg, gw[i + 1])
+                assert host in services["gateway"]["depends_on"] or arg == "--master"
     assert (ROOT / services["gateway"]["healthcheck"]["test"][2].removeprefix("/app/")).exists()
 
 
