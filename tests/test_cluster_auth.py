@@ -4,6 +4,7 @@ the gRPC token, plus how a client follows an HA leader through its master list."
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 import pytest
@@ -100,3 +101,29 @@ def test_a_client_follows_the_leader_a_standby_names_and_walks_the_list_otherwis
     single = MasterAddresses("a:1")
     assert not single.follow("b:2") and single.current == "a:1"
     assert NotLeaderError("master a:1 is read-only (etcd unreachable)").leader is None
+
+
+def test_a_node_refuses_puts_of_a_leader_older_than_the_newest_it_has_heard() -> None:
+    from kvpool.kvstore.errors import StaleEpochError
+    from kvpool.kvstore.node.object_store import ObjectStore
+    from kvpool.kvstore.node.pool import SharedPool
+    from kvpool.proto import common_pb2
+
+    pool = SharedPool(1 << 20)
+    try:
+        store = ObjectStore(pool)
+
+        def meta(epoch: int) -> common_pb2.ObjectMeta:
+            return common_pb2.ObjectMeta(key=b"M" + os.urandom(8), kind=1, size=16, checksum=1, epoch=epoch)
+
+        assert store.begin_put("a", meta(0)) is not None  # no HA: never fenced
+        store.fence.observe(8)  # a leader with epoch 8 answered this node
+        with pytest.raises(StaleEpochError):
+            store.begin_put("b", meta(2))
+        assert store.counters["stale_epoch_refused"] == 1 and "b" not in store.pending
+        assert store.begin_put("c", meta(8)) is not None
+        assert store.begin_put("d", meta(9)) is not None and store.fence.epoch == 9  # a newer one moves it on
+        with pytest.raises(StaleEpochError):
+            store.fenced(8, "Delete")
+    finally:
+        pool.close()

@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from tests.harness.up_proc import start_up
+
 API_KEY = "test-key"
 MODEL = "tiny"
 CONFIG = """
@@ -63,32 +65,8 @@ class UpProcess:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> UpProcess:
     base = tmp_path_factory.mktemp("up")
-    (base / "cluster.toml").write_text(CONFIG)
-    run_dir, runs_root = base / "run", base / "runs"
-    env = dict(os.environ, KVPOOL_RUNS=str(runs_root))
-    log = (base / "up.log").open("wb")
-    popen = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvpool.cli",
-            "up",
-            "--config",
-            str(base / "cluster.toml"),
-            "--run-dir",
-            str(run_dir),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    deadline = time.monotonic() + UP_TIMEOUT_S
-    while not (run_dir / "state.json").exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            popen.kill()
-            pytest.fail(f"kvpool up failed: {(base / 'up.log').read_text()[-3000:]}")
-        time.sleep(0.1)
-    cluster = UpProcess(popen, run_dir, runs_root)
+    popen, run_dir = start_up(base, CONFIG, timeout_s=UP_TIMEOUT_S)
+    cluster = UpProcess(popen, run_dir, base / "runs")
     yield cluster
     pids = [s["pid"] for s in cluster.state["services"]]
     shm = cluster.service("node-0")["ready"].get("shm_name")
@@ -100,7 +78,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> UpProcess:
             os.kill(pid, 0)
     if shm:
         assert not Path(f"/dev/shm/{shm.lstrip('/')}").exists()
-    assert not (runs_root / "current.json").exists()
+    assert not ((base / "runs") / "current.json").exists()
 
 
 @pytest.fixture(scope="module")
@@ -461,7 +439,8 @@ def test_second_gateway_with_a_ttft_slo_answers_429_when_every_worker_is_busy(up
     ]
     for w in workers:
         argv += [f"--{w['role']}", w["address"]]
-    gw = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    secret = {"KVPOOL_CLUSTER_SECRET_FILE": up.state["secret_file"]}  # the run's cluster secret
+    gw = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, **secret})
     try:
         ready = json.loads(gw.stdout.readline())  # type: ignore[union-attr]
         url = ready["url"]

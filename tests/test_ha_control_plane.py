@@ -46,6 +46,8 @@ from kvpool.proto import (
 )
 from kvpool.runtime import cluster_auth
 
+from tests.harness.up_proc import start_up
+
 pytestmark = pytest.mark.slow
 
 LEASE_TTL_S = 2  # kvpool.ha_cluster.LEASE_TTL_S
@@ -146,23 +148,7 @@ class HaCluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HaCluster]:
     base = tmp_path_factory.mktemp("ha")
-    (base / "cluster.toml").write_text(CONFIG)
-    run_dir = base / "run"
-    env = dict(os.environ, KVPOOL_RUNS=str(base / "runs"))
-    log = (base / "up.log").open("wb")
-    argv = [sys.executable, "-m", "kvpool.cli", "up", "--ha", "--etcd-members", "3"]
-    popen = subprocess.Popen(
-        [*argv, "--config", str(base / "cluster.toml"), "--run-dir", str(run_dir)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    deadline = time.monotonic() + UP_TIMEOUT_S
-    while not (run_dir / "state.json").exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            popen.kill()
-            pytest.fail(f"kvpool up --ha failed: {(base / 'up.log').read_text()[-3000:]}")
-        time.sleep(0.2)
+    popen, run_dir = start_up(base, CONFIG, "--ha", "--etcd-members", "3", timeout_s=UP_TIMEOUT_S)
     c = HaCluster(popen, run_dir)
     cluster_auth.configure(cluster_auth.read_secret_file(c.state["secret_file"]))  # this process is a client
     try:
@@ -370,6 +356,8 @@ def test_kill_9_of_the_leader_under_load_loses_no_tokens_and_recovers_in_seconds
         cluster.chat(p)
     leader = cluster.leader()
     standby = next(m for m in cluster.masters() if m["pid"] != leader["pid"])
+    capped = master_pb2.SetQuotaRequest(tenant="capped", max_bytes=4096)  # lives in etcd: must survive
+    cluster.master_call(leader["address"], "SetQuota", capped)
     stream = Stream(cluster, warm)
     thread = threading.Thread(target=stream.run, daemon=True)
     thread.start()
@@ -401,6 +389,12 @@ def test_kill_9_of_the_leader_under_load_loses_no_tokens_and_recovers_in_seconds
     assert back_at is not None and back_at <= HITS_BACK_S, back_at
     for p in stream.fresh[-3:]:  # asked again: now served from cache, token for token the cold answer
         cluster.chat(p)
+    big = common_pb2.ObjectMeta(
+        key=b"M" + os.urandom(32), kind=common_pb2.MLA_BLOCK, size=1 << 20, checksum=1, tenant="capped"
+    )
+    with pytest.raises(grpc.RpcError) as err:  # the new leader enforces the quota set on the old one
+        cluster.master_call(standby["address"], "PutStart", master_pb2.PutStartRequest(meta=big))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
     cluster.state["services"] = [s for s in cluster.state["services"] if s["pid"] != leader["pid"]]
 
 

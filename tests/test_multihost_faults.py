@@ -28,6 +28,8 @@ import pytest
 from kvpool.runtime import cluster_auth
 from kvpool.runtime.netns import run
 
+from tests.harness.up_proc import start_up
+
 pytestmark = pytest.mark.slow
 
 HEARTBEAT_MS, NODE_TIMEOUT_MS = 200, 1500
@@ -125,23 +127,8 @@ def cluster(
 ) -> Iterator[NetnsCluster]:
     transport = request.param
     base = tmp_path_factory.mktemp(f"netns-{transport}")
-    (base / "cluster.toml").write_text(CONFIG.replace("{transport}", transport))
-    run_dir = base / "run"
-    env = dict(os.environ, KVPOOL_RUNS=str(base / "runs"))
-    log = (base / "up.log").open("wb")
-    argv = [sys.executable, "-m", "kvpool.cli", "up", "--netns", "--link", LINK]
-    popen = subprocess.Popen(
-        [*argv, "--config", str(base / "cluster.toml"), "--run-dir", str(run_dir)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    deadline = time.monotonic() + UP_TIMEOUT_S
-    while not (run_dir / "state.json").exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            popen.kill()
-            pytest.fail(f"kvpool up --netns failed: {(base / 'up.log').read_text()[-3000:]}")
-        time.sleep(0.2)
+    config = CONFIG.replace("{transport}", transport)
+    popen, run_dir = start_up(base, config, "--netns", "--link", LINK, timeout_s=UP_TIMEOUT_S)
     c = NetnsCluster(popen, run_dir, transport)
     cluster_auth.configure(cluster_auth.read_secret_file(c.state["secret_file"]))  # this process is a client
     try:
