@@ -258,6 +258,7 @@ def test_known_keys_stay_readable_while_the_master_is_partitioned(cluster: Netns
         [sys.executable, "-c", KNOWN_KEYS_CLIENT, cluster.service("master")["address"], cluster.transport,
          str(cluster.state_path)],
         capture_output=True, text=True, timeout=120,
+        env={**os.environ, cluster_auth.ENV_FILE: cluster.state["secret_file"]},  # the run's cluster secret
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])

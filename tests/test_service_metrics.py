@@ -269,7 +269,7 @@ def test_k8s_and_compose_expose_and_annotate_every_metrics_port() -> None:
         if "--metrics-port" in c["args"]:
             assert int(c["args"][c["args"].index("--metrics-port") + 1]) == port
         else:
-            assert c["name"] == "gateway"  # serves /metrics on its API port
+            assert c["name"] in ("gateway", "etcd")  # both serve /metrics on their API (client) port
     compose = yaml.safe_load((deploy / "docker-compose.yml").read_text())["services"]
     for name in ("node", "prefill-0", "prefill-1", "decode-0"):
         cmd = compose[name]["command"]
