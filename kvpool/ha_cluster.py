@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvpool.runtime.spawn import Child, LaunchError
 
-Spawn = Callable[[str, str, list[str]], Child]  # (name, role, module argv) -> the started child
+Spawn = Callable[[str, str, list[str], int], Child]  # (name, role, module argv, member index) -> the child
 
 MASTERS = 2
 LEASE_TTL_S = 2
@@ -28,12 +28,17 @@ def free_port() -> int:
 
 
 def start_etcd(
-    spawn: Spawn, wait_ready: Callable[[Child, float], object], run_dir: Path, members: int, timeout_s: float
+    spawn: Spawn,
+    wait_ready: Callable[[Child, float], object],
+    run_dir: Path,
+    hosts: list[str],
+    timeout_s: float,
 ) -> list[Child]:
-    ports = [(free_port(), free_port()) for _ in range(members)]
-    initial = ",".join(f"etcd-{i}=http://127.0.0.1:{peer}" for i, (_port, peer) in enumerate(ports))
+    """One member per entry of ``hosts`` (its IP: 127.0.0.1 on loopback, its namespace's under --netns)."""
+    ports = [(free_port(), free_port()) for _ in hosts]
+    initial = ",".join(f"etcd-{i}=http://{hosts[i]}:{peer}" for i, (_port, peer) in enumerate(ports))
     etcd = [
-        spawn(f"etcd-{i}", "etcd", _member_argv(run_dir, i, port, peer, initial))
+        spawn(f"etcd-{i}", "etcd", _member_argv(run_dir, i, hosts[i], port, peer, initial), i)
         for i, (port, peer) in enumerate(ports)
     ]
     for member in etcd:
@@ -41,10 +46,11 @@ def start_etcd(
     return etcd
 
 
-def _member_argv(run_dir: Path, i: int, port: int, peer: int, initial: str) -> list[str]:
+def _member_argv(run_dir: Path, i: int, host: str, port: int, peer: int, initial: str) -> list[str]:
     return [
         "kvpool.runtime.etcd_member",
         "--name", f"etcd-{i}",
+        "--host", host,
         "--data-dir", str(run_dir / f"etcd-{i}"),
         "--port", str(port),
         "--peer-port", str(peer),

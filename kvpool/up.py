@@ -114,11 +114,14 @@ class Cluster:
         self.placement: LoopbackPlacement | NetnsPlacement = LoopbackPlacement()
 
     # -- processes ---------------------------------------------------------------------------------------
-    def _spawn(self, name: str, role: str, argv: list[str], *, isolated: bool = False) -> Service:
+    def _spawn(
+        self, name: str, role: str, argv: list[str], *, isolated: bool = False, placed: Placed | None = None
+    ) -> Service:
         """Start one service; ``isolated`` services get their own namespace under ``--netns`` (and bind its
         IP), the others (the gateway, test helpers) stay in the launcher's namespace."""
         log_path = self.run_dir / f"{name}.log"
-        placed = self.placement.place(name) if isolated else Placed()
+        if placed is None:
+            placed = self.placement.place(name) if isolated else Placed()
         if placed.netns:
             argv = [*argv, "--host", placed.host]
         env = {cluster_auth.ENV_FILE: str(self.secret_file)} if self.secret_file else None
@@ -140,14 +143,18 @@ class Cluster:
             self.secret_file = self._write_secret()
             self.placement = make_placement(self.run_dir, self._netns, self._link)
             if self._ha:
-                if self._netns:
-                    raise LaunchError("--ha runs on loopback only; it cannot be combined with --netns yet")
+                # etcd members get their namespaces first: each one's peers must be named at its start
+                hosts = [self.placement.place(f"etcd-{i}") for i in range(self._etcd_members)]
                 etcd = ha_cluster.start_etcd(
-                    self._spawn, self._wait_ready, self.run_dir, self._etcd_members, timeout
+                    lambda name, role, argv, i: self._spawn(name, role, argv, placed=hosts[i]),
+                    self._wait_ready,
+                    self.run_dir,
+                    [h.host for h in hosts],
+                    timeout,
                 )
                 flags = ha_cluster.master_flags(etcd)
                 masters = [
-                    self._spawn(f"master-{i}", "master", [*self._master_argv(m, i), *flags])
+                    self._spawn(f"master-{i}", "master", [*self._master_argv(m, i), *flags], isolated=True)
                     for i in range(ha_cluster.MASTERS)
                 ]
                 for master in masters:
@@ -395,7 +402,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--ha",
         action="store_true",
-        help="control plane HA: etcd plus two masters that elect a leader (clients follow it); loopback only",
+        help="control plane HA: etcd plus two masters that elect a leader (clients follow it); with --netns "
+        "each etcd member and master gets its own namespace",
     )
     up.add_argument(
         "--etcd-members", type=int, default=1, help="with --ha: etcd cluster size (1 or 3; tests use 3)"
@@ -441,9 +449,6 @@ def run_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    if args.netns and args.ha:
-        print("kvpool up: --ha runs on loopback only; not with --netns yet", file=sys.stderr)
-        return 2
     if args.etcd_members not in (1, 3, 5):
         print("kvpool up: --etcd-members must be 1, 3 or 5 (an odd quorum)", file=sys.stderr)
         return 2
