@@ -73,12 +73,14 @@ class HeartbeatReply(_message.Message):
     def __init__(self, reregister: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("meta", "replace_if_corrupt")
+    __slots__ = ("meta", "replace_if_corrupt", "checksum_at_commit")
     META_FIELD_NUMBER: _ClassVar[int]
     REPLACE_IF_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_AT_COMMIT_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.ObjectMeta
     replace_if_corrupt: bool
-    def __init__(self, meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., replace_if_corrupt: _Optional[bool] = ...) -> None: ...
+    checksum_at_commit: bool
+    def __init__(self, meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., replace_if_corrupt: _Optional[bool] = ..., checksum_at_commit: _Optional[bool] = ...) -> None: ...
 
 class PutStartReply(_message.Message):
     __slots__ = ("status", "put_id", "node", "deadline_ms", "epoch")
@@ -107,10 +109,12 @@ class PutStartReply(_message.Message):
     def __init__(self, status: _Optional[_Union[PutStartReply.Status, str]] = ..., put_id: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutCommitRequest(_message.Message):
-    __slots__ = ("put_id",)
+    __slots__ = ("put_id", "checksum")
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     put_id: str
-    def __init__(self, put_id: _Optional[str] = ...) -> None: ...
+    checksum: int
+    def __init__(self, put_id: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutCommitReply(_message.Message):
     __slots__ = ()
@@ -151,10 +155,12 @@ class PutStartBatchReply(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PutStartReply, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
 
 class PutCommitBatchRequest(_message.Message):
-    __slots__ = ("put_ids",)
+    __slots__ = ("put_ids", "checksums")
     PUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     put_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, put_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, put_ids: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutCommitBatchReply(_message.Message):
     __slots__ = ("errors",)

@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import xxhash
 from kvpool.kvstore.client.master_link import MasterLink
 from kvpool.kvstore.client.touch import TouchReporter
 from kvpool.kvstore.errors import StoreError
@@ -83,11 +82,12 @@ class ClientCore:
     def _meta(
         self, key: bytes, view: memoryview, kind: int, tenant: str | None, parent: bytes, ttl_ms: int
     ) -> common_pb2.ObjectMeta:
+        """A put's meta with its checksum left open (0): puts declare it at PutCommit, and the transport
+        computes it on the way (``Transport.put``), the shm one while copying, in the same pass."""
         return common_pb2.ObjectMeta(
             key=bytes(key),
             kind=kind,
             size=len(view),
-            checksum=xxhash.xxh3_64_intdigest(view),
             tenant=self.tenant if tenant is None else tenant,
             parent=parent,
             ttl_ms=ttl_ms,

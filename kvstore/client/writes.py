@@ -59,6 +59,10 @@ class StoreWrites(ClientCore):
         view = as_bytes_view(item.data)
         meta = self._meta(item.key, view, item.kind, item.tenant, item.parent, item.ttl_ms)
         meta.epoch = self.leader_epoch  # the speculative reserve below runs before this put's PutStart
+        # built now: the speculative copy below fills meta.checksum as it goes, the master must not see it
+        request = master_pb2.PutStartRequest(
+            meta=meta, replace_if_corrupt=replace_if_corrupt, checksum_at_commit=True
+        )
         shm, guess, spec, token = None, self._last_put_node, None, ""
         if guess is not None and not replace_if_corrupt:
             with contextlib.suppress(StoreError):
@@ -69,9 +73,7 @@ class StoreWrites(ClientCore):
                         shm.reserve_and_copy(guess, token, meta, view)
                     )
         try:
-            start = await self.master.put_start(
-                master_pb2.PutStartRequest(meta=meta, replace_if_corrupt=replace_if_corrupt)
-            )
+            start = await self.master.put_start(request)
         except BaseException:
             await self._drop_speculative_put(shm, guess, spec, token, meta.size)
             raise
@@ -89,7 +91,7 @@ class StoreWrites(ClientCore):
         except BaseException as exc:
             await self._abort(start.put_id, exc)
             raise
-        await self.master.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id))
+        await self.master.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id, checksum=meta.checksum))
         self._remember(common_pb2.ObjectLocation(meta=meta, node=start.node))
         return True
 
@@ -177,7 +179,9 @@ class StoreWrites(ClientCore):
         ]
         try:
             batch = await self.master.put_start_batch(
-                master_pb2.PutStartBatchRequest(items=[master_pb2.PutStartRequest(meta=m) for m in metas])
+                master_pb2.PutStartBatchRequest(
+                    items=[master_pb2.PutStartRequest(meta=m, checksum_at_commit=True) for m in metas]
+                )
             )
         except Exception as exc:
             return [_store_error(exc)] * len(items)
@@ -221,7 +225,9 @@ class StoreWrites(ClientCore):
                 return
             try:
                 commits = await self.master.put_commit_batch(
-                    master_pb2.PutCommitBatchRequest(put_ids=[starts[i].put_id for i in sent])
+                    master_pb2.PutCommitBatchRequest(
+                        put_ids=[starts[i].put_id for i in sent], checksums=[metas[i].checksum for i in sent]
+                    )
                 )
             except Exception as exc:
                 for i in sent:

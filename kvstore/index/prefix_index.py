@@ -206,11 +206,16 @@ class PrefixIndex(IndexEviction):
         if not adm.admit(h, size, chain_refused):
             raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
 
-    def commit(self, key: bytes) -> None:
-        """Make a pending object visible (second phase of a put)."""
+    def commit(self, key: bytes, checksum: int | None = None) -> None:
+        """Make a pending object visible (second phase of a put); ``checksum`` when the writer declares it
+        only now (it hashed the bytes while copying them)."""
+        if checksum is not None and not 0 < checksum < 1 << 64:
+            raise BadObjectError("a checksum declared at commit must be in 1 .. 2^64-1")
         slot = self._pending.pop(key, None)
         if slot is None:
             raise UnknownKeyError(f"no pending put for key {key[:9].hex()}…")
+        if checksum is not None:
+            self._cols.checksum[slot] = checksum
         self._cols.flags[slot] &= ~np.uint8(SLOT_PENDING)
         self._slot[key] = slot
         self._mark_checkpoint(slot, key, int(self._cols.deps[slot]))

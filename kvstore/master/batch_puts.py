@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from kvpool.kvstore.errors import MasterError
+from kvpool.kvstore.errors import InvalidRequest, MasterError
 from kvpool.proto import master_pb2
 
 R = TypeVar("R")
@@ -60,7 +60,11 @@ def put_commit_batch(
     core: MasterCore, req: master_pb2.PutCommitBatchRequest
 ) -> master_pb2.PutCommitBatchReply:
     out = master_pb2.PutCommitBatchReply()
-    for put_id in req.put_ids:
-        _, err = _each(lambda put_id=put_id: core.put_commit(master_pb2.PutCommitRequest(put_id=put_id)))
+    if req.checksums and len(req.checksums) != len(req.put_ids):
+        raise InvalidRequest(f"{len(req.checksums)} checksums for {len(req.put_ids)} put ids")
+    sums = list(req.checksums) or [0] * len(req.put_ids)
+    for put_id, checksum in zip(req.put_ids, sums, strict=True):
+        commit = master_pb2.PutCommitRequest(put_id=put_id, checksum=checksum)
+        _, err = _each(lambda commit=commit: core.put_commit(commit))
         out.errors.append(err)
     return out

@@ -63,6 +63,8 @@ class MasterCore(NodeMembership):
             raise InvalidRequest(f"unknown object kind {meta.kind}")
         if meta.size == 0:
             raise InvalidRequest("size must be > 0")
+        if req.checksum_at_commit and meta.checksum:
+            raise InvalidRequest("checksum_at_commit: the checksum comes with PutCommit, not PutStart")
         check_tenant(meta.tenant)
         Reply = master_pb2.PutStartReply
         existing = self.index.get(meta.key)
@@ -112,7 +114,7 @@ class MasterCore(NodeMembership):
         self._put_seq += 1
         put_id = f"{self.instance}-{self._put_seq}"
         deadline = self._clock() + self.config.put_deadline_ms / 1000.0
-        self._puts[put_id] = PendingPut(put_id, meta.key, node_id, deadline)
+        self._puts[put_id] = PendingPut(put_id, meta.key, node_id, deadline, req.checksum_at_commit)
         self._put_of_key[meta.key] = put_id
         self._count("puts_started")
         return Reply(
@@ -124,9 +126,11 @@ class MasterCore(NodeMembership):
         )
 
     def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
+        if req.put_id in self._puts and self._puts[req.put_id].checksum_at_commit and not req.checksum:
+            raise InvalidRequest(f"put {req.put_id!r} was started with checksum_at_commit: commit needs it")
         put = self._take_put(req.put_id)
         try:
-            self.index.commit(put.key)
+            self.index.commit(put.key, req.checksum if put.checksum_at_commit else None)
         except UnknownKeyError:  # its TTL ran out before the commit (the node was told to delete it)
             raise NotFound(f"put {req.put_id!r} expired before its commit") from None
         self._restore_pin(put.key)

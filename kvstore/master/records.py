@@ -28,6 +28,7 @@ class PendingPut:
     key: bytes
     node_id: str
     deadline: float
+    checksum_at_commit: bool = False  # the writer declares the checksum in PutCommit (hashed while copying)
 
 
 @dataclass(slots=True)

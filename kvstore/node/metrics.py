@@ -66,10 +66,10 @@ class TransportTap:
         self._counts.add(self._transport, "out", obj.meta.size)
         return data
 
-    def seal(self, put_id: str, abort: bool) -> None:
+    def seal(self, put_id: str, abort: bool, checksum: int = 0) -> None:
         pending = self._store.pending.get(put_id)
         before = self._store.counters.get("puts", 0)
-        self._store.seal(put_id, abort)
+        self._store.seal(put_id, abort, checksum)
         if pending is not None and not abort and self._store.counters.get("puts", 0) > before:
             self._counts.add("shm", "in", pending.meta.size)
 

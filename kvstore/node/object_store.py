@@ -140,7 +140,9 @@ class ObjectStore:
             )
         existing = self.objects.get(meta.key)
         if existing is not None and not existing.doomed:
-            if existing.meta.checksum != meta.checksum or existing.meta.size != meta.size:
+            # checksum 0: declared at SEAL (a same-host writer hashes while copying); same key, same size
+            differs = meta.checksum and existing.meta.checksum != meta.checksum
+            if differs or existing.meta.size != meta.size:
                 raise ObjectExistsError(f"key {meta.key[:8].hex()}… already holds a different object")
             if self._intact(existing):
                 self.count("puts_duplicate")
@@ -427,10 +429,20 @@ class ObjectStore:
             self.pending[put_id] = pending
         return pending
 
-    def seal(self, put_id: str, abort: bool) -> None:
-        pending = self.pending.pop(put_id, None)
+    def seal(self, put_id: str, abort: bool, checksum: int = 0) -> None:
+        """Publish (or abort) a reservation. A reservation made without a checksum takes the one SEAL
+        declares: the same-host writer hashed the bytes in this pool as it wrote them (``copy_hashing``), so
+        hashing them again here would be a second pass that proves nothing more; every reader verifies it.
+        A reservation that declared one is verified against the bytes as before."""
+        pending = self.pending.get(put_id)
         if pending is None:
             raise ObjectNotFoundError(f"no reservation {put_id} (expired or never made)")
+        if not abort and not pending.meta.checksum:
+            if not checksum:
+                raise BadRequestError(f"reservation {put_id} left its checksum to SEAL, which has none")
+            pending.meta.checksum = pending.landed_checksum = checksum
+            self.count("puts_checksum_at_seal")
+        del self.pending[put_id]
         if abort:
             self.abort_put(pending)
         else:

@@ -240,7 +240,7 @@ class TcpDataServer:
                 put_id = frame.aux.decode(errors="replace")
                 sealing = self.store.pending.get(put_id)
                 abort = bool(frame.flags & FLAG_ABORT)
-                self.store.seal(put_id, abort=abort)
+                self.store.seal(put_id, abort=abort, checksum=frame.checksum)
                 if sealing is not None and not abort:
                     stamped(sealing.meta.key)
         except StoreError as exc:

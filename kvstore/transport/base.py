@@ -56,6 +56,24 @@ def as_bytes_view(buf: object) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def fill_checksum(meta: common_pb2.ObjectMeta, view: memoryview) -> None:
+    """A network put must declare its checksum in the frame: compute it now when it was left to us."""
+    if not meta.checksum:
+        meta.checksum = xxhash.xxh3_64_intdigest(view)
+
+
+def copy_hashing(dst: memoryview, src: memoryview) -> int:
+    """Copy ``src`` into ``dst`` and return the xxh3-64 of what landed, in one pass: each chunk is hashed
+    from ``dst`` right after it was written, while it is still in cache (vs hashing ``src`` first: a second
+    pass over memory). Hashing the destination also makes the digest describe the bytes as stored."""
+    hasher = xxhash.xxh3_64()
+    for off in range(0, len(src), HASH_CHUNK):
+        end = min(off + HASH_CHUNK, len(src))
+        dst[off:end] = src[off:end]
+        hasher.update(dst[off:end])
+    return hasher.intdigest()
+
+
 def verify_checksum(view: Buffer, expected: int, key: bytes, digest: int | None = None) -> None:
     """``CorruptObjectError`` unless ``view`` hashes to ``expected``; ``digest`` = the xxh3-64 the receiver
     already computed chunk by chunk as the bytes landed (then ``view`` is not read again)."""
@@ -79,7 +97,11 @@ class Transport(ABC):
     async def put(
         self, node: common_pb2.NodeEndpoint, put_id: str, meta: common_pb2.ObjectMeta, data: Buffer
     ) -> None:
-        """Store ``data`` (``meta.size`` bytes, ``meta.checksum``) on ``node`` under ``put_id``."""
+        """Store ``data`` (``meta.size`` bytes, ``meta.checksum``) on ``node`` under ``put_id``.
+
+        ``meta.checksum == 0``: the checksum is not known yet (the master was told ``checksum_at_commit``);
+        the transport computes it, as cheaply as it can (shm: while copying into the pool), and writes it
+        into ``meta.checksum`` for the caller's PutCommit. ``batch_put`` does the same per item."""
 
     @abstractmethod
     async def _get_into(self, location: common_pb2.ObjectLocation, out: memoryview) -> int:

@@ -55,6 +55,7 @@ from kvpool.kvstore.transport.base import (
     Deadlines,
     Transport,
     as_bytes_view,
+    copy_hashing,
     verify_checksum,
 )
 from kvpool.kvstore.transport.tcp import TcpTransport
@@ -103,7 +104,9 @@ class ShmTransport(Transport):
         self._hints: OrderedDict[tuple[str, bytes], ReadHint] = OrderedDict()
         self._hint_lock = threading.Lock()  # writers of _hints; read_cached's lookup takes no lock
         self._hint_capacity = hint_capacity
-        self._sealing: dict[str, bytes] = {}  # reserve_and_copy token -> key, so seal() can leave a hint
+        self._sealing: dict[
+            str, tuple[bytes, int]
+        ] = {}  # reserve_and_copy token -> (key, checksum) for seal()
         self.fast_hits = 0
         self.fast_misses = 0
         self.fast_stale = 0
@@ -265,21 +268,32 @@ class ShmTransport(Transport):
             self._remember_reply(node, meta.key, reply)
             return False
         try:
-            ext = self._parse(reply)
-            self._map(ext).buf[ext.offset : ext.offset + meta.size] = view
+            self._copy_in(self._parse(reply), meta, view)
         except BaseException:
             with contextlib.suppress(StoreError):
                 await self._one(node, Frame(OP_SEAL, aux=token.encode(), flags=FLAG_ABORT))
             raise
         if len(self._sealing) >= HINTS_MAX:  # tokens never sealed (a vanished caller): bounded anyway
             self._sealing.pop(next(iter(self._sealing)))
-        self._sealing[token] = meta.key
+        self._sealing[token] = (meta.key, meta.checksum)
         return True
 
+    def _copy_in(self, ext: ShmExtent, meta: common_pb2.ObjectMeta, view: memoryview) -> None:
+        """Copy the payload into its reserved extent; with the checksum left to us (``meta.checksum`` 0),
+        hash it chunk by chunk as it lands (one pass) and fill it in for SEAL and the caller's PutCommit."""
+        dst = self._map(ext).buf[ext.offset : ext.offset + meta.size]
+        if meta.checksum:
+            dst[:] = view
+        else:
+            meta.checksum = copy_hashing(dst, view)
+
     async def seal(self, node: common_pb2.NodeEndpoint, token: str, size: int, abort: bool = False) -> None:
-        """Publish (the node verifies the checksum) or abort a ``reserve_and_copy`` reservation."""
-        key = self._sealing.pop(token, None)
-        reply = await self._one(node, Frame(OP_SEAL, aux=token.encode(), flags=FLAG_ABORT if abort else 0))
+        """Publish or abort a ``reserve_and_copy`` reservation. SEAL carries the checksum computed while
+        copying when the reservation left it open (the node then records it: it describes the bytes as they
+        lie in its pool, and every reader verifies it); otherwise the node verifies the declared one."""
+        key, checksum = self._sealing.pop(token, (None, 0))
+        frame = Frame(OP_SEAL, aux=token.encode(), flags=FLAG_ABORT if abort else 0, checksum=checksum)
+        reply = await self._one(node, frame)
         if not abort:
             self.bytes_out += size
             if key is not None:
@@ -296,15 +310,15 @@ class ShmTransport(Transport):
         reply = await self._one(node, Frame(OP_RESERVE, key=meta.key, aux=header))
         if reply.flags & FLAG_EXISTS:
             self._remember_reply(node, meta.key, reply)
+            meta.checksum = meta.checksum or reply.checksum  # the copy already there (same key = same bytes)
             return
         try:
-            ext = self._parse(reply)
-            self._map(ext).buf[ext.offset : ext.offset + meta.size] = view
+            self._copy_in(self._parse(reply), meta, view)
         except BaseException:
             with contextlib.suppress(StoreError):
                 await self._one(node, Frame(OP_SEAL, aux=put_id.encode(), flags=FLAG_ABORT))
             raise
-        sealed = await self._one(node, Frame(OP_SEAL, aux=put_id.encode()))
+        sealed = await self._one(node, Frame(OP_SEAL, aux=put_id.encode(), checksum=meta.checksum))
         self.bytes_out += meta.size
         self._remember_reply(node, meta.key, sealed)
 
@@ -335,20 +349,22 @@ class ShmTransport(Transport):
                 continue
             if reply.flags & FLAG_EXISTS:
                 self._remember_reply(node, meta.key, reply)
+                meta.checksum = meta.checksum or reply.checksum
                 continue
             try:
                 view = as_bytes_view(data)
                 if len(view) != meta.size:
                     raise BadRequestError(f"data is {len(view)} B, meta says {meta.size} B")
-                ext = self._parse(reply)
-                self._map(ext).buf[ext.offset : ext.offset + meta.size] = view
+                self._copy_in(self._parse(reply), meta, view)
                 to_seal.append(i)
             except StoreError as exc:
                 results[i] = exc
                 await self._control.control(node, [Frame(OP_SEAL, aux=put_id.encode(), flags=FLAG_ABORT)])
         if not to_seal:
             return results
-        seals = await self._control.control(node, [Frame(OP_SEAL, aux=items[i][0].encode()) for i in to_seal])
+        seals = await self._control.control(
+            node, [Frame(OP_SEAL, aux=items[i][0].encode(), checksum=items[i][1].checksum) for i in to_seal]
+        )
         for i, reply in zip(to_seal, seals, strict=True):
             if isinstance(reply, StoreError):
                 results[i] = reply

@@ -44,6 +44,7 @@ from kvpool.kvstore.transport.base import (
     Deadlines,
     Transport,
     as_bytes_view,
+    fill_checksum,
     recv_exactly_into,
     recv_hashing_into,
     send_parts,
@@ -179,6 +180,7 @@ class TcpTransport(Transport):
         view = as_bytes_view(data)
         if len(view) != meta.size:
             raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
+        fill_checksum(meta, view)
         loop = asyncio.get_running_loop()
 
         async def op(conn: _Conn) -> None:
@@ -239,6 +241,8 @@ class TcpTransport(Transport):
         self, node: common_pb2.NodeEndpoint, items: Sequence[tuple[str, common_pb2.ObjectMeta, Buffer]]
     ) -> list[StoreError | None]:
         views = [as_bytes_view(data) for _pid, _meta, data in items]
+        for (_pid, meta, _data), view in zip(items, views, strict=True):
+            fill_checksum(meta, view)
         loop = asyncio.get_running_loop()
         total = sum(meta.size for _pid, meta, _d in items)
 

@@ -39,6 +39,7 @@ from kvpool.kvstore.transport.base import (
     Deadlines,
     Transport,
     as_bytes_view,
+    fill_checksum,
     with_deadline,
 )
 from kvpool.proto import common_pb2, node_pb2
@@ -284,6 +285,7 @@ class UcxTransport(Transport):
         view = as_bytes_view(data)
         if len(view) != meta.size:
             raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
+        fill_checksum(meta, view)
         ctrl = encode_control(
             Frame(
                 OP_PUT,
