@@ -36,6 +36,9 @@ class Deadlines:
 
 DEFAULT_DEADLINES = Deadlines()
 HASH_CHUNK = 512 << 10  # receive (and hash) at most this much at a time: the chunk is still in L2
+# copy_hashing's step: 6.8 GB/s fused copy+hash of 64 MB at 128-256 KB against 6.2 at 512 KB and 5.9 at
+# 1 MB on this box (plain copy 8.7): the chunk must still be in L2 when it is hashed
+COPY_HASH_CHUNK = 256 << 10
 RECV_LOWAT = 1 << 20  # a GET's reader is woken once this much of a large payload is queued (SO_RCVLOWAT)
 LOWAT_MIN = 256 << 10  # smaller payloads arrive in a few segments: not worth two setsockopt calls
 # GET response flag (tcp): the payload is followed by a trailer frame, same op and request id, whose status
@@ -67,8 +70,8 @@ def copy_hashing(dst: memoryview, src: memoryview) -> int:
     from ``dst`` right after it was written, while it is still in cache (vs hashing ``src`` first: a second
     pass over memory). Hashing the destination also makes the digest describe the bytes as stored."""
     hasher = xxhash.xxh3_64()
-    for off in range(0, len(src), HASH_CHUNK):
-        end = min(off + HASH_CHUNK, len(src))
+    for off in range(0, len(src), COPY_HASH_CHUNK):
+        end = min(off + COPY_HASH_CHUNK, len(src))
         dst[off:end] = src[off:end]
         hasher.update(dst[off:end])
     return hasher.intdigest()
