@@ -476,7 +476,9 @@ def run_up(args: argparse.Namespace) -> int:
             where = f"netns {s.netns}" if s.netns else ""
             line = f"  {s.name:<10} pid {s.popen.pid:<8} {s.address:<22} {s.metrics_url or ''} {where}"
             print(line.rstrip())
-        print(f"OpenAI API: {cluster.base_url}/v1   (Ctrl-C to stop; `kvpool status` to inspect)", flush=True)
+        print(f"OpenAI API: {cluster.base_url}/v1   (Ctrl-C to stop; `kvpool status` to inspect)")
+        hint = "store clients outside this run: export KVPOOL_CLUSTER_SECRET_FILE=<that path>"
+        print(f"cluster secret: {cluster.secret_file} ({hint})", flush=True)
         reported: set[str] = set()
         while True:
             for s in cluster.services.values():
