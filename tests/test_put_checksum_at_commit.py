@@ -89,3 +89,58 @@ def test_a_node_reservation_without_checksum_takes_the_one_seal_declares() -> No
             store.seal("p2", abort=False)
     finally:
         pool.close()
+
+
+def test_a_tcp_put_may_declare_its_checksum_in_a_trailer_and_the_node_still_checks_it(tmp_path) -> None:
+    """The streaming writer hashes each chunk as it sends it and declares the digest after the payload; the
+    node hashes what landed, so a wrong trailer is refused (nothing stored) and a right one is stored."""
+    import socket
+
+    from kvpool.kvstore.errors import ChecksumMismatchError
+    from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, OP_PUT, Frame, decode_header, encode
+    from kvpool.kvstore.transport.base import FLAG_TRAILER
+    from kvpool.proto import node_pb2
+    from store_helpers import start_node
+
+    node = start_node(tmp_path, None, "16MiB", "tcp")
+    payload = os.urandom(3 << 20)
+    right = xxhash.xxh3_64_intdigest(payload)
+
+    def put(key: bytes, trailer: int, flags: int = FLAG_TRAILER) -> Frame:
+        meta = common_pb2.ObjectMeta(key=key, kind=common_pb2.BLOB, size=len(payload))
+        head = Frame(OP_PUT, key=key, flags=flags, request_id=1, payload_len=len(payload),
+                     aux=node_pb2.PutHeader(put_id="p", meta=meta).SerializeToString())  # fmt: skip
+        with socket.create_connection((node.ready["host"], node.ready["tcp_port"]), timeout=10) as s:
+            s.sendall(
+                encode(head)
+                + payload
+                + (encode(Frame(OP_PUT, request_id=1, checksum=trailer)) if flags else b"")
+            )
+            reply = b""
+            while len(reply) < HEADER_SIZE:
+                reply += s.recv(HEADER_SIZE - len(reply))
+            return decode_header(reply)[0]
+
+    try:
+        assert put(b"Bwrong", right ^ 1).status == ChecksumMismatchError.code
+        assert put(b"Bnone", 0, flags=0).status == BadRequestError.code  # no checksum anywhere
+        assert put(b"Bright", right).status == 0
+        from kvpool.kvstore.transport.tcp import TcpTransport
+
+        async def read_back() -> bytes:
+            t = TcpTransport()
+            try:
+                out = bytearray(len(payload))
+                meta = common_pb2.ObjectMeta(
+                    key=b"Bright", kind=common_pb2.BLOB, size=len(payload), checksum=right
+                )
+                await t.get_into(common_pb2.ObjectLocation(meta=meta, node=node.endpoint), out)
+                return bytes(out)
+            finally:
+                await t.close()
+
+        import asyncio
+
+        assert asyncio.run(read_back()) == payload
+    finally:
+        node.kill()

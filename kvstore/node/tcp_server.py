@@ -57,6 +57,11 @@ DRAIN_LIMIT = 64 << 20  # refused payloads up to this size are read and dropped 
 SEND_CHUNK = 1 << 20  # a GET payload is hashed, then sent, this much at a time (still in L2 when sent)
 
 
+def _wire_len(frame: Frame) -> int:
+    """Bytes that follow a PUT header: the payload, and the trailer frame when the writer sends one."""
+    return frame.payload_len + (HEADER_SIZE if frame.flags & FLAG_TRAILER else 0)
+
+
 class _CloseConnection(Exception):
     """Stop serving this connection (after an error frame was sent where possible)."""
 
@@ -254,6 +259,8 @@ class TcpDataServer:
             header.ParseFromString(frame.aux)
             if header.meta.size != frame.payload_len or header.meta.checksum != frame.checksum:
                 raise BadRequestError("frame and PutHeader disagree on size or checksum")
+            if bool(frame.flags & FLAG_TRAILER) == bool(frame.checksum):
+                raise BadRequestError("a put declares its checksum once: in its header or in a trailer")
             pending = self.store.begin_put(header.put_id, header.meta)
         except StoreError as exc:
             await self._refuse_payload(loop, conn, frame, exc)
@@ -262,13 +269,15 @@ class TcpDataServer:
             await self._refuse_payload(loop, conn, frame, BadRequestError(f"bad PutHeader: {exc}"))
             return
         if pending is None:  # duplicate of an object already here
-            await self._drain(loop, conn, frame.payload_len)
+            await self._drain(loop, conn, _wire_len(frame))
             await loop.sock_sendall(conn, encode(Frame(OP_PUT | RESPONSE, request_id=frame.request_id)))
             return
         try:
             pending.landed_checksum = await recv_hashing_into(
                 loop, conn, self.store.pool.view(pending.extent)
             )
+            if frame.flags & FLAG_TRAILER:  # the writer hashed while sending: its digest follows the bytes
+                pending.meta.checksum = await self._put_trailer(loop, conn, frame.request_id)
         except BaseException:
             self.store.abort_put(pending)
             raise
@@ -279,13 +288,27 @@ class TcpDataServer:
             return
         await loop.sock_sendall(conn, encode(Frame(OP_PUT | RESPONSE, request_id=frame.request_id)))
 
+    async def _put_trailer(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, request_id: int
+    ) -> int:
+        """The checksum a streaming writer declares after its payload (a bare 48-byte PUT frame)."""
+        buf = bytearray(HEADER_SIZE)
+        await recv_exactly_into(loop, conn, memoryview(buf))
+        trailer, key_len, aux_len = decode_header(buf)
+        bare = not (key_len or aux_len or trailer.payload_len)
+        if trailer.op != OP_PUT or trailer.request_id != request_id or not bare:
+            raise ProtocolError("a put's trailer must be a bare PUT frame with the same request id")
+        if not trailer.checksum:
+            raise ProtocolError("a put's trailer declares no checksum")
+        return trailer.checksum
+
     async def _refuse_payload(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame, exc: StoreError
     ) -> None:
         if frame.payload_len > DRAIN_LIMIT:
             await self._send_error(conn, OP_PUT, exc, frame.request_id)
             raise _CloseConnection
-        await self._drain(loop, conn, frame.payload_len)
+        await self._drain(loop, conn, _wire_len(frame))
         await self._send_error(conn, OP_PUT, exc, frame.request_id)
 
     async def _drain(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> None:

@@ -39,6 +39,7 @@ HASH_CHUNK = 512 << 10  # receive (and hash) at most this much at a time: the ch
 # copy_hashing's step: 6.8 GB/s fused copy+hash of 64 MB at 128-256 KB against 6.2 at 512 KB and 5.9 at
 # 1 MB on this box (plain copy 8.7): the chunk must still be in L2 when it is hashed
 COPY_HASH_CHUNK = 256 << 10
+PUT_SEND_CHUNK = 1 << 20  # a tcp put whose checksum is left open is hashed, then sent, this much at a time
 RECV_LOWAT = 1 << 20  # a GET's reader is woken once this much of a large payload is queued (SO_RCVLOWAT)
 LOWAT_MIN = 256 << 10  # smaller payloads arrive in a few segments: not worth two setsockopt calls
 # GET response flag (tcp): the payload is followed by a trailer frame, same op and request id, whose status

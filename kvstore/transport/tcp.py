@@ -19,6 +19,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import replace
 
+import xxhash
 from kvpool.kvstore.errors import (
     ProtocolError,
     StoreError,
@@ -39,12 +40,12 @@ from kvpool.kvstore.protocol.data_frame import (
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
     FLAG_TRAILER,
+    PUT_SEND_CHUNK,
     RECV_LOWAT,
     Buffer,
     Deadlines,
     Transport,
     as_bytes_view,
-    fill_checksum,
     recv_exactly_into,
     recv_hashing_into,
     send_parts,
@@ -167,11 +168,47 @@ class TcpTransport(Transport):
 
     def _put_frame(self, put_id: str, meta: common_pb2.ObjectMeta, rid: int) -> bytes:
         aux = node_pb2.PutHeader(put_id=put_id, meta=meta).SerializeToString()
+        flags = 0 if meta.checksum else FLAG_TRAILER
         return encode(
             Frame(
-                OP_PUT, key=meta.key, aux=aux, request_id=rid, payload_len=meta.size, checksum=meta.checksum
+                OP_PUT,
+                key=meta.key,
+                aux=aux,
+                flags=flags,
+                request_id=rid,
+                payload_len=meta.size,
+                checksum=meta.checksum,
             )
         )
+
+    async def _send_put(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        put_id: str,
+        meta: common_pb2.ObjectMeta,
+        view: memoryview,
+        rid: int,
+    ) -> None:
+        """Header, payload and, when the checksum was left to us, a trailer declaring it: each
+        ``PUT_SEND_CHUNK`` is hashed right before it is sent, so the send copies bytes the hash just pulled
+        into cache (one pass over the caller's buffer instead of hashing it all first). The node hashes what
+        lands and refuses a mismatch, so the check stays end to end. Fills in ``meta.checksum``."""
+        if meta.checksum:
+            await send_parts(loop, sock, [self._put_frame(put_id, meta, rid), view])
+            return
+        hasher = xxhash.xxh3_64()
+        parts: list[bytes | memoryview] = [self._put_frame(put_id, meta, rid)]
+        for start in range(0, len(view), PUT_SEND_CHUNK):
+            chunk = view[start : start + PUT_SEND_CHUNK]
+            hasher.update(chunk)
+            parts.append(chunk)
+            if start + PUT_SEND_CHUNK < len(view):  # the last chunk leaves together with the trailer
+                await send_parts(loop, sock, parts)
+                parts = []
+        meta.checksum = hasher.intdigest()
+        parts.append(encode(Frame(OP_PUT, request_id=rid, checksum=meta.checksum)))
+        await send_parts(loop, sock, parts)
 
     # --- single ops --------------------------------------------------------------------------------------
     async def put(
@@ -180,13 +217,12 @@ class TcpTransport(Transport):
         view = as_bytes_view(data)
         if len(view) != meta.size:
             raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
-        fill_checksum(meta, view)
         loop = asyncio.get_running_loop()
 
         async def op(conn: _Conn) -> None:
             rid = self._rid()
             try:
-                await send_parts(loop, conn.sock, [self._put_frame(put_id, meta, rid), view])
+                await self._send_put(loop, conn.sock, put_id, meta, view, rid)
             except OSError as exc:  # the node may have refused and closed: its error frame says why
                 try:
                     await asyncio.wait_for(self._read_response(conn, OP_PUT, rid, first=False), 1.0)
@@ -241,8 +277,6 @@ class TcpTransport(Transport):
         self, node: common_pb2.NodeEndpoint, items: Sequence[tuple[str, common_pb2.ObjectMeta, Buffer]]
     ) -> list[StoreError | None]:
         views = [as_bytes_view(data) for _pid, _meta, data in items]
-        for (_pid, meta, _data), view in zip(items, views, strict=True):
-            fill_checksum(meta, view)
         loop = asyncio.get_running_loop()
         total = sum(meta.size for _pid, meta, _d in items)
 
@@ -251,7 +285,7 @@ class TcpTransport(Transport):
 
             async def writer() -> None:
                 for (put_id, meta, _data), view, rid in zip(items, views, rids, strict=True):
-                    await send_parts(loop, conn.sock, [self._put_frame(put_id, meta, rid), view])
+                    await self._send_put(loop, conn.sock, put_id, meta, view, rid)
 
             return await self._pipeline(conn, writer, [(OP_PUT, rid, None) for rid in rids])
 
