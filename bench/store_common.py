@@ -6,8 +6,8 @@ whose data does not verify raises :class:`VerifyError` and the whole row is drop
 is never printed). Payloads are stamped with the rep index at both ends so stale data from an earlier rep
 cannot pass verification.
 
-This module is imported by the bench sections (``store_baselines``, ``store_ours``); it must stay free of
-project imports so it also loads under ``python bench/store_bench.py`` from a bare checkout.
+This module is imported by the bench sections (``store_baselines``, ``store_ours``, ``store_ours_master``); it
+must stay free of project imports so it also loads under ``python bench/store_bench.py`` from a bare checkout.
 """
 
 from __future__ import annotations
