@@ -20,7 +20,6 @@ import contextlib
 import logging
 import socket
 
-import xxhash
 from kvpool.kvstore.errors import (
     BadRequestError,
     CorruptObjectError,
@@ -48,7 +47,12 @@ from kvpool.kvstore.protocol.data_frame import (
     encode,
     error_frame,
 )
-from kvpool.kvstore.transport.base import FLAG_TRAILER, recv_exactly_into, recv_hashing_into, send_parts
+from kvpool.kvstore.transport.base import (
+    FLAG_TRAILER,
+    recv_exactly_into,
+    recv_hashing_into,
+    send_hashing,
+)
 from kvpool.proto import common_pb2, node_pb2
 from kvpool.runtime import cluster_auth
 
@@ -358,22 +362,14 @@ class TcpDataServer:
             payload_len=len(data),
             checksum=meta.checksum,
         )
-        hasher = xxhash.xxh3_64()
-        parts: list[bytes | memoryview] = [encode(head)]
-        for start in range(0, len(data), SEND_CHUNK):
-            chunk = data[start : start + SEND_CHUNK]
-            hasher.update(chunk)
-            parts.append(chunk)
-            if start + SEND_CHUNK < len(data):  # the last chunk leaves together with the trailer
-                await send_parts(loop, conn, parts)
-                parts = []
-        digest = hasher.intdigest()
-        if digest == meta.checksum:
-            trailer = Frame(OP_GET | RESPONSE, request_id=request_id, checksum=digest)
-        else:
+
+        def verdict(digest: int) -> bytes:
+            if digest == meta.checksum:
+                return encode(Frame(OP_GET | RESPONSE, request_id=request_id, checksum=digest))
             self.store.count("reads_corrupt")
             msg = f"key {meta.key[:8].hex()}… failed its checksum on the node"
             trailer = error_frame(OP_GET, CorruptObjectError.code, msg, request_id)
             trailer.checksum = digest
-        parts.append(encode(trailer))
-        await send_parts(loop, conn, parts)
+            return encode(trailer)
+
+        await send_hashing(loop, conn, encode(head), data, SEND_CHUNK, verdict)

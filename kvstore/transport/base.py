@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -221,6 +221,34 @@ async def send_parts(loop: asyncio.AbstractEventLoop, sock: socket.socket, parts
             continue
         await loop.sock_sendall(sock, memoryview(part)[sent:] if sent else part)
         sent = 0
+
+
+async def send_hashing(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    head: bytes,
+    data: memoryview,
+    chunk: int,
+    trailer: Callable[[int], bytes],
+) -> int:
+    """Send ``head``, then ``data`` ``chunk`` bytes at a time, each hashed right before it leaves (the send
+    then copies bytes the hash just pulled into cache, and the first byte does not wait for a whole-object
+    hash), then ``trailer(digest)``; returns the digest. The last chunk leaves together with the trailer.
+    Both ends of the tcp data plane stream this way: a node's GET reply, a client's PUT whose checksum
+    was left open."""
+    hasher = xxhash.xxh3_64()
+    parts: list[bytes | memoryview] = [head]
+    for start in range(0, len(data), chunk):
+        piece = data[start : start + chunk]
+        hasher.update(piece)
+        parts.append(piece)
+        if start + chunk < len(data):
+            await send_parts(loop, sock, parts)
+            parts = []
+    digest = hasher.intdigest()
+    parts.append(trailer(digest))
+    await send_parts(loop, sock, parts)
+    return digest
 
 
 async def with_deadline(coro, seconds: float, what: str):  # type: ignore[no-untyped-def]

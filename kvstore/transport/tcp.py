@@ -19,7 +19,6 @@ import socket
 from collections.abc import Sequence
 from dataclasses import replace
 
-import xxhash
 from kvpool.kvstore.errors import (
     ProtocolError,
     StoreError,
@@ -48,6 +47,7 @@ from kvpool.kvstore.transport.base import (
     as_bytes_view,
     recv_exactly_into,
     recv_hashing_into,
+    send_hashing,
     send_parts,
     verify_checksum,
     with_deadline,
@@ -194,21 +194,18 @@ class TcpTransport(Transport):
         ``PUT_SEND_CHUNK`` is hashed right before it is sent, so the send copies bytes the hash just pulled
         into cache (one pass over the caller's buffer instead of hashing it all first). The node hashes what
         lands and refuses a mismatch, so the check stays end to end. Fills in ``meta.checksum``."""
+        head = self._put_frame(put_id, meta, rid)
         if meta.checksum:
-            await send_parts(loop, sock, [self._put_frame(put_id, meta, rid), view])
+            await send_parts(loop, sock, [head, view])
             return
-        hasher = xxhash.xxh3_64()
-        parts: list[bytes | memoryview] = [self._put_frame(put_id, meta, rid)]
-        for start in range(0, len(view), PUT_SEND_CHUNK):
-            chunk = view[start : start + PUT_SEND_CHUNK]
-            hasher.update(chunk)
-            parts.append(chunk)
-            if start + PUT_SEND_CHUNK < len(view):  # the last chunk leaves together with the trailer
-                await send_parts(loop, sock, parts)
-                parts = []
-        meta.checksum = hasher.intdigest()
-        parts.append(encode(Frame(OP_PUT, request_id=rid, checksum=meta.checksum)))
-        await send_parts(loop, sock, parts)
+        meta.checksum = await send_hashing(
+            loop,
+            sock,
+            head,
+            view,
+            PUT_SEND_CHUNK,
+            lambda d: encode(Frame(OP_PUT, request_id=rid, checksum=d)),
+        )
 
     # --- single ops --------------------------------------------------------------------------------------
     async def put(
