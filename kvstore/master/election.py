@@ -71,7 +71,6 @@ class Leadership:
         self.role = Role.STANDBY
         self.epoch = 0
         self.leader_address: str | None = None  # the current leader as last read from etcd
-        self.elections_won = 0
         self._lease_id = 0
         self._valid_until = 0.0
 
@@ -130,7 +129,6 @@ class Leadership:
         self.leader_address = self.address
         await self._on_elected(epoch)
         self.role = Role.LEADER
-        self.elections_won += 1
         log.info("elected leader of %s with epoch %d (lease %x)", self.key.decode(), epoch, lease.id)
 
     async def _keep(self) -> None:

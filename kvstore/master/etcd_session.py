@@ -59,15 +59,18 @@ class EtcdSession:
     async def run(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         last: BaseException | None = None
         for _ in range(len(self.members)):
-            client = await self._connected()
             try:
-                return await asyncio.wait_for(op(client), self.timeout_s)
+                return await asyncio.wait_for(self._on_member(op), self.timeout_s)
             except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError, OSError) as exc:
                 last = exc
                 log.debug("etcd member %s failed: %r", self.member, exc)
                 await self._drop()
                 self._at = (self._at + 1) % len(self.members)
         raise EtcdUnavailableError(f"no etcd member of {len(self.members)} answered: {last!r}")
+
+    async def _on_member(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Connect if needed and run ``op``, both inside the caller's deadline."""
+        return await op(await self._connected())
 
     async def _connected(self) -> aetcd.Client:
         if self._client is None:

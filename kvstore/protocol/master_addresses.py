@@ -15,14 +15,13 @@ from kvpool.kvstore.errors import BadRequestError
 class MasterAddresses:
     """The masters of one cluster and the one currently believed to lead."""
 
-    __slots__ = ("_at", "addresses", "moves")
+    __slots__ = ("_at", "addresses")
 
     def __init__(self, spec: str) -> None:
         self.addresses = [a.strip() for a in spec.split(",") if a.strip()]
         if not self.addresses:
             raise BadRequestError(f"no master address in {spec!r}")
         self._at = 0
-        self.moves = 0
 
     @property
     def current(self) -> str:
@@ -43,5 +42,4 @@ class MasterAddresses:
         if at == self._at:
             at = (self._at + 1) % len(self.addresses)
         self._at = at
-        self.moves += 1
         return True
