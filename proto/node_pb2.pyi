@@ -111,9 +111,11 @@ class ShmSealReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("put_id", "meta")
+    __slots__ = ("put_id", "meta", "arena_offset")
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    ARENA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     put_id: str
     meta: _common_pb2.ObjectMeta
-    def __init__(self, put_id: _Optional[str] = ..., meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ...) -> None: ...
+    arena_offset: int
+    def __init__(self, put_id: _Optional[str] = ..., meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., arena_offset: _Optional[int] = ...) -> None: ...

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -69,45 +70,68 @@ class StoreWrites(ClientCore):
                 t = self.transports.for_node(guess)
                 if isinstance(t, ShmTransport):
                     shm, token = t, f"spec-{secrets.token_hex(8)}"
-                    spec = asyncio.get_running_loop().create_task(
-                        shm.reserve_and_copy(guess, token, meta, view)
-                    )
+                    spec = asyncio.get_running_loop().create_task(_copy_ahead(shm, guess, token, meta, view))
         try:
             start = await self.master.put_start(request)
         except BaseException:
-            await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+            await self._drop_speculative_put(shm, guess, spec)
             raise
         if start.status != master_pb2.PutStartReply.STARTED:
-            await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+            await self._drop_speculative_put(shm, guess, spec)
             if start.status == master_pb2.PutStartReply.NOT_ADMITTED:
                 self._count("put.not_admitted")
             return False  # EXISTS / IN_PROGRESS / NOT_ADMITTED: nothing to write
         self._last_put_node = start.node
         meta.epoch = self.leader_epoch = start.epoch  # HA fencing: nodes refuse puts of deposed leaders
         try:
-            if not await self._finish_speculative_put(shm, guess, spec, token, start, meta):
+            seal: _Unsealed | None = None
+            if await self._keep_speculative_put(shm, guess, spec, start):
+                seal = _Unsealed(shm, guess, spec.result())  # type: ignore[arg-type, union-attr]
+            else:
                 transport = self.transports.for_node(start.node)
-                await self._transfer(transport, start, meta, view)
+                seal = await self._transfer(transport, start, meta, view, defer_seal=True)
         except BaseException as exc:
             await self._abort(start.put_id, exc)
             raise
-        await self.master.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id, checksum=meta.checksum))
+        await self._commit(start, meta, seal)
         self._remember(common_pb2.ObjectLocation(meta=meta, node=start.node))
         return True
 
-    async def _finish_speculative_put(
+    async def _commit(self, start: Any, meta: common_pb2.ObjectMeta, seal: _Unsealed | None) -> None:
+        """PutCommit; a shm put's SEAL goes out at the same moment, so the two cost one round trip, not two.
+
+        Read-your-writes holds: the call returns only after both answered. Another reader may, for the
+        ~0.1 ms between the master's commit and the node's seal, be told where the object is and not find
+        it there: a miss, never wrong bytes. A seal that fails after the master committed is withdrawn
+        (``Remove``), so the index does not keep an entry the node never published.
+        """
+        commit = master_pb2.PutCommitRequest(put_id=start.put_id, checksum=meta.checksum)
+        if seal is None:
+            await self.master.put_commit(commit)
+            return
+        sealing = asyncio.get_running_loop().create_task(seal.shm.seal(seal.node, seal.token, meta.size))
+        try:
+            await self.master.put_commit(commit)
+        finally:
+            await _settle(sealing)
+        failure = None if sealing.cancelled() else sealing.exception()
+        if failure is not None:
+            self._count("put.seal_withdrawn")
+            with contextlib.suppress(StoreError):
+                await self.master.remove(master_pb2.RemoveRequest(keys=[meta.key]))
+            raise failure
+
+    async def _keep_speculative_put(
         self,
         shm: ShmTransport | None,
         guess: common_pb2.NodeEndpoint | None,
-        spec: asyncio.Task[bool] | None,
-        token: str,
+        spec: asyncio.Task[str | None] | None,
         start: Any,
-        meta: common_pb2.ObjectMeta,
     ) -> bool:
         """shm puts: the RESERVE + copy ran on the node of this client's previous put while PutStart was in
         flight (one round trip and the copy off the critical path). Kept only if the master placed the put
-        on that same node; then SEAL publishes it (the node verifies the checksum) exactly as the plain
-        path would. Otherwise the reservation is aborted and the caller runs the plain transfer. A
+        on that same node; then its SEAL goes out with the PutCommit (``_commit``) exactly as the plain
+        path's would. Otherwise the reservation is aborted and the caller runs the plain transfer. A
         speculative RESERVE never touches a copy the node already holds (FLAG_SPECULATIVE: a plain RESERVE
         would replace a corrupt copy, which only the master may order); then the plain path runs.
         """
@@ -116,10 +140,9 @@ class StoreWrites(ClientCore):
         await _settle(spec)
         ok = not spec.cancelled() and spec.exception() is None
         if ok and spec.result() and start.node.node_id == guess.node_id:
-            await shm.seal(guess, token, meta.size)
             self._count("put.overlapped")
             return True
-        await self._drop_speculative_put(shm, guess, spec, token, meta.size)
+        await self._drop_speculative_put(shm, guess, spec)
         self._count("put.overlap_discarded")
         return False
 
@@ -127,27 +150,35 @@ class StoreWrites(ClientCore):
         self,
         shm: ShmTransport | None,
         guess: common_pb2.NodeEndpoint | None,
-        spec: asyncio.Task[bool] | None,
-        token: str,
-        size: int,
+        spec: asyncio.Task[str | None] | None,
     ) -> None:
         if spec is None or shm is None or guess is None:
             return
         await _settle(spec)
         if not spec.cancelled() and spec.exception() is None and spec.result():
             with contextlib.suppress(StoreError):  # else the node's reaper frees it at its deadline
-                await shm.seal(guess, token, size, abort=True)
+                await shm.seal(guess, spec.result(), 0, abort=True)  # type: ignore[arg-type]
 
     async def _transfer(
-        self, transport: Transport, start: Any, meta: common_pb2.ObjectMeta, view: memoryview
-    ) -> None:
+        self,
+        transport: Transport,
+        start: Any,
+        meta: common_pb2.ObjectMeta,
+        view: memoryview,
+        defer_seal: bool = False,
+    ) -> _Unsealed | None:
         """Send the bytes; a node that is momentarily full (the master's evictions reach it asynchronously,
-        as Delete/Demote calls) is retried with a short backoff before the put fails."""
+        as Delete/Demote calls) is retried with a short backoff before the put fails. ``defer_seal``: a shm
+        put stops after the copy and returns the SEAL still owed (sent with the commit); else None."""
         delay = 0.05
         for attempt in range(CAPACITY_RETRIES + 1):
             try:
+                if defer_seal and isinstance(transport, ShmTransport):
+                    node, put_id = start.node, start.put_id
+                    landed = await transport.reserve_and_copy(node, put_id, meta, view, speculative=False)
+                    return _Unsealed(transport, node, put_id) if landed else None
                 await transport.put(start.node, start.put_id, meta, view)
-                return
+                return None
             except ObjectTooLargeError:
                 raise
             except CapacityExceededError:
@@ -242,9 +273,33 @@ class StoreWrites(ClientCore):
         return results
 
 
+@dataclass(slots=True, frozen=True)
+class _Unsealed:
+    """A shm put whose bytes are in the node's pool, waiting for the SEAL that publishes them."""
+
+    shm: ShmTransport
+    node: common_pb2.NodeEndpoint
+    token: str
+
+
 def _item_error(err: master_pb2.ItemError) -> StoreError:
     """A batch item's failure as the typed error the single call would have raised."""
     return typed_error_from(grpc.StatusCode[err.code], err.message)
+
+
+async def _copy_ahead(
+    shm: ShmTransport,
+    node: common_pb2.NodeEndpoint,
+    token: str,
+    meta: common_pb2.ObjectMeta,
+    view: memoryview,
+) -> str | None:
+    """The speculative half of a shm put: copy into this client's arena on ``node`` (no round trip first),
+    else RESERVE under ``token`` and copy. The token to seal, or None when the node already holds it."""
+    slot = await shm.copy_into_arena(node, meta, view)
+    if slot is not None:
+        return slot
+    return token if await shm.reserve_and_copy(node, token, meta, view) else None
 
 
 async def _settle(task: asyncio.Task | None) -> None:

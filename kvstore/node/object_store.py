@@ -31,6 +31,7 @@ from kvpool.kvstore.errors import (
     ObjectTooLargeError,
     StaleEpochError,
 )
+from kvpool.kvstore.node.arenas import ArenaTable
 from kvpool.kvstore.node.fence import EpochFence
 from kvpool.kvstore.node.pool import Extent, SharedPool
 from kvpool.kvstore.protocol.data_frame import MAX_KEY
@@ -91,6 +92,7 @@ class ObjectStore:
         self.auto_promote = True
         self._stale_deletes: dict[bytes, float] = {}  # key -> until when a Delete targets a replaced copy
         self.fence = EpochFence()  # HA: puts and orders of deposed master leaders are refused
+        self.arenas = ArenaTable(pool.allocator)  # same-host writers' pre-reserved space
         if ssd_path is not None:
             ssd_path.mkdir(parents=True, exist_ok=True)
             self._load_ssd()
@@ -131,6 +133,16 @@ class ObjectStore:
     # --- puts --------------------------------------------------------------------------------------------
     def begin_put(self, put_id: str, meta: common_pb2.ObjectMeta) -> PendingPut | None:
         """Reserve space for ``meta``; None when the same object is already here (duplicate put = no-op)."""
+        if not self._admit(meta):
+            return None
+        extent = self.pool.allocator.allocate(meta.size)
+        pending = PendingPut(put_id, common_pb2.ObjectMeta(), extent)
+        pending.meta.CopyFrom(meta)
+        pending.meta.tier = common_pb2.DRAM
+        return pending
+
+    def _admit(self, meta: common_pb2.ObjectMeta) -> bool:
+        """Checks every put passes before it may take space; False for a duplicate (a no-op success)."""
         if not meta.key or len(meta.key) > MAX_KEY:
             raise BadRequestError(f"key must be 1..{MAX_KEY} bytes, got {len(meta.key)}")
         self.fenced(meta.epoch, "put")
@@ -146,16 +158,12 @@ class ObjectStore:
                 raise ObjectExistsError(f"key {meta.key[:8].hex()}… already holds a different object")
             if self._intact(existing):
                 self.count("puts_duplicate")
-                return None
+                return False
             self.count("puts_replacing_corrupt")  # damaged copy (a reader re-puts it): take the new one
             self.delete([meta.key])
             # the master's Delete of the damaged copy may still be in flight: it must not hit the new copy
             self._stale_deletes[meta.key] = time.monotonic() + STALE_DELETE_WINDOW_S
-        extent = self.pool.allocator.allocate(meta.size)
-        pending = PendingPut(put_id, common_pb2.ObjectMeta(), extent)
-        pending.meta.CopyFrom(meta)
-        pending.meta.tier = common_pb2.DRAM
-        return pending
+        return True
 
     def _intact(self, obj: StoredObject) -> bool:
         if obj.extent is not None:
@@ -453,7 +461,32 @@ class ObjectStore:
         stale = [pid for pid, p in self.pending.items() if p.deadline < now]
         for pid in stale:
             self.abort_put(self.pending.pop(pid))
-        return len(stale)
+        arenas = self.arenas.reap(now)
+        self.count("arenas_reaped", arenas)
+        return len(stale) + arenas
+
+    # --- shm puts through an arena (``arenas``): no reservation round trip before the copy ------------------
+    def open_arena(self, token: str, size: int, epoch: int, ttl_s: float) -> Extent:
+        self.fenced(epoch, "arena")
+        extent = self.arenas.open(token, size, ttl_s)
+        self.count("arenas_opened")
+        return extent
+
+    def seal_in_arena(self, token: str, offset: int, meta: common_pb2.ObjectMeta) -> bool:
+        """Publish an object a same-host writer copied into its arena at ``offset``; False when this node
+        already holds it (the slot stays the arena's). The checksum is the one the writer computed while
+        copying (``copy_hashing``), recorded as a checksum-less reservation's SEAL records it."""
+        if not meta.checksum:
+            raise BadRequestError("a SEAL into an arena declares the object's checksum")
+        if not self._admit(meta):
+            return False
+        extent = self.arenas.carve(token, offset, meta.size)
+        pending = PendingPut(token, common_pb2.ObjectMeta(), extent, landed_checksum=meta.checksum)
+        pending.meta.CopyFrom(meta)
+        pending.meta.tier = common_pb2.DRAM
+        self.finish_put(pending)
+        self.count("puts_arena")
+        return True
 
 
 def ssd_file_stem(key: bytes) -> str:

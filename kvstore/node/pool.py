@@ -89,6 +89,17 @@ class ExtentAllocator:
         self.used_bytes += span
         return Extent(best, size)
 
+    def split(self, offset: int, at: int) -> None:
+        """Cut the allocated span starting at ``offset`` in two at ``offset + at`` (a multiple of ``ALIGN``);
+        each half is then freed on its own. How a same-host writer's arena hands out object extents."""
+        span = self._used.get(offset)
+        if span is None:
+            raise ValueError(f"no allocated span starts at {offset}")
+        if at <= 0 or at >= span or at % ALIGN:
+            raise ValueError(f"cannot split a {span} B span at {at}")
+        self._used[offset] = at
+        self._used[offset + at] = span - at
+
     def free(self, extent: Extent) -> None:
         """Return an extent, merging free neighbours. Freeing an unallocated extent is a bug: ValueError."""
         if extent.size == 0:

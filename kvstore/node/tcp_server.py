@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 
 from kvpool.kvstore.errors import (
     BadRequestError,
@@ -31,6 +32,7 @@ from kvpool.kvstore.errors import (
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.protocol.data_frame import (
     FLAG_ABORT,
+    FLAG_ARENA,
     FLAG_EXISTS,
     FLAG_SPECULATIVE,
     HEADER_SIZE,
@@ -39,6 +41,7 @@ from kvpool.kvstore.protocol.data_frame import (
     OP_PING,
     OP_PUT,
     OP_RESERVE,
+    OP_SEAL,
     RESPONSE,
     Frame,
     FrameError,
@@ -229,12 +232,10 @@ class TcpDataServer:
             if frame.op == OP_LOCATE:
                 await self.store.locate(frame.key)
                 stamped(frame.key)  # locate() leaves the object in DRAM (no await since)
+            elif frame.flags & FLAG_ARENA:
+                self._arena_control(frame, reply, stamped)
             elif frame.op == OP_RESERVE:
-                header = node_pb2.PutHeader()
-                try:
-                    header.ParseFromString(frame.aux)
-                except Exception as exc:
-                    raise BadRequestError(f"bad PutHeader: {exc}") from exc
+                header = _put_header(frame.aux)
                 existing = self.store.objects.get(header.meta.key)
                 if frame.flags & FLAG_SPECULATIVE and existing is not None and not existing.doomed:
                     pending = None  # leave any copy here alone: the client falls back to the plain path
@@ -256,6 +257,24 @@ class TcpDataServer:
             await self._send_error(conn, frame.op, exc, frame.request_id)
             return
         await loop.sock_sendall(conn, encode(reply))
+
+    def _arena_control(self, frame: Frame, reply: Frame, stamped: Callable[[bytes], None]) -> None:
+        """RESERVE opens an arena, SEAL publishes one object copied into it, SEAL + ABORT closes it
+        (``node/arenas.py``; the frame layouts are in ``data_frame``)."""
+        if frame.op == OP_RESERVE:
+            header = _put_header(frame.aux)
+            ttl = self.reservation_ttl_s
+            extent = self.store.open_arena(header.put_id, header.meta.size, header.meta.epoch, ttl)
+            reply.aux = ShmExtent(self.store.pool.name, extent.offset, extent.size).pack()
+        elif frame.op == OP_SEAL and frame.flags & FLAG_ABORT:
+            self.store.arenas.close(frame.aux.decode(errors="replace"))
+        elif frame.op == OP_SEAL:
+            header = _put_header(frame.aux)
+            if not self.store.seal_in_arena(header.put_id, header.arena_offset, header.meta):
+                reply.flags = FLAG_EXISTS
+            stamped(header.meta.key)
+        else:
+            raise BadRequestError(f"op {frame.op} takes no arena flag")
 
     async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame) -> None:
         header = node_pb2.PutHeader()
@@ -373,3 +392,12 @@ class TcpDataServer:
             return encode(trailer)
 
         await send_hashing(loop, conn, encode(head), data, SEND_CHUNK, verdict)
+
+
+def _put_header(aux: bytes) -> node_pb2.PutHeader:
+    header = node_pb2.PutHeader()
+    try:
+        header.ParseFromString(aux)
+    except Exception as exc:
+        raise BadRequestError(f"bad PutHeader: {exc}") from exc
+    return header

@@ -58,6 +58,7 @@ from kvpool.kvstore.transport.base import (
     copy_hashing,
     verify_checksum,
 )
+from kvpool.kvstore.transport.shm_arena import ArenaWriter
 from kvpool.kvstore.transport.tcp import TcpTransport
 from kvpool.proto import common_pb2, node_pb2
 
@@ -107,6 +108,7 @@ class ShmTransport(Transport):
         self._sealing: dict[
             str, tuple[bytes, int]
         ] = {}  # reserve_and_copy token -> (key, checksum) for seal()
+        self.arena = ArenaWriter(self._control, self._map, self._remember_reply)
         self.fast_hits = 0
         self.fast_misses = 0
         self.fast_stale = 0
@@ -249,23 +251,33 @@ class ShmTransport(Transport):
         self._remember(node, key, ext, reply.checksum)
 
     async def reserve_and_copy(
-        self, node: common_pb2.NodeEndpoint, token: str, meta: common_pb2.ObjectMeta, data: Buffer
+        self,
+        node: common_pb2.NodeEndpoint,
+        token: str,
+        meta: common_pb2.ObjectMeta,
+        data: Buffer,
+        speculative: bool = True,
     ) -> bool:
         """First half of a put: RESERVE under ``token`` and copy the bytes in; nothing is published until
-        ``seal(node, token)``. False when the node already holds this object (nothing reserved).
+        ``seal(node, token)``. False when the node already holds this object (nothing reserved; then
+        ``meta.checksum`` is the stored copy's).
 
-        Lets the client do this while the master's PutStart is in flight (the node keys reservations by
-        the caller's token and never checks master put ids); an unused reservation is aborted by the
-        client, or freed by the node's reaper at its deadline if the client vanished.
+        ``speculative``: the client does this while the master's PutStart is in flight (the node keys
+        reservations by the caller's token and never checks master put ids), so it must not touch a copy
+        the node already holds (a plain RESERVE replaces a corrupt one, which only the master may order).
+        An unused reservation is aborted by the client, or freed by the node's reaper at its deadline.
         """
         self._check(node)
         view = as_bytes_view(data)
         if len(view) != meta.size:
             raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
         header = node_pb2.PutHeader(put_id=token, meta=meta).SerializeToString()
-        reply = await self._one(node, Frame(OP_RESERVE, key=meta.key, aux=header, flags=FLAG_SPECULATIVE))
+        flags = FLAG_SPECULATIVE if speculative else 0
+        reply = await self._one(node, Frame(OP_RESERVE, key=meta.key, aux=header, flags=flags))
         if reply.flags & FLAG_EXISTS:
             self._remember_reply(node, meta.key, reply)
+            if not speculative:  # the copy already there (same key = same bytes)
+                meta.checksum = meta.checksum or reply.checksum
             return False
         try:
             self._copy_in(self._parse(reply), meta, view)
@@ -287,10 +299,27 @@ class ShmTransport(Transport):
         else:
             meta.checksum = copy_hashing(dst, view)
 
+    async def copy_into_arena(
+        self, node: common_pb2.NodeEndpoint, meta: common_pb2.ObjectMeta, data: Buffer
+    ) -> str | None:
+        """First half of a put with no round trip before the copy: the bytes go into this client's arena
+        on ``node`` (``shm_arena``), hashed on the way; the token for ``seal``, or None when the put
+        should take ``reserve_and_copy`` instead (too large for an arena, none granted, checksum declared).
+        """
+        self._check(node)
+        view = as_bytes_view(data)
+        if len(view) != meta.size:
+            raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
+        return await self.arena.copy_in(node, meta, view)
+
     async def seal(self, node: common_pb2.NodeEndpoint, token: str, size: int, abort: bool = False) -> None:
         """Publish or abort a ``reserve_and_copy`` reservation. SEAL carries the checksum computed while
         copying when the reservation left it open (the node then records it: it describes the bytes as they
         lie in its pool, and every reader verifies it); otherwise the node verifies the declared one."""
+        if self.arena.holds(token):  # an arena slot (``copy_into_arena``)
+            if await self.arena.seal(node, token, abort) is not None:
+                self.bytes_out += size
+            return
         key, checksum = self._sealing.pop(token, (None, 0))
         frame = Frame(OP_SEAL, aux=token.encode(), flags=FLAG_ABORT if abort else 0, checksum=checksum)
         reply = await self._one(node, frame)
@@ -445,6 +474,8 @@ class ShmTransport(Transport):
         return results
 
     async def close(self) -> None:
+        with contextlib.suppress(StoreError):
+            await self.arena.close()
         if self._owns_control:
             await self._control.close()
         with self._hint_lock:

@@ -361,16 +361,17 @@ class TcpTransport(Transport):
 
         async def op(conn: _Conn) -> list:
             rids = [self._rid() for _ in frames]
-
-            async def writer() -> None:
-                await loop.sock_sendall(
-                    conn.sock,
-                    b"".join(encode(replace(f, request_id=rid)) for f, rid in zip(frames, rids, strict=True)),
-                )
-
-            return await self._pipeline(
-                conn, writer, [(f.op, rid, None) for f, rid in zip(frames, rids, strict=True)]
-            )
+            data = b"".join(encode(replace(f, request_id=rid)) for f, rid in zip(frames, rids, strict=True))
+            expected = [(f.op, rid, None) for f, rid in zip(frames, rids, strict=True)]
+            try:
+                rest = _send_now(conn.sock, data)
+            except OSError:
+                if conn.reused:  # a pooled connection the node closed (restarted): retry on a fresh one
+                    raise _Stale from None
+                raise
+            if not rest:  # the usual case: a few control frames fit the socket buffer, no writer task
+                return await self._pipeline(conn, None, expected)
+            return await self._pipeline(conn, lambda: loop.sock_sendall(conn.sock, rest), expected)
 
         try:
             return await self._run(node, 0, op)
@@ -382,8 +383,9 @@ class TcpTransport(Transport):
     async def _pipeline(
         self, conn: _Conn, writer, expected: list[tuple[int, int, memoryview | None]]
     ) -> list:  # type: ignore[no-untyped-def]
-        """Send with ``writer`` while reading one response per ``expected`` entry, in order."""
-        send_task = asyncio.get_running_loop().create_task(writer())
+        """Send with ``writer`` (None: already sent) while reading one response per ``expected`` entry, in
+        order."""
+        send_task = asyncio.get_running_loop().create_task(writer()) if writer is not None else None
         out: list = []
         try:
             for n, (op, rid, view) in enumerate(expected):
@@ -398,10 +400,11 @@ class TcpTransport(Transport):
                         out.extend([exc] * (len(expected) - len(out)))
                         raise _BatchBroken(out) from exc
                     out.append(exc)
-            await send_task
+            if send_task is not None:
+                await send_task
             return out
         finally:
-            if not send_task.done():
+            if send_task is not None and not send_task.done():
                 send_task.cancel()
                 with contextlib.suppress(BaseException):
                     await send_task
@@ -424,3 +427,13 @@ class _BatchBroken(StoreUnavailableError):
 def _keeps_sync(exc: StoreError) -> bool:
     """After this error response, is the connection still aligned on a frame boundary?"""
     return not isinstance(exc, StoreUnavailableError | ProtocolError)
+
+
+def _send_now(sock: socket.socket, data: bytes) -> memoryview:
+    """Send what the socket takes without waiting; the unsent rest (empty when all went). Saves a writer
+    task and a loop iteration per control exchange (~0.13 ms round trip on loopback)."""
+    try:
+        sent = sock.send(data)
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    return memoryview(data)[sent:]

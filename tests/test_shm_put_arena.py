@@ -1,0 +1,125 @@
+"""Same-host puts through an arena (issue #18): the writer holds pool space on the node, copies each object
+into it with no round trip first, and the SEAL that publishes the object (sent together with the master's
+PutCommit) names where it lies. Unit tests of the node's arena table, then a real master + node."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+from kvpool.kvstore.client.async_client import AsyncStoreClient
+from kvpool.kvstore.errors import BadRequestError, ObjectNotFoundError, StoreError
+from kvpool.kvstore.node.arenas import ArenaTable
+from kvpool.kvstore.node.pool import ExtentAllocator
+from kvpool.kvstore.protocol.data_frame import FLAG_ABORT, FLAG_ARENA, OP_SEAL, Frame
+from kvpool.kvstore.transport.shm import ShmTransport
+from kvpool.proto import node_pb2, node_pb2_grpc
+from store_helpers import start_master, start_node
+
+MB = 1 << 20
+
+
+def test_an_arena_hands_out_object_extents_that_are_freed_on_their_own() -> None:
+    alloc = ExtentAllocator(64 * MB)
+    table = ArenaTable(alloc)
+    arena = table.open("a", 8 * MB, ttl_s=30)  # 1/8 of the pool: the cap
+    assert arena.size == 8 * MB and alloc.used_bytes == 8 * MB
+    first = table.carve("a", arena.offset, 1000)
+    skipped = arena.offset + 1024  # a slot the writer filled and never sealed
+    third = table.carve("a", arena.offset + 2048, 3 * MB)
+    assert (first.offset, third.offset) == (arena.offset, arena.offset + 2048)
+    with pytest.raises(BadRequestError):  # overlaps the object carved before
+        table.carve("a", arena.offset + 2048, 64)
+    with pytest.raises(BadRequestError):  # outside the arena
+        table.carve("a", arena.offset + 8 * MB, 64)
+    with pytest.raises(BadRequestError):  # not aligned
+        table.carve("a", skipped + 8, 64)
+    with pytest.raises(ObjectNotFoundError):
+        table.carve("nope", arena.offset, 64)
+    assert table.close("a") == 8 * MB - 1024 - 3 * MB  # the unsealed slot comes back with the rest
+    assert alloc.used_bytes == 1024 + 3 * MB  # the two objects stay
+    alloc.free(first)
+    alloc.free(third)
+    assert alloc.used_bytes == 0 and alloc.free_extents == 1 and alloc.largest_free == 64 * MB
+
+
+def test_the_reaper_closes_arenas_whose_writer_went_away() -> None:
+    alloc = ExtentAllocator(64 * MB)
+    table = ArenaTable(alloc)
+    table.open("gone", MB, ttl_s=5)
+    table.open("alive", MB, ttl_s=60)
+    assert table.reap(now=table.arenas["gone"].deadline - 1) == 0
+    assert table.reap(now=table.arenas["gone"].deadline + 1) == 1
+    assert list(table.arenas) == ["alive"] and alloc.used_bytes == MB
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("arena")
+    master = start_master(logs)
+    node = start_node(logs, master.address, "256MiB", "tcp,shm")
+    yield master, node
+    assert node.stop() == 0, node.stderr()
+    master.stop()
+
+
+def _info(node) -> node_pb2.NodeInfoReply:  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(node.grpc_target) as channel:
+        return node_pb2_grpc.StorageNodeStub(channel).Info(node_pb2.NodeInfoRequest(), timeout=5)
+
+
+def test_consecutive_shm_puts_share_one_arena_and_read_back_exactly(cluster) -> None:
+    master, node = cluster
+    start = _info(node)
+    before = start.counters
+    blobs = [os.urandom(MB + 77 * i) for i in range(8)]
+
+    async def main() -> list[bytes]:
+        async with AsyncStoreClient(master.address, transport="shm") as client:
+            for i, blob in enumerate(blobs):
+                assert await client.put(b"arena/%d" % i, blob)
+            return [bytes(await client.get(b"arena/%d" % i)) for i in range(len(blobs))]
+
+    assert asyncio.run(main()) == blobs
+    after = _info(node)
+    # the first put has no node to guess yet; every later one copies into the one arena
+    assert after.counters["puts_arena"] - before.get("puts_arena", 0) == len(blobs) - 1
+    assert after.counters["arenas_opened"] - before.get("arenas_opened", 0) == 1
+    # the client closed its arena on exit: the pool holds exactly the objects again
+    grown = after.dram_used_bytes - start.dram_used_bytes
+    assert grown == sum(-(-len(b) // 64) * 64 for b in blobs)
+
+
+def test_a_seal_refused_after_the_master_committed_is_withdrawn(cluster) -> None:
+    """The node lost the arena between the copy and the SEAL (here: closed by a real frame, as its reaper
+    would at the deadline). The SEAL fails while the master's PutCommit succeeded at the same moment: the
+    client withdraws the entry, so nobody is sent to a copy that does not exist; the next put works."""
+    master, _node = cluster
+    blob = os.urandom(2 * MB)
+
+    async def main() -> None:
+        async with AsyncStoreClient(master.address, transport="shm") as client:
+            assert await client.put(b"arena/warm", blob)  # makes the node this client's guess
+            shm = client.transports.for_node(client._last_put_node)
+            assert isinstance(shm, ShmTransport)
+            real_seal = shm.arena.seal
+
+            async def seal_after_losing_the_arena(node_ep, token, abort=False):  # type: ignore[no-untyped-def]
+                lease = shm.arena._slots[token].lease
+                close = Frame(OP_SEAL, aux=lease.token.encode(), flags=FLAG_ARENA | FLAG_ABORT)
+                await shm._control.control(node_ep, [close])
+                return await real_seal(node_ep, token, abort)
+
+            shm.arena.seal = seal_after_losing_the_arena  # type: ignore[method-assign]
+            with pytest.raises(StoreError):
+                await client.put(b"arena/lost", blob)
+            shm.arena.seal = real_seal  # type: ignore[method-assign]
+            found = await client.lookup([b"arena/lost"])
+            assert not found.found, "the index kept an object the node never published"
+            assert client.metrics()["put.seal_withdrawn"] == 1
+            assert await client.put(b"arena/lost", blob)  # a fresh arena; the put goes through
+            assert bytes(await client.get(b"arena/lost")) == blob
+
+    asyncio.run(main())
