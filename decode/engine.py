@@ -32,10 +32,9 @@ from kvpool.worker.store_io import (
     DEFAULT_TIMEOUT_S,
     CacheStore,
     PushStats,
-    push_blocks,
-    push_checkpoints,
     remove_tail,
 )
+from kvpool.worker.store_push import block_items, checkpoint_items, push_groups
 
 
 @dataclass
@@ -185,15 +184,12 @@ class DecodeEngine:
         parent = prompt_chain[-1] if prompt_chain else self._root(handoff.tenant)
         hashes = [*prompt_chain, *hash_blocks(consumed[first * B :], B, parent)]
         mla = {i: state.latents(i) for i in state.mla_layers}
-        push = await push_blocks(
-            self.store, self.schema, hashes, mla, first, end, handoff.tenant, timeout_s=self.timeout_s
-        )
+        blocks = block_items(self.schema, hashes, mla, first, end, handoff.tenant)
+        ckpts = checkpoint_items(self.schema, hashes, [snapshot], handoff.tenant) if snapshot else []
+        push, ck = await push_groups(self.store, [blocks, ckpts], self.timeout_s)  # one batch
         result.blocks_pushed = end - first - push.not_admitted if push.failed == 0 else 0
-        if snapshot is not None:
-            ck = await push_checkpoints(
-                self.store, self.schema, hashes, [snapshot], handoff.tenant, timeout_s=self.timeout_s
-            )
-            if ck.failed == 0 and ck.not_admitted == 0:
-                result.checkpoint_pushed = snapshot.n_tokens
-            push.add(ck)
+        if snapshot is not None and ck.failed == 0 and ck.not_admitted == 0:
+            result.checkpoint_pushed = snapshot.n_tokens
+        push.add(ck)
+        push.seconds = ck.seconds  # one batch: its wall time once
         result.push = push

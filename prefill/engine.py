@@ -12,13 +12,13 @@ produce logits, so at most ``(L-1)//B`` blocks are reused.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
 import torch
 from kvpool.cache.hashing import hash_blocks, root_hash
 from kvpool.cache.units import RequestTail
+from kvpool.kvstore.client.records import PutItem
 from kvpool.kvstore.keys import tail_key
 from kvpool.model.decode_state import DecodeState
 from kvpool.model.prefill_result import PrefillResult
@@ -36,10 +36,8 @@ from kvpool.worker.store_io import (
     PushStats,
     drop_bad,
     fetch_prefix,
-    push_blocks,
-    push_checkpoints,
-    push_tail,
 )
+from kvpool.worker.store_push import block_items, checkpoint_items, push_groups, tail_item
 
 
 @dataclass
@@ -191,59 +189,37 @@ class PrefillEngine:
         handoff: Handoff,
     ) -> PushStats:
         """Blocks and checkpoints (``use_store``) and the tail (unless the state is handed over in memory),
-        concurrently; the tail's success decides ``handoff.tail_stored``."""
+        as one batch (``store_push``: one control exchange for the request's whole push); the tail's own
+        success decides ``handoff.tail_stored``."""
         assert self.store is not None
         B, L = self.block_size, len(request.prompt_ids)
         n_full = L // B
-        tail = RequestTail(
-            start=n_full * B,
-            tokens=list(request.prompt_ids[n_full * B :]),
-            mla={i: rows[n_full * B : L] for i, rows in result.mla.items()},
-            kda=result.final,
-        )
-        jobs = []
+        groups: list[list[PutItem]] = [[], [], []]  # tail, blocks, checkpoints
         if with_tail:
-            jobs.append(
-                push_tail(
-                    self.store,
-                    self.schema,
-                    request.request_id,
-                    tail,
-                    hashes,
-                    request.tenant,
-                    ttl_ms=self.tail_ttl_ms,
-                    timeout_s=self.timeout_s,
-                )
+            tail = RequestTail(
+                start=n_full * B,
+                tokens=list(request.prompt_ids[n_full * B :]),
+                mla={i: rows[n_full * B : L] for i, rows in result.mla.items()},
+                kda=result.final,
             )
+            item = tail_item(
+                self.schema, request.request_id, tail, hashes, request.tenant, ttl_ms=self.tail_ttl_ms
+            )
+            groups[0].append(item)
         if use_store or with_tail:
             # a no-cache request still has to get its prompt to decode: its blocks go out short-lived, with
             # no checkpoint (no other hybrid request can resume from them), and it read nothing
             first_new = min(stored_run, n_full) if use_store else 0
-            jobs.append(
-                push_blocks(
-                    self.store,
-                    self.schema,
-                    hashes,
-                    result.mla,
-                    first_new,
-                    n_full,
-                    request.tenant,
-                    timeout_s=self.timeout_s,
-                    ttl_ms=0 if use_store else self.tail_ttl_ms,
-                )
-            )
+            ttl = 0 if use_store else self.tail_ttl_ms
+            groups[1] = block_items(self.schema, hashes, result.mla, first_new, n_full, request.tenant, ttl)
         if use_store:
             ckpts = [result.checkpoints[b] for b in boundaries]
-            jobs.append(
-                push_checkpoints(
-                    self.store, self.schema, hashes, ckpts, request.tenant, timeout_s=self.timeout_s
-                )
-            )
+            groups[2] = checkpoint_items(self.schema, hashes, ckpts, request.tenant)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*jobs)
+        results = await push_groups(self.store, groups, self.timeout_s)
         handoff.tail_stored = with_tail and results[0].failed == 0
         total = PushStats()
         for r in results:
             total.add(r)
-        total.seconds = time.perf_counter() - t0  # concurrent: wall time, not the sum
+        total.seconds = time.perf_counter() - t0  # one batch: wall time, not the sum
         return total

@@ -17,6 +17,7 @@ from kvpool.kvstore.keys import KDA_TAG, MLA_TAG, TAIL_TAG, kda_key, mla_key
 from kvpool.model.cache_schema import FORMAT_VERSION
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import ByteTokenizer
+from kvpool.proto import common_pb2
 from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.worker.errors import BadRequestError, CacheFetchError
 from kvpool.worker.handoff import PrefillRequest
@@ -118,6 +119,19 @@ def test_every_stored_key_is_the_independent_block_hash(model):
     assert (
         decode_kda_checkpoint(store.objects[KDA_TAG + parent], schema, expected_hash=parent).n_tokens == 4 * B
     )
+
+
+def test_a_requests_whole_push_goes_out_as_one_batch(model):
+    """Prefill: its tail, new MLA blocks and checkpoint in one batch_put (one control exchange for the
+    request); decode: the blocks its output closed and their checkpoint in one more."""
+    store = MemoryStore()
+    colo = Colocated(model, store)
+    prompt = _rand(random.Random(5), 3 * B + 10)
+    _complete(colo, "one", prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+    kinds = {common_pb2.REQUEST_TAIL, common_pb2.MLA_BLOCK, common_pb2.KDA_CHECKPOINT}
+    assert len(store.batches) == 2 and set(store.batches[0]) == kinds
+    assert store.batches[0].count(common_pb2.MLA_BLOCK) == 3
+    assert set(store.batches[1]) == {common_pb2.MLA_BLOCK, common_pb2.KDA_CHECKPOINT}
 
 
 def test_second_turn_reuses_the_first(model, reference):

@@ -10,7 +10,8 @@ from kvpool.cache.hashing import hash_blocks, root_hash
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.model.loader import load_model
 from kvpool.worker.memory_store import MemoryStore
-from kvpool.worker.store_io import fetch_prefix, push_blocks, push_checkpoints
+from kvpool.worker.store_io import fetch_prefix
+from kvpool.worker.store_push import push_blocks, push_checkpoints
 
 B = 64
 

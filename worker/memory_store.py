@@ -34,6 +34,7 @@ class MemoryStore:
         self.delay_s = 0.0
         self.gets = 0
         self.puts = 0
+        self.batches: list[list[int]] = []  # the object kinds of each batch_put call, in call order
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ fault hooks
@@ -116,6 +117,7 @@ class MemoryStore:
 
     async def batch_put(self, items: Sequence[PutItem]) -> list[StoreError | None]:
         await self._wait()
+        self.batches.append([item.kind for item in items])
         out: list[StoreError | None] = [None] * len(items)
         for i, item in enumerate(items):
             if bytes(item.key) in self.refuse:

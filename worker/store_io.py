@@ -27,12 +27,9 @@ from kvpool.cache.units import (
     decode_kda_checkpoint,
     decode_mla_block,
     decode_tail,
-    encode_kda_checkpoint,
-    encode_mla_block,
-    encode_tail,
 )
 from kvpool.kvstore.client.records import PutItem
-from kvpool.kvstore.errors import ObjectNotAdmittedError, StoreError
+from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
 from kvpool.model.cache_schema import CacheSchema
 from kvpool.model.state import KDACheckpoint, PrefixState
@@ -196,29 +193,6 @@ async def _fetch_located(
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
-
-
-async def _put(store: CacheStore, items: list[PutItem], timeout_s: float) -> PushStats:
-    stats = PushStats()
-    if not items:
-        return stats
-    t0 = time.perf_counter()
-    try:
-        async with asyncio.timeout(timeout_s):
-            results = _per_item(await store.batch_put(items), len(items))
-    except Exception as exc:
-        results = [exc] * len(items)
-    for item, res in zip(items, results, strict=True):
-        if res is None:
-            stats.objects += 1
-            stats.bytes_pushed += len(item.data)
-        elif isinstance(res, ObjectNotAdmittedError):
-            stats.not_admitted += 1
-        else:
-            stats.failed += 1
-            stats.errors.append(f"{type(res).__name__}: {res}")
-    stats.seconds = time.perf_counter() - t0
-    return stats
 
 
 # ------------------------------------------------------------------------------------------------ fetch
@@ -407,74 +381,6 @@ async def fetch_tail(
     except CacheUnitError as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return tail, None
-
-
-# ------------------------------------------------------------------------------------------------ push
-
-
-async def push_blocks(
-    store: CacheStore,
-    schema: CacheSchema,
-    hashes: Sequence[bytes],
-    mla: dict[int, torch.Tensor],
-    first: int,
-    end: int,
-    tenant: str = "",
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    ttl_ms: int = 0,
-) -> PushStats:
-    """Store MLA blocks ``[first, end)`` (rows of ``mla[layer]`` are absolute positions), keyed by h_i with
-    the previous block's key as parent (prefix-aware eviction). Duplicates are successes. ``ttl_ms``: blocks
-    that only carry a no-cache request's prompt to its decode node expire like the tail."""
-    B = schema.block_size
-    items = []
-    for i in range(first, end):
-        latents = {layer: rows[i * B : (i + 1) * B].contiguous() for layer, rows in mla.items()}
-        data = encode_mla_block(schema, i, latents, block_hash=hashes[i])  # no extra copy: a bytearray
-        parent = mla_key(hashes[i - 1]) if i else b""
-        items.append(PutItem(mla_key(hashes[i]), data, common_pb2.MLA_BLOCK, tenant, parent, ttl_ms))
-    return await _put(store, items, timeout_s)
-
-
-async def push_checkpoints(
-    store: CacheStore,
-    schema: CacheSchema,
-    hashes: Sequence[bytes],
-    checkpoints: Sequence[KDACheckpoint],
-    tenant: str = "",
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> PushStats:
-    """Store KDA checkpoints, each at a block end (``n_tokens = (i+1)·B``), keyed by h_i."""
-    B = schema.block_size
-    items = []
-    for ck in checkpoints:
-        if ck.n_tokens <= 0 or ck.n_tokens % B:
-            raise ValueError(f"checkpoint at {ck.n_tokens} is not at a block end (B={B})")
-        h = hashes[ck.n_tokens // B - 1]
-        data = encode_kda_checkpoint(schema, ck, block_hash=h)
-        items.append(PutItem(kda_key(h), data, common_pb2.KDA_CHECKPOINT, tenant, mla_key(h)))
-    return await _put(store, items, timeout_s)
-
-
-async def push_tail(
-    store: CacheStore,
-    schema: CacheSchema,
-    request_id: str,
-    tail: RequestTail,
-    hashes: Sequence[bytes],
-    tenant: str = "",
-    *,
-    ttl_ms: int = DEFAULT_TAIL_TTL_MS,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> PushStats:
-    """Store the request-scoped tail with a TTL (it only has to live until the decode node reads it)."""
-    data = encode_tail(schema, tail)
-    n_full = tail.start // schema.block_size
-    parent = mla_key(hashes[n_full - 1]) if n_full else b""
-    item = PutItem(tail_key(request_id), data, common_pb2.REQUEST_TAIL, tenant, parent, ttl_ms)
-    return await _put(store, [item], timeout_s)
 
 
 async def remove_tail(store: CacheStore, request_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:

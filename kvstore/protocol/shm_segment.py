@@ -94,6 +94,14 @@ class ReaderMapping:
         self._mapper = threading.Thread(target=run, name="kvpool-shm-mapper", daemon=True)
         self._mapper.start()
 
+    def wait_mapped(self, timeout_s: float) -> bool:
+        """Wait for the background mapper to finish; True when the whole segment is mapped (or no mapper
+        runs). For benchmarks and warm-ups: the mapping is a once-per-process cost, not a per-put one."""
+        if self._mapper is not None:
+            self._mapper.join(timeout_s)
+            return not self._mapper.is_alive()
+        return True
+
     def prepare(self, offset: int, size: int) -> None:
         if not self._supported or size <= 0:
             return

@@ -1,0 +1,164 @@
+"""Push of cache units to the shared store: MLA blocks, KDA checkpoints and request tails.
+
+Why one batch per request: a prefill's whole push (its new MLA blocks, the checkpoints at its chosen
+boundaries, and the tail its decode node reads) goes out as *one* ``batch_put`` — one ``PutStartBatch``,
+one pipelined stream per node, one commit batch — instead of one batch per kind (three control exchanges
+each way) or one put per object (two per object). ``push_request`` builds the groups and reports per group,
+because the callers decide different things from each (the tail's success is the handoff's; the blocks'
+and checkpoints' are the cache's).
+
+Store errors never raise out of here: they are counted in ``PushStats`` (see ``store_io``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import torch
+from kvpool.cache.units import RequestTail, encode_kda_checkpoint, encode_mla_block, encode_tail
+from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.errors import ObjectNotAdmittedError
+from kvpool.kvstore.keys import kda_key, mla_key, tail_key
+from kvpool.model.cache_schema import CacheSchema
+from kvpool.model.state import KDACheckpoint
+from kvpool.proto import common_pb2
+from kvpool.worker.store_io import (
+    DEFAULT_TAIL_TTL_MS,
+    DEFAULT_TIMEOUT_S,
+    CacheStore,
+    PushStats,
+    _per_item,
+)
+
+
+def block_items(
+    schema: CacheSchema,
+    hashes: Sequence[bytes],
+    mla: dict[int, torch.Tensor],
+    first: int,
+    end: int,
+    tenant: str = "",
+    ttl_ms: int = 0,
+) -> list[PutItem]:
+    """MLA blocks ``[first, end)`` (rows of ``mla[layer]`` are absolute positions), keyed by h_i with the
+    previous block's key as parent (prefix-aware eviction). ``ttl_ms``: blocks that only carry a no-cache
+    request's prompt to its decode node expire like the tail."""
+    B = schema.block_size
+    items = []
+    for i in range(first, end):
+        latents = {layer: rows[i * B : (i + 1) * B].contiguous() for layer, rows in mla.items()}
+        data = encode_mla_block(schema, i, latents, block_hash=hashes[i])  # no extra copy: a bytearray
+        parent = mla_key(hashes[i - 1]) if i else b""
+        items.append(PutItem(mla_key(hashes[i]), data, common_pb2.MLA_BLOCK, tenant, parent, ttl_ms))
+    return items
+
+
+def checkpoint_items(
+    schema: CacheSchema, hashes: Sequence[bytes], checkpoints: Sequence[KDACheckpoint], tenant: str = ""
+) -> list[PutItem]:
+    """KDA checkpoints, each at a block end (``n_tokens = (i+1)·B``), keyed by h_i."""
+    B = schema.block_size
+    items = []
+    for ck in checkpoints:
+        if ck.n_tokens <= 0 or ck.n_tokens % B:
+            raise ValueError(f"checkpoint at {ck.n_tokens} is not at a block end (B={B})")
+        h = hashes[ck.n_tokens // B - 1]
+        data = encode_kda_checkpoint(schema, ck, block_hash=h)
+        items.append(PutItem(kda_key(h), data, common_pb2.KDA_CHECKPOINT, tenant, mla_key(h)))
+    return items
+
+
+def tail_item(
+    schema: CacheSchema,
+    request_id: str,
+    tail: RequestTail,
+    hashes: Sequence[bytes],
+    tenant: str = "",
+    ttl_ms: int = DEFAULT_TAIL_TTL_MS,
+) -> PutItem:
+    """The request-scoped tail, with a TTL (it only has to live until the decode node reads it)."""
+    data = encode_tail(schema, tail)
+    n_full = tail.start // schema.block_size
+    parent = mla_key(hashes[n_full - 1]) if n_full else b""
+    return PutItem(tail_key(request_id), data, common_pb2.REQUEST_TAIL, tenant, parent, ttl_ms)
+
+
+async def push_groups(
+    store: CacheStore, groups: Sequence[Sequence[PutItem]], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[PushStats]:
+    """Every group's items in one ``batch_put``; one ``PushStats`` per group, each with the batch's wall
+    time (the groups went out together)."""
+    stats = [PushStats() for _ in groups]
+    items = [item for group in groups for item in group]
+    if not items:
+        return stats
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            results = _per_item(await store.batch_put(items), len(items))
+    except Exception as exc:
+        results = [exc] * len(items)
+    seconds = time.perf_counter() - t0
+    at = 0
+    for group, st in zip(groups, stats, strict=True):
+        for item, res in zip(group, results[at : at + len(group)], strict=True):
+            if res is None:
+                st.objects += 1
+                st.bytes_pushed += len(item.data)
+            elif isinstance(res, ObjectNotAdmittedError):
+                st.not_admitted += 1
+            else:
+                st.failed += 1
+                st.errors.append(f"{type(res).__name__}: {res}")
+        st.seconds = seconds
+        at += len(group)
+    return stats
+
+
+async def push_blocks(
+    store: CacheStore,
+    schema: CacheSchema,
+    hashes: Sequence[bytes],
+    mla: dict[int, torch.Tensor],
+    first: int,
+    end: int,
+    tenant: str = "",
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    ttl_ms: int = 0,
+) -> PushStats:
+    """Store MLA blocks ``[first, end)`` (``block_items``). Duplicates are successes."""
+    items = block_items(schema, hashes, mla, first, end, tenant, ttl_ms)
+    return (await push_groups(store, [items], timeout_s))[0]
+
+
+async def push_checkpoints(
+    store: CacheStore,
+    schema: CacheSchema,
+    hashes: Sequence[bytes],
+    checkpoints: Sequence[KDACheckpoint],
+    tenant: str = "",
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> PushStats:
+    """Store KDA checkpoints (``checkpoint_items``)."""
+    items = checkpoint_items(schema, hashes, checkpoints, tenant)
+    return (await push_groups(store, [items], timeout_s))[0]
+
+
+async def push_tail(
+    store: CacheStore,
+    schema: CacheSchema,
+    request_id: str,
+    tail: RequestTail,
+    hashes: Sequence[bytes],
+    tenant: str = "",
+    *,
+    ttl_ms: int = DEFAULT_TAIL_TTL_MS,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> PushStats:
+    """Store the request-scoped tail (``tail_item``)."""
+    item = tail_item(schema, request_id, tail, hashes, tenant, ttl_ms)
+    return (await push_groups(store, [[item]], timeout_s))[0]
