@@ -247,6 +247,37 @@ def write_unit(plan: UnitPlan, tensors: list[torch.Tensor], out: Buffer | None) 
     return result
 
 
+def unit_parts(plan: UnitPlan, tensors: list[torch.Tensor]) -> list[bytes | bytearray | memoryview]:
+    """The unit ``write_unit`` lays out, as parts in order (prefix + header, zero padding, each tensor's
+    bytes where it lies): their concatenation is byte for byte ``write_unit``'s buffer. A store put copies
+    or sends the parts straight from the tensors, so the unit is never assembled in a buffer of its own.
+    The tensors must stay unchanged until the put returns (the parts view their memory)."""
+    if sys.byteorder != "little":
+        raise CacheUnitError("the wire format is little-endian; big-endian hosts are not supported")
+    hlen = len(plan.header_bytes)
+    head = bytearray(PREFIX.size + hlen)
+    PREFIX.pack_into(head, 0, MAGIC, hlen)
+    head[PREFIX.size :] = plan.header_bytes
+    parts: list[bytes | bytearray | memoryview] = [head]
+    pos = len(head)
+    for seg, t in zip(plan.segments, tensors, strict=True):
+        begin = plan.payload_offset + seg.offset
+        if begin > pos:
+            parts.append(bytes(begin - pos))  # padding is checksummed: zeros, as write_unit leaves them
+        if seg.nbytes:
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            parts.append(memoryview(raw.numpy()))
+        pos = begin + seg.nbytes
+    if plan.total > pos:
+        parts.append(bytes(plan.total - pos))
+    h = xxhash.xxh3_64()
+    h.update(memoryview(head)[: len(head) - CSUM_BYTES])
+    for part in parts[1:]:
+        h.update(part)
+    head[len(head) - CSUM_BYTES :] = h.digest()
+    return parts
+
+
 def unit_checksum(mv: memoryview, header_end: int) -> bytes:
     h = xxhash.xxh3_64()
     h.update(mv[: header_end - CSUM_BYTES])

@@ -33,6 +33,7 @@ from kvpool.cache.unit_format import (
     mla_tensors,
     open_unit,
     plan_unit,
+    unit_parts,
     unit_tensors,
     write_unit,
 )
@@ -106,6 +107,26 @@ def encode_kda_checkpoint(
     """Encode a KDA checkpoint taken at the end of a block (``n_tokens``: a positive multiple of B)."""
     plan = plan_unit(schema, KIND_KDA, n_tokens=checkpoint.n_tokens, block_hash=block_hash)
     return write_unit(plan, kda_tensors(plan, schema, checkpoint), out)
+
+
+def mla_block_parts(
+    schema: CacheSchema,
+    block_index: int,
+    latents: dict[int, torch.Tensor],
+    *,
+    block_hash: bytes | None = None,
+) -> list[bytes | bytearray | memoryview]:
+    """``encode_mla_block`` as parts that view the latents (``unit_parts``): a put with no assembly copy."""
+    plan = plan_unit(schema, KIND_MLA, block=block_index, block_hash=block_hash)
+    return unit_parts(plan, mla_tensors(plan, schema, latents))
+
+
+def kda_checkpoint_parts(
+    schema: CacheSchema, checkpoint: KDACheckpoint, *, block_hash: bytes | None = None
+) -> list[bytes | bytearray | memoryview]:
+    """``encode_kda_checkpoint`` as parts that view the state tensors (``unit_parts``)."""
+    plan = plan_unit(schema, KIND_KDA, n_tokens=checkpoint.n_tokens, block_hash=block_hash)
+    return unit_parts(plan, kda_tensors(plan, schema, checkpoint))
 
 
 def encode_tail(

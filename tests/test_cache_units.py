@@ -29,7 +29,9 @@ from kvpool.cache.units import (
     encode_kda_checkpoint,
     encode_mla_block,
     encode_tail,
+    kda_checkpoint_parts,
     kda_checkpoint_unit_size,
+    mla_block_parts,
     mla_block_unit_size,
     tail_unit_size,
 )
@@ -175,6 +177,27 @@ def test_encoding_is_deterministic_and_writes_into_caller_buffer() -> None:
         encode_tail(s, tail, out=bytearray(len(fresh) - 1))
     with pytest.raises(ValueError):
         encode_tail(s, tail, out=bytes(len(fresh)))
+
+
+@pytest.mark.parametrize("mla_dtype", ["bfloat16", "float32"])
+def test_unit_parts_concatenate_to_the_encoded_unit_byte_for_byte(mla_dtype: str) -> None:
+    """The parts a put sends without assembling them (header, zero padding, tensor views) are exactly the
+    unit ``encode_*`` writes, checksum included, and the tensors are viewed, not copied."""
+    s = tiny_schema(mla_dtype=mla_dtype)
+    lat = make_latents(s, 64, seed=3)
+    h = bytes(range(7, 39))
+    parts = mla_block_parts(s, 5, lat, block_hash=h)
+    assert b"".join(bytes(p) for p in parts) == bytes(encode_mla_block(s, 5, lat, block_hash=h))
+    views = [p for p in parts if isinstance(p, memoryview)]
+    assert len(views) == len(s.mla_layers)
+    first = lat[s.mla_layers[0]].view(-1)
+    first[0] += 1  # a view of the tensor sees the change: no copy was made
+    size = first.element_size()
+    assert bytes(views[0][:size]) == first[:1].view(torch.uint8).numpy().tobytes()
+    ck = make_ckpt(s, 128, seed=4)
+    joined = b"".join(bytes(p) for p in kda_checkpoint_parts(s, ck, block_hash=h))
+    assert joined == bytes(encode_kda_checkpoint(s, ck, block_hash=h))
+    assert_ckpt_equal(decode_kda_checkpoint(joined, s, expected_n_tokens=128, expected_hash=h), ck)
 
 
 def test_zero_copy_views_are_aligned_and_copies_are_independent() -> None:

@@ -19,6 +19,7 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
 )
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
+from kvpool.kvstore.transport.payload import Payload
 from kvpool.proto import common_pb2, master_pb2
 
 
@@ -127,12 +128,12 @@ class MemoryStore:
                 self.meta[bytes(item.key)] = common_pb2.ObjectMeta(
                     key=bytes(item.key),
                     kind=item.kind,
-                    size=len(item.data),
+                    size=item.nbytes,
                     tenant=item.tenant or "",
                     parent=item.parent,
                     ttl_ms=item.ttl_ms,
                 )
-                self.objects[bytes(item.key)] = bytes(item.data)
+                self.objects[bytes(item.key)] = bytes(Payload.of(item.data).joined())
         return out
 
     async def remove(self, keys: Sequence[bytes]) -> int:

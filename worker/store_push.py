@@ -17,10 +17,11 @@ import time
 from collections.abc import Sequence
 
 import torch
-from kvpool.cache.units import RequestTail, encode_kda_checkpoint, encode_mla_block, encode_tail
+from kvpool.cache.units import RequestTail, encode_tail, kda_checkpoint_parts, mla_block_parts
 from kvpool.kvstore.client.records import PutItem
 from kvpool.kvstore.errors import ObjectNotAdmittedError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
+from kvpool.kvstore.transport.payload import Payload
 from kvpool.model.cache_schema import CacheSchema
 from kvpool.model.state import KDACheckpoint
 from kvpool.proto import common_pb2
@@ -49,7 +50,8 @@ def block_items(
     items = []
     for i in range(first, end):
         latents = {layer: rows[i * B : (i + 1) * B].contiguous() for layer, rows in mla.items()}
-        data = encode_mla_block(schema, i, latents, block_hash=hashes[i])  # no extra copy: a bytearray
+        # parts viewing the latents: the put copies (shm) or sends (tcp) them with no assembly copy first
+        data = Payload(mla_block_parts(schema, i, latents, block_hash=hashes[i]))
         parent = mla_key(hashes[i - 1]) if i else b""
         items.append(PutItem(mla_key(hashes[i]), data, common_pb2.MLA_BLOCK, tenant, parent, ttl_ms))
     return items
@@ -65,7 +67,7 @@ def checkpoint_items(
         if ck.n_tokens <= 0 or ck.n_tokens % B:
             raise ValueError(f"checkpoint at {ck.n_tokens} is not at a block end (B={B})")
         h = hashes[ck.n_tokens // B - 1]
-        data = encode_kda_checkpoint(schema, ck, block_hash=h)
+        data = Payload(kda_checkpoint_parts(schema, ck, block_hash=h))
         items.append(PutItem(kda_key(h), data, common_pb2.KDA_CHECKPOINT, tenant, mla_key(h)))
     return items
 
@@ -106,7 +108,7 @@ async def push_groups(
         for item, res in zip(group, results[at : at + len(group)], strict=True):
             if res is None:
                 st.objects += 1
-                st.bytes_pushed += len(item.data)
+                st.bytes_pushed += item.nbytes
             elif isinstance(res, ObjectNotAdmittedError):
                 st.not_admitted += 1
             else:

@@ -80,14 +80,14 @@ class ClientCore:
         return {**self._counters, **self.transports.metrics(), **link}
 
     def _meta(
-        self, key: bytes, view: memoryview, kind: int, tenant: str | None, parent: bytes, ttl_ms: int
+        self, key: bytes, size: int, kind: int, tenant: str | None, parent: bytes, ttl_ms: int
     ) -> common_pb2.ObjectMeta:
         """A put's meta with its checksum left open (0): puts declare it at PutCommit, and the transport
         computes it on the way (``Transport.put``), the shm one while copying, in the same pass."""
         return common_pb2.ObjectMeta(
             key=bytes(key),
             kind=kind,
-            size=len(view),
+            size=size,
             tenant=self.tenant if tenant is None else tenant,
             parent=parent,
             ttl_ms=ttl_ms,

@@ -11,6 +11,7 @@ import numpy as np
 from kvpool.kvstore.errors import ProtocolError
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
 from kvpool.kvstore.transport.base import Buffer
+from kvpool.kvstore.transport.payload import Payload, payload_size
 from kvpool.proto import common_pb2, master_pb2
 
 ObjectKind = common_pb2.ObjectKind
@@ -18,14 +19,19 @@ ObjectKind = common_pb2.ObjectKind
 
 @dataclass
 class PutItem:
-    """One object of a ``batch_put``."""
+    """One object of a ``batch_put``: ``data`` is one buffer, or a ``Payload`` of parts in order (a cache
+    unit's header and tensors, put without being joined first)."""
 
     key: bytes
-    data: Buffer
+    data: Buffer | Payload
     kind: int = common_pb2.BLOB
     tenant: str | None = None
     parent: bytes = b""
     ttl_ms: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return payload_size(self.data)
 
 
 class LocationColumns:

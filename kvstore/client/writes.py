@@ -26,7 +26,7 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
 )
 from kvpool.kvstore.protocol.grpc_errors import typed_error_from
-from kvpool.kvstore.transport.base import Buffer, Transport, as_bytes_view
+from kvpool.kvstore.transport.base import Buffer, Payload, Transport
 from kvpool.kvstore.transport.shm import ShmTransport
 from kvpool.proto import common_pb2, master_pb2
 
@@ -57,8 +57,8 @@ class StoreWrites(ClientCore):
         return await self._timed("put", self._put(item, replace_if_corrupt))
 
     async def _put(self, item: PutItem, replace_if_corrupt: bool = False) -> bool:
-        view = as_bytes_view(item.data)
-        meta = self._meta(item.key, view, item.kind, item.tenant, item.parent, item.ttl_ms)
+        view = Payload.of(item.data)  # one buffer or a cache unit's parts: never joined on the way
+        meta = self._meta(item.key, view.nbytes, item.kind, item.tenant, item.parent, item.ttl_ms)
         meta.epoch = self.leader_epoch  # the speculative reserve below runs before this put's PutStart
         # built now: the speculative copy below fills meta.checksum as it goes, the master must not see it
         request = master_pb2.PutStartRequest(
@@ -164,7 +164,7 @@ class StoreWrites(ClientCore):
         transport: Transport,
         start: Any,
         meta: common_pb2.ObjectMeta,
-        view: memoryview,
+        view: Payload,
         defer_seal: bool = False,
     ) -> _Unsealed | None:
         """Send the bytes; a node that is momentarily full (the master's evictions reach it asynchronously,
@@ -203,9 +203,9 @@ class StoreWrites(ClientCore):
         """One PutStartBatch for all items, one pipelined transfer per node, one PutCommitBatch per node:
         three control round trips for a whole push instead of two per object."""
         results: list[StoreError | None] = [None] * len(items)
-        views = [as_bytes_view(i.data) for i in items]
+        views = [Payload.of(i.data) for i in items]
         metas = [
-            self._meta(i.key, v, i.kind, i.tenant, i.parent, i.ttl_ms)
+            self._meta(i.key, v.nbytes, i.kind, i.tenant, i.parent, i.ttl_ms)
             for i, v in zip(items, views, strict=True)
         ]
         try:
@@ -292,7 +292,7 @@ async def _copy_ahead(
     node: common_pb2.NodeEndpoint,
     token: str,
     meta: common_pb2.ObjectMeta,
-    view: memoryview,
+    view: Payload,
 ) -> str | None:
     """The speculative half of a shm put: copy into this client's arena on ``node`` (no round trip first),
     else RESERVE under ``token`` and copy. The token to seal, or None when the node already holds it."""

@@ -17,9 +17,14 @@ from dataclasses import dataclass
 
 import xxhash
 from kvpool.kvstore.errors import CorruptObjectError, ProtocolError, StoreError, TransportTimeoutError
+from kvpool.kvstore.transport.payload import (  # noqa: F401  (re-exported: the transports' buffer helpers)
+    COPY_HASH_CHUNK,
+    Buffer,
+    Payload,
+    as_bytes_view,
+    copy_hashing,
+)
 from kvpool.proto import common_pb2
-
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,6 @@ class Deadlines:
 
 DEFAULT_DEADLINES = Deadlines()
 HASH_CHUNK = 512 << 10  # receive (and hash) at most this much at a time: the chunk is still in L2
-# copy_hashing's step: 6.8 GB/s fused copy+hash of 64 MB at 128-256 KB against 6.2 at 512 KB and 5.9 at
-# 1 MB on this box (plain copy 8.7): the chunk must still be in L2 when it is hashed
-COPY_HASH_CHUNK = 256 << 10
 PUT_SEND_CHUNK = 1 << 20  # a tcp put whose checksum is left open is hashed, then sent, this much at a time
 RECV_LOWAT = 1 << 20  # a GET's reader is woken once this much of a large payload is queued (SO_RCVLOWAT)
 LOWAT_MIN = 256 << 10  # smaller payloads arrive in a few segments: not worth two setsockopt calls
@@ -48,34 +50,10 @@ LOWAT_MIN = 256 << 10  # smaller payloads arrive in a few segments: not worth tw
 FLAG_TRAILER = 4
 
 
-def as_bytes_view(buf: object) -> memoryview:
-    """A flat, byte-typed memoryview of bytes / bytearray / numpy / torch (CPU, contiguous) buffers."""
-    if hasattr(buf, "numpy") and hasattr(buf, "is_contiguous"):  # torch.Tensor without importing torch
-        if not buf.is_contiguous():  # type: ignore[attr-defined]
-            raise ValueError("tensor must be contiguous")
-        buf = buf.numpy()  # type: ignore[attr-defined]  # shares memory for CPU tensors
-    view = memoryview(buf)  # type: ignore[arg-type]
-    if not view.c_contiguous:
-        raise ValueError("buffer must be C-contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def fill_checksum(meta: common_pb2.ObjectMeta, view: memoryview) -> None:
+def fill_checksum(meta: common_pb2.ObjectMeta, payload: Payload) -> None:
     """A network put must declare its checksum in the frame: compute it now when it was left to us."""
     if not meta.checksum:
-        meta.checksum = xxhash.xxh3_64_intdigest(view)
-
-
-def copy_hashing(dst: memoryview, src: memoryview) -> int:
-    """Copy ``src`` into ``dst`` and return the xxh3-64 of what landed, in one pass: each chunk is hashed
-    from ``dst`` right after it was written, while it is still in cache (vs hashing ``src`` first: a second
-    pass over memory). Hashing the destination also makes the digest describe the bytes as stored."""
-    hasher = xxhash.xxh3_64()
-    for off in range(0, len(src), COPY_HASH_CHUNK):
-        end = min(off + COPY_HASH_CHUNK, len(src))
-        dst[off:end] = src[off:end]
-        hasher.update(dst[off:end])
-    return hasher.intdigest()
+        meta.checksum = payload.xxh3()
 
 
 def verify_checksum(view: Buffer, expected: int, key: bytes, digest: int | None = None) -> None:
@@ -227,7 +205,7 @@ async def send_hashing(
     loop: asyncio.AbstractEventLoop,
     sock: socket.socket,
     head: bytes,
-    data: memoryview,
+    data: memoryview | Payload,
     chunk: int,
     trailer: Callable[[int], bytes],
 ) -> int:
@@ -238,13 +216,14 @@ async def send_hashing(
     was left open."""
     hasher = xxhash.xxh3_64()
     parts: list[bytes | memoryview] = [head]
-    for start in range(0, len(data), chunk):
-        piece = data[start : start + chunk]
-        hasher.update(piece)
-        parts.append(piece)
-        if start + chunk < len(data):
+    hashed_one = False
+    for piece in Payload.of(data).slices(chunk):
+        if hashed_one:  # the previous piece leaves now; the last one goes with the trailer
             await send_parts(loop, sock, parts)
             parts = []
+        hasher.update(piece)
+        parts.append(piece)
+        hashed_one = True
     digest = hasher.intdigest()
     parts.append(trailer(digest))
     await send_parts(loop, sock, parts)

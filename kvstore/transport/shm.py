@@ -53,9 +53,9 @@ from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
     Buffer,
     Deadlines,
+    Payload,
     Transport,
     as_bytes_view,
-    copy_hashing,
     verify_checksum,
 )
 from kvpool.kvstore.transport.shm_arena import ArenaWriter
@@ -272,9 +272,7 @@ class ShmTransport(Transport):
         An unused reservation is aborted by the client, or freed by the node's reaper at its deadline.
         """
         self._check(node)
-        view = as_bytes_view(data)
-        if len(view) != meta.size:
-            raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
+        view = _sized(data, meta)
         header = node_pb2.PutHeader(put_id=token, meta=meta).SerializeToString()
         flags = FLAG_SPECULATIVE if speculative else 0
         reply = await self._one(node, Frame(OP_RESERVE, key=meta.key, aux=header, flags=flags))
@@ -294,14 +292,15 @@ class ShmTransport(Transport):
         self._sealing[token] = (meta.key, meta.checksum)
         return True
 
-    def _copy_in(self, ext: ShmExtent, meta: common_pb2.ObjectMeta, view: memoryview) -> None:
-        """Copy the payload into its reserved extent; with the checksum left to us (``meta.checksum`` 0),
-        hash it chunk by chunk as it lands (one pass) and fill it in for SEAL and the caller's PutCommit."""
+    def _copy_in(self, ext: ShmExtent, meta: common_pb2.ObjectMeta, payload: Payload) -> None:
+        """Copy the payload (part by part) into its reserved extent; with the checksum left to us
+        (``meta.checksum`` 0), hash it chunk by chunk as it lands (one pass) and fill it in for SEAL and
+        the caller's PutCommit."""
         dst = self._map(ext).buf[ext.offset : ext.offset + meta.size]
         if meta.checksum:
-            dst[:] = view
+            payload.copy_into(dst)
         else:
-            meta.checksum = copy_hashing(dst, view)
+            meta.checksum = payload.copy_hashing_into(dst)
 
     async def copy_into_arena(
         self, node: common_pb2.NodeEndpoint, meta: common_pb2.ObjectMeta, data: Buffer
@@ -311,10 +310,7 @@ class ShmTransport(Transport):
         should take ``reserve_and_copy`` instead (too large for an arena, none granted, checksum declared).
         """
         self._check(node)
-        view = as_bytes_view(data)
-        if len(view) != meta.size:
-            raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
-        return await self.arena.copy_in(node, meta, view)
+        return await self.arena.copy_in(node, meta, _sized(data, meta))
 
     async def seal(self, node: common_pb2.NodeEndpoint, token: str, size: int, abort: bool = False) -> None:
         """Publish or abort a ``reserve_and_copy`` reservation. SEAL carries the checksum computed while
@@ -336,9 +332,7 @@ class ShmTransport(Transport):
         self, node: common_pb2.NodeEndpoint, put_id: str, meta: common_pb2.ObjectMeta, data: Buffer
     ) -> None:
         self._check(node)
-        view = as_bytes_view(data)
-        if len(view) != meta.size:
-            raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
+        view = _sized(data, meta)
         header = node_pb2.PutHeader(put_id=put_id, meta=meta).SerializeToString()
         reply = await self._one(node, Frame(OP_RESERVE, key=meta.key, aux=header))
         if reply.flags & FLAG_EXISTS:
@@ -385,10 +379,10 @@ class ShmTransport(Transport):
                 meta.checksum = meta.checksum or reply.checksum
                 continue
             try:
-                view = as_bytes_view(data)
-                if len(view) != meta.size:
-                    raise BadRequestError(f"data is {len(view)} B, meta says {meta.size} B")
-                self._copy_in(self._parse(reply), meta, view)
+                payload = Payload.of(data)
+                if payload.nbytes != meta.size:
+                    raise BadRequestError(f"data is {payload.nbytes} B, meta says {meta.size} B")
+                self._copy_in(self._parse(reply), meta, payload)
                 to_seal.append(i)
             except StoreError as exc:
                 results[i] = exc
@@ -488,3 +482,11 @@ class ShmTransport(Transport):
             with contextlib.suppress(Exception):
                 mapping.close()
         self._segments.clear()
+
+
+def _sized(data: object, meta: common_pb2.ObjectMeta) -> Payload:
+    """``data`` as a Payload of exactly ``meta.size`` bytes (``ValueError`` otherwise: a caller's bug)."""
+    payload = Payload.of(data)
+    if payload.nbytes != meta.size:
+        raise ValueError(f"data is {payload.nbytes} B, meta says {meta.size} B")
+    return payload

@@ -33,7 +33,7 @@ from kvpool.kvstore.protocol.data_frame import (
     ShmExtent,
 )
 from kvpool.kvstore.protocol.shm_segment import ReaderMapping
-from kvpool.kvstore.transport.base import copy_hashing
+from kvpool.kvstore.transport.payload import Payload
 from kvpool.kvstore.transport.tcp import TcpTransport
 from kvpool.proto import common_pb2, node_pb2
 
@@ -119,9 +119,9 @@ class ArenaWriter:
         return token in self._slots
 
     async def copy_in(
-        self, node: common_pb2.NodeEndpoint, meta: common_pb2.ObjectMeta, view: memoryview
+        self, node: common_pb2.NodeEndpoint, meta: common_pb2.ObjectMeta, payload: Payload
     ) -> str | None:
-        """Copy ``view`` into this writer's arena on ``node``, hashing it on the way (``meta.checksum`` is
+        """Copy ``payload`` into this writer's arena on ``node``, hashing it on the way (``meta.checksum`` is
         filled in); the slot's token for ``seal``, or None when the put should RESERVE its own extent
         (object too large for an arena, the node cannot grant one, a checksum already declared)."""
         if meta.checksum:
@@ -139,7 +139,7 @@ class ArenaWriter:
                 return None
         try:
             mapping = self._map_extent(ShmExtent(lease.segment, offset, meta.size))
-            meta.checksum = copy_hashing(mapping.buf[offset : offset + meta.size], view)
+            meta.checksum = payload.copy_hashing_into(mapping.buf[offset : offset + meta.size])
         except BaseException:
             await self._close_if_done(node, lease)
             raise

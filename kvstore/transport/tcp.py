@@ -43,6 +43,7 @@ from kvpool.kvstore.transport.base import (
     RECV_LOWAT,
     Buffer,
     Deadlines,
+    Payload,
     Transport,
     as_bytes_view,
     recv_exactly_into,
@@ -187,7 +188,7 @@ class TcpTransport(Transport):
         sock: socket.socket,
         put_id: str,
         meta: common_pb2.ObjectMeta,
-        view: memoryview,
+        payload: Payload,
         rid: int,
     ) -> None:
         """Header, payload and, when the checksum was left to us, a trailer declaring it: each
@@ -196,13 +197,13 @@ class TcpTransport(Transport):
         lands and refuses a mismatch, so the check stays end to end. Fills in ``meta.checksum``."""
         head = self._put_frame(put_id, meta, rid)
         if meta.checksum:
-            await send_parts(loop, sock, [head, view])
+            await send_parts(loop, sock, [head, *payload.parts])
             return
         meta.checksum = await send_hashing(
             loop,
             sock,
             head,
-            view,
+            payload,
             PUT_SEND_CHUNK,
             lambda d: encode(Frame(OP_PUT, request_id=rid, checksum=d)),
         )
@@ -211,15 +212,15 @@ class TcpTransport(Transport):
     async def put(
         self, node: common_pb2.NodeEndpoint, put_id: str, meta: common_pb2.ObjectMeta, data: Buffer
     ) -> None:
-        view = as_bytes_view(data)
-        if len(view) != meta.size:
-            raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
+        payload = Payload.of(data)
+        if payload.nbytes != meta.size:
+            raise ValueError(f"data is {payload.nbytes} B, meta says {meta.size} B")
         loop = asyncio.get_running_loop()
 
         async def op(conn: _Conn) -> None:
             rid = self._rid()
             try:
-                await self._send_put(loop, conn.sock, put_id, meta, view, rid)
+                await self._send_put(loop, conn.sock, put_id, meta, payload, rid)
             except OSError as exc:  # the node may have refused and closed: its error frame says why
                 try:
                     await asyncio.wait_for(self._read_response(conn, OP_PUT, rid, first=False), 1.0)
@@ -273,7 +274,7 @@ class TcpTransport(Transport):
     async def batch_put(
         self, node: common_pb2.NodeEndpoint, items: Sequence[tuple[str, common_pb2.ObjectMeta, Buffer]]
     ) -> list[StoreError | None]:
-        views = [as_bytes_view(data) for _pid, _meta, data in items]
+        payloads = [Payload.of(data) for _pid, _meta, data in items]
         loop = asyncio.get_running_loop()
         total = sum(meta.size for _pid, meta, _d in items)
 
@@ -281,8 +282,8 @@ class TcpTransport(Transport):
             rids = [self._rid() for _ in items]
 
             async def writer() -> None:
-                for (put_id, meta, _data), view, rid in zip(items, views, rids, strict=True):
-                    await self._send_put(loop, conn.sock, put_id, meta, view, rid)
+                for (put_id, meta, _data), payload, rid in zip(items, payloads, rids, strict=True):
+                    await self._send_put(loop, conn.sock, put_id, meta, payload, rid)
 
             return await self._pipeline(conn, writer, [(OP_PUT, rid, None) for rid in rids])
 

@@ -37,8 +37,8 @@ from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
     Buffer,
     Deadlines,
+    Payload,
     Transport,
-    as_bytes_view,
     fill_checksum,
     with_deadline,
 )
@@ -282,10 +282,11 @@ class UcxTransport(Transport):
     async def put(
         self, node: common_pb2.NodeEndpoint, put_id: str, meta: common_pb2.ObjectMeta, data: Buffer
     ) -> None:
-        view = as_bytes_view(data)
-        if len(view) != meta.size:
-            raise ValueError(f"data is {len(view)} B, meta says {meta.size} B")
-        fill_checksum(meta, view)
+        payload = Payload.of(data)
+        if payload.nbytes != meta.size:
+            raise ValueError(f"data is {payload.nbytes} B, meta says {meta.size} B")
+        fill_checksum(meta, payload)
+        view = payload.joined()  # ucxx sends one buffer: parts are joined here (tcp and shm never do)
         ctrl = encode_control(
             Frame(
                 OP_PUT,
