@@ -230,6 +230,10 @@ def summarize(rows: dict[str, Row], extras: dict[str, Any]) -> tuple[dict[str, A
     ratios["tcp_push_over_socket"] = _ratio(push.get("tcp", {}).get("batch"), _largest_put(socket))
     for t, modes in push.items():
         ratios[f"{t}_push_batch_over_sequential"] = _ratio(modes.get("batch"), modes.get("sequential"))
+        if "tensors_parts" in modes:
+            ratios[f"{t}_push_parts_over_assembled"] = _ratio(
+                modes.get("tensors_parts"), modes.get("tensors_assembled")
+            )
     mp = extras.get("match_prefix") or {}
     mem = extras.get("master_memory") or {}
     ratios["match_prefix_p50_ms"] = mp.get("p50_ms")
@@ -418,6 +422,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{push['scale']}), GB/s batched | one by one: "
                 + ", ".join(f"{t} {m['batch']:.2f} | {m['sequential']:.2f}" for t, m in push["gbps"].items())
             )
+            from_tensors = {t: m for t, m in push["gbps"].items() if "tensors_parts" in m}
+            if from_tensors:
+                print(
+                    "  from the worker's tensors, GB/s units assembled first | put as parts: "
+                    + ", ".join(
+                        f"{t} {m['tensors_assembled']:.2f} | {m['tensors_parts']:.2f}"
+                        for t, m in from_tensors.items()
+                    )
+                )
         if mp:
             print(
                 f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain through the client (master wire): "

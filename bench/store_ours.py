@@ -276,6 +276,10 @@ async def _measure_push(master: str, transport: str, reps: int, warmup: int) -> 
                 if rep >= warmup:
                     times.append(dt)
             out[mode] = gbps(total, statistics.median(times))
+        if transport != "ucx":  # from the worker's tensors: units assembled first vs put as parts
+            import store_push_tensors  # torch: only this section pays for importing it
+
+            out.update(await store_push_tensors.measure(client, transport, push_scale(), reps, warmup))
     return out
 
 
