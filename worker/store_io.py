@@ -135,7 +135,7 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError)
 
 
-def _per_item(results: object, n: int) -> list:
+def per_item_results(results: object, n: int) -> list:
     """A client answer with one result per item, or the same error for all (a misbehaving client must not
     turn into an exception inside a request)."""
     if isinstance(results, list) and len(results) == n:
@@ -151,7 +151,7 @@ async def _get(
         return {}
     try:
         async with asyncio.timeout(timeout_s):
-            results = _per_item(await store.batch_get(keys), len(keys))
+            results = per_item_results(await store.batch_get(keys), len(keys))
     except Exception as exc:  # unreachable / timed out: every key is a miss
         results = [exc] * len(keys)
     out: dict[bytes, bytes | Exception] = {}
@@ -176,7 +176,7 @@ async def _fetch_located(
     outs = [bytearray(loc.meta.size) for loc in locations]
     try:
         async with asyncio.timeout(timeout_s):
-            results = _per_item(await store.fetch_into(locations, outs), len(locations))
+            results = per_item_results(await store.fetch_into(locations, outs), len(locations))
     except Exception as exc:
         results = [exc] * len(locations)
     got: dict[bytes, bytes | Exception] = {}

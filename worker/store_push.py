@@ -30,7 +30,7 @@ from kvpool.worker.store_io import (
     DEFAULT_TIMEOUT_S,
     CacheStore,
     PushStats,
-    _per_item,
+    per_item_results,
 )
 
 
@@ -99,7 +99,7 @@ async def push_groups(
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            results = _per_item(await store.batch_put(items), len(items))
+            results = per_item_results(await store.batch_put(items), len(items))
     except Exception as exc:
         results = [exc] * len(items)
     seconds = time.perf_counter() - t0
