@@ -265,7 +265,8 @@ def unit_parts(plan: UnitPlan, tensors: list[torch.Tensor]) -> list[bytes | byte
         if begin > pos:
             parts.append(bytes(begin - pos))  # padding is checksummed: zeros, as write_unit leaves them
         if seg.nbytes:
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            host = t.detach() if t.device.type == "cpu" else t.detach().to("cpu")  # a GPU prefill's tensors
+            raw = host.contiguous().reshape(-1).view(torch.uint8)
             parts.append(memoryview(raw.numpy()))
         pos = begin + seg.nbytes
     if plan.total > pos:

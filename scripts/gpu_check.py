@@ -13,7 +13,9 @@ Steps, each recorded even when another fails (its error goes to ``errors``):
    recurrence (same layout); the whole model under ``fla`` against ``naive``.
 4. **speed**: KDA op tokens/s at 1k/8k/32k tokens and model prefill tokens/s, ours vs fla; decode ms/token.
 5. **push**: MLA + checkpoint bytes the prefill produces per second, against HBM copy speed and
-   device-to-host copies (pinned, pageable), and a chunked D2H copy overlapped with compute (#18).
+   device-to-host copies (pinned, pageable), and the push's staging (``stage_to_host``: chunked D2H into
+   pinned memory on a side stream, overlapped with the next chunk's compute, #18): ``staged_equal`` (the
+   staged bytes and their store checksum as a put ``Payload`` equal the device's; also checked on CPU).
 
 ``GPU_CHECK_DRY=1`` runs every step it can on CPU with tiny sizes (no fla: its fields are null with a
 reason) so ``make test`` proves the script and its JSON schema never rot.
@@ -233,21 +235,62 @@ def push(dev: torch.device, cfg: Any, prefill_tok_s: float | None, mib: int) -> 
         "produced_mla_bytes_per_s": mla_per_token * prefill_tok_s if prefill_tok_s else None,
         "hbm_copy_gbps": 2 * gbps(timed(lambda: src.clone(), dev)),  # read + write
     }
+    torch.manual_seed(18)
+    src.random_(0, 256)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    out["staged_equal"] = _staged_equal(src, host)
     if dev.type != "cuda":
         out.update(d2h_pinned_gbps=None, d2h_pageable_gbps=None, overlap=None)
         return out
-    pinned, pageable = torch.empty(n, dtype=torch.uint8, pin_memory=True), torch.empty(n, dtype=torch.uint8)
-    out["d2h_pinned_gbps"] = gbps(timed(lambda: pinned.copy_(src, non_blocking=True), dev))
+    pageable = torch.empty(n, dtype=torch.uint8)
+    out["d2h_pinned_gbps"] = gbps(timed(lambda: host.copy_(src, non_blocking=True), dev))
     out["d2h_pageable_gbps"] = gbps(timed(lambda: pageable.copy_(src), dev))
-    out["overlap"] = _overlap(src, pinned, dev)
+    out["overlap"] = _overlap(src, host, dev)
     return out
+
+
+def stage_to_host(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    chunks: int,
+    compute: Callable[[], object] | None = None,
+    stream: Any = None,
+) -> None:
+    """The push's device side: copy ``src`` into host ``dst`` (pinned on CUDA) chunk by chunk. With a CUDA
+    ``stream``, each chunk's copy runs on it while ``compute()`` (the next chunk's work) runs on the default
+    stream; on CPU it is a plain chunked copy, so the same code is checked for equality there."""
+    part = -(-src.numel() // chunks)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())  # src was produced on the default stream
+    for c in range(chunks):
+        if compute is not None:
+            compute()
+        piece = slice(c * part, min((c + 1) * part, src.numel()))
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                dst[piece].copy_(src[piece], non_blocking=True)
+        else:
+            dst[piece].copy_(src[piece])
+    if stream is not None:
+        stream.synchronize()
+
+
+def _staged_equal(src: torch.Tensor, host: torch.Tensor) -> bool:
+    """Staged bytes equal the device's, and the store's checksum of them as a put's Payload is the one of
+    the source (the parts a prefill hands to ``batch_put`` are exactly what the device held)."""
+    import xxhash
+    from kvpool.kvstore.transport.payload import Payload
+
+    stream = torch.cuda.Stream() if src.device.type == "cuda" else None
+    stage_to_host(src, host, 8, stream=stream)
+    want = src.cpu()
+    return bool(torch.equal(host, want)) and Payload([host]).xxh3() == xxhash.xxh3_64_intdigest(want.numpy())
 
 
 def _overlap(src: torch.Tensor, pinned: torch.Tensor, dev: torch.device, chunks: int = 8) -> dict[str, float]:
     """Copy ``src`` to pinned host in chunks on a side stream while the default stream computes the next
     chunk (a matmul of the same duration as one chunk's copy, roughly): overlap = time hidden / shorter."""
     a = torch.randn(4096, 4096, device=dev)
-    part = src.numel() // chunks
     copy_stream = torch.cuda.Stream()
 
     def compute() -> None:
@@ -255,15 +298,10 @@ def _overlap(src: torch.Tensor, pinned: torch.Tensor, dev: torch.device, chunks:
             a @ a
 
     def copy() -> None:
-        for c in range(chunks):
-            pinned[c * part : (c + 1) * part].copy_(src[c * part : (c + 1) * part], non_blocking=True)
+        stage_to_host(src, pinned, chunks)
 
     def both() -> None:
-        for c in range(chunks):
-            a @ a
-            with torch.cuda.stream(copy_stream):
-                pinned[c * part : (c + 1) * part].copy_(src[c * part : (c + 1) * part], non_blocking=True)
-        copy_stream.synchronize()
+        stage_to_host(src, pinned, chunks, compute=lambda: a @ a, stream=copy_stream)
 
     tc, tx, tb = timed(compute, dev), timed(copy, dev), timed(both, dev)
     return {"compute_s": tc, "copy_s": tx, "both_s": tb, "overlap_fraction": (tc + tx - tb) / min(tc, tx),

@@ -33,4 +33,5 @@ def test_gpu_check_dry_run_writes_every_field(tmp_path: Path) -> None:
     push = report["push"]
     assert push["mla_bytes_per_token"] > 0 and push["checkpoint_bytes"] > 0 and push["hbm_copy_gbps"] > 0
     assert set(push) >= {"d2h_pinned_gbps", "d2h_pageable_gbps", "overlap", "produced_mla_bytes_per_s"}
+    assert push["staged_equal"] is True  # the chunked device -> host staging, checked for equality on CPU
     assert "resume.k3_shaped.bitwise" in (tmp_path / "gpu_check.txt").read_text()
