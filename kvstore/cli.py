@@ -72,6 +72,12 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
         "same-host readers always LOCATE)",
     )
     p.add_argument(
+        "--reservation-ttl",
+        type=float,
+        default=30.0,
+        help="seconds an shm reservation or a writer's arena may stay unsealed before it is freed",
+    )
+    p.add_argument(
         "--no-prefault",
         action="store_true",
         help="do not back the pool's pages at startup (faster start, slower first puts)",
@@ -105,6 +111,7 @@ def _run_node(args: argparse.Namespace) -> int:
         frame_timeout_s=args.frame_timeout,
         prefault=not args.no_prefault,
         stamp_slots=args.stamp_slots,
+        reservation_ttl_s=args.reservation_ttl,
         metrics_port=args.metrics_port if args.metrics_port is not None and args.metrics_port >= 0 else None,
     )
     return run(config)

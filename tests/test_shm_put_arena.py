@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+import textwrap
+import time
 
 import grpc
 import pytest
@@ -123,3 +127,47 @@ def test_a_seal_refused_after_the_master_committed_is_withdrawn(cluster) -> None
             assert bytes(await client.get(b"arena/lost")) == blob
 
     asyncio.run(main())
+
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    from kvpool.kvstore.client.sync_client import StoreClient
+    c = StoreClient(sys.argv[1], "shm")
+    for i in range(3):
+        c.put(b"arena-dying-%d" % i, os.urandom(1 << 20))
+    print("holding", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_writers_arena_is_reaped_at_its_deadline(tmp_path) -> None:
+    """A writer killed while it holds an arena leaves nothing behind: its sealed objects stay readable and
+    the node's reaper gives the arena's bytes back at the deadline (``--reservation-ttl``)."""
+    master = start_master(tmp_path)
+    node = start_node(tmp_path, master.address, "128MiB", "tcp,shm", "--reservation-ttl", "2")
+    p = subprocess.Popen([sys.executable, "-c", WRITER, master.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "holding"
+        objects = 3 * MB
+        held = _info(node)
+        assert held.counters["arenas_opened"] == 1 and held.dram_used_bytes > objects  # the arena's rest
+        p.kill()
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 2 + 1 + 10  # ttl, reaper period (ttl / 2), slack for a loaded box
+        while (now := _info(node)).dram_used_bytes != objects:
+            assert time.monotonic() < deadline, now
+            time.sleep(0.1)
+        assert now.counters["arenas_reaped"] == 1
+
+        async def read_back() -> list[int]:
+            async with AsyncStoreClient(master.address, transport="shm") as client:
+                return [len(await client.get(b"arena-dying-%d" % i)) for i in range(3)]
+
+        assert asyncio.run(read_back()) == [MB] * 3
+    finally:
+        if p.poll() is None:
+            p.kill()
+        assert node.stop() == 0, node.stderr()
+        master.stop()

@@ -81,6 +81,7 @@ class NodeConfig:
     prefault: bool = True
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     stamp_slots: int | None = None  # shm read stamps (objects at once); None = capacity // 4 KiB + 1024
+    reservation_ttl_s: float = 30.0  # an shm reservation or arena left unsealed this long is freed
 
 
 class StorageNode:
@@ -115,6 +116,7 @@ class StorageNode:
             cfg.tcp_port,
             cfg.frame_timeout_s,
             shm_enabled="shm" in cfg.transports,
+            reservation_ttl_s=cfg.reservation_ttl_s,
         )
         self.tcp.start()
         self.endpoint.tcp_port = self.tcp.port
@@ -155,7 +157,7 @@ class StorageNode:
     async def _reap_reservations(self) -> None:
         """Free shm put reservations whose writer vanished before sealing (their extents would leak)."""
         while True:
-            await asyncio.sleep(RESERVATION_REAP_S)
+            await asyncio.sleep(min(RESERVATION_REAP_S, self.config.reservation_ttl_s / 2))
             self.store.reap_reservations()
 
     def readiness(self) -> dict:

@@ -266,6 +266,7 @@ class TcpDataServer:
             ttl = self.reservation_ttl_s
             extent = self.store.open_arena(header.put_id, header.meta.size, header.meta.epoch, ttl)
             reply.aux = ShmExtent(self.store.pool.name, extent.offset, extent.size).pack()
+            reply.checksum = int(ttl * 1000)  # the arena's lifetime: its writer stops using it well before
         elif frame.op == OP_SEAL and frame.flags & FLAG_ABORT:
             self.store.arenas.close(frame.aux.decode(errors="replace"))
         elif frame.op == OP_SEAL:

@@ -51,9 +51,10 @@ FLAG_ABORT = 1
 # touch nothing (a plain RESERVE of a key whose copy is corrupt replaces it, which only the master may order)
 FLAG_SPECULATIVE = 2
 # RESERVE: an arena for a same-host writer (PutHeader: put_id = arena token, meta.size = bytes wanted, no
-# key); reply aux = EXTENT of what was granted. SEAL: aux = PutHeader{arena token, the object's full meta,
-# arena_offset}: publish the object the writer copied there (FLAG_EXISTS reply: the node already had it);
-# with FLAG_ABORT (aux = token): give the arena's unused bytes back. Bit 4 is the tcp trailer flag.
+# key); reply aux = EXTENT of what was granted, checksum = the arena's lifetime in ms. SEAL: aux =
+# PutHeader{arena token, the object's full meta, arena_offset}: publish the object the writer copied there
+# (FLAG_EXISTS reply: the node already had it); with FLAG_ABORT (aux = token): give the arena's unused bytes
+# back. Bit 4 is the tcp trailer flag.
 FLAG_ARENA = 8
 EXTENT = struct.Struct("<QQQQ")  # offset, size, stamp slot, generation (0 = no stamp)
 

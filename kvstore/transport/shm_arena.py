@@ -6,10 +6,10 @@ put of ~1.2 ms. The writer instead holds an arena per node (``ARENA_BYTES``, ope
 names the offset in the SEAL that publishes the object. Bookkeeping only; the frames are sent by
 ``ShmTransport``.
 
-A lease is used for at most ``USE_S`` seconds, well inside the node's reservation deadline (30 s), so a
-slot is always sealed before the node's reaper could take the arena back. A lease that is full, too old
-or failed is *retired*: it takes no new slots and is closed (its unused bytes given back) once the last
-slot taken from it is sealed or dropped.
+A lease takes new slots for at most ``USE_S`` seconds and a sixth of the lifetime the node granted (its
+reaper deadline, 30 s by default), so a slot is sealed long before the reaper could take the arena back.
+A lease that is full, too old or failed is *retired*: it takes no new slots and is closed (its unused
+bytes given back) once the last slot taken from it is sealed or dropped.
 """
 
 from __future__ import annotations
@@ -202,7 +202,9 @@ class ArenaWriter:
             ext = ShmExtent.unpack(reply.aux)
         except (FrameError, UnicodeDecodeError) as exc:
             raise ProtocolError(f"bad arena reply: {exc}") from exc
-        lease = ArenaLease(token, ext.segment, ext.offset, ext.size, time.monotonic() + USE_S)
+        life_s = reply.checksum / 1000 if reply.checksum else USE_S * 6  # the node's reaper deadline
+        use_until = time.monotonic() + min(USE_S, life_s / 6)
+        lease = ArenaLease(token, ext.segment, ext.offset, ext.size, use_until)
         self._leases[node.node_id] = lease
         self._nodes[node.node_id] = node
         self.opened += 1
