@@ -78,7 +78,7 @@ def shm_of(sel: TransportSelector, node) -> ShmTransport:  # type: ignore[no-unt
 
 
 def hint_of(t: ShmTransport, node, key: bytes):  # type: ignore[no-untyped-def]
-    return t._hints.get((node.endpoint.node_id, key))
+    return t.hints.get(node.endpoint.node_id, key)
 
 
 def test_stamp_table_hands_out_unique_generations_and_bounded_slots():

@@ -5,13 +5,13 @@ verifies the checksum after the copy. The master's read-pin lease (taken by Look
 acquire=true) keeps the extent from being evicted during the copy; the checksum catches anything else.
 
 Reads without a round trip: every LOCATE / SEAL reply also names the object's stamp (slot, generation) in the
-node's stamp table (``shm_stamps``). The transport keeps it as a hint per (node, key) in a bounded LRU, and
+node's stamp table (``shm_stamps``). The transport keeps it as a hint per (node, key) (``shm_hints``), and
 ``read_cached`` — plain synchronous code, callable from any thread — copies the object when the stamp still
 holds that generation before and after the copy and the copy verifies; anything else drops the hint and the
 caller asks the node again. A retired object's stamp is cleared before its extent can be reused, so a hint
 never yields bytes of a deleted, demoted or replaced object.
-Writes: RESERVE allocates an extent for the put, the client copies into it, SEAL makes the node verify the
-checksum and publish the object (or abort frees it). The control frames go over the node's tcp data-plane
+Writes: the client copies into its arena on the node (``shm_arena``: no round trip first) or into an extent a
+RESERVE allocated, hashing on the way; SEAL publishes the object under that checksum (or abort frees it). The control frames go over the node's tcp data-plane
 connection (pipelined, ~0.1 ms) rather than gRPC (~0.4 ms per call in Python); the node's gRPC
 ``Locate`` / ``ShmReserve`` / ``ShmSeal`` offer the same for other tools.
 
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import xxhash
 from kvpool.kvstore.errors import (
     BadRequestError,
     ProtocolError,
@@ -35,7 +32,6 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportUnavailableError,
 )
-from kvpool.kvstore.protocol import shm_stamps
 from kvpool.kvstore.protocol.data_frame import (
     FLAG_ABORT,
     FLAG_EXISTS,
@@ -48,7 +44,6 @@ from kvpool.kvstore.protocol.data_frame import (
     ShmExtent,
 )
 from kvpool.kvstore.protocol.shm_segment import ReaderMapping
-from kvpool.kvstore.protocol.shm_stamps import StampReader
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
     Buffer,
@@ -59,24 +54,9 @@ from kvpool.kvstore.transport.base import (
     verify_checksum,
 )
 from kvpool.kvstore.transport.shm_arena import ArenaWriter
+from kvpool.kvstore.transport.shm_hints import HINTS_MAX, ReadHints
 from kvpool.kvstore.transport.tcp import TcpTransport
 from kvpool.proto import common_pb2, node_pb2
-
-HINTS_MAX = 16_384  # same bound as the client's location cache; ~200 B each
-_hash = xxhash.xxh3_64_intdigest
-
-
-@dataclass(frozen=True, slots=True)
-class ReadHint:
-    """What a LOCATE / SEAL reply said about one object, to be revalidated by its stamp before each use."""
-
-    mapping: ReaderMapping
-    stamps: StampReader
-    offset: int
-    size: int
-    slot: int
-    generation: int
-    checksum: int
 
 
 class ShmTransport(Transport):
@@ -102,16 +82,11 @@ class ShmTransport(Transport):
         self._owns_control = control is None
         self._segments: dict[str, ReaderMapping] = {}
         self._segment_lock = threading.Lock()  # mapping creation only (the loop thread; never the hot path)
-        self._hints: OrderedDict[tuple[str, bytes], ReadHint] = OrderedDict()
-        self._hint_lock = threading.Lock()  # writers of _hints; read_cached's lookup takes no lock
-        self._hint_capacity = hint_capacity
+        self.hints = ReadHints(hint_capacity)  # (node, key) -> a stamped extent: reads with no round trip
         self._sealing: dict[
             str, tuple[bytes, int]
         ] = {}  # reserve_and_copy token -> (key, checksum) for seal()
         self.arena = ArenaWriter(self._control, self._map, self._remember_reply)
-        self.fast_hits = 0
-        self.fast_misses = 0
-        self.fast_stale = 0
         self.locates = 0
 
     def reachable(self, node: common_pb2.NodeEndpoint) -> bool:
@@ -157,84 +132,39 @@ class ShmTransport(Transport):
         mapping.prepare(ext.offset, ext.size)
         return mapping
 
-    # --- read hints ----------------------------------------------------------------------------------------
+    # --- read hints (``shm_hints``) -----------------------------------------------------------------------
     def _remember(self, node: common_pb2.NodeEndpoint, key: bytes, ext: ShmExtent, checksum: int) -> None:
         """Keep a stamped extent as a hint for ``read_cached`` (an unstamped one just drops the old hint)."""
-        hint_key = (node.node_id, key)
-        mapping = self._segments.get(ext.segment)
-        if not ext.generation or mapping is None or mapping.stamps is None:
-            self.forget(node.node_id, key)
-            return
-        hint = ReadHint(mapping, mapping.stamps, ext.offset, ext.size, ext.slot, ext.generation, checksum)
-        with self._hint_lock:
-            self._hints[hint_key] = hint
-            self._hints.move_to_end(hint_key)
-            while len(self._hints) > self._hint_capacity:
-                self._hints.popitem(last=False)
-
-    def _drop_hint(self, hint_key: tuple[str, bytes], hint: ReadHint) -> None:
-        self.fast_stale += 1
-        with self._hint_lock:
-            if self._hints.get(hint_key) is hint:  # not a fresher one a LOCATE put there meanwhile
-                del self._hints[hint_key]
+        self.hints.remember(node.node_id, key, self._segments.get(ext.segment), ext, checksum)
 
     def forget(self, node_id: str, key: bytes) -> None:
         """Drop the hint for ``key`` on ``node_id`` (e.g. the caller removed the key)."""
-        with self._hint_lock:
-            self._hints.pop((node_id, key), None)
+        self.hints.forget(node_id, key)
 
     def hint_count(self) -> int:
-        return len(self._hints)
+        return len(self.hints)
+
+    @property
+    def fast_hits(self) -> int:
+        return self.hints.hits
+
+    @property
+    def fast_misses(self) -> int:
+        return self.hints.misses
+
+    @property
+    def fast_stale(self) -> int:
+        return self.hints.stale
 
     def read_cached(
         self, node: common_pb2.NodeEndpoint, key: bytes, checksum: int, size: int, out: Buffer
     ) -> int | None:
         """Copy a remembered object into ``out`` with no round trip; None = no usable hint (take the
-        LOCATE path, which refreshes it).
-
-        Synchronous and thread-safe: no asyncio, no lock on the lookup. The bytes are returned only if the
-        node's stamp for the object holds the remembered generation before and after the copy (the object
-        was readable for the whole copy, see ``shm_stamps``) and the copy hashes to ``checksum``. A
-        mismatch is not a ``CorruptObjectError``: the object may have been legitimately deleted or
-        replaced; the hint is dropped and None returned. On None, ``out``'s contents are unspecified.
-        """
-        if not shm_stamps.READS_TRUSTED:
-            return None
-        hint_key = (node.node_id, key)
-        hint = self._hints.get(hint_key)
-        if hint is None:
-            self.fast_misses += 1
-            return None
-        moved = bool(node.shm_name) and node.shm_name != hint.mapping.name  # a restarted node's new segment
-        if hint.checksum != checksum or hint.size != size or moved:
-            self._drop_hint(hint_key, hint)
-            return None
-        view = as_bytes_view(out)
-        if len(view) < size:
-            return None  # the regular path reports the small buffer
-        stamps, slot, generation = hint.stamps, hint.slot, hint.generation
-        if (
-            stamps.generation(slot) != generation
-            or stamps.fields(slot) != (hint.offset, size, checksum)
-            or hint.mapping.unlinked()
-        ):
-            self._drop_hint(hint_key, hint)
-            return None
-        dst = view[:size] if len(view) != size else view
-        try:
-            dst[:] = hint.mapping.buf[hint.offset : hint.offset + size]
-        except ValueError:  # the mapping was closed under us (transport closing)
-            self._drop_hint(hint_key, hint)
-            return None
-        # second load after every copy load: G still there => the copy read only the object given G
-        if stamps.generation(slot) != generation or _hash(dst) != checksum:
-            self._drop_hint(hint_key, hint)
-            return None
-        with contextlib.suppress(KeyError):  # LRU order; a concurrent eviction may have removed it
-            self._hints.move_to_end(hint_key)
-        self.fast_hits += 1
-        self.bytes_in += size
-        return size
+        LOCATE path, which refreshes it). Synchronous and thread-safe (``ReadHints.read``)."""
+        n = self.hints.read(node, key, checksum, size, out)
+        if n is not None:
+            self.bytes_in += n
+        return n
 
     # --- puts ----------------------------------------------------------------------------------------------
     async def _one(self, node: common_pb2.NodeEndpoint, frame: Frame) -> Frame:
@@ -476,8 +406,7 @@ class ShmTransport(Transport):
             await self.arena.close()
         if self._owns_control:
             await self._control.close()
-        with self._hint_lock:
-            self._hints.clear()
+        self.hints.clear()
         for mapping in self._segments.values():
             with contextlib.suppress(Exception):
                 mapping.close()
