@@ -11,9 +11,10 @@ holds that generation before and after the copy and the copy verifies; anything 
 caller asks the node again. A retired object's stamp is cleared before its extent can be reused, so a hint
 never yields bytes of a deleted, demoted or replaced object.
 Writes: the client copies into its arena on the node (``shm_arena``: no round trip first) or into an extent a
-RESERVE allocated, hashing on the way; SEAL publishes the object under that checksum (or abort frees it). The control frames go over the node's tcp data-plane
-connection (pipelined, ~0.1 ms) rather than gRPC (~0.4 ms per call in Python); the node's gRPC
-``Locate`` / ``ShmReserve`` / ``ShmSeal`` offer the same for other tools.
+RESERVE allocated, hashing on the way; SEAL publishes the object under that checksum (or abort frees it).
+The control frames go over the node's tcp data-plane connection (pipelined, ~0.1 ms) rather than gRPC
+(~0.4 ms per call in Python); the node's gRPC ``Locate`` / ``ShmReserve`` / ``ShmSeal`` offer the same for
+other tools.
 
 Only usable when the node is on this host (same ``host_id``) and advertises its segment; asking for shm
 otherwise raises ``TransportUnavailableError`` (no silent fallback).
