@@ -59,6 +59,26 @@ def test_the_reaper_closes_arenas_whose_writer_went_away() -> None:
     assert list(table.arenas) == ["alive"] and alloc.used_bytes == MB
 
 
+def test_arena_puts_are_counted_as_shm_bytes_and_held_arenas_as_a_gauge() -> None:
+    from kvpool.kvstore.node.metrics import NodeCollector, TransportBytes, TransportTap
+    from kvpool.kvstore.node.object_store import ObjectStore
+    from kvpool.kvstore.node.pool import SharedPool
+    from kvpool.proto import common_pb2
+
+    pool = SharedPool(64 * MB)
+    try:
+        store, counts = ObjectStore(pool), TransportBytes()
+        tap = TransportTap(store, "tcp", counts)  # shm control frames arrive over the tcp server
+        arena = tap.open_arena("w", 8 * MB, epoch=0, ttl_s=30)
+        meta = common_pb2.ObjectMeta(key=b"Ba", kind=common_pb2.BLOB, size=1000, checksum=42)
+        assert tap.seal_in_arena("w", arena.offset, meta)
+        assert counts.bytes == {("shm", "in"): 1000}
+        families = {f.name: f for f in NodeCollector(store, counts, lambda: "n").collect()}
+        assert families["kvpool_node_arena_bytes"].samples[0].value == 8 * MB - 1024
+    finally:
+        pool.close()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("arena")
@@ -79,14 +99,17 @@ def test_consecutive_shm_puts_share_one_arena_and_read_back_exactly(cluster) -> 
     start = _info(node)
     before = start.counters
     blobs = [os.urandom(MB + 77 * i) for i in range(8)]
+    seen_metrics: dict[str, float] = {}
 
     async def main() -> list[bytes]:
         async with AsyncStoreClient(master.address, transport="shm") as client:
             for i, blob in enumerate(blobs):
                 assert await client.put(b"arena/%d" % i, blob)
+            seen_metrics.update(client.metrics())
             return [bytes(await client.get(b"arena/%d" % i)) for i in range(len(blobs))]
 
     assert asyncio.run(main()) == blobs
+    assert seen_metrics["shm.arenas_opened"] == 1 and seen_metrics["shm.arena_puts"] == len(blobs) - 1
     after = _info(node)
     # the first put has no node to guess yet; every later one copies into the one arena
     assert after.counters["puts_arena"] - before.get("puts_arena", 0) == len(blobs) - 1

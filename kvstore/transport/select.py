@@ -119,6 +119,10 @@ class TransportSelector:
         for name, backend in self.backends.items():
             out[f"bytes_in.{name}"] = backend.bytes_in
             out[f"bytes_out.{name}"] = backend.bytes_out
+            if isinstance(backend, ShmTransport):  # same-host puts through arenas; reads with no round trip
+                out["shm.arenas_opened"] = backend.arena.opened
+                out["shm.arena_puts"] = backend.arena.sealed
+                out["shm.fast_hits"] = backend.fast_hits
         return out
 
     async def close(self) -> None:
