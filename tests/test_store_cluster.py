@@ -268,7 +268,7 @@ def test_ssd_tier_under_pressure_demotes_and_reads_back(tmp_path):
 def test_node_registers_an_inventory_larger_than_grpc_default_limit(tmp_path):
     """4,600 SSD objects with 1000-byte keys (> 4 MiB of inventory, gRPC's default message cap) adopted."""
     import xxhash
-    from kvpool.kvstore.node.object_store import ssd_file_stem
+    from kvpool.kvstore.node.ssd_files import ssd_file_stem
 
     ssd = tmp_path / "ssd"
     ssd.mkdir()

@@ -14,8 +14,6 @@ readers that defer the free — so a same-host reader never trusts a remembered 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ from kvpool.kvstore.errors import (
 from kvpool.kvstore.node.arenas import ArenaTable
 from kvpool.kvstore.node.fence import EpochFence
 from kvpool.kvstore.node.pool import Extent, SharedPool
+from kvpool.kvstore.node.ssd_files import adopt, read_file_into, remove_files, ssd_file_stem, write_files
 from kvpool.kvstore.protocol.data_frame import MAX_KEY
 from kvpool.proto import common_pb2
 
@@ -360,7 +359,7 @@ class ObjectStore:
         view = self.pool.view(extent)
         obj.busy = True
         try:
-            n = await asyncio.to_thread(_read_file_into, obj.ssd_file, view)
+            n = await asyncio.to_thread(read_file_into, obj.ssd_file, view)
         except OSError as exc:
             self.pool.allocator.free(extent)
             raise CorruptObjectError(f"SSD copy of {obj.meta.key[:8].hex()}… unreadable: {exc}") from exc
@@ -376,7 +375,7 @@ class ObjectStore:
         self._publish(obj)
         self.count("promotes")
 
-    # --- SSD files: <hex key>.bin + <hex key>.meta (so a restarted node re-adopts its SSD tier) ------------
+    # --- SSD tier (file layout in ``ssd_files``: a restarted node re-adopts it) ---------------------------
     async def _write_ssd(self, obj: StoredObject) -> bool:
         """Write the object's files in a thread; False if it was deleted meanwhile or the write failed."""
         assert self.ssd_path is not None and obj.extent is not None
@@ -388,7 +387,7 @@ class ObjectStore:
         obj.readers += 1
         obj.busy = True
         try:
-            await asyncio.to_thread(_write_files, base, self.pool.view(obj.extent), meta.SerializeToString())
+            await asyncio.to_thread(write_files, base, self.pool.view(obj.extent), meta.SerializeToString())
             ok = True
         except OSError:
             ok = False
@@ -398,31 +397,20 @@ class ObjectStore:
             self.release(obj)
         if not ok or gone:
             self.ssd_used -= obj.meta.size
-            for suffix in (".meta", ".bin"):
-                base.with_suffix(suffix).unlink(missing_ok=True)
+            remove_files(base)
             return False
         obj.ssd_file = base.with_suffix(".bin")
         return True
 
     def _remove_ssd_file(self, obj: StoredObject) -> None:
         assert obj.ssd_file is not None
-        for suffix in (".meta", ".bin"):
-            obj.ssd_file.with_suffix(suffix).unlink(missing_ok=True)
+        remove_files(obj.ssd_file)
         self.ssd_used -= obj.meta.size
         obj.ssd_file = None
 
     def _load_ssd(self) -> None:
         assert self.ssd_path is not None
-        for meta_file in sorted(self.ssd_path.glob("*.meta")):
-            data_file = meta_file.with_suffix(".bin")
-            meta = common_pb2.ObjectMeta()
-            try:
-                meta.ParseFromString(meta_file.read_bytes())
-            except Exception:  # a torn meta file: the object is simply not adopted
-                continue
-            if not data_file.exists() or data_file.stat().st_size != meta.size:
-                continue
-            meta.tier = common_pb2.SSD
+        for meta, data_file in adopt(self.ssd_path):
             self.objects[meta.key] = StoredObject(meta, None, data_file)
             self.ssd_used += meta.size
         self.count("ssd_adopted", len(self.objects))
@@ -487,25 +475,3 @@ class ObjectStore:
         self.finish_put(pending)
         self.count("puts_arena")
         return True
-
-
-def ssd_file_stem(key: bytes) -> str:
-    """File name of a key's SSD copy: its hex when short, else a 160-bit digest (names are capped at 255
-    bytes; keys at 1024). The ``.meta`` file holds the real key, so the name is never parsed back."""
-    if len(key) <= 100:
-        return key.hex()
-    return "h" + hashlib.blake2b(key, digest_size=20).hexdigest()
-
-
-def _write_files(base: Path, data: memoryview, meta: bytes) -> None:
-    """``.bin`` first, then the ``.meta`` renamed into place: a torn write never looks like an object."""
-    with base.with_suffix(".bin").open("wb") as f:
-        f.write(data)
-    tmp = base.with_suffix(".meta.tmp")
-    tmp.write_bytes(meta)
-    os.replace(tmp, base.with_suffix(".meta"))
-
-
-def _read_file_into(path: Path, view: memoryview) -> int:
-    with path.open("rb") as f:
-        return f.readinto(view)
