@@ -142,9 +142,6 @@ class ShmTransport(Transport):
         """Drop the hint for ``key`` on ``node_id`` (e.g. the caller removed the key)."""
         self.hints.forget(node_id, key)
 
-    def hint_count(self) -> int:
-        return len(self.hints)
-
     @property
     def fast_hits(self) -> int:
         return self.hints.hits
