@@ -3,9 +3,6 @@ triton), our chunk form vs our recurrent form, and the bit-exactness of splits o
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,20 +16,9 @@ from kvpool.model.kda_ops import (
     softplus_gate,
 )
 
+from tests.harness.fla_naive import load_fla_naive
+
 pytestmark = pytest.mark.usefixtures("torch_deterministic")
-
-
-def _fla_naive():
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("fla-core not installed")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
-    if not path.exists():
-        pytest.skip(f"{path} missing")
-    s = importlib.util.spec_from_file_location("fla_kda_naive", path)
-    mod = importlib.util.module_from_spec(s)
-    s.loader.exec_module(mod)
-    return mod
 
 
 def _inputs(T: int, H: int = 4, dk: int = 32, dv: int = 32, seed: int = 0, strong: bool = False):
@@ -48,8 +34,8 @@ def _inputs(T: int, H: int = 4, dk: int = 32, dv: int = 32, seed: int = 0, stron
     return q, k, v, gate, beta, S0
 
 
-def test_recurrent_matches_fla_naive():
-    nv = _fla_naive()
+def test_recurrent_matchesload_fla_naive():
+    nv = load_fla_naive()
     q, k, v, g, beta, S0 = _inputs(300)
     o, S = kda_recurrent(q, k, v, g, beta, S0)
     # fla wants [B, T, H, K] and applies the dk^-1/2 scale itself: pass scale=1 since prepare_qk folded it in
@@ -68,7 +54,7 @@ def test_recurrent_matches_fla_naive():
 
 
 def test_chunk_matches_fla_naive_chunk_and_recurrent():
-    nv = _fla_naive()
+    nv = load_fla_naive()
     q, k, v, g, beta, S0 = _inputs(256, seed=1)
     o_c, S_c = kda_chunked(q, k, v, g, beta, S0)
     o_r, S_r = kda_recurrent(q, k, v, g, beta, S0)
