@@ -19,7 +19,7 @@ COMMAND_MODULES = (
     "kvpool.verify",  # verify
     "kvpool.demo",  # demo
     "kvpool.gateway.cli",  # gateway
-    "kvpool.up",  # up
+    "kvpool.up_command",  # up
     "kvpool.status",  # status
     "kvpool.chaos",  # chaos (faults on a --netns cluster)
 )

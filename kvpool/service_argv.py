@@ -9,6 +9,7 @@ time the full ``kvpool`` CLI needs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def master_argv(
@@ -79,3 +80,47 @@ def worker_argv(
         transport,
         *extra,
     ]
+
+
+def gateway_argv(
+    config: dict[str, Any], master: str, workers: Sequence[tuple[str, str]], fingerprint: str | None
+) -> list[str]:
+    """The gateway's flags from a ``kvpool up`` config: its ``[gateway]`` limits, and every worker as
+    ``(role, address)``."""
+    g, cl = config["gateway"], config["cluster"]
+    argv = [
+        "kvpool.gateway.cli",
+        "--master",
+        master,
+        "--model",
+        cl["model"],
+        "--block-size",
+        str(cl["block_size"]),
+        "--host",
+        g.get("host", "127.0.0.1"),
+        "--port",
+        str(g.get("port", 8000)),
+        "--routing",
+        g.get("routing", "cache"),
+        "--ttft-slo-s",
+        str(g.get("ttft_slo_s", 0.0)),
+        "--max-prompt-tokens",
+        str(g.get("max_prompt_tokens", 8192)),
+        "--max-output-tokens",
+        str(g.get("max_output_tokens", 1024)),
+        "--max-body-bytes",
+        str(g.get("max_body_bytes", 1 << 20)),
+        "--max-concurrent",
+        str(g.get("max_concurrent", 64)),
+        "--request-timeout",
+        str(g.get("request_timeout_s", 60.0)),
+    ]
+    if g.get("served_model_name"):
+        argv += ["--served-model-name", g["served_model_name"]]
+    if fingerprint:
+        argv += ["--fingerprint", fingerprint]
+    for role, address in workers:
+        argv += [f"--{role}", address]
+    for key in g.get("api_keys", []):
+        argv += ["--api-key", key]
+    return argv
