@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvpool.gateway.chat_template import TextCodec
 from kvpool.model.config import ModelConfig
+from kvpool.model.hf_config import read_config_json
 from kvpool.model.tokenizer import load_tokenizer
 
 
@@ -28,7 +29,7 @@ def model_config(model: str) -> ModelConfig:
     config = tiny_model_config(model)
     if config is not None:
         return config
-    return ModelConfig.from_json_file(Path(model) / "config.json")
+    return read_config_json(Path(model) / "config.json")
 
 
 def load_model_info(model: str, fingerprint_hex: str | None) -> ModelInfo:

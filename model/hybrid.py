@@ -28,6 +28,7 @@ from .errors import (
     ModelInputError,
     TokenOutOfRangeError,
 )
+from .hf_config import canonical_json
 from .kda import KDALayer
 from .mla import MLALayer
 from .mlp import MLP
@@ -111,7 +112,7 @@ class HybridModel(nn.Module):
         order. Same weights + same architecture -> same bytes on any machine; it roots every block hash."""
         if self._fingerprint is None:
             h = hashlib.sha256(b"kvpool-model-fingerprint-v1\0")
-            h.update(self.config.canonical_json())
+            h.update(canonical_json(self.config))
             for name, t in sorted(self.state_dict().items()):
                 t = t.detach().to("cpu").contiguous()
                 h.update(f"\0{name}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0".encode())

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .errors import WeightsError
+from .hf_config import config_to_hf, read_config_json
 from .hybrid import HybridModel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -128,7 +129,7 @@ def load_checkpoint(
     p = Path(path)
     if not p.is_dir():
         raise WeightsError(f"{p} is not a checkpoint directory")
-    config = ModelConfig.from_json_file(p / "config.json")
+    config = read_config_json(p / "config.json")
     model = HybridModel(config, device="cpu", dtype=dtype)
     load_state(model, read_tensors(p))
     from .hybrid import resolve_device
@@ -141,7 +142,7 @@ def save_checkpoint(model: HybridModel, path: str | Path, max_shard_bytes: int |
     layout transformers' ``KimiLinearForCausalLM.from_pretrained`` reads."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_hf_dict()
+    config = config_to_hf(model.config)
     config["dtype"] = str(model.dtype).removeprefix("torch.")
     (p / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}

@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kvpool.model.config import ModelConfig
 from kvpool.model.decode_state import DecodeState
 from kvpool.model.dsa import dequantize_keys, quantize_keys, select_topk
 from kvpool.model.errors import BadStartStateError, ConfigError, UnsupportedConfigError
+from kvpool.model.hf_config import config_from_hf, config_to_hf
 from kvpool.model.loader import load_model, tiny_model_config
 from kvpool.model.tiny import build_tiny, tiny_config, tiny_dsa_config
 
@@ -136,16 +136,16 @@ def test_dense_rows_are_refused_by_a_dsa_model_and_vice_versa():
 
 def test_config_switch_hf_roundtrip_and_errors():
     c = tiny_dsa_config()
-    d = c.to_hf_dict()
+    d = config_to_hf(c)
     assert (d["index_n_heads"], d["index_head_dim"], d["index_topk"]) == (4, 32, 64)
-    assert ModelConfig.from_hf_dict(d) == c
-    assert "index_topk" not in tiny_config().to_hf_dict()  # dense config JSON (and fingerprint) unchanged
-    v32 = dict(tiny_config().to_hf_dict(), index_n_heads=8, index_head_dim=64, index_topk=16, q_lora_rank=32)
+    assert config_from_hf(d) == c
+    assert "index_topk" not in config_to_hf(tiny_config())  # dense config JSON (and fingerprint) unchanged
+    v32 = dict(config_to_hf(tiny_config()), index_n_heads=8, index_head_dim=64, index_topk=16, q_lora_rank=32)
     v32["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e4}
-    got = ModelConfig.from_hf_dict(v32)
+    got = config_from_hf(v32)
     assert got.dsa and got.index_cache_dtype == "bfloat16" and got.rope_theta == 5e4
     with pytest.raises(UnsupportedConfigError):
-        ModelConfig.from_hf_dict(dict(v32, rope_scaling={"type": "yarn", "factor": 40}))
+        config_from_hf(dict(v32, rope_scaling={"type": "yarn", "factor": 40}))
     with pytest.raises(UnsupportedConfigError):
         replace(c, index_cache_dtype="float16")
     with pytest.raises(ConfigError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvpool.model.cache_schema import CacheSchema
-from kvpool.model.config import KDA, MLA, ModelConfig
+from kvpool.model.config import KDA, MLA
 from kvpool.model.decode_state import DecodeState
 from kvpool.model.errors import (
     BadBoundaryError,
@@ -18,6 +18,7 @@ from kvpool.model.errors import (
     UnsupportedConfigError,
     WeightsError,
 )
+from kvpool.model.hf_config import config_from_hf, config_to_hf, read_config_json
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.state import KDACheckpoint, PrefixState
@@ -109,13 +110,13 @@ def test_hf_config_roundtrip(tmp_path):
         eos_token_id=2,
     )
     cfg.save_pretrained(tmp_path)
-    ours = ModelConfig.from_json_file(tmp_path)
+    ours = read_config_json(tmp_path)
     assert ours.mla_layers == (3, 7) and ours.kda_layers == (0, 1, 2, 4, 5, 6)
     assert ours.mlp_layer_types[0] == "dense" and ours.mlp_layer_types[1] == "sparse"
     assert (ours.num_experts, ours.num_experts_per_tok, ours.q_lora_rank) == (4, 2, 24)
     assert (ours.kda_num_heads, ours.kda_head_dim, ours.kda_conv_kernel) == (2, 16, 4)
-    assert ModelConfig.from_hf_dict(ours.to_hf_dict()) == ours
-    back = transformers.KimiLinearConfig(**ours.to_hf_dict())  # and transformers reads ours the same way
+    assert config_from_hf(config_to_hf(ours)) == ours
+    back = transformers.KimiLinearConfig(**config_to_hf(ours))  # and transformers reads ours the same way
     assert back.layer_types == list(ours.layer_types) and back.num_local_experts == 4
     assert back.linear_num_heads == 2 and back.mlp_layer_types == list(ours.mlp_layer_types)
 
@@ -155,7 +156,7 @@ def test_original_moonshot_config_spelling():
         "pad_token_id": 163839,
         "rope_theta": 10000.0,
     }
-    c = ModelConfig.from_hf_dict(d)
+    c = config_from_hf(d)
     assert c.mla_layers == (3, 7, 11, 15, 19, 23, 26) and len(c.kda_layers) == 20
     assert c.mlp_layer_types[0] == "dense" and set(c.mlp_layer_types[1:]) == {"sparse"}
     assert c.latent_dim == 576 and c.num_experts_per_tok == 8 and c.eos_token_id == (163586,)
@@ -180,12 +181,12 @@ def test_original_moonshot_config_spelling():
     ],
 )
 def test_unsupported_and_malformed_configs(patch, err):
-    d = tiny_config().to_hf_dict()
+    d = config_to_hf(tiny_config())
     if "linear_attn_config" in patch:
         d.pop("layer_types")
     d.update(patch)
     with pytest.raises(err):
-        ModelConfig.from_hf_dict(d)
+        config_from_hf(d)
 
 
 def test_weights_errors_name_the_tensor(tmp_path, model):

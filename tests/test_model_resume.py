@@ -11,6 +11,7 @@ import io
 import pytest
 import torch
 from kvpool.model.decode_state import DecodeState
+from kvpool.model.hf_config import config_from_hf, config_to_hf
 from kvpool.model.state import KDACheckpoint, KDALayerState, PrefixState
 from kvpool.model.tiny import build_tiny
 
@@ -208,12 +209,11 @@ def test_canonical_decode_matches_prefill_of_the_conversation(model):
 def test_k3_lower_bound_gate_model_resumes_bitwise():
     import dataclasses
 
-    from kvpool.model.config import ModelConfig
     from kvpool.model.hybrid import HybridModel
     from kvpool.model.tiny import init_weights, tiny_config
 
     cfg = dataclasses.replace(tiny_config(), kda_gate_lower_bound=-5.0)
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert config_from_hf(config_to_hf(cfg)) == cfg
     m = init_weights(HybridModel(cfg))
     assert m.fingerprint() != build_tiny().fingerprint()  # the gate kind is part of the architecture
     ids = _ids(200, 14)
