@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.workloads.checkpoints import CheckpointPolicy
 from kvpool.workloads.optimum import optimum
-from kvpool.workloads.sim import CheckpointPolicy, SimConfig, simulate
+from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import bundled_trace, read_mooncake
 

@@ -11,9 +11,10 @@ from collections import OrderedDict
 import pytest
 from kvpool.cache.hashing import hash_blocks, root_hash
 from kvpool.workloads.chains import ChainBuilder, model_fingerprint
+from kvpool.workloads.checkpoints import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.optimum import optimum
-from kvpool.workloads.sim import CheckpointPolicy, SimConfig, simulate
+from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import Request, bundled_trace, read_mooncake
 

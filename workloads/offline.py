@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.errors import ReplayError
-from kvpool.workloads.sim import Counters, effective_block_size
+from kvpool.workloads.sim import effective_block_size
+from kvpool.workloads.sim_result import Counters
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.trace import Request
 

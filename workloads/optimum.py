@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvpool.workloads.chains import ChainBuilder
 from kvpool.workloads.errors import ReplayError
-from kvpool.workloads.sim import Counters
+from kvpool.workloads.sim_result import Counters
 from kvpool.workloads.trace import Request
 
 NEVER = 1 << 62

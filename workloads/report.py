@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpool.workloads.checkpoints import CheckpointPolicy
 from kvpool.workloads.pricing import ProviderInputs, load_profiles, price_result
 from kvpool.workloads.progress import PointProgress
 from kvpool.workloads.report_summary import SSD_RATIO, plot_price_curves, price_curves, summary_row
-from kvpool.workloads.sim import CheckpointPolicy, effective_block_size
+from kvpool.workloads.sim import effective_block_size
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.stats import trace_stats
 from kvpool.workloads.sweep import (

@@ -35,176 +35,22 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from kvpool.kvstore.index.admission import AdmissionConfig
-from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import CapacityError, NotAdmittedError, ObjectKind, StoreIndexError, Tier
 from kvpool.workloads import trace
 from kvpool.workloads.chains import Chain, ChainBuilder
-from kvpool.workloads.checkpoints import CheckpointPolicy, checkpoint_positions
+from kvpool.workloads.checkpoints import checkpoint_positions
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.sim_config import SimConfig
+from kvpool.workloads.sim_result import Counters, SimResult
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.trace import Request, arrival_ordered
-from kvpool.workloads.ttft import TtftModel, estimate
 
 INFINITE = 1 << 62
 NODE = "sim"
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    spec: ModelSpec
-    policy: str = "hybrid"
-    capacity: int | None = None  # None: unbounded
-    capacity_unit: str = "bytes"  # or "blocks"
-    block_size: int | None = None  # for token records; default the spec's
-    checkpoints: CheckpointPolicy = field(default_factory=CheckpointPolicy)
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    store_output: bool = True
-    visibility_delay_ms: float = 0.0  # objects of a request become visible this long after its arrival
-    ssd_capacity: int = 0  # bytes of SSD tier under the DRAM capacity: demote on eviction, promote on hit
-    admission: AdmissionConfig | None = None  # policy hybrid's admission tunables; None: the defaults
-    ttft: TtftModel = field(default_factory=TtftModel)  # tier bandwidths and compute rate of the estimate
-
-    def check(self) -> None:
-        if self.policy not in POLICIES:
-            raise ReplayError(f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}")
-        if self.capacity_unit not in ("bytes", "blocks"):
-            raise ReplayError("capacity unit must be 'bytes' or 'blocks'")
-        if self.capacity is not None and (type(self.capacity) is not int or self.capacity <= 0):
-            raise ReplayError(f"capacity must be a positive integer, got {self.capacity!r}")
-        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
-            raise ReplayError("need 0 < low watermark <= high watermark <= 1")
-        if type(self.ssd_capacity) is not int or self.ssd_capacity < 0:
-            raise ReplayError(f"SSD capacity must be a non-negative integer, got {self.ssd_capacity!r}")
-        if self.ssd_capacity and (self.capacity is None or self.capacity_unit != "bytes"):
-            raise ReplayError("an SSD tier needs a DRAM capacity in bytes (--capacity-bytes)")
-        if not math.isfinite(self.visibility_delay_ms) or self.visibility_delay_ms < 0:
-            raise ReplayError(f"visibility delay must be >= 0 ms, got {self.visibility_delay_ms!r}")
-        bs = self.block_size or self.spec.default_block_size
-        if bs <= 0 or bs % 64:
-            raise ReplayError(f"block size must be a positive multiple of 64, got {bs}")
-        self.ttft.check()
-
-
-@dataclass(slots=True)
-class Counters:
-    """Additive tallies for one workload (or the total)."""
-
-    requests: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    input_blocks: int = 0
-    hit_blocks: int = 0  # MLA prefix run (Mooncake rule)
-    usable_blocks: int = 0
-    mla_hit_tokens: int = 0
-    cached_tokens: int = 0  # usable prefix tokens (joint rule)
-    lost_tokens: int = 0  # MLA-run tokens unusable for lack of a checkpoint
-    mla_bytes_written: int = 0
-    kda_bytes_written: int = 0
-    checkpoints_written: int = 0
-    bytes_evicted: int = 0  # of objects this workload / tenant wrote, whoever caused the eviction
-    ssd_cached_tokens: int = 0  # usable-prefix tokens whose MLA block was read from the SSD tier
-    ssd_bytes_read: int = 0  # MLA blocks and checkpoints of usable prefixes read from SSD (then promoted)
-
-    @classmethod
-    def of_lookup(cls, req: Request, chain: Chain, prefix_run: int, run: int, usable: int) -> Counters:
-        """One request's tallies: ``prefix_run`` prompt blocks hit in a row (the Mooncake rule), ``run`` of
-        them within the lookup's cap, ``usable`` behind a checkpoint (what prefill skips)."""
-        sizes = chain.block_tokens
-        usable_tokens = sum(sizes[:usable])
-        return cls(
-            requests=1,
-            input_tokens=req.input_length,
-            output_tokens=req.output_length,
-            input_blocks=chain.prompt_blocks,
-            hit_blocks=prefix_run,
-            usable_blocks=usable,
-            mla_hit_tokens=sum(sizes[:prefix_run]),
-            cached_tokens=usable_tokens,
-            lost_tokens=sum(sizes[:run]) - usable_tokens,
-        )
-
-    def add(self, other: Counters) -> None:
-        for name in self.__slots__:  # type: ignore[attr-defined]
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
-        d["block_hit_rate"] = self.hit_blocks / self.input_blocks if self.input_blocks else 0.0
-        d["usable_block_hit_rate"] = self.usable_blocks / self.input_blocks if self.input_blocks else 0.0
-        d["token_hit_rate"] = self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
-        d["mla_token_hit_rate"] = self.mla_hit_tokens / self.input_tokens if self.input_tokens else 0.0
-        d["lost_token_fraction"] = self.lost_tokens / self.input_tokens if self.input_tokens else 0.0
-        d["dram_token_hit_rate"] = (
-            (self.cached_tokens - self.ssd_cached_tokens) / self.input_tokens if self.input_tokens else 0.0
-        )
-        d["ssd_token_hit_rate"] = self.ssd_cached_tokens / self.input_tokens if self.input_tokens else 0.0
-        return d
-
-
-@dataclass(slots=True)
-class SimResult:
-    config: SimConfig
-    total: Counters
-    per_workload: dict[str, Counters]
-    per_tenant: dict[str, Counters]
-    bytes_evicted: int
-    objects_evicted: int
-    objects_refused: int  # larger than the whole capacity, or the pool is full of pinned objects
-    objects_demoted: int  # DRAM -> SSD moves (an SSD tier only)
-    objects_not_admitted: int  # turned away by admission control (policy hybrid): the request ran uncached
-    block_size: int  # tokens per block actually used
-    bytes_held: int
-    capacity_bytes: int | None
-    duration_s: float  # trace time spanned (first to last arrival)
-    per_request: dict[str, list[Any]]  # workload, arrival_ms, input, cached, output, dram/ssd bytes read
-
-    def to_dict(self, per_request: bool = False) -> dict[str, Any]:
-        c = self.config
-        ttft = estimate(self.per_request, c.spec, c.ttft)
-        out: dict[str, Any] = {
-            "requests": self.total.requests,
-            **self.total.to_dict(),
-            "bytes_evicted": self.bytes_evicted,
-            "objects_evicted": self.objects_evicted,
-            "objects_refused": self.objects_refused,
-            "objects_demoted": self.objects_demoted,
-            "objects_not_admitted": self.objects_not_admitted,
-            "bytes_held": self.bytes_held,
-            "capacity_bytes": self.capacity_bytes,
-            "duration_s": self.duration_s,
-            "config": {
-                "spec": c.spec.name,
-                "policy": c.policy,
-                "capacity": c.capacity,
-                "capacity_unit": c.capacity_unit,
-                "block_size": self.block_size,
-                "checkpoints": c.checkpoints.label,
-                "hybrid": c.spec.hybrid,
-                "high_watermark": c.high_watermark,
-                "ssd_capacity": c.ssd_capacity,
-                "low_watermark": c.low_watermark,
-            },
-            "workloads": {
-                w: {**s.to_dict(), **ttft["workloads"].get(w, {})}
-                for w, s in sorted(self.per_workload.items())
-            },
-            "tenants": {t: s.to_dict() for t, s in sorted(self.per_tenant.items())},
-            "ttft_model": ttft["model"],
-            **ttft["summary"],
-        }
-        if per_request:
-            out["per_request"] = {
-                **self.per_request,
-                "ttft_est_ms": [round(x, 3) for x in ttft["ttft_est_ms"]],
-                "ttft_nocache_ms": [round(x, 3) for x in ttft["ttft_nocache_ms"]],
-            }
-        return out
 
 
 class _Clock:

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.kvstore.index.eviction import POLICIES
+from kvpool.workloads.checkpoints import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
 from kvpool.workloads.optimum import optimum
 from kvpool.workloads.progress import PointProgress
-from kvpool.workloads.sim import CheckpointPolicy, SimConfig, effective_block_size, simulate
+from kvpool.workloads.sim import SimConfig, effective_block_size, simulate
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.trace import Request
 

@@ -112,7 +112,8 @@ def _streams(args: argparse.Namespace) -> bool:
 
 def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int | None, unit: str,
                 block_size: int | None) -> Any:  # fmt: skip
-    from kvpool.workloads.sim import CheckpointPolicy, SimConfig
+    from kvpool.workloads.checkpoints import CheckpointPolicy
+    from kvpool.workloads.sim import SimConfig
 
     return SimConfig(
         spec=spec,
@@ -161,9 +162,10 @@ def _emit(args: argparse.Namespace, result: Any) -> int:
 
 
 def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
+    from kvpool.workloads.checkpoints import CheckpointPolicy
     from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
     from kvpool.workloads.progress import PointProgress
-    from kvpool.workloads.sim import CheckpointPolicy, effective_block_size, simulate
+    from kvpool.workloads.sim import effective_block_size, simulate
     from kvpool.workloads.specs import get_spec
     from kvpool.workloads.sweep import capacity_sweep, check_policies, checkpoint_sweep, plot_rows, write_csv
 

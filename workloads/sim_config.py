@@ -1,0 +1,52 @@
+"""``SimConfig``: what one simulated replay is asked to model (spec, eviction policy, DRAM and SSD
+capacity, watermarks, checkpoint policy, admission, the TTFT model), checked before anything runs so a bad
+flag is a ``ReplayError`` naming it, not a wrong figure."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvpool.kvstore.index.admission import AdmissionConfig
+from kvpool.kvstore.index.eviction import POLICIES
+from kvpool.workloads.checkpoints import CheckpointPolicy
+from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.specs import ModelSpec
+from kvpool.workloads.ttft import TtftModel
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    spec: ModelSpec
+    policy: str = "hybrid"
+    capacity: int | None = None  # None: unbounded
+    capacity_unit: str = "bytes"  # or "blocks"
+    block_size: int | None = None  # for token records; default the spec's
+    checkpoints: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    store_output: bool = True
+    visibility_delay_ms: float = 0.0  # objects of a request become visible this long after its arrival
+    ssd_capacity: int = 0  # bytes of SSD tier under the DRAM capacity: demote on eviction, promote on hit
+    admission: AdmissionConfig | None = None  # policy hybrid's admission tunables; None: the defaults
+    ttft: TtftModel = field(default_factory=TtftModel)  # tier bandwidths and compute rate of the estimate
+
+    def check(self) -> None:
+        if self.policy not in POLICIES:
+            raise ReplayError(f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        if self.capacity_unit not in ("bytes", "blocks"):
+            raise ReplayError("capacity unit must be 'bytes' or 'blocks'")
+        if self.capacity is not None and (type(self.capacity) is not int or self.capacity <= 0):
+            raise ReplayError(f"capacity must be a positive integer, got {self.capacity!r}")
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ReplayError("need 0 < low watermark <= high watermark <= 1")
+        if type(self.ssd_capacity) is not int or self.ssd_capacity < 0:
+            raise ReplayError(f"SSD capacity must be a non-negative integer, got {self.ssd_capacity!r}")
+        if self.ssd_capacity and (self.capacity is None or self.capacity_unit != "bytes"):
+            raise ReplayError("an SSD tier needs a DRAM capacity in bytes (--capacity-bytes)")
+        if not math.isfinite(self.visibility_delay_ms) or self.visibility_delay_ms < 0:
+            raise ReplayError(f"visibility delay must be >= 0 ms, got {self.visibility_delay_ms!r}")
+        bs = self.block_size or self.spec.default_block_size
+        if bs <= 0 or bs % 64:
+            raise ReplayError(f"block size must be a positive multiple of 64, got {bs}")
+        self.ttft.check()
