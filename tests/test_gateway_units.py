@@ -230,7 +230,7 @@ def test_a_hung_resolver_neither_blocks_refresh_nor_shutdown(monkeypatch: pytest
 
 
 def test_concurrency_limit_answers_429_and_slots_release_once(codec: TextCodec) -> None:
-    from kvpool.gateway.app import Gateway
+    from kvpool.gateway.gateway import Gateway
     from kvpool.gateway.model_info import ModelInfo
     from kvpool.gateway.settings import GatewaySettings
 
