@@ -31,6 +31,51 @@ _ALIASES = {
     "norm_topk_prob": "norm_topk_prob",
 }
 
+# keys read into fields; anything else a checkpoint carries is kept in ``ModelConfig.extra``
+_KNOWN_KEYS = frozenset(_ALIASES) | {
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "layer_types",
+    "mlp_layer_types",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "hidden_act",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "topk_group",
+    "routed_scaling_factor",
+    "linear_attn_config",
+    "linear_num_heads",
+    "linear_head_dim",
+    "linear_conv_kernel_dim",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "attention_bias",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "dtype",
+    "moe_router_activation_func",
+    "num_nextn_predict_layers",
+    "pretraining_tp",
+    "torch_dtype",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "mla_use_nope",
+    "model_type",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "index_cache_dtype",
+}
+# RoPE only matters to the DSA indexer: a dense (NoPE) model keeps these keys in ``extra``
+_DSA_KEYS = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "indexer_types"})
+
 
 def _refuse_unsupported(d: dict[str, Any]) -> bool:
     """Raise on what we would have to guess about; return whether the config has a DSA indexer."""
@@ -121,49 +166,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
     eos = d.get("eos_token_id", 163586)
     eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
-    known = set(_ALIASES) | {
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "layer_types",
-        "mlp_layer_types",
-        "rms_norm_eps",
-        "tie_word_embeddings",
-        "hidden_act",
-        "intermediate_size",
-        "moe_intermediate_size",
-        "topk_group",
-        "routed_scaling_factor",
-        "linear_attn_config",
-        "linear_num_heads",
-        "linear_head_dim",
-        "linear_conv_kernel_dim",
-        "num_attention_heads",
-        "q_lora_rank",
-        "kv_lora_rank",
-        "qk_rope_head_dim",
-        "qk_nope_head_dim",
-        "v_head_dim",
-        "attention_bias",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "dtype",
-        "moe_router_activation_func",
-        "num_nextn_predict_layers",
-        "pretraining_tp",
-        "torch_dtype",
-        "first_k_dense_replace",
-        "moe_layer_freq",
-        "mla_use_nope",
-        "model_type",
-        "index_n_heads",
-        "index_head_dim",
-        "index_topk",
-        "index_cache_dtype",
-    }
-    if dsa:  # RoPE only matters to the indexer; a dense (NoPE) model keeps these keys in `extra`
-        known |= {"rope_theta", "rope_scaling", "rope_parameters", "indexer_types"}
+    known = _KNOWN_KEYS | (_DSA_KEYS if dsa else frozenset())
     try:
         return ModelConfig(
             vocab_size=int(d.get("vocab_size", 163840)),
