@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from kvpool.workloads.errors import TraceFormatError
+from kvpool.workloads.synthetic_tokens import synthesize_tokens, with_synthetic_tokens
 from kvpool.workloads.trace import (
     DATA_DIR,
     Request,
@@ -17,11 +18,8 @@ from kvpool.workloads.trace import (
     read_kvpool,
     read_mooncake,
     read_trace,
-    synthesize_tokens,
-    with_synthetic_tokens,
-    write_kvpool,
-    write_mooncake,
 )
+from kvpool.workloads.trace_write import write_kvpool, write_mooncake
 
 from kvpool.cli import main
 

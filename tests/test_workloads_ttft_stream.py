@@ -13,7 +13,8 @@ from kvpool.workloads.commands import common
 from kvpool.workloads.errors import ReplayError, TraceFormatError
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec
-from kvpool.workloads.trace import Request, arrival_ordered, bundled_trace, read_mooncake, write_kvpool
+from kvpool.workloads.trace import Request, arrival_ordered, bundled_trace, read_mooncake
+from kvpool.workloads.trace_write import write_kvpool
 from kvpool.workloads.ttft import TtftModel
 
 from kvpool.cli import main

@@ -1,4 +1,5 @@
-"""Trace records and their two on-disk forms: Mooncake FAST'25 JSONL and kvpool's richer JSONL.
+"""Trace records and reading their two on-disk forms: Mooncake FAST'25 JSONL and kvpool's richer JSONL
+(writing them is ``trace_write``).
 
 Mooncake lines are ``{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`` with one id
 per 512-token block, chained (equal id => equal block *and* equal prefix). They carry no tokens, tenants
@@ -7,8 +8,9 @@ replay and per-workload reporting need (see :class:`Request`); either tokens or 
 
 Conversion (documented loss, docs/design/workloads.md):
 
-- Mooncake -> kvpool loses nothing; tokens can be *synthesised* from the ids (:func:`synthesize_tokens`)
-  so a live gateway sees prompts with exactly the trace's sharing structure.
+- Mooncake -> kvpool loses nothing; tokens can be *synthesised* from the ids
+  (``synthetic_tokens.synthesize_tokens``) so a live gateway sees prompts with exactly the trace's sharing
+  structure.
 - kvpool -> Mooncake loses tokens, tenant (folded into the ids), workload, conversation/turn, request ids,
   output tokens and sub-millisecond arrival; ids are recomputed per ``block_size`` chunk (last one partial)
   from a chained SHA-256 and renumbered 0, 1, 2... in first-seen order, as the published traces are.
@@ -17,7 +19,6 @@ Conversion (documented loss, docs/design/workloads.md):
 from __future__ import annotations
 
 import gzip
-import hashlib
 import heapq
 import io
 import json
@@ -27,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
 from kvpool.workloads.errors import TraceFormatError
 
 MOONCAKE_BLOCK = 512  # tokens per hash id in the FAST'25 traces
@@ -128,7 +128,8 @@ def resolve_trace(spec: str) -> Path:
     return path
 
 
-def _open_text(path: str | Path, mode: str) -> IO[str]:
+def open_text(path: str | Path, mode: str) -> IO[str]:
+    """A text handle on ``path``, gzip when it ends in ``.gz`` (reading and writing alike)."""
     p = str(path)
     if p.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(p, mode + "b"), encoding="utf-8")
@@ -137,7 +138,7 @@ def _open_text(path: str | Path, mode: str) -> IO[str]:
 
 def _json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     try:
-        fh = _open_text(path, "r")
+        fh = open_text(path, "r")
     except OSError as e:
         raise TraceFormatError(f"cannot open: {e.strerror or e}", str(path)) from None
     with fh:
@@ -266,126 +267,3 @@ def _stem(path: str | Path) -> str:
     for suffix in (".gz", ".jsonl", ".json"):
         name = name.removesuffix(suffix)
     return name.removesuffix("_trace") or "trace"
-
-
-def to_kvpool_dict(req: Request) -> dict[str, Any]:
-    """The JSON object written for ``req`` (absent optional fields are omitted)."""
-    out: dict[str, Any] = {
-        "format": KVPOOL_FORMAT,
-        "request_id": req.request_id,
-        "arrival_ms": req.arrival_ms,
-        "tenant": req.tenant,
-        "workload": req.workload,
-        "input_length": req.input_length,
-        "output_length": req.output_length,
-    }
-    if req.conversation_id is not None:
-        out["conversation_id"] = req.conversation_id
-        out["turn"] = req.turn
-    if req.hash_ids is not None:
-        out["block_size"] = req.block_size
-        out["hash_ids"] = req.hash_ids
-    if req.tokens is not None:
-        out["tokens"] = req.tokens
-    if req.output_tokens is not None:
-        out["output_tokens"] = req.output_tokens
-    out.update(req.extra)
-    return out
-
-
-def write_kvpool(requests: Iterable[Request], path: str | Path) -> int:
-    """Write kvpool JSONL (gzip if ``path`` ends in .gz); returns the number of records."""
-    n = 0
-    with _open_text(path, "w") as fh:
-        for req in requests:
-            fh.write(json.dumps(to_kvpool_dict(req), separators=(",", ":")) + "\n")
-            n += 1
-    return n
-
-
-class MooncakeIdMapper:
-    """Chained block ids for requests that have tokens: SHA-256 over (parent, tenant, block tokens), then
-    renumbered in first-seen order so the output looks like a published trace."""
-
-    def __init__(self, block_size: int = MOONCAKE_BLOCK) -> None:
-        if block_size <= 0:
-            raise TraceFormatError("block size must be positive")
-        self.block_size = block_size
-        self._ids: dict[bytes, int] = {}
-
-    def ids_for(self, req: Request) -> list[int]:
-        if req.hash_ids is not None and req.block_size == self.block_size and req.tokens is None:
-            return list(req.hash_ids)
-        if req.tokens is None:
-            raise TraceFormatError(
-                f"request {req.request_id}: hash ids of block size {req.block_size} cannot be re-blocked "
-                f"to {self.block_size} without tokens"
-            )
-        parent = hashlib.sha256(b"kvpool-mooncake-ids/1|" + req.tenant.encode()).digest()
-        toks = np.asarray(req.tokens, dtype=np.uint64)
-        out = []
-        for start in range(0, len(toks), self.block_size):
-            parent = hashlib.sha256(parent + toks[start : start + self.block_size].tobytes()).digest()
-            out.append(self._ids.setdefault(parent, len(self._ids)))
-        return out
-
-
-def to_mooncake_dict(req: Request, mapper: MooncakeIdMapper) -> dict[str, Any]:
-    """The Mooncake JSON object for ``req`` (arrival rounded to whole ms)."""
-    return {
-        "timestamp": round(req.arrival_ms),
-        "input_length": req.input_length,
-        "output_length": req.output_length,
-        "hash_ids": mapper.ids_for(req),
-    }
-
-
-def write_mooncake(requests: Iterable[Request], path: str | Path, block_size: int = MOONCAKE_BLOCK) -> int:
-    """Write Mooncake JSONL; see the module docstring for what is lost. Returns the number of records."""
-    mapper = MooncakeIdMapper(block_size)
-    n = 0
-    with _open_text(path, "w") as fh:
-        for req in requests:
-            fh.write(json.dumps(to_mooncake_dict(req, mapper)) + "\n")
-            n += 1
-    return n
-
-
-# ------------------------------------------------------------------------------------ synthetic tokens
-
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser, vectorised: a fixed, seedable stream independent of numpy's RNG versions."""
-    with np.errstate(over="ignore"):
-        z = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
-        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
-        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
-        return z ^ (z >> np.uint64(31))
-
-
-def synthesize_tokens(
-    hash_ids: list[int], input_length: int, vocab: int, block_size: int = MOONCAKE_BLOCK, seed: int = 0
-) -> list[int]:
-    """Deterministic token ids for a hash-id-only request: block ``k`` always expands to the same
-    ``block_size`` tokens (the last block truncated), so equal id prefixes give equal token prefixes
-    and a live replay reproduces the trace's sharing. Tokens are drawn from ``[0, vocab)``."""
-    if vocab <= 0:
-        raise TraceFormatError("vocab must be positive")
-    if not hash_ids:
-        return []
-    ids = np.asarray(hash_ids, dtype=np.uint64)
-    pos = np.arange(block_size, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        base = (ids[:, None] * np.uint64(block_size) + pos[None, :]) ^ (np.uint64(seed) << np.uint64(40))
-    toks = (_splitmix64(base) % np.uint64(vocab)).reshape(-1)[:input_length]
-    return toks.astype(np.int64).tolist()
-
-
-def with_synthetic_tokens(requests: Iterable[Request], vocab: int, seed: int = 0) -> Iterator[Request]:
-    """Requests with ``tokens`` filled from their hash ids (those that already have tokens pass as is)."""
-    for req in requests:
-        if req.tokens is None and req.hash_ids is not None:
-            req.tokens = synthesize_tokens(req.hash_ids, req.input_length, vocab, req.block_size, seed)
-        yield req

@@ -60,7 +60,7 @@ def _capacities(text: str | None, unit: str, reqs: list, spec: Any, block_size: 
 @guard
 def cmd_replay(args: argparse.Namespace) -> int:
     """Replay a trace, simulated (default) or live."""
-    from kvpool.workloads.trace import with_synthetic_tokens
+    from kvpool.workloads.synthetic_tokens import with_synthetic_tokens
 
     if args.live and args.sim:
         raise ReplayError("choose --sim or --live, not both")

@@ -13,13 +13,9 @@ from kvpool.workloads.errors import ReplayError
 @guard
 def cmd_trace_convert(args: argparse.Namespace) -> int:
     """Convert between Mooncake and kvpool JSONL."""
-    from kvpool.workloads.trace import (
-        read_trace,
-        resolve_trace,
-        with_synthetic_tokens,
-        write_kvpool,
-        write_mooncake,
-    )
+    from kvpool.workloads.synthetic_tokens import with_synthetic_tokens
+    from kvpool.workloads.trace import read_trace, resolve_trace
+    from kvpool.workloads.trace_write import write_kvpool, write_mooncake
 
     reqs = read_trace(resolve_trace(args.input))
     if args.to == "mooncake":
@@ -52,7 +48,8 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
     """Generate a synthetic workload as kvpool JSONL."""
     from kvpool.workloads.errors import GeneratorParamError
     from kvpool.workloads.generators import generate, generate_mix, make_params, parse_mix
-    from kvpool.workloads.trace import read_trace, resolve_trace, write_kvpool
+    from kvpool.workloads.trace import read_trace, resolve_trace
+    from kvpool.workloads.trace_write import write_kvpool
 
     overrides = _params(args.param)
     if args.workload == "mix":
