@@ -9,15 +9,13 @@ from pathlib import Path
 import pytest
 from kvpool.workloads.errors import PricingError
 from kvpool.workloads.pricing import (
-    ProviderInputs,
-    best_capacity,
     get_profile,
     load_profiles,
     price,
     price_many,
     price_result,
-    provider_view,
 )
+from kvpool.workloads.provider_cost import ProviderInputs, best_capacity, provider_view
 from kvpool.workloads.specs import get_spec
 
 from kvpool.cli import main

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from kvpool.workloads.errors import ReplayError
-from kvpool.workloads.pricing import ProviderInputs
+from kvpool.workloads.provider_cost import ProviderInputs
 from kvpool.workloads.provision import Target, provision
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec

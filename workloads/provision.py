@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.workloads.errors import ReplayError
-from kvpool.workloads.pricing import PriceProfile, ProviderInputs, price_result
+from kvpool.workloads.pricing import PriceProfile, price_result
 from kvpool.workloads.progress import PointProgress
+from kvpool.workloads.provider_cost import ProviderInputs
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.trace import Request

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.workloads.checkpoints import CheckpointPolicy
-from kvpool.workloads.pricing import ProviderInputs, load_profiles, price_result
+from kvpool.workloads.pricing import load_profiles, price_result
 from kvpool.workloads.progress import PointProgress
+from kvpool.workloads.provider_cost import ProviderInputs
 from kvpool.workloads.report_summary import SSD_RATIO, plot_price_curves, price_curves, summary_row
 from kvpool.workloads.sim import effective_block_size
 from kvpool.workloads.specs import get_spec

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.workloads.pricing import PriceProfile, ProviderInputs, price_result
+from kvpool.workloads.pricing import PriceProfile, price_result
 from kvpool.workloads.progress import PointProgress
+from kvpool.workloads.provider_cost import ProviderInputs
 from kvpool.workloads.provision import Target, provision
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import ModelSpec

@@ -177,7 +177,7 @@ def add_provider_flags(p: argparse.ArgumentParser) -> None:
 
 def provider_inputs(args: argparse.Namespace, defaults: Any) -> Any:
     """``ProviderInputs`` from the profile file's defaults, overridden by the flags given."""
-    from kvpool.workloads.pricing import ProviderInputs
+    from kvpool.workloads.provider_cost import ProviderInputs
 
     values = {}
     for flag in PROVIDER_FLAGS:

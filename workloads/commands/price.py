@@ -76,7 +76,7 @@ def cmd_price(args: argparse.Namespace) -> int:
 
 def _provider(args: argparse.Namespace, d: Any, result_obj: dict[str, Any] | None) -> dict[str, Any]:
     from kvpool.workloads.errors import PricingError
-    from kvpool.workloads.pricing import best_capacity, provider_view
+    from kvpool.workloads.provider_cost import best_capacity, provider_view
     from kvpool.workloads.specs import get_spec
     from kvpool.workloads.sweep import read_csv
 
