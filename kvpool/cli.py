@@ -16,7 +16,7 @@ COMMAND_MODULES = (
     "kvpool.kvstore.cli",  # store master|node|...
     "kvpool.workloads.cli",  # replay, price, provision, report, trace
     "kvpool.serve",  # prefill, decode (workers)
-    "kvpool.verify",  # verify
+    "kvpool.verify_command",  # verify
     "kvpool.demo",  # demo
     "kvpool.gateway.cli",  # gateway
     "kvpool.up_command",  # up

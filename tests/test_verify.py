@@ -68,10 +68,11 @@ def test_cached_tokens_check_needs_the_bytes():
 
 
 def test_the_endpoint_table_says_logits_were_not_compared(capsys):
-    from kvpool.verify import Report, Row, _print_table
+    from kvpool.verify import Report, Row
+    from kvpool.verify_command import print_table
 
     row = Row("chat", 130, 64, True, None, None, True, "cached")
     report = Report(rows=[row], mode="endpoint").summarize(0.0)
-    _print_table(report)
+    print_table(report)
     out = capsys.readouterr().out
     assert "None" not in out and "first-token logits not compared" in out
