@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvpool.workloads.errors import GeneratorParamError
-from kvpool.workloads.generators import PARAMS, generate, generate_mix, make_params, parse_mix
+from kvpool.workloads.generators import generate, generate_mix, parse_mix
 from kvpool.workloads.stats import trace_stats
 from kvpool.workloads.trace import Request, read_kvpool
+from kvpool.workloads.workload_params import PARAMS, make_params
 
 from kvpool.cli import main
 

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 from kvpool.workloads.checkpoints import CheckpointPolicy
-from kvpool.workloads.generators import generate, make_params
+from kvpool.workloads.generators import generate
 from kvpool.workloads.live import replay_live
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import Request
+from kvpool.workloads.workload_params import make_params
 
 from kvpool.up import Cluster
 from kvpool.up_config import load_config

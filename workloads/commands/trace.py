@@ -47,9 +47,10 @@ def _params(pairs: Sequence[str]) -> dict[str, dict[str, str]]:
 def cmd_trace_generate(args: argparse.Namespace) -> int:
     """Generate a synthetic workload as kvpool JSONL."""
     from kvpool.workloads.errors import GeneratorParamError
-    from kvpool.workloads.generators import generate, generate_mix, make_params, parse_mix
+    from kvpool.workloads.generators import generate, generate_mix, parse_mix
     from kvpool.workloads.trace import read_trace, resolve_trace
     from kvpool.workloads.trace_write import write_kvpool
+    from kvpool.workloads.workload_params import make_params
 
     overrides = _params(args.param)
     if args.workload == "mix":
@@ -102,7 +103,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add ``trace`` to the ``kvpool`` command line."""
-    from kvpool.workloads.generators import PARAMS
+    from kvpool.workloads.workload_params import PARAMS
 
     t = subparsers.add_parser("trace", help="trace tools: convert, generate, stats")
     tsub = t.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
