@@ -1,11 +1,12 @@
-"""Fetch and push of cache units through the shared store, shared by the prefill and decode workers.
+"""Fetch of cache units through the shared store, shared by the prefill and decode workers (the push is
+``store_push``; its ``PushStats`` live here beside ``FetchStats``).
 
 Why one module: both workers must read and write exactly the same objects under exactly the same keys and
 checks (overview §2-§3), and both must treat every store problem the same way — a missing, corrupt, late or
 unreachable object is a *miss*, never an exception that reaches the request. ``fetch_prefix`` therefore
 always returns a usable ``PrefixState`` (possibly at an earlier checkpoint than the master promised, or
 None = start from token 0) plus counters saying what was lost and why; pushes report failures in their
-stats and never raise for store errors.
+stats and never raise for store errors (``store_push``).
 
 The store is reached through the ``CacheStore`` protocol, which names exactly the client calls used here,
 so the real ``kvpool.kvstore.client.async_client.AsyncStoreClient`` and the in-process ``MemoryStore`` are

@@ -3,7 +3,7 @@
 Why one batch per request: a prefill's whole push (its new MLA blocks, the checkpoints at its chosen
 boundaries, and the tail its decode node reads) goes out as *one* ``batch_put`` — one ``PutStartBatch``,
 one pipelined stream per node, one commit batch — instead of one batch per kind (three control exchanges
-each way) or one put per object (two per object). ``push_request`` builds the groups and reports per group,
+each way) or one put per object (two per object). ``push_groups`` sends the groups and reports per group,
 because the callers decide different things from each (the tail's success is the handoff's; the blocks'
 and checkpoints' are the cache's).
 
