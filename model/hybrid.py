@@ -22,13 +22,11 @@ from .config import DENSE, KDA, KDA_CHUNK, ModelConfig
 from .decode_state import DecodeState
 from .dsa import IndexKeyFormat
 from .errors import (
-    BadBoundaryError,
     BadStartStateError,
-    EmptyPromptError,
     ModelInputError,
-    TokenOutOfRangeError,
 )
 from .hf_config import canonical_json
+from .input_checks import check_prefix, check_start, checked_boundaries, token_ids
 from .kda import KDALayer
 from .mla import MLALayer
 from .mlp import MLP
@@ -149,93 +147,6 @@ class HybridModel(nn.Module):
         fmt = IndexKeyFormat(c.latent_dim, self.dtype, c.index_head_dim, c.index_cache_dtype)
         return fmt.row_bytes, torch.uint8
 
-    # ------------------------------------------------------------------ validation
-    def _token_tensor(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        if isinstance(tokens, torch.Tensor):
-            if (
-                tokens.dim() != 1
-                or tokens.dtype.is_floating_point
-                or tokens.dtype == torch.bool
-                or tokens.is_complex()
-            ):
-                raise ModelInputError(
-                    f"tokens must be a 1-D integer tensor, got {tokens.dtype} {tuple(tokens.shape)}"
-                )
-            ids = tokens.to(device=self.device, dtype=torch.long)
-        else:
-            seq = list(tokens)
-            for pos, t in enumerate(seq):
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise ModelInputError(f"token {pos} is {t!r}, not an int")
-            ids = torch.tensor(seq, dtype=torch.long, device=self.device)
-        if ids.numel() == 0:
-            raise EmptyPromptError("empty prompt: prefill needs at least one token")
-        bad = ((ids < 0) | (ids >= self.config.vocab_size)).nonzero()
-        if bad.numel():
-            pos = int(bad[0, 0])
-            raise TokenOutOfRangeError(
-                f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
-                f"[0, {self.config.vocab_size})"
-            )
-        return ids
-
-    def _check_start(self, start: PrefixState) -> None:
-        if not isinstance(start, PrefixState):
-            raise BadStartStateError(f"start must be a PrefixState, got {type(start).__name__}")
-        n = start.n_tokens
-        if not isinstance(n, int) or n < 0 or n % SEGMENT:
-            raise BadStartStateError(
-                f"start.n_tokens={n!r} is not a non-negative multiple of {SEGMENT} "
-                "(prefill resumes only on the canonical 64-token grid)"
-            )
-        if n == 0:
-            return
-        self._check_layers(n, start.kda, start.mla)
-
-    def _check_layers(self, n: int, kda: KDACheckpoint, mla: dict[int, torch.Tensor]) -> None:
-        c = self.config
-        if kda.n_tokens != n:
-            raise BadStartStateError(f"KDA checkpoint is at {kda.n_tokens} tokens, prefix claims {n}")
-        if set(kda.layers) != set(c.kda_layers):
-            raise BadStartStateError(f"KDA layers {sorted(kda.layers)} != model's {list(c.kda_layers)}")
-        want_s = (c.kda_num_heads, c.kda_head_dim, c.kda_head_dim)
-        want_c = (c.kda_conv_kernel - 1, c.conv_dim)
-        for i, st in kda.layers.items():
-            if tuple(st.recurrent.shape) != want_s or st.recurrent.dtype != torch.float32:
-                raise BadStartStateError(
-                    f"layer {i}: recurrent state {st.recurrent.dtype} "
-                    f"{tuple(st.recurrent.shape)}, want float32 {want_s}"
-                )
-            if tuple(st.conv.shape) != want_c or st.conv.dtype != self.dtype:
-                raise BadStartStateError(
-                    f"layer {i}: conv state {st.conv.dtype} {tuple(st.conv.shape)}, "
-                    f"want {self.dtype} {want_c}"
-                )
-        if set(mla) != set(c.mla_layers):
-            raise BadStartStateError(f"MLA layers {sorted(mla)} != model's {list(c.mla_layers)}")
-        width, dtype = self.mla_row()
-        for i, rows in mla.items():
-            if tuple(rows.shape) != (n, width) or rows.dtype != dtype:
-                # a silent cast would break exactness: latents must be in the dtype they were computed in
-                # (DSA: byte records [latent | indexer key], so a dense model's rows never fit and vice versa)
-                raise BadStartStateError(
-                    f"layer {i}: latents {rows.dtype} {tuple(rows.shape)}, want {dtype} {(n, width)}"
-                )
-
-    def _check_boundaries(self, boundaries: Iterable[int], start: int, end: int) -> set[int]:
-        out = set()
-        for b in boundaries:
-            if isinstance(b, bool) or not isinstance(b, int):
-                raise BadBoundaryError(f"boundary {b!r} is not an int")
-            if not start < b <= end:
-                raise BadBoundaryError(f"boundary {b} not in ({start}, {end}]")
-            if b % SEGMENT and b != end:
-                raise BadBoundaryError(
-                    f"boundary {b} is not a segment end (a multiple of {SEGMENT}, or L={end})"
-                )
-            out.add(b)
-        return out
-
     def _state_in(self, st: KDALayerState) -> KDALayerState:
         return KDALayerState(st.recurrent.to(self.device, torch.float32), st.conv.to(self.device, self.dtype))
 
@@ -273,14 +184,14 @@ class HybridModel(nn.Module):
         """
         if logits not in ("last", "all"):
             raise ModelInputError(f"logits must be 'last' or 'all', got {logits!r}")
-        ids = self._token_tensor(tokens)
+        ids = token_ids(tokens, self.config.vocab_size, self.device)
         c = self.config
         p0 = 0
         if start is not None:
-            self._check_start(start)
+            check_start(start, self.config, self.dtype, self.mla_row())
             p0 = start.n_tokens
         L = p0 + ids.shape[0]
-        wanted = self._check_boundaries(boundaries, p0, L)
+        wanted = checked_boundaries(boundaries, p0, L)
 
         if p0:
             kda = {i: self._state_in(s) for i, s in start.kda.layers.items()}
@@ -329,9 +240,10 @@ class HybridModel(nn.Module):
             raise BadStartStateError(f"state must be a DecodeState, got {type(state).__name__}")
         if isinstance(token, torch.Tensor):
             token = int(token.item()) if token.numel() == 1 else token
-        ids = self._token_tensor([token])
+        ids = token_ids([token], self.config.vocab_size, self.device)
         n = state.n_tokens
-        self._check_layers(n, KDACheckpoint(n, state.kda), {i: state.latents(i) for i in state.mla_layers})
+        latents = {i: state.latents(i) for i in state.mla_layers}
+        check_prefix(n, KDACheckpoint(n, state.kda), latents, self.config, self.dtype, self.mla_row())
         h = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             x = layer.input_layernorm(h)
