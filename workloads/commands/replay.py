@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,6 @@ from kvpool.workloads.commands.common import (
     STREAM_ABOVE_BYTES,
     add_progress_flags,
     add_tier_flags,
-    fmt_bytes,
     guard,
     load_requests,
     memory_estimate,
@@ -26,6 +23,7 @@ from kvpool.workloads.commands.common import (
     stream_requests,
     ttft_model,
 )
+from kvpool.workloads.commands.replay_tables import print_live_table, print_sim_table, print_sweep_rows
 from kvpool.workloads.errors import ReplayError
 
 
@@ -83,7 +81,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(summary) + "\n", encoding="utf-8")
         summary.pop("per_request", None)
-        print_json(summary) if args.json else _print_live_table(summary)
+        print_json(summary) if args.json else print_live_table(summary)
         return 0 if summary["errors"] == 0 else 1
     return _replay_sim(args, reqs)
 
@@ -157,7 +155,7 @@ def _emit(args: argparse.Namespace, result: Any) -> int:
     if args.json:
         print_json(result.to_dict())
     else:
-        _print_sim_table(result.to_dict())
+        print_sim_table(result.to_dict())
     return 0
 
 
@@ -207,7 +205,7 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
                 {"rows": rows, "csv": str(out_dir / f"{name}.csv"), "png": str(out_dir / f"{name}.png")}
             )
         else:
-            _print_rows(rows, group)
+            print_sweep_rows(rows, group)
             print(f"wrote {out_dir / (name + '.csv')} and {out_dir / (name + '.png')}")
         return 0
     if policies == ["optimum"]:
@@ -218,77 +216,10 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         cap_bytes = None if not caps else caps[0] * (full_block if unit == "blocks" else 1)
         res = run_offline(policies[0], reqs, cap_bytes, spec, bs, not args.no_output_blocks,
                           progress(f"{policies[0]} {args.trace}"))  # fmt: skip
-        print_json(res.to_dict()) if args.json else _print_sim_table(res.to_dict())
+        print_json(res.to_dict()) if args.json else print_sim_table(res.to_dict())
         return 0
     cfg = _sim_config(args, spec, policies[0], caps[0] if caps else None, unit, bs)
     return _emit(args, simulate(reqs, cfg, progress(f"replay {args.trace}")))
-
-
-def _print_sim_table(d: dict[str, Any]) -> None:
-    cfg = d["config"]
-    if cfg["capacity"] is None:
-        cap = "unbounded"
-    elif cfg["capacity_unit"] == "bytes":
-        cap = fmt_bytes(cfg["capacity"]) + (
-            f" + SSD {fmt_bytes(cfg['ssd_capacity'])}" if cfg["ssd_capacity"] else ""
-        )
-    else:
-        cap = f"{cfg['capacity']} blocks"
-    print(
-        f"spec {cfg['spec']}  policy {cfg['policy']}  capacity {cap}  block {cfg['block_size']}  "
-        f"checkpoints {cfg['checkpoints'] if cfg['hybrid'] else 'n/a (pure MLA)'}"
-    )
-    head = (
-        f"{'workload':<14}{'requests':>9}{'block hit':>11}{'token hit':>11}{'MLA hit':>9}{'lost':>8}"
-        f"{'MLA written':>14}{'KDA written':>14}{'evicted':>14}"
-    )
-    print(head)
-    print("-" * len(head))
-    rows = [*d["workloads"].items(), ("ALL", d)]
-    for name, w in rows:
-        print(
-            f"{name:<14}{w['requests']:>9}{w['block_hit_rate']:>11.2%}{w['token_hit_rate']:>11.2%}"
-            f"{w['mla_token_hit_rate']:>9.2%}{w['lost_token_fraction']:>8.2%}"
-            f"{fmt_bytes(w['mla_bytes_written']):>14}{fmt_bytes(w['kda_bytes_written']):>14}"
-            f"{fmt_bytes(w['bytes_evicted']):>14}"
-        )
-    if "ttft_est_ms_mean" in d:
-        print(
-            f"TTFT estimate (ms, docs/design/workloads.md): with the cache p50 {d['ttft_est_ms_p50']:.1f} "
-            f"p90 {d['ttft_est_ms_p90']:.1f} mean {d['ttft_est_ms_mean']:.1f}; recomputing everything "
-            f"p50 {d['ttft_nocache_ms_p50']:.1f} p90 {d['ttft_nocache_ms_p90']:.1f} "
-            f"mean {d['ttft_nocache_ms_mean']:.1f}"
-        )
-    if "objects_evicted" in d:  # offline schedules report hits only
-        print(
-            f"evicted {d['objects_evicted']} objects / {fmt_bytes(d['bytes_evicted'])}; "
-            f"held at end {fmt_bytes(d['bytes_held'])}"
-        )
-
-
-def _print_rows(rows: Sequence[dict[str, Any]], group: str) -> None:
-    head = f"{group:<28}{'capacity':>14}{'GiB':>10}{'block hit':>11}{'token hit':>11}{'lost':>8}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r[group]:<28}{r['capacity']!s:>14}{float(r['capacity_bytes']) / 2**30:>10.1f}"
-            f"{float(r['block_hit_rate']):>11.2%}{float(r['token_hit_rate']):>11.2%}"
-            f"{float(r['lost_token_fraction'] or 0):>8.2%}"
-        )
-
-
-def _print_live_table(s: dict[str, Any]) -> None:
-    print(
-        f"{'workload':<14}{'requests':>9}{'errors':>8}{'token hit':>11}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
-    )
-    for name, w in [*s["workloads"].items(), ("ALL", s)]:
-        print(
-            f"{name:<14}{w['requests']:>9}{w['errors']:>8}{w['token_hit_rate']:>11.2%}"
-            f"{w['ttft_ms_p50']:>10.1f}{w['ttft_ms_p90']:>9.1f}{w['ttft_ms_p99']:>9.1f}"
-        )
-    for err in s["first_errors"]:
-        print(f"error: {err}", file=sys.stderr)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
