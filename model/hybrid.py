@@ -18,7 +18,7 @@ import torch
 from kvpool.model.cache_schema import CacheSchema
 from torch import nn
 
-from .config import DENSE, KDA, KDA_CHUNK, ModelConfig
+from .config import DENSE, KDA, ModelConfig
 from .decode_state import DecodeState
 from .dsa import IndexKeyFormat
 from .errors import (
@@ -26,7 +26,7 @@ from .errors import (
     ModelInputError,
 )
 from .hf_config import canonical_json
-from .input_checks import check_prefix, check_start, checked_boundaries, token_ids
+from .input_checks import SEGMENT, check_prefix, check_start, checked_boundaries, token_ids
 from .kda import KDALayer
 from .mla import MLALayer
 from .mlp import MLP
@@ -34,8 +34,6 @@ from .moe import MoE
 from .norm import RMSNorm
 from .prefill_result import PrefillResult
 from .state import KDACheckpoint, KDALayerState, PrefixState
-
-SEGMENT = KDA_CHUNK
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -11,7 +11,7 @@ from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.model.loader import load_model
 from kvpool.worker.memory_store import MemoryStore
 from kvpool.worker.store_io import fetch_prefix
-from kvpool.worker.store_push import push_blocks, push_checkpoints
+from kvpool.worker.store_push import block_items, checkpoint_items, push_groups
 
 B = 64
 
@@ -31,8 +31,10 @@ def _stored(setup, checkpoints=(1, 2, 3)):
     store = MemoryStore()
 
     async def fill():
-        await push_blocks(store, schema, hashes, result.mla, 0, 4, "t")
-        await push_checkpoints(store, schema, hashes, [result.checkpoints[c * B] for c in checkpoints], "t")
+        await push_groups(store, [block_items(schema, hashes, result.mla, 0, 4, "t")])
+        await push_groups(
+            store, [checkpoint_items(schema, hashes, [result.checkpoints[c * B] for c in checkpoints], "t")]
+        )
 
     asyncio.run(fill())
     return store
@@ -107,8 +109,10 @@ def test_a_put_refused_for_admission_is_counted_not_failed_and_the_prefix_stops_
     store.refuse = {mla_key(hashes[2]), kda_key(hashes[2])}
 
     async def fill():
-        blocks = await push_blocks(store, schema, hashes, result.mla, 0, 4, "t")
-        cks = await push_checkpoints(store, schema, hashes, [result.checkpoints[c * B] for c in (2, 3)], "t")
+        (blocks,) = await push_groups(store, [block_items(schema, hashes, result.mla, 0, 4, "t")])
+        (cks,) = await push_groups(
+            store, [checkpoint_items(schema, hashes, [result.checkpoints[c * B] for c in (2, 3)], "t")]
+        )
         return blocks, cks
 
     blocks, cks = asyncio.run(fill())
