@@ -1,12 +1,13 @@
 """Streaming TTFT through the gateway, as a user's stock ``openai`` client sees it, for this tree and
 (optionally) a baseline tree side by side in one run.
 
-Each tree is started as a user starts it, ``<tree>/.venv/bin/kvpool up``, on its own port; the two clusters run
-at the same time and requests alternate between them, so both see the same box. Per prompt length and hit
+Each tree is started as a user starts it, ``<tree>/.venv/bin/kvpool up``, on its own port; the two clusters
+run at the same time and requests alternate between them, so both see the same box. Per prompt length and hit
 level (0 / 50 / 90 / 100 % of the prompt cached) the bench measures the time from sending a streamed chat
 request to its first content chunk. A hit level h is made by first sending a prompt that shares its first h
 of the text (not measured; twice for a partial hit, since the first one to diverge is what stores the KDA
-checkpoint at the junction, exactly as a second chat turn would), then the measured prompt; ``cached_tokens`` from the usage chunk is reported, so
+checkpoint at the junction, exactly as a second chat turn would), then the measured prompt; ``cached_tokens``
+from the usage chunk is reported, so
 the table shows the hit the cache really gave.
 
     .venv/bin/python bench/gateway_ttft_bench.py                          # this tree only
@@ -39,10 +40,11 @@ import openai
 HITS = (0.0, 0.5, 0.9, 1.0)
 START_DEADLINE_S = 180.0
 REQUEST_TIMEOUT_S = 120.0
-WORDS = (
+VOCABULARY = (
     "block hash chain prefix store decode prefill latent state cache memory tenant node master lease "
     "checkpoint recurrent attention token stream gateway route shard eviction admission quota pin"
-).split()
+)
+WORDS = VOCABULARY.split()
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Tree:
     port: int
     proc: subprocess.Popen | None = None
     run_dir: Path | None = None
-    cells: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)  # key -> [(ms, cached, tokens)]
+    cells: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)  # [(ms, cached, tokens)]
 
     @property
     def base_url(self) -> str:
@@ -128,7 +130,9 @@ def stream_ttft(client: openai.OpenAI, prompt: str, salt: str) -> tuple[float, f
 
 
 def run(trees: list[Tree], lengths: list[int], reps: int, seed: int) -> None:
-    clients = {t.name: openai.OpenAI(base_url=t.base_url, api_key="none", timeout=REQUEST_TIMEOUT_S) for t in trees}
+    clients = {
+        t.name: openai.OpenAI(base_url=t.base_url, api_key="none", timeout=REQUEST_TIMEOUT_S) for t in trees
+    }
     rng = random.Random(seed)
     for words in lengths:
         for rep in range(reps):
@@ -138,12 +142,16 @@ def run(trees: list[Tree], lengths: list[int], reps: int, seed: int) -> None:
                 tail = text(words - prefix_words, rng) if prefix_words < words else ""
                 measured = f"{prefix} {tail}".strip()
                 partial = 0 < hit < 1
-                warm = [f"{prefix} {text(words - prefix_words, rng)}".strip() for _ in range(2)] if partial else [measured]
+                warm = (
+                    [f"{prefix} {text(words - prefix_words, rng)}".strip() for _ in range(2)]
+                    if partial
+                    else [measured]
+                )
                 order = trees if rep % 2 == 0 else list(reversed(trees))  # alternate who goes first
                 for t in order:
                     salt = f"bench-{seed}-{words}-{rep}-{hit}"
                     for w in warm if hit > 0 else []:
-                        stream_ttft(clients[t.name], w, salt)  # puts the shared prefix (and its checkpoint) in
+                        stream_ttft(clients[t.name], w, salt)  # the shared prefix and its checkpoint
                     cell = t.cells.setdefault(f"{words}w/{int(hit * 100)}%", [])
                     cell.append(stream_ttft(clients[t.name], measured, salt))
 
@@ -191,11 +199,14 @@ def main() -> None:
     if args.baseline is not None:
         ratios = {}
         for words in args.lengths.split(","):
+
             def share(name: str, hit: int, w: str = words) -> float:
                 return cells[name][f"{w}w/{hit}%"]["p50_ms"] / cells[name][f"{w}w/0%"]["p50_ms"]
 
             for hit in (50, 90, 100):
-                ratios[f"{words}w/{hit}%_share_after_over_before"] = round(share("after", hit) / share("before", hit), 3)
+                ratios[f"{words}w/{hit}%_share_after_over_before"] = round(
+                    share("after", hit) / share("before", hit), 3
+                )
         result["ratios"] = ratios
     print(json.dumps(result))
 
