@@ -5,7 +5,8 @@ state (store, or recompute), then step with the `StepBatcher` (concurrent reques
 sampling step k with the request's seed. When a step lands on a block boundary the KDA state there is
 snapshotted; at the end the full blocks of prompt + consumed output and the last snapshot (end-of-output
 checkpoint) are pushed, so the next chat turn, whose prompt extends this conversation, hits them. The tail
-is deleted once read (its TTL covers crashes).
+is removed once read, in the background (``DeferredCalls``: no token waits for it; its TTL covers crashes).
+The first token was chosen, and its text shown, by prefill: the gRPC stream sends tokens from the second on.
 
 Note the pushed output latents were computed by 1-token decode steps, which differ from a prefill of the
 same tokens by ~1e-7 (overview §7.3): a turn-2 prefill resumed from them matches a no-cache run within
@@ -27,13 +28,8 @@ from kvpool.model.state import KDACheckpoint
 from kvpool.worker.errors import ON_CACHE_ERROR, BadRequestError
 from kvpool.worker.handoff import Handoff
 from kvpool.worker.model_runner import ModelRunner
-from kvpool.worker.sampling import StopChecker, sample
-from kvpool.worker.store_io import (
-    DEFAULT_TIMEOUT_S,
-    CacheStore,
-    PushStats,
-    remove_tail,
-)
+from kvpool.worker.sampling import OutputText, sample
+from kvpool.worker.store_io import DEFAULT_TIMEOUT_S, CacheStore, DeferredCalls, PushStats
 from kvpool.worker.store_push import block_items, checkpoint_items, push_groups
 
 
@@ -88,6 +84,7 @@ class DecodeEngine:
         self.on_cache_error = on_cache_error
         self.batcher = batcher or StepBatcher(runner)
         self.eos = set(self.model.config.eos_token_id)
+        self.deferred = DeferredCalls(timeout_s)  # lease releases and read tails' removal
 
     def _root(self, tenant: str) -> bytes:
         return root_hash(self.model.fingerprint(), tenant)
@@ -103,7 +100,8 @@ class DecodeEngine:
         handoff.sampling.validate()
         if handoff.tail_key != tail_key(handoff.request_id):
             raise BadRequestError("handoff tail_key is not the request's tail key")
-        # re-derived, not trusted: a handoff must not point decode at another prompt's or tenant's blocks
+        # decode's one hash of the prompt: the chain received in the handoff is used only once it equals the
+        # one derived here from the prompt and tenant (a handoff must not point decode at other blocks)
         want = hash_blocks(handoff.prompt_ids, self.block_size, self._root(handoff.tenant))
         if [bytes(h) for h in handoff.block_hashes] != want:
             raise BadRequestError("handoff block_hashes do not match its prompt / tenant / model")
@@ -122,38 +120,33 @@ class DecodeEngine:
                 self.runner,
                 self.store,
                 self.schema,
+                self.deferred,
                 on_cache_error=self.on_cache_error,
                 timeout_s=self.timeout_s,
             )
         else:
             info = ResumeInfo("state")
-        if self.store is not None and handoff.tail_stored:  # read (or bypassed): the TTL need not run out
-            await remove_tail(self.store, handoff.request_id, self.timeout_s)
+        store = self.store
+        if store is not None and handoff.tail_stored:  # read (or bypassed): the TTL need not run out
+            key = tail_key(handoff.request_id)
+            self.deferred.start("remove_tail", lambda: store.remove([key]))
         params = handoff.sampling
         B, L = self.block_size, handoff.prompt_tokens
-        stop = StopChecker(self.tokenizer, params.stop)
+        out = OutputText(self.tokenizer, params, self.eos)
         tokens = [handoff.first_token]
         snapshot: KDACheckpoint | None = None
-        finish = ""
-        shown = ""
         while True:
-            tok = tokens[-1]
-            if stop.push(tok) or (tok in self.eos and not params.ignore_eos):
-                finish = "stop"
-            elif len(tokens) >= params.max_tokens:
-                finish = "length"
-            visible = stop.visible(final=bool(finish))
-            yield TokenEvent(len(tokens) - 1, tok, visible[len(shown) :])  # deltas add up to the text
-            shown = visible
+            delta, finish = out.add(tokens[-1])
+            yield TokenEvent(len(tokens) - 1, tokens[-1], delta)  # deltas add up to the text
             if finish:
                 break
-            logits = await self.batcher.step(tok, state)
+            logits = await self.batcher.step(tokens[-1], state)
             if state.n_tokens % B == 0 and self.end_of_output_checkpoint:
                 snapshot = state.checkpoint()
             tokens.append(sample(logits, params, len(tokens)))
         result = DecodeResult(
             tokens=tokens,
-            text=stop.text,
+            text=out.text,
             finish_reason=finish,
             prompt_tokens=L,
             cached_tokens=handoff.cached_tokens,

@@ -65,9 +65,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                     else:
                         if m is not None:
                             m.output_tokens.inc()
-                        yield decode_pb2.GenerateChunk(
-                            index=event.index, token_id=event.token, text=event.text
-                        )
+                        if event.index:  # token 0 and its text reached the client in the prefill reply
+                            yield decode_pb2.GenerateChunk(
+                                index=event.index, token_id=event.token, text=event.text
+                            )
         except BadRequestError as exc:
             self._count("bad_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"BadRequestError: {exc}")

@@ -1,9 +1,12 @@
 """One generation through the cluster: route, prefill (retrying elsewhere if a worker is gone), decode stream.
 
-Why ``start`` returns only once the first token is in hand: until then every failure can still become a
-proper HTTP status (400/429/503/504) even for a streaming request; after it the status line is sent and a
-failure can only be reported inside the stream. Every RPC carries the time left of the request's deadline,
-so a dead or stuck worker turns into an error within ``request_timeout_s`` — never a hang.
+``start`` returns as soon as prefill has answered: its reply carries output token 0 and that token's text,
+so the client gets the first token without waiting for decode to resume the request. Until then every
+failure can still become a proper HTTP status (400/429/503/504) even for a streaming request. Decode is
+asked at once (its resume overlaps the first token's delivery); a decode worker that is gone before its
+first chunk is replaced like a prefill worker, and any later decode failure ends a stream with an error
+event (a JSON answer, not yet sent, still gets its status). Every RPC carries the time left of the
+request's deadline, so a dead or stuck worker turns into an error within ``request_timeout_s``, never a hang.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.router import Lookup, Plan, Router
 from kvpool.gateway.workers import Worker
 from kvpool.proto import decode_pb2, prefill_pb2
-from kvpool.worker.client import DecodeStreamEndedError, first_chunk, run_prefill, start_decode
+from kvpool.worker.client import first_chunk, run_prefill, start_decode
 from kvpool.worker.handoff import PrefillRequest
 from kvpool.worker.sampling import SamplingParams
 
@@ -66,7 +69,8 @@ def rpc_error(exc: grpc.aio.AioRpcError, w: Worker) -> GatewayError:
 
 
 class Generation:
-    """A started generation: ``first`` already received; iterate for the rest, then read ``usage``."""
+    """A started generation: prefill has answered (``first`` is output token 0) and decode is asked; iterate
+    ``chunks`` for every token, then read ``usage``."""
 
     def __init__(
         self,
@@ -75,36 +79,67 @@ class Generation:
         plan: Plan,
         look: Lookup | None,
         reply: prefill_pb2.PrefillReply,
-        decode: Worker,
-        call: object,
-        first: decode_pb2.GenerateChunk,
         t0: float,
         deadline: float,
     ) -> None:
         self.svc, self.req, self.plan, self.look, self.reply = svc, req, plan, look, reply
-        self.decode, self.call, self.first, self.t0, self.deadline = decode, call, first, t0, deadline
+        self.t0, self.deadline = t0, deadline
+        self.first = first_chunk(reply)
         self.t_first = time.monotonic()
         self.token_ids: list[int] = []
         self.usage = Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=reply.usage.cached_tokens)
         self._closed = False
+        self._excluded: set[str] = set()
+        self._open(plan.decode, svc.left(deadline, "decode"))
+
+    def _open(self, decode: Worker, timeout_s: float) -> None:
+        """Ask ``decode`` for tokens 1 on (the call goes out now; its answer is read in ``chunks``)."""
+        self.decode = decode
+        decode.inflight += 1
+        decode.queued_tokens += self.req.sampling.max_tokens
+        self.call = start_decode(decode.stub, self.reply, timeout_s)  # type: ignore[arg-type]
+
+    def _drop(self) -> None:
+        self.call.cancel()  # no-op once finished; frees decode on disconnect
+        self.decode.inflight -= 1
+        self.decode.queued_tokens -= self.req.sampling.max_tokens
+
+    async def _read(self, started: bool) -> decode_pb2.GenerateChunk:
+        """The next decode chunk; before decode's first one an UNAVAILABLE worker is replaced."""
+        while True:
+            try:
+                chunk = await self.call.read()  # type: ignore[attr-defined]
+            except grpc.aio.AioRpcError as exc:
+                if started or exc.code() not in RETRYABLE:
+                    if started:
+                        self.decode.mark_failed()
+                    raise rpc_error(exc, self.decode) from None
+                self.decode.mark_failed()
+                self.svc.metrics.worker_failures.labels(role="decode", worker=self.decode.address).inc()
+                self._excluded.add(self.decode.address)
+                # a raise here leaves the current call to close()
+                replacement = self.svc.router.pick_decode(self._excluded)
+                timeout_s = self.svc.left(self.deadline, "decode")
+                self._drop()
+                self._open(replacement, timeout_s)
+                continue
+            if chunk is grpc.aio.EOF:
+                what = "ended the stream early" if started else "sent nothing"
+                raise BackendUnavailable(f"decode worker {self.decode.address} {what}")
+            if not started:
+                self.decode.served += 1
+            return chunk
 
     async def chunks(self) -> AsyncIterator[decode_pb2.GenerateChunk]:
-        """Token chunks (text deltas); the final chunk is consumed here and fills ``usage``."""
-        chunk = self.first
+        """Token chunks (text deltas), token 0 first; the final chunk is consumed here and fills ``usage``."""
+        chunk, started = self.first, False
         try:
-            while True:
-                if chunk.final:
-                    self._finish(chunk)
-                    return
+            while not chunk.final:
                 self.token_ids.append(chunk.token_id)
                 yield chunk
-                try:
-                    chunk = await self.call.read()  # type: ignore[attr-defined]
-                except grpc.aio.AioRpcError as exc:
-                    self.decode.mark_failed()
-                    raise rpc_error(exc, self.decode) from None
-                if chunk is grpc.aio.EOF:
-                    raise BackendUnavailable(f"decode worker {self.decode.address} ended the stream early")
+                chunk = await self._read(started)
+                started = True
+            self._finish(chunk)
         finally:
             self.close()
 
@@ -125,12 +160,9 @@ class Generation:
         self.svc.record(self, time.monotonic())
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.call.cancel()  # type: ignore[attr-defined]  # no-op once finished; frees decode on disconnect
-        self.decode.inflight -= 1
-        self.decode.queued_tokens -= self.req.sampling.max_tokens
+        if not self._closed:
+            self._closed = True
+            self._drop()
 
 
 class Service:
@@ -139,7 +171,8 @@ class Service:
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
 
-    def _left(self, deadline: float, what: str) -> float:
+    def left(self, deadline: float, what: str) -> float:
+        """Seconds left of the request's deadline for the call ``what``; ``BackendTimeout`` when none."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise BackendTimeout(f"request deadline ({self.request_timeout_s:.0f}s) passed before {what}")
@@ -149,35 +182,7 @@ class Service:
         t0 = time.monotonic()
         deadline = t0 + self.request_timeout_s
         reply, plan, look = await self._prefill(req, deadline)
-        excluded: set[str] = set()
-        decode = plan.decode
-        while True:
-            decode.inflight += 1
-            decode.queued_tokens += req.sampling.max_tokens
-            call = start_decode(decode.stub, reply, self._left(deadline, "decode"))  # type: ignore[arg-type]
-            try:
-                first = await first_chunk(call, decode.address)
-                decode.served += 1
-                return Generation(self, req, plan, look, reply, decode, call, first, t0, deadline)
-            except DecodeStreamEndedError as exc:
-                decode.inflight -= 1
-                decode.queued_tokens -= req.sampling.max_tokens
-                call.cancel()
-                raise BackendUnavailable(str(exc)) from None
-            except grpc.aio.AioRpcError as exc:
-                decode.inflight -= 1
-                decode.queued_tokens -= req.sampling.max_tokens
-                if exc.code() not in RETRYABLE:
-                    raise rpc_error(exc, decode) from None
-                decode.mark_failed()
-                self.metrics.worker_failures.labels(role="decode", worker=decode.address).inc()
-                excluded.add(decode.address)
-                decode = self.router.pick_decode(excluded)
-            except BaseException:
-                decode.inflight -= 1
-                decode.queued_tokens -= req.sampling.max_tokens
-                call.cancel()
-                raise
+        return Generation(self, req, plan, look, reply, t0, deadline)
 
     async def _prefill(
         self, req: GenRequest, deadline: float
@@ -192,7 +197,7 @@ class Service:
             w.inflight += 1
             w.queued_tokens += plan.dispatched_tokens
             try:
-                reply = await run_prefill(w.stub, request, self._left(deadline, "prefill"))  # type: ignore[arg-type]
+                reply = await run_prefill(w.stub, request, self.left(deadline, "prefill"))  # type: ignore[arg-type]
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE:
                     raise rpc_error(exc, w) from None

@@ -48,7 +48,12 @@ class Colocated:
     ) -> None:
         self.runner = ModelRunner(model)
         self.prefill = PrefillEngine(
-            self.runner, store, block_size=block_size, policy=policy, on_cache_error=on_cache_error
+            self.runner,
+            store,
+            block_size=block_size,
+            policy=policy,
+            tokenizer=tokenizer,
+            on_cache_error=on_cache_error,
         )
         self.decode = DecodeEngine(
             self.runner, store, block_size=block_size, tokenizer=tokenizer, on_cache_error=on_cache_error
@@ -63,6 +68,8 @@ class Colocated:
             if isinstance(event, DecodeResult):
                 final = event
         assert final is not None
+        await self.prefill.deferred.drain()  # the whole completion is the answer here: return with the
+        await self.decode.deferred.drain()  # store settled (leases released, the tail removed)
         return Completion(outcome, final)
 
     def close(self) -> None:

@@ -80,6 +80,8 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
     metrics_on = args.metrics_port is not None and args.metrics_port >= 0
     metrics = WorkerMetrics(roles, {"model": args.model}) if metrics_on else None
     services: dict[str, Callable[[grpc.aio.Server], None]] = {}
+    prefill: PrefillService | None = None
+    decode: DecodeService | None = None
     if "prefill" in roles:
         prefill = PrefillService(
             PrefillEngine(
@@ -87,6 +89,7 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
                 rt.store,
                 block_size=args.block_size,
                 policy=policy,
+                tokenizer=rt.tokenizer,
                 tail_ttl_ms=args.tail_ttl_ms,
                 timeout_s=args.store_timeout,
                 on_cache_error=args.on_cache_error,
@@ -113,6 +116,9 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
         services[DECODE_SERVICE] = lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(decode, s)
 
     async def close() -> None:
+        for service in (prefill, decode):  # deferred releases / tail removals end before the store closes
+            if service is not None:
+                await service.engine.deferred.drain()
         if rt.store is not None:
             await rt.store.close()
         runner.close()

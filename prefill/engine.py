@@ -2,9 +2,11 @@
 
 Flow (overview §2 step 2): hash the prompt's full blocks under the tenant's root -> ``fetch_prefix`` (joint
 rule, verified, counted fallbacks) -> compute tokens ``[p, L)`` on the canonical 64-token schedule with
-checkpoints where the policy says -> sample the first token -> push new full MLA blocks, the chosen
-checkpoints and the request tail. Because resume at any 64-aligned p is bit-identical to the uncut run, the
-first-token logits are exactly those of a no-cache run whatever p was reused.
+checkpoints where the policy says -> sample the first token (and its text, which the reply carries so the
+gateway can stream it before decode starts) -> push new full MLA blocks, the chosen checkpoints and the
+request tail. The read lease is released in the background (``DeferredCalls``): nothing waits for it.
+Because resume at any 64-aligned p is bit-identical to the uncut run, the first-token logits are exactly
+those of a no-cache run whatever p was reused.
 
 The lookup never offers the block holding the prompt's last token: at least one token must be computed to
 produce logits, so at most ``(L-1)//B`` blocks are reused.
@@ -27,11 +29,12 @@ from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.worker.errors import ON_CACHE_ERROR, BadRequestError, CacheFetchError
 from kvpool.worker.handoff import Handoff, PrefillRequest
 from kvpool.worker.model_runner import ModelRunner
-from kvpool.worker.sampling import sample
+from kvpool.worker.sampling import OutputText, sample
 from kvpool.worker.store_io import (
     DEFAULT_TAIL_TTL_MS,
     DEFAULT_TIMEOUT_S,
     CacheStore,
+    DeferredCalls,
     FetchStats,
     PushStats,
     drop_bad,
@@ -43,6 +46,7 @@ from kvpool.worker.store_push import block_items, checkpoint_items, push_groups,
 @dataclass
 class PrefillOutcome:
     first_token: int
+    first_text: str  # token 0's text delta (decode's deltas continue after it; "" without a tokenizer)
     logits: torch.Tensor  # [V] logits of the last prompt token
     cached_tokens: int  # prompt tokens reused from the store (exactly what was resumed from)
     lost_to_checkpoint: int  # tokens of stored MLA blocks unusable for lack of a checkpoint
@@ -66,6 +70,7 @@ class PrefillEngine:
         *,
         block_size: int = 64,
         policy: CheckpointPolicy | None = None,
+        tokenizer: object | None = None,
         tail_ttl_ms: int = DEFAULT_TAIL_TTL_MS,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_cache_error: str = "recompute",
@@ -78,6 +83,9 @@ class PrefillEngine:
         self.schema = self.model.cache_schema(block_size)
         self.block_size = block_size
         self.policy = policy or CheckpointPolicy()
+        self.tokenizer = tokenizer
+        self.eos = set(self.model.config.eos_token_id)
+        self.deferred = DeferredCalls(timeout_s)  # lease releases
         self.tail_ttl_ms = tail_ttl_ms
         self.timeout_s = timeout_s
         self.on_cache_error = on_cache_error
@@ -95,8 +103,12 @@ class PrefillEngine:
         request.sampling.validate()
 
     def hashes(self, prompt_ids: list[int], tenant: str) -> list[bytes]:
-        """The prompt's chain, derived here from the tokens and tenant (once per request): the gateway's probe
-        chain is routing advice only, and a chain taken from a caller could name another tenant's blocks."""
+        """The prompt's chain, derived here from the tokens and tenant (prefill's one hash per request).
+
+        Not taken from the gateway: each link names the whole prefix before it, so checking a received chain
+        costs the same as deriving it, and an unchecked one (another block size, fingerprint or tenant) would
+        make the store hand back other prompts' blocks: wrong tokens. The gateway's chain is routing advice.
+        """
         return hash_blocks(prompt_ids, self.block_size, root_hash(self.model.fingerprint(), tenant))
 
     async def run(self, request: PrefillRequest, *, keep_state: bool = False) -> PrefillOutcome:
@@ -124,6 +136,7 @@ class PrefillEngine:
         result = await self.runner.prefill(prompt[start:], prefix, boundaries)
         compute_s = time.perf_counter() - t_compute
         first = sample(result.logits, request.sampling, 0)
+        first_text, _ = OutputText(self.tokenizer, request.sampling, self.eos).add(first)
         ttft = time.perf_counter() - t0
         handoff = Handoff(
             request_id=request.request_id,
@@ -146,6 +159,7 @@ class PrefillEngine:
             )
         return PrefillOutcome(
             first_token=first,
+            first_text=first_text,
             logits=result.logits,
             cached_tokens=start,
             lost_to_checkpoint=fetch.lost_to_checkpoint(B),
@@ -167,7 +181,9 @@ class PrefillEngine:
         if not use_store or not hashes:
             return None, FetchStats(asked_blocks=len(hashes))
         assert self.store is not None
-        prefix, stats = await fetch_prefix(self.store, self.schema, hashes, tenant, timeout_s=self.timeout_s)
+        prefix, stats = await fetch_prefix(
+            self.store, self.schema, hashes, tenant, self.deferred, timeout_s=self.timeout_s
+        )
         if self.on_cache_error == "fail" and (stats.used_blocks < stats.matched_blocks or stats.error):
             raise CacheFetchError(
                 f"cache fetch lost {stats.recomputed_tokens(self.block_size)} tokens "

@@ -78,5 +78,9 @@ def outcome_to_reply(o: PrefillOutcome, return_logits: bool = False) -> prefill_
     if return_logits:
         logits = o.logits.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     return prefill_pb2.PrefillReply(
-        handoff=handoff_to_pb(o.handoff), first_token=o.first_token, usage=usage, first_logits=logits
+        handoff=handoff_to_pb(o.handoff),
+        first_token=o.first_token,
+        usage=usage,
+        first_logits=logits,
+        first_text=o.first_text,
     )

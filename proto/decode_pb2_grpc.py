@@ -45,7 +45,8 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams every output token (the first one, chosen by prefill, included), then one final chunk.
+        """Streams the output tokens from index 1 on (token 0 and its text came in PrefillReply), then one final
+        chunk whose text is the whole output.
         INVALID_ARGUMENT for an inconsistent handoff; FAILED_PRECONDITION under --on-cache-error fail.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -97,13 +97,15 @@ class PrefillUsage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., lost_to_checkpoint_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., checkpoints_pushed: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., cache_error: _Optional[str] = ..., fetch_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., push_s: _Optional[float] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("handoff", "first_token", "usage", "first_logits")
+    __slots__ = ("handoff", "first_token", "usage", "first_logits", "first_text")
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TEXT_FIELD_NUMBER: _ClassVar[int]
     handoff: Handoff
     first_token: int
     usage: PrefillUsage
     first_logits: bytes
-    def __init__(self, handoff: _Optional[_Union[Handoff, _Mapping]] = ..., first_token: _Optional[int] = ..., usage: _Optional[_Union[PrefillUsage, _Mapping]] = ..., first_logits: _Optional[bytes] = ...) -> None: ...
+    first_text: str
+    def __init__(self, handoff: _Optional[_Union[Handoff, _Mapping]] = ..., first_token: _Optional[int] = ..., usage: _Optional[_Union[PrefillUsage, _Mapping]] = ..., first_logits: _Optional[bytes] = ..., first_text: _Optional[str] = ...) -> None: ...

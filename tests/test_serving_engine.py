@@ -21,10 +21,10 @@ from kvpool.proto import common_pb2
 from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.worker.errors import BadRequestError, CacheFetchError
 from kvpool.worker.handoff import PrefillRequest
-from kvpool.worker.memory_store import MemoryStore
 from kvpool.worker.sampling import SamplingParams, StopChecker, sample
 
 from kvpool.colocated import Colocated
+from tests.harness.memory_store import MemoryStore
 
 B = 64
 GREEDY3 = SamplingParams(max_tokens=3)
@@ -397,6 +397,26 @@ def test_stop_string_ends_generation_in_the_engine(model, reference):
     assert got.decode.finish_reason == "stop" and got.tokens == want[:5]
     text = WordTokenizer().decode(want[:5])
     assert got.decode.text == text[: text.find(stop)]
+
+
+@pytest.mark.parametrize("held_back", [False, True])
+def test_prefills_first_text_and_decodes_later_deltas_add_up_to_the_text(model, reference, held_back):
+    """The gateway streams token 0's text from the prefill reply, then decode's deltas from token 1 on: the
+    two must join without a gap or a repeat, also when token 0's text is held back (a possible stop start)."""
+    prompt = _rand(random.Random(11), 80)
+    want = reference(prompt, SamplingParams(max_tokens=6, ignore_eos=True)).tokens
+    stops = (f" {want[0]} {want[1]} x",) if held_back else ()
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, stop=stops)
+    colo = Colocated(model, MemoryStore(), tokenizer=WordTokenizer())
+
+    async def go():
+        outcome = await colo.prefill.run(PrefillRequest("text", prompt, "t", sp))
+        return outcome, [e async for e in colo.decode.generate(outcome.handoff)]
+
+    outcome, (*events, result) = asyncio.run(go())
+    assert outcome.first_text == ("" if held_back else f" {want[0]}") == events[0].text
+    assert outcome.first_text + "".join(e.text for e in events[1:]) == result.text
+    assert result.text == WordTokenizer().decode(want)
 
 
 def test_concurrent_requests_batch_and_match_sequential(model, reference):

@@ -266,14 +266,14 @@ def test_killing_the_storage_node_mid_request_still_gives_the_reference(cluster,
                     decode_pb2.GenerateRequest(handoff=reply.handoff), timeout=60
                 )
             ]
-            return chunks, await asyncio.gather(*jobs)
+            return reply, chunks, await asyncio.gather(*jobs)
         finally:
             await client.close()
 
     try:
-        chunks, got = asyncio.run(go())
+        reply, chunks, got = asyncio.run(go())
         assert chunks[-1].usage.resume_path == "recompute" and chunks[-1].usage.recomputed_tokens == 100
-        assert [c.token_id for c in chunks[:-1]] == reference(cut, sp).tokens
+        assert [reply.first_token, *(c.token_id for c in chunks[:-1])] == reference(cut, sp).tokens
         for k, (p, g) in enumerate(zip(prompts, got, strict=True)):
             ref = reference(p + [7] * k, sp)
             assert torch.equal(g.first_logits, ref.first_logits), k

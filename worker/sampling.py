@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,3 +105,33 @@ class StopChecker:
         text = self.text.rstrip("\ufffd")
         hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
+
+
+class OutputText:
+    """One output's text as its tokens arrive: whether token k ends the generation and the text delta it
+    shows (``visible`` deltas, so they add up to ``text``).
+
+    Prefill runs it for the first token (its reply carries that token's delta, which the gateway streams at
+    once) and decode for every token from the same first one on, so decode's later deltas continue exactly
+    where the first one stopped."""
+
+    def __init__(self, tokenizer: object, params: SamplingParams, eos: Iterable[int]) -> None:
+        self.params = params
+        self.eos = frozenset(eos)
+        self.stop = StopChecker(tokenizer, params.stop)
+        self.shown = ""
+
+    @property
+    def text(self) -> str:
+        return self.stop.text
+
+    def add(self, token: int) -> tuple[str, str]:
+        """(text delta, finish reason: "stop" | "length" | "" = go on) after ``token``."""
+        finish = ""
+        if self.stop.push(token) or (token in self.eos and not self.params.ignore_eos):
+            finish = "stop"
+        elif len(self.stop.tokens) >= self.params.max_tokens:
+            finish = "length"
+        visible = self.stop.visible(final=bool(finish))
+        delta, self.shown = visible[len(self.shown) :], visible
+        return delta, finish

@@ -9,15 +9,18 @@ None = start from token 0) plus counters saying what was lost and why; pushes re
 stats and never raise for store errors (``store_push``).
 
 The store is reached through the ``CacheStore`` protocol, which names exactly the client calls used here,
-so the real ``kvpool.kvstore.client.async_client.AsyncStoreClient`` and the in-process ``MemoryStore`` are
-interchangeable. Every call runs under ``asyncio.timeout``: a dead node costs at most the deadline.
+so the real ``kvpool.kvstore.client.async_client.AsyncStoreClient`` and the tests' in-process
+``MemoryStore`` are interchangeable. Every call runs under ``asyncio.timeout``: a dead node costs at most the
+deadline. Calls whose answer the request does not need (a read lease's release, the removal of a tail decode
+has read) go through ``DeferredCalls`` and never delay a token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,7 +102,6 @@ class FetchStats:
     bytes_fetched: int = 0
     seconds: float = 0.0
     error: str | None = None  # store unreachable / master error: served without cache
-    lease_released: bool = True
     bad_keys: list[bytes] = field(default_factory=list)  # corrupt units (removed so they can be rewritten)
 
     def lost_to_checkpoint(self, block_size: int) -> int:
@@ -127,6 +129,38 @@ class PushStats:
         self.not_admitted += other.not_admitted
         self.seconds += other.seconds
         self.errors.extend(other.errors)
+
+
+class DeferredCalls:
+    """Store calls a request does not wait for: a read lease's ``release`` (the bytes are already here) and
+    the removal of a request tail decode has read (its TTL would remove it anyway).
+
+    Each runs as a task under the store deadline. A failure is counted in ``failed`` (by call name), never
+    raised: at worst a lease or a tail lives until its own deadline. ``drain`` waits for the calls in flight:
+    a worker's shutdown (before its store client closes) and whoever checks the store after a request.
+    """
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self.failed: Counter[str] = Counter()
+        self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
+
+    def start(self, name: str, call: Callable[[], Awaitable[object]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(name, call), name=f"deferred-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, name: str, call: Callable[[], Awaitable[object]]) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await call()
+        except Exception:
+            self.failed[name] += 1
+
+    async def drain(self) -> None:
+        """Return once every call started so far has ended (each is bounded by ``timeout_s``)."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -203,7 +237,8 @@ async def fetch_prefix(
     store: CacheStore,
     schema: CacheSchema,
     hashes: Sequence[bytes],
-    tenant: str = "",
+    tenant: str,
+    deferred: DeferredCalls,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     lease_ms: int = DEFAULT_LEASE_MS,
@@ -214,7 +249,8 @@ async def fetch_prefix(
     MatchPrefix(acquire) -> batch get of the checkpoint at p and MLA blocks [0, p) -> full decode checks
     (block index, hash, n_tokens). If anything is missing, corrupt or late, fall back to the largest earlier
     checkpoint the master listed whose MLA run is intact (fetching that checkpoint), down to 0 = None.
-    Never raises for store or cache-unit problems; always releases the lease.
+    Never raises for store or cache-unit problems; always releases the lease, through ``deferred``: the
+    bytes are verified and in hand by then, so the request does not wait for the master's answer.
     ``require_checkpoint=False`` fetches the plain MLA run (a decode node that holds the KDA state at the
     prompt end in the request tail); the default follows the model (joint rule iff it has KDA layers).
     """
@@ -248,19 +284,10 @@ async def fetch_prefix(
         )
     finally:
         if lease_id:
-            stats.lease_released = await _release(store, lease_id, timeout_s)
+            deferred.start("release", lambda: store.release(lease_id))
     stats.used_blocks = prefix.n_tokens // B if prefix is not None else 0
     stats.seconds = time.perf_counter() - t0
     return prefix, stats
-
-
-async def _release(store: CacheStore, lease_id: str, timeout_s: float) -> bool:
-    try:
-        async with asyncio.timeout(timeout_s):
-            await store.release(lease_id)
-        return True
-    except Exception:
-        return False  # the lease's own deadline frees the pins
 
 
 async def _fetch_verified(
@@ -382,8 +409,3 @@ async def fetch_tail(
     except CacheUnitError as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return tail, None
-
-
-async def remove_tail(store: CacheStore, request_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Delete the tail once decode has it (best effort: the TTL removes it anyway)."""
-    return await drop_bad(store, [tail_key(request_id)], timeout_s) > 0

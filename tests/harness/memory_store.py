@@ -1,8 +1,9 @@
-"""`MemoryStore`: an in-process implementation of the `CacheStore` protocol (no master, no node).
+"""`MemoryStore`: a test double of the workers' `CacheStore` protocol (no master, no node).
 
-Why it exists: engine unit tests and single-process tools need the store's *semantics* (joint prefix rule,
-leases, duplicate-safe immutable puts, typed per-key misses) without processes; fault hooks (`corrupt`,
-`drop`, `unreachable`) let a test break exactly one object. Integration tests use the real store.
+Why it exists: the engine unit tests need the store's *semantics* (joint prefix rule, leases,
+duplicate-safe immutable puts, typed per-key misses) without processes; fault hooks (`corrupt`, `drop`,
+`unreachable`) let a test break exactly one object. Integration tests use the real store; no shipped code
+uses this one (a worker without a store gets None).
 """
 
 from __future__ import annotations
