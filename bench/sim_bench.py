@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.workloads.checkpoints import CheckpointPolicy
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.optimum import optimum
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec

@@ -30,10 +30,10 @@ log = logging.getLogger("kvpool.gateway")
 MAX_MESSAGE_BYTES = 64 << 20
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
-DOWN_AFTER_FAILURE_S = 2.0
+DOWN_AFTER_FAILURE_S = 2.0  # a worker that refused a call is skipped this long unless health says otherwise
 DNS_PREFIX = "dns:"
 DNS_REFRESH_S = 5.0
-DNS_TIMEOUT_S = 2.0  # a worker that refused a call is skipped this long unless health says otherwise
+DNS_TIMEOUT_S = 2.0  # deadline of one re-resolution of a dns: spec
 
 
 @dataclass

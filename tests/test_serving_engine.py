@@ -195,7 +195,7 @@ def test_every_n_blocks_policy():
     pol = CheckpointPolicy()
     got = pol.boundaries(prompt_len=5 * B, block_size=B, start_blocks=1, mla_run_blocks=3, existing=[1])
     assert got == [3 * B, 4 * B, 5 * B]  # 4B: a block-aligned prompt sent again resumes there
-    assert CheckpointPolicy.parse("end,every=3") == CheckpointPolicy(True, False, 3)
+    assert CheckpointPolicy.parse("end,every=3") == CheckpointPolicy(True, False, 3, end_of_output=False)
     with pytest.raises(ValueError):
         CheckpointPolicy.parse("sometimes")
 

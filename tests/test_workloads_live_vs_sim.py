@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvpool.workloads.checkpoints import CheckpointPolicy
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.generators import generate
 from kvpool.workloads.live import replay_live
 from kvpool.workloads.sim import SimConfig, simulate

@@ -95,7 +95,7 @@ def test_provision_command_prints_json_and_exits_1_when_nothing_meets(
 
 
 def test_the_report_summary_reads_the_reference_at_the_chosen_capacity(conv: list[Request]) -> None:
-    from kvpool.workloads.checkpoints import CheckpointPolicy
+    from kvpool.worker.checkpoint_policy import CheckpointPolicy
     from kvpool.workloads.pricing import load_profiles
     from kvpool.workloads.report_summary import price_curves, summary_row
     from kvpool.workloads.sweep import capacity_sweep

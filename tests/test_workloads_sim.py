@@ -10,8 +10,9 @@ from collections import OrderedDict
 
 import pytest
 from kvpool.cache.hashing import hash_blocks, root_hash
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.chains import ChainBuilder, model_fingerprint
-from kvpool.workloads.checkpoints import CheckpointPolicy
+from kvpool.workloads.checkpoints import parse_checkpoints
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.optimum import optimum
 from kvpool.workloads.sim import SimConfig, simulate
@@ -236,7 +237,7 @@ def test_bad_config_is_a_replay_error() -> None:
     with pytest.raises(ReplayError, match="positive integer"):
         simulate([], SimConfig(spec=MLA_ONLY, capacity=-5))
     with pytest.raises(ReplayError, match="checkpoint policy part"):
-        CheckpointPolicy.parse("prompt,sometimes")
+        parse_checkpoints("prompt,sometimes")
 
 
 # ------------------------------------------------------------------------------------------- optimum

@@ -8,7 +8,12 @@ A checkpoint costs as much as ~32 MLA blocks on K3, so they are sparse; each rul
 * ``junction``: when the lookup matched MLA blocks past the last usable checkpoint, the blocks up to the
   end of that run are shared with another request but unusable for a hybrid model; checkpoint at the end
   of the run *this time* so the next request with that prefix hits it (the "tokens lost" become hits);
-* ``every_n_blocks``: an optional fixed interval (0 = off) for long prompts with unpredictable branching.
+* ``every_n_blocks``: an optional fixed interval (0 = off) for long prompts with unpredictable branching;
+* ``end_of_output``: decode's snapshot at the last block boundary its output crosses, so the next chat turn
+  resumes after this answer. The replay simulator reads it; a decode worker's switch is its
+  ``--no-end-checkpoint`` flag (the prefill's ``--checkpoint-policy`` carries only the prompt-side rules).
+
+One class for the workers and the simulator, so a simulated policy is the served one by construction.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class CheckpointPolicy:
     end_of_prompt: bool = True
     junction: bool = True
     every_n_blocks: int = 0
+    end_of_output: bool = True
 
     def boundaries(
         self,
@@ -50,14 +56,31 @@ class CheckpointPolicy:
 
     @classmethod
     def parse(cls, spec: str) -> CheckpointPolicy:
-        """``"end,junction,every=4"`` / ``"none"`` (CLI form)."""
-        parts = {p.strip() for p in spec.split(",") if p.strip()}
+        """``"end,junction,output,every=4"`` / ``"none"`` (CLI form; ``prompt`` is ``end``): a rule not
+        named is off. ``ValueError`` names a bad part."""
+        rules = {"end": False, "junction": False, "output": False}
         every = 0
-        for p in list(parts):
-            if p.startswith("every="):
-                every = int(p.removeprefix("every="))
-                parts.discard(p)
-        unknown = parts - {"end", "junction", "none"}
-        if unknown or every < 0:
-            raise ValueError(f"bad checkpoint policy {spec!r}: use end,junction,every=N or none")
-        return cls(end_of_prompt="end" in parts, junction="junction" in parts, every_n_blocks=every)
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            if part.startswith("every="):
+                try:
+                    every = int(part.removeprefix("every="))
+                except ValueError:
+                    every = -1
+                if every < 0:
+                    raise ValueError(f"bad checkpoint interval {part!r}: every=N takes blocks >= 0")
+            elif part in ("end", "prompt", "junction", "output"):
+                rules["end" if part == "prompt" else part] = True
+            elif part != "none":
+                raise ValueError(
+                    f"unknown checkpoint policy part {part!r}; use end, junction, output, every=N or none"
+                )
+        return cls(rules["end"], rules["junction"], every, rules["output"])
+
+    @property
+    def label(self) -> str:
+        """The policy in the simulator's spelling (``prompt,output,junction,every=N`` or ``none``)."""
+        rules = [("prompt", self.end_of_prompt), ("output", self.end_of_output), ("junction", self.junction)]
+        parts = [name for name, on in rules if on]
+        if self.every_n_blocks:
+            parts.append(f"every={self.every_n_blocks}")
+        return ",".join(parts) or "none"

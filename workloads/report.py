@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.workloads.checkpoints import CheckpointPolicy
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
+from kvpool.workloads.checkpoints import parse_checkpoints
 from kvpool.workloads.pricing import load_profiles, price_result
 from kvpool.workloads.progress import PointProgress
 from kvpool.workloads.provider_cost import ProviderInputs
@@ -103,7 +104,7 @@ def build_report(
         full_block = spec.mla_bytes_per_token * bs
         lo, hi = sweep_range(reqs, spec, bs)
         caps = [c * full_block for c in auto_capacities(hi, points, lo)]
-        cks = [CheckpointPolicy.parse(c) for c in CHECKPOINT_POLICIES]
+        cks = [parse_checkpoints(c) for c in CHECKPOINT_POLICIES]
         tally = PointProgress((len(policies) + len(cks) + 2) * len(caps), show_points)
         prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress, tally)
         crow = checkpoint_sweep(reqs, spec, caps, "bytes", "hybrid", cks, bs, progress, tally)

@@ -100,7 +100,6 @@ class _Replay:
         dram = config.capacity if config.capacity is not None else INFINITE
         self.idx.add_node(NODE, dram, config.ssd_capacity)
         self.builder = ChainBuilder(spec.name, self.block_size)
-        self.prefill_policy = config.checkpoints.prefill_policy()
         self.per_workload: dict[str, Counters] = {}
         self.per_tenant: dict[str, Counters] = {}
         self.real_size: dict[bytes, int] = {}
@@ -196,7 +195,7 @@ class _Replay:
                 ck = self.config.checkpoints
                 with_output = ck.end_of_output and self.config.store_output and req.output_tokens is not None
                 for c in checkpoint_positions(
-                    self.prefill_policy,
+                    ck,
                     with_output,
                     req.input_length,
                     self.block_size,

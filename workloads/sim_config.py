@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
-from kvpool.workloads.checkpoints import CheckpointPolicy
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.ttft import TtftModel

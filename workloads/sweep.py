@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.kvstore.index.eviction import POLICIES
-from kvpool.workloads.checkpoints import CheckpointPolicy
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
 from kvpool.workloads.optimum import optimum

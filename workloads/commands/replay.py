@@ -110,7 +110,7 @@ def _streams(args: argparse.Namespace) -> bool:
 
 def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int | None, unit: str,
                 block_size: int | None) -> Any:  # fmt: skip
-    from kvpool.workloads.checkpoints import CheckpointPolicy
+    from kvpool.workloads.checkpoints import parse_checkpoints
     from kvpool.workloads.sim import SimConfig
 
     return SimConfig(
@@ -119,7 +119,7 @@ def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int 
         capacity=capacity,
         capacity_unit=unit,
         block_size=block_size,
-        checkpoints=CheckpointPolicy.parse(args.checkpoints),
+        checkpoints=parse_checkpoints(args.checkpoints),
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
         store_output=not args.no_output_blocks,
@@ -160,7 +160,7 @@ def _emit(args: argparse.Namespace, result: Any) -> int:
 
 
 def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
-    from kvpool.workloads.checkpoints import CheckpointPolicy
+    from kvpool.workloads.checkpoints import parse_checkpoints
     from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
     from kvpool.workloads.progress import PointProgress
     from kvpool.workloads.sim import effective_block_size, simulate
@@ -176,7 +176,7 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         args.capacity_blocks if unit == "blocks" else args.capacity_bytes, unit, reqs, spec, bs
     )
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    ck = CheckpointPolicy.parse(args.checkpoints)
+    ck = parse_checkpoints(args.checkpoints)
     progress = progress_factory(args)
     sweep = args.checkpoint_sweep is not None or len(policies) > 1 or (caps is not None and len(caps) > 1)
     if sweep:
@@ -187,7 +187,7 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         if args.checkpoint_sweep is not None:
-            cks = [CheckpointPolicy.parse(t) for t in args.checkpoint_sweep.split(";") if t.strip()]
+            cks = [parse_checkpoints(t) for t in args.checkpoint_sweep.split(";") if t.strip()]
             points = PointProgress(len(cks) * len(caps), args.progress is not False)
             rows = checkpoint_sweep(reqs, spec, caps, unit, policies[0], cks, bs, progress, points)
             group, name = "checkpoints", "checkpoint_sweep"
