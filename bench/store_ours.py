@@ -239,7 +239,7 @@ async def _measure_push(master: str, transport: str, reps: int, warmup: int) -> 
     """GB/s of one request's whole push: ``batch_put`` (one control exchange each way, pipelined per node)
     against the same objects put one after another (two master round trips each)."""
     from kvpool.kvstore.client.async_client import AsyncStoreClient
-    from kvpool.kvstore.client.records import PutItem
+    from kvpool.kvstore.client.async_client import PutItem
     from kvpool.kvstore.keys import kda_key, mla_key
     from kvpool.proto import common_pb2
 

@@ -66,7 +66,7 @@ def make_request(schema: Any) -> tuple[dict[int, torch.Tensor], Any]:
 
 def _items(mode: str, schema: Any, latents: Any, ckpt: Any, hashes: list[bytes], tenant: str) -> list[Any]:
     from kvpool.cache.units import encode_kda_checkpoint, encode_mla_block
-    from kvpool.kvstore.client.records import PutItem
+    from kvpool.kvstore.client.async_client import PutItem
     from kvpool.kvstore.keys import kda_key, mla_key
     from kvpool.proto import common_pb2
     from kvpool.worker.store_push import block_items, checkpoint_items

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from kvpool.cache.hashing import hash_blocks, root_hash
 from kvpool.cache.units import RequestTail
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import PutItem
 from kvpool.kvstore.keys import tail_key
 from kvpool.model.decode_state import DecodeState
 from kvpool.model.prefill_result import PrefillResult

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/node.proto\x12\tkvpool.v1\x1a\x12proto/common.proto\"\x11\n\x0fNodeInfoRequest\"\xb3\x02\n\rNodeInfoReply\x12%\n\x04node\x18\x01 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x64ram_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ssd_capacity_bytes\x18\x04 \x01(\x04\x12\x16\n\x0essd_used_bytes\x18\x05 \x01(\x04\x12\x15\n\rfragmentation\x18\x06 \x01(\x01\x12\x0f\n\x07objects\x18\x07 \x01(\x04\x12\x38\n\x08\x63ounters\x18\x08 \x03(\x0b\x32&.kvpool.v1.NodeInfoReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x12\n\x10InventoryRequest\"*\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"*\n\tKeysReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\"H\n\tShmExtent\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"W\n\x0bLocateReply\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12%\n\x07\x65xtents\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.ShmExtent\x12\x0f\n\x07missing\x18\x03 \x03(\x0c\"H\n\x11ShmReserveRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta\"C\n\x0fShmReserveReply\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x03 \x01(\x08\"/\n\x0eShmSealRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"\x0e\n\x0cShmSealReply\"V\n\tPutHeader\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta\x12\x14\n\x0c\x61rena_offset\x18\x03 \x01(\x04\x32\xf8\x03\n\x0bStorageNode\x12<\n\x04Info\x12\x1a.kvpool.v1.NodeInfoRequest\x1a\x18.kvpool.v1.NodeInfoReply\x12\x41\n\tInventory\x12\x1b.kvpool.v1.InventoryRequest\x1a\x15.kvpool.v1.ObjectMeta0\x01\x12\x36\n\x06\x44\x65lete\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x36\n\x06\x44\x65mote\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x37\n\x07Promote\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x38\n\x06Locate\x12\x16.kvpool.v1.KeysRequest\x1a\x16.kvpool.v1.LocateReply\x12\x46\n\nShmReserve\x12\x1c.kvpool.v1.ShmReserveRequest\x1a\x1a.kvpool.v1.ShmReserveReply\x12=\n\x07ShmSeal\x12\x19.kvpool.v1.ShmSealRequest\x1a\x17.kvpool.v1.ShmSealReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/node.proto\x12\tkvpool.v1\x1a\x12proto/common.proto\"\x11\n\x0fNodeInfoRequest\"\xb3\x02\n\rNodeInfoReply\x12%\n\x04node\x18\x01 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x64ram_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ssd_capacity_bytes\x18\x04 \x01(\x04\x12\x16\n\x0essd_used_bytes\x18\x05 \x01(\x04\x12\x15\n\rfragmentation\x18\x06 \x01(\x01\x12\x0f\n\x07objects\x18\x07 \x01(\x04\x12\x38\n\x08\x63ounters\x18\x08 \x03(\x0b\x32&.kvpool.v1.NodeInfoReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x12\n\x10InventoryRequest\"*\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"*\n\tKeysReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\"@\n\tPutHeader\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta2\xb7\x02\n\x0bStorageNode\x12<\n\x04Info\x12\x1a.kvpool.v1.NodeInfoRequest\x1a\x18.kvpool.v1.NodeInfoReply\x12\x41\n\tInventory\x12\x1b.kvpool.v1.InventoryRequest\x1a\x15.kvpool.v1.ObjectMeta0\x01\x12\x36\n\x06\x44\x65lete\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x36\n\x06\x44\x65mote\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x37\n\x07Promote\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,20 +46,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KEYSREQUEST']._serialized_end=442
   _globals['_KEYSREPLY']._serialized_start=444
   _globals['_KEYSREPLY']._serialized_end=486
-  _globals['_SHMEXTENT']._serialized_start=488
-  _globals['_SHMEXTENT']._serialized_end=560
-  _globals['_LOCATEREPLY']._serialized_start=562
-  _globals['_LOCATEREPLY']._serialized_end=649
-  _globals['_SHMRESERVEREQUEST']._serialized_start=651
-  _globals['_SHMRESERVEREQUEST']._serialized_end=723
-  _globals['_SHMRESERVEREPLY']._serialized_start=725
-  _globals['_SHMRESERVEREPLY']._serialized_end=792
-  _globals['_SHMSEALREQUEST']._serialized_start=794
-  _globals['_SHMSEALREQUEST']._serialized_end=841
-  _globals['_SHMSEALREPLY']._serialized_start=843
-  _globals['_SHMSEALREPLY']._serialized_end=857
-  _globals['_PUTHEADER']._serialized_start=859
-  _globals['_PUTHEADER']._serialized_end=945
-  _globals['_STORAGENODE']._serialized_start=948
-  _globals['_STORAGENODE']._serialized_end=1452
+  _globals['_PUTHEADER']._serialized_start=488
+  _globals['_PUTHEADER']._serialized_end=552
+  _globals['_STORAGENODE']._serialized_start=555
+  _globals['_STORAGENODE']._serialized_end=866
 # @@protoc_insertion_point(module_scope)

@@ -58,64 +58,10 @@ class KeysReply(_message.Message):
     missing: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, done: _Optional[int] = ..., missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
-class ShmExtent(_message.Message):
-    __slots__ = ("key", "offset", "size", "checksum")
-    KEY_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    key: bytes
-    offset: int
-    size: int
-    checksum: int
-    def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
-
-class LocateReply(_message.Message):
-    __slots__ = ("shm_name", "extents", "missing")
-    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
-    EXTENTS_FIELD_NUMBER: _ClassVar[int]
-    MISSING_FIELD_NUMBER: _ClassVar[int]
-    shm_name: str
-    extents: _containers.RepeatedCompositeFieldContainer[ShmExtent]
-    missing: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, shm_name: _Optional[str] = ..., extents: _Optional[_Iterable[_Union[ShmExtent, _Mapping]]] = ..., missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
-
-class ShmReserveRequest(_message.Message):
+class PutHeader(_message.Message):
     __slots__ = ("put_id", "meta")
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     put_id: str
     meta: _common_pb2.ObjectMeta
     def __init__(self, put_id: _Optional[str] = ..., meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ...) -> None: ...
-
-class ShmReserveReply(_message.Message):
-    __slots__ = ("shm_name", "offset", "exists")
-    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    EXISTS_FIELD_NUMBER: _ClassVar[int]
-    shm_name: str
-    offset: int
-    exists: bool
-    def __init__(self, shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., exists: _Optional[bool] = ...) -> None: ...
-
-class ShmSealRequest(_message.Message):
-    __slots__ = ("put_id", "abort")
-    PUT_ID_FIELD_NUMBER: _ClassVar[int]
-    ABORT_FIELD_NUMBER: _ClassVar[int]
-    put_id: str
-    abort: bool
-    def __init__(self, put_id: _Optional[str] = ..., abort: _Optional[bool] = ...) -> None: ...
-
-class ShmSealReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class PutHeader(_message.Message):
-    __slots__ = ("put_id", "meta", "arena_offset")
-    PUT_ID_FIELD_NUMBER: _ClassVar[int]
-    META_FIELD_NUMBER: _ClassVar[int]
-    ARENA_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    put_id: str
-    meta: _common_pb2.ObjectMeta
-    arena_offset: int
-    def __init__(self, put_id: _Optional[str] = ..., meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., arena_offset: _Optional[int] = ...) -> None: ...

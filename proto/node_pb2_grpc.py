@@ -60,21 +60,6 @@ class StorageNodeStub:
                 request_serializer=proto_dot_node__pb2.KeysRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.KeysReply.FromString,
                 _registered_method=True)
-        self.Locate = channel.unary_unary(
-                '/kvpool.v1.StorageNode/Locate',
-                request_serializer=proto_dot_node__pb2.KeysRequest.SerializeToString,
-                response_deserializer=proto_dot_node__pb2.LocateReply.FromString,
-                _registered_method=True)
-        self.ShmReserve = channel.unary_unary(
-                '/kvpool.v1.StorageNode/ShmReserve',
-                request_serializer=proto_dot_node__pb2.ShmReserveRequest.SerializeToString,
-                response_deserializer=proto_dot_node__pb2.ShmReserveReply.FromString,
-                _registered_method=True)
-        self.ShmSeal = channel.unary_unary(
-                '/kvpool.v1.StorageNode/ShmSeal',
-                request_serializer=proto_dot_node__pb2.ShmSealRequest.SerializeToString,
-                response_deserializer=proto_dot_node__pb2.ShmSealReply.FromString,
-                _registered_method=True)
 
 
 class StorageNodeServicer:
@@ -107,28 +92,8 @@ class StorageNodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Promote(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Locate(self, request, context):
-        """shm fast path: where an object lies in the node's shared-memory pool (read-pinned by the master's lease).
+        """The shm control ops (LOCATE / RESERVE / SEAL) are frames on the tcp data plane, not calls here.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ShmReserve(self, request, context):
-        """shm fast path for writes: reserve an extent for a put, the client copies into it, then seals (checksum
-        verified by the node) or aborts. Unsealed reservations are freed after their deadline.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ShmSeal(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -160,21 +125,6 @@ def add_StorageNodeServicer_to_server(servicer, server):
                     servicer.Promote,
                     request_deserializer=proto_dot_node__pb2.KeysRequest.FromString,
                     response_serializer=proto_dot_node__pb2.KeysReply.SerializeToString,
-            ),
-            'Locate': grpc.unary_unary_rpc_method_handler(
-                    servicer.Locate,
-                    request_deserializer=proto_dot_node__pb2.KeysRequest.FromString,
-                    response_serializer=proto_dot_node__pb2.LocateReply.SerializeToString,
-            ),
-            'ShmReserve': grpc.unary_unary_rpc_method_handler(
-                    servicer.ShmReserve,
-                    request_deserializer=proto_dot_node__pb2.ShmReserveRequest.FromString,
-                    response_serializer=proto_dot_node__pb2.ShmReserveReply.SerializeToString,
-            ),
-            'ShmSeal': grpc.unary_unary_rpc_method_handler(
-                    servicer.ShmSeal,
-                    request_deserializer=proto_dot_node__pb2.ShmSealRequest.FromString,
-                    response_serializer=proto_dot_node__pb2.ShmSealReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,87 +262,6 @@ class StorageNode:
             '/kvpool.v1.StorageNode/Promote',
             proto_dot_node__pb2.KeysRequest.SerializeToString,
             proto_dot_node__pb2.KeysReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Locate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.StorageNode/Locate',
-            proto_dot_node__pb2.KeysRequest.SerializeToString,
-            proto_dot_node__pb2.LocateReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ShmReserve(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.StorageNode/ShmReserve',
-            proto_dot_node__pb2.ShmReserveRequest.SerializeToString,
-            proto_dot_node__pb2.ShmReserveReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ShmSeal(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.StorageNode/ShmSeal',
-            proto_dot_node__pb2.ShmSealRequest.SerializeToString,
-            proto_dot_node__pb2.ShmSealReply.FromString,
             options,
             channel_credentials,
             insecure,

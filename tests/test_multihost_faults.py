@@ -271,8 +271,7 @@ def test_known_keys_stay_readable_while_the_master_is_partitioned(cluster: Netns
 
 KNOWN_KEYS_CLIENT = """
 import asyncio, json, os, subprocess, sys, time
-from kvpool.kvstore.client.async_client import AsyncStoreClient
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
 from kvpool.kvstore.errors import StoreError
 
 master, transport, state = sys.argv[1:4]
@@ -309,7 +308,7 @@ asyncio.run(main())
 
 
 def _items(blobs: dict[bytes, bytes]) -> Iterator:
-    from kvpool.kvstore.client.records import PutItem
+    from kvpool.kvstore.client.async_client import PutItem
 
     for k, v in blobs.items():
         yield PutItem(key=k, data=v)

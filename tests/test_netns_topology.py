@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpool.kvstore.protocol.host import host_id
+from kvpool.kvstore.protocol.shm_segment import host_id
 from kvpool.runtime import netfaults
 from kvpool.runtime.netns import (
     BRIDGE_PREFIX,
@@ -81,7 +81,7 @@ def test_hosts_get_their_own_stack_and_teardown_removes_everything(topo: Topolog
             *a.exec_prefix(),
             sys.executable,
             "-c",
-            "from kvpool.kvstore.protocol.host import host_id; print(host_id())",
+            "from kvpool.kvstore.protocol.shm_segment import host_id; print(host_id())",
         ],
         capture_output=True,
         text=True,

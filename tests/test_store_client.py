@@ -9,14 +9,12 @@ import threading
 
 import numpy as np
 import pytest
-from kvpool.kvstore.client.async_client import AsyncStoreClient
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
 from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import CapacityExceededError, CorruptObjectError, ObjectNotFoundError
 from kvpool.kvstore.keys import kda_key, mla_key
-from kvpool.kvstore.protocol.shm_segment import attach_segment
-from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
-from store_helpers import start_master, start_node
+from kvpool.proto import common_pb2
+from store_helpers import damage_pool_byte, start_master, start_node
 
 TRANSPORTS = ["tcp", "shm", "ucx"]
 
@@ -118,19 +116,11 @@ def test_oversized_object_is_refused(client):
 
 
 def test_corrupted_pool_bytes_give_checksum_error(client, cluster):
-    import grpc
-
     node = cluster[1]
     data = os.urandom(50_000)
     key = rkey()
     client.put(key, data)
-    with grpc.insecure_channel(node.grpc_target) as ch:
-        reply = node_pb2_grpc.StorageNodeStub(ch).Locate(node_pb2.KeysRequest(keys=[key]), timeout=5)
-    shm = attach_segment(reply.shm_name)
-    try:
-        shm.buf[reply.extents[0].offset + 7] ^= 0x55
-    finally:
-        shm.close()
+    asyncio.run(damage_pool_byte(node.endpoint, key, 7, 0x55))
     with pytest.raises(CorruptObjectError):
         client.get(key)
     assert client.put(key, data) is False  # a plain re-put is a duplicate no-op: still corrupt

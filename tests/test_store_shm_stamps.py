@@ -19,7 +19,7 @@ import xxhash
 from kvpool.kvstore.errors import ObjectNotFoundError
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.protocol.data_frame import OP_GET, Frame, encode
-from kvpool.kvstore.protocol.shm_stamps import StampReader, default_slots
+from kvpool.kvstore.protocol.shm_segment import StampReader, default_slots
 from kvpool.kvstore.transport.base import Deadlines
 from kvpool.kvstore.transport.select import TransportSelector
 from kvpool.kvstore.transport.shm import ShmTransport
@@ -78,7 +78,7 @@ def shm_of(sel: TransportSelector, node) -> ShmTransport:  # type: ignore[no-unt
 
 
 def hint_of(t: ShmTransport, node, key: bytes):  # type: ignore[no-untyped-def]
-    return t.hints.get(node.endpoint.node_id, key)
+    return t.hints.get((node.endpoint.node_id, key))
 
 
 def test_stamp_table_hands_out_unique_generations_and_bounded_slots():
@@ -133,16 +133,6 @@ def test_second_get_sends_no_control_frame(node, stub):
             out[:] = bytes(len(out))
             await t2.get_into(location(node, metas[0]), out)
             assert counter(stub, "locates") == before + 1 and t2.fast_hits == 1 and bytes(out) == blobs[0]
-            # read_cached itself, from another thread (the sync client's caller thread)
-            res: list[int | None] = []
-            th = threading.Thread(
-                target=lambda: res.append(
-                    t2.read_cached(node.endpoint, metas[0].key, metas[0].checksum, metas[0].size, out)
-                )
-            )
-            th.start()
-            th.join(10)
-            assert res == [len(blobs[0])]
         finally:
             await other.close()
 
@@ -361,9 +351,9 @@ def test_stopped_node_stamps_are_not_trusted(tmp_path):
 def test_cpus_without_x86_ordering_never_trust_stamps(node, stub, monkeypatch):
     """Where the stamp protocol is not sound (weaker memory ordering than x86), readers ignore their hints:
     every get asks the node (LOCATE) and still returns the right bytes."""
-    from kvpool.kvstore.protocol import shm_stamps
+    from kvpool.kvstore.protocol import shm_segment
 
-    monkeypatch.setattr(shm_stamps, "READS_TRUSTED", False)
+    monkeypatch.setattr(shm_segment, "READS_TRUSTED", False)
     data = os.urandom(300_000)
     m = meta_for(data)
 

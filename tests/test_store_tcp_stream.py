@@ -17,11 +17,10 @@ import pytest
 import xxhash
 from kvpool.kvstore.errors import CorruptObjectError
 from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, OP_GET, RESPONSE, Frame, decode_header, encode
-from kvpool.kvstore.protocol.shm_segment import attach_segment
 from kvpool.kvstore.transport.base import FLAG_TRAILER, Deadlines
 from kvpool.kvstore.transport.tcp import TcpTransport
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
-from store_helpers import location, start_node
+from store_helpers import damage_pool_byte, location, start_node
 
 FAST = Deadlines(connect_s=2.0, base_s=1.5, floor_rate=100e6)
 
@@ -58,14 +57,7 @@ def put(node, data: bytes) -> common_pb2.ObjectMeta:
 
 def flip_byte(node, key: bytes, at: int) -> None:
     """Damage the node's copy in place through its shm segment (what a stray writer or bad DIMM does)."""
-    with grpc.insecure_channel(node.grpc_target) as ch:
-        stub = node_pb2_grpc.StorageNodeStub(ch)
-        reply = stub.Locate(node_pb2.KeysRequest(keys=[key]), timeout=5)
-    shm = attach_segment(reply.shm_name)
-    try:
-        shm.buf[reply.extents[0].offset + at] ^= 0x5A
-    finally:
-        shm.close()
+    asyncio.run(damage_pool_byte(node.endpoint, key, at))
 
 
 def reads_corrupt(node) -> int:

@@ -25,11 +25,10 @@ from kvpool.kvstore.errors import (
     TransportUnavailableError,
 )
 from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, decode_header
-from kvpool.kvstore.protocol.shm_segment import attach_segment
 from kvpool.kvstore.transport.base import Deadlines
 from kvpool.kvstore.transport.select import TransportSelector, has_rdma_device
-from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
-from store_helpers import NodeProc, location, start_node
+from kvpool.proto import common_pb2, node_pb2
+from store_helpers import NodeProc, damage_pool_byte, location, start_node
 
 TRANSPORTS = ["tcp", "shm", "ucx"]
 FAST = Deadlines(connect_s=2.0, base_s=1.5, floor_rate=100e6)
@@ -245,22 +244,12 @@ def test_garbage_and_truncated_frames_on_tcp(node):
 
 @pytest.mark.parametrize("choice", TRANSPORTS)
 def test_corrupted_pool_bytes_are_detected(node, choice):
-    import grpc
-
     async def body(sel):
         t = sel.for_node(node.endpoint)
         data = os.urandom(100_000)
         meta = meta_for(data)
         await t.put(node.endpoint, "c", meta, data)
-        async with grpc.aio.insecure_channel(node.grpc_target) as ch:
-            reply = await node_pb2_grpc.StorageNodeStub(ch).Locate(
-                node_pb2.KeysRequest(keys=[meta.key]), timeout=5
-            )
-        shm = attach_segment(reply.shm_name)
-        try:
-            shm.buf[reply.extents[0].offset + 500] ^= 0xFF
-        finally:
-            shm.close()
+        await damage_pool_byte(node.endpoint, meta.key, 500, 0xFF)
         with pytest.raises(CorruptObjectError):
             await t.get_into(location(node, meta), bytearray(len(data)))
         other = os.urandom(1000)  # the node keeps serving

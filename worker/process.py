@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from kvpool.kvstore.client.async_client import AsyncStoreClient
-from kvpool.kvstore.client.core import RPC_SHARE_OF_BUDGET
+from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import load_tokenizer

@@ -32,7 +32,7 @@ from kvpool.cache.units import (
     decode_mla_block,
     decode_tail,
 )
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import PutItem
 from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
 from kvpool.model.cache_schema import CacheSchema

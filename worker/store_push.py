@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 from kvpool.cache.units import RequestTail, encode_tail, kda_checkpoint_parts, mla_block_parts
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import PutItem
 from kvpool.kvstore.errors import ObjectNotAdmittedError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
 from kvpool.kvstore.transport.payload import Payload

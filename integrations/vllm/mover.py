@@ -18,7 +18,7 @@ from kvpool.integrations.vllm.codec import BadObjectError, decode, encode
 from kvpool.integrations.vllm.metrics import ConnectorStats
 from kvpool.integrations.vllm.paged import PagedKV
 from kvpool.integrations.vllm.plan import LoadPlan, Transfer, blocks_of
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import PutItem
 from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import ObjectNotAdmittedError, StoreError
 

@@ -1,13 +1,18 @@
 """``AsyncStoreClient``: the asyncio store client (``StoreClient`` in ``sync_client`` is its sync facade).
 
-Puts are two-phase through the master (PutStart → bytes to the chosen node over a transport → PutCommit;
-PutAbort on any failure), so nobody ever reads a half-written object; a duplicate put (EXISTS / IN_PROGRESS)
-is a successful no-op. Gets read-pin under a lease (Lookup / MatchPrefix with acquire=true), move the bytes,
-verify the xxh3-64 checksum, and Release the lease in ``finally``. Data never passes through the master.
+Every call has one path. A put is two-phase through the master: PutStart → the bytes to the chosen node over
+a transport (hashed on the way: the checksum is declared at PutCommit, ``checksum_at_commit``) → PutCommit;
+PutAbort on any failure, so nobody ever reads a half-written object; a duplicate put (EXISTS / IN_PROGRESS)
+is a successful no-op. A get is Lookup(acquire) → fetch from the node the master named → verify the xxh3-64
+checksum → release the lease off the critical path (``_release_soon``). A prefill's push is one
+``batch_put``: one PutStartBatch, one pipelined stream per node, one PutCommitBatch per node. Data never
+passes through the master.
 
 Errors are typed (``kvpool.kvstore.errors``): a missing key is ``ObjectNotFoundError`` (never ``b""``),
 damaged bytes ``CorruptObjectError``, a dead master or node ``StoreUnavailableError``, a stalled one
 ``TransportTimeoutError``. Batch calls return one result per key (value or error) instead of failing whole.
+A put the master's admission control turns away (NOT_ADMITTED) writes nothing: ``put`` returns False,
+``batch_put`` gives that item an ``ObjectNotAdmittedError`` so the caller can count it (not a failure).
 
 Quick start::
 
@@ -20,28 +25,88 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from kvpool.kvstore.client.reads import StoreReads
-from kvpool.kvstore.client.writes import StoreWrites
-from kvpool.kvstore.errors import StoreError
-from kvpool.proto import master_pb2
+import grpc
+from kvpool.kvstore.client.master_link import MasterLink
+from kvpool.kvstore.errors import (
+    CapacityExceededError,
+    ObjectNotAdmittedError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StoreError,
+    StoreUnavailableError,
+)
+from kvpool.kvstore.protocol.grpc_errors import typed_error_from
+from kvpool.kvstore.transport.base import DEFAULT_DEADLINES, Deadlines, Transport
+from kvpool.kvstore.transport.payload import Buffer, Payload, payload_size
+from kvpool.kvstore.transport.select import TransportSelector
+from kvpool.proto import common_pb2, master_pb2
 
-TOUCH_FLUSH_AT_CLOSE_S = 1.0  # last use reports at close: worth a short wait, not a master's deadline
+CAPACITY_RETRIES = 4  # 50+100+200+400 ms: covers a master->node Delete in flight
+# A caller that wraps store calls in its own time budget (a worker's --store-timeout, the sync client's
+# deadline_s) gives each master call this share of it: the call's own deadline then fires first, so the
+# master link sees a silent master as a timeout and opens its breaker (master_link.py), instead of a
+# cancellation it cannot tell from a caller going away.
+RPC_SHARE_OF_BUDGET = 0.8
+T = TypeVar("T")
 
 
-class AsyncStoreClient(StoreWrites, StoreReads):
+@dataclass
+class PutItem:
+    """One object of a ``batch_put``: ``data`` is one buffer, or a ``Payload`` of parts in order (a cache
+    unit's header and tensors, put without being joined first)."""
+
+    key: bytes
+    data: Buffer | Payload
+    kind: int = common_pb2.BLOB
+    tenant: str | None = None
+    parent: bytes = b""
+    ttl_ms: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return payload_size(self.data)
+
+
+class AsyncStoreClient:
     """Talks to one master; picks a transport per storage node (``auto`` | ``tcp`` | ``shm`` | ``ucx``).
 
-    Must be used from one event loop (gRPC aio channels and pooled sockets belong to it).
+    Must be used from one event loop (the master link and pooled sockets belong to it).
     """
+
+    def __init__(
+        self,
+        master: str,
+        transport: str = "auto",
+        *,
+        tenant: str = "",
+        lease_ms: int = 10_000,
+        rpc_timeout_s: float = 5.0,
+        deadlines: Deadlines = DEFAULT_DEADLINES,
+    ) -> None:
+        self.master_address = master
+        self.tenant = tenant
+        self.lease_ms = lease_ms
+        self.rpc_timeout_s = rpc_timeout_s
+        self.transports = TransportSelector(transport, deadlines)
+        self._link: MasterLink | None = None
+        self._counters: dict[str, float] = {}
+        self._pending_releases: set[asyncio.Task] = set()
+
+    @property
+    def master(self) -> MasterLink:
+        """The link to the master (made on first use: it belongs to the running loop)."""
+        if self._link is None:
+            self._link = MasterLink(self.master_address, self.rpc_timeout_s)
+        return self._link
 
     async def close(self) -> None:
         if self._pending_releases:
             await asyncio.wait(self._pending_releases, timeout=self.rpc_timeout_s)
-        if self._touches is not None:  # best effort: a dead master must not make close() slow
-            with contextlib.suppress(StoreError, asyncio.TimeoutError):
-                await self._touches.close(min(TOUCH_FLUSH_AT_CLOSE_S, self.rpc_timeout_s))
         await self.transports.close()
         if self._link is not None:
             await self._link.close()
@@ -53,11 +118,314 @@ class AsyncStoreClient(StoreWrites, StoreReads):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def metrics(self) -> dict[str, float]:
+        """Counters: ops.*, failures.*, latency_s.* (sums), retries.node_full, put.not_admitted,
+        bytes_in.<transport>, bytes_out.<transport>, shm.fast_hits, master.* (the master link's)."""
+        link = {f"master.{k}": float(v) for k, v in self._link.counters.items()} if self._link else {}
+        return {**self._counters, **self.transports.metrics(), **link}
+
+    def _count(self, name: str, n: float = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    async def _timed(self, op: str, coro: Coroutine[Any, Any, T]) -> T:
+        t0 = time.perf_counter()
+        self._count(f"ops.{op}")
+        try:
+            return await coro
+        except BaseException:
+            self._count(f"failures.{op}")
+            raise
+        finally:
+            self._count(f"latency_s.{op}", time.perf_counter() - t0)
+
+    # --- puts --------------------------------------------------------------------------------------------
+    def _meta(self, item: PutItem, size: int) -> common_pb2.ObjectMeta:
+        """A put's meta with its checksum left open (0): the transport computes it on the way
+        (``Transport.put``: the shm one while copying, tcp while sending) and PutCommit declares it."""
+        return common_pb2.ObjectMeta(
+            key=bytes(item.key),
+            kind=item.kind,
+            size=size,
+            tenant=self.tenant if item.tenant is None else item.tenant,
+            parent=item.parent,
+            ttl_ms=item.ttl_ms,
+        )
+
+    async def put(
+        self,
+        key: bytes,
+        data: Buffer,
+        *,
+        kind: int = common_pb2.BLOB,
+        tenant: str | None = None,
+        parent: bytes = b"",
+        ttl_ms: int = 0,
+        replace_if_corrupt: bool = False,
+    ) -> bool:
+        """Store ``data`` under ``key``; True if written now, False if it already existed (no-op success) or
+        admission turned it away.
+
+        ``replace_if_corrupt``: a reader that got ``CorruptObjectError`` and recomputed the object re-puts it
+        with this set, so the damaged copy is replaced instead of the put being a no-op.
+        """
+        item = PutItem(key, data, kind, tenant, parent, ttl_ms)
+        return await self._timed("put", self._put(item, replace_if_corrupt))
+
+    async def _put(self, item: PutItem, replace_if_corrupt: bool) -> bool:
+        view = Payload.of(item.data)  # one buffer or a cache unit's parts: never joined on the way
+        meta = self._meta(item, view.nbytes)
+        start = await self.master.put_start(
+            master_pb2.PutStartRequest(
+                meta=meta, replace_if_corrupt=replace_if_corrupt, checksum_at_commit=True
+            )
+        )
+        if start.status != master_pb2.PutStartReply.STARTED:
+            if start.status == master_pb2.PutStartReply.NOT_ADMITTED:
+                self._count("put.not_admitted")
+            return False  # EXISTS / IN_PROGRESS / NOT_ADMITTED: nothing to write
+        meta.epoch = start.epoch  # HA fencing: nodes refuse puts placed by a deposed leader
+        try:
+            await self._transfer(self.transports.for_node(start.node), start, meta, view)
+        except BaseException as exc:
+            await self._abort(start.put_id, exc)
+            raise
+        await self.master.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id, checksum=meta.checksum))
+        return True
+
+    async def _transfer(
+        self, transport: Transport, start: Any, meta: common_pb2.ObjectMeta, view: Payload
+    ) -> None:
+        """Send the bytes; a node that is momentarily full (the master's evictions reach it asynchronously,
+        as Delete/Demote calls) is retried with a short backoff before the put fails."""
+        delay = 0.05
+        for attempt in range(CAPACITY_RETRIES + 1):
+            try:
+                await transport.put(start.node, start.put_id, meta, view)
+                return
+            except ObjectTooLargeError:
+                raise
+            except CapacityExceededError:
+                if attempt == CAPACITY_RETRIES:
+                    raise
+                self._count("retries.node_full")
+                await asyncio.sleep(delay)
+                delay *= 2
+
+    async def _abort(self, put_id: str, exc: BaseException) -> None:
+        with contextlib.suppress(StoreError):  # the master aborts it at its deadline anyway
+            await self.master.put_abort(master_pb2.PutAbortRequest(put_id=put_id, reason=repr(exc)[:500]))
+
+    async def batch_put(self, items: Sequence[PutItem | tuple[bytes, Buffer]]) -> list[StoreError | None]:
+        """Per item: None on success (duplicates included), ``ObjectNotAdmittedError`` when admission turned
+        it away, or the typed error; pipelined per node."""
+        return await self._timed(
+            "batch_put", self._batch_put([i if isinstance(i, PutItem) else PutItem(*i) for i in items])
+        )
+
+    async def _batch_put(self, items: list[PutItem]) -> list[StoreError | None]:
+        """One PutStartBatch for all items, one pipelined transfer per node, one PutCommitBatch per node:
+        three control round trips for a whole push instead of two per object."""
+        results: list[StoreError | None] = [None] * len(items)
+        views = [Payload.of(i.data) for i in items]
+        metas = [self._meta(i, v.nbytes) for i, v in zip(items, views, strict=True)]
+        try:
+            batch = await self.master.put_start_batch(
+                master_pb2.PutStartBatchRequest(
+                    items=[master_pb2.PutStartRequest(meta=m, checksum_at_commit=True) for m in metas]
+                )
+            )
+        except Exception as exc:
+            return [_store_error(exc)] * len(items)
+        starts = list(batch.items)
+        groups: dict[tuple[int, str], tuple[Transport, Any, list[int]]] = {}
+        for i, (start, err) in enumerate(zip(starts, batch.errors, strict=True)):
+            if err.code:
+                results[i] = _item_error(err)
+                continue
+            if start.status == master_pb2.PutStartReply.NOT_ADMITTED:
+                results[i] = ObjectNotAdmittedError(f"put of {metas[i].key[:9].hex()}… not admitted")
+                self._count("put.not_admitted")
+                continue
+            if start.status != master_pb2.PutStartReply.STARTED:
+                continue
+            metas[i].epoch = start.epoch  # HA fencing: a node refuses puts placed by a deposed leader
+            try:
+                transport = self.transports.for_node(start.node)
+            except StoreError as exc:
+                results[i] = exc
+                await self._abort(start.put_id, exc)
+                continue
+            key = (id(transport), start.node.node_id)
+            groups.setdefault(key, (transport, start.node, []))[2].append(i)
+
+        async def run(transport: Transport, node: Any, idx: list[int]) -> None:
+            got = await transport.batch_put(node, [(starts[i].put_id, metas[i], views[i]) for i in idx])
+            for j, (i, err) in enumerate(zip(idx, got, strict=True)):
+                if isinstance(err, CapacityExceededError) and not isinstance(err, ObjectTooLargeError):
+                    try:  # node momentarily full: the single-put path retries with backoff
+                        await self._transfer(transport, starts[i], metas[i], views[i])
+                        got[j] = None
+                    except StoreError as exc:
+                        got[j] = exc
+            sent = [i for i, err in zip(idx, got, strict=True) if err is None]
+            failed = [(i, err) for i, err in zip(idx, got, strict=True) if err is not None]
+            await asyncio.gather(*(self._abort(starts[i].put_id, err) for i, err in failed))
+            for i, err in failed:
+                results[i] = err
+            if not sent:
+                return
+            try:
+                commits = await self.master.put_commit_batch(
+                    master_pb2.PutCommitBatchRequest(
+                        put_ids=[starts[i].put_id for i in sent], checksums=[metas[i].checksum for i in sent]
+                    )
+                )
+            except Exception as exc:
+                for i in sent:
+                    results[i] = _store_error(exc)
+                return
+            for i, err in zip(sent, commits.errors, strict=True):
+                results[i] = _item_error(err) if err.code else None
+
+        await asyncio.gather(*(run(*group) for group in groups.values()))
+        return results
+
+    # --- reads -------------------------------------------------------------------------------------------
+    async def _lookup(self, keys: Sequence[bytes], acquire: bool) -> master_pb2.LookupReply:
+        return await self.master.lookup(
+            master_pb2.LookupRequest(keys=[bytes(k) for k in keys], acquire=acquire, lease_ms=self.lease_ms),
+        )
+
+    async def lookup(self, keys: Sequence[bytes], acquire: bool = False) -> master_pb2.LookupReply:
+        """Locations of ``keys`` (found in request order, plus missing). ``acquire`` read-pins the found ones
+        under a lease: ``fetch_into`` them, then ``release(reply.lease_id)``."""
+        return await self._timed("lookup", self._lookup(keys, acquire))
+
+    def _release_soon(self, lease_id: str) -> None:
+        """Release off the critical path: the bytes are already here, so the caller need not wait for the
+        master's answer (a lost Release only means the lease runs to its deadline)."""
+        if lease_id:
+            task = asyncio.get_running_loop().create_task(self.release(lease_id))
+            self._pending_releases.add(task)
+            task.add_done_callback(self._pending_releases.discard)
+
+    async def release(self, lease_id: str) -> None:
+        """Drop a read-pin lease (e.g. from ``match_prefix(acquire=True)``); failures are only counted."""
+        if lease_id:
+            try:
+                await self.master.release(master_pb2.ReleaseRequest(lease_id=lease_id))
+            except StoreError:
+                self._count("failures.release")
+
+    async def get(self, key: bytes) -> bytes:
+        """The object's bytes (one copy more than ``get_into``); ``ObjectNotFoundError`` if absent."""
+        got = await self._timed("get", self._read_into(key, None))
+        assert isinstance(got, bytearray)
+        return bytes(got)
+
+    async def get_into(self, key: bytes, out: Buffer) -> int:
+        """Copy the object into ``out`` (bytearray / numpy / contiguous CPU tensor); returns its size.
+
+        On an error the contents of ``out`` are unspecified (a transfer may have started).
+        """
+        got = await self._timed("get", self._read_into(key, out))
+        assert isinstance(got, int)
+        return got
+
+    async def _read_into(self, key: bytes, out: Buffer | None) -> int | bytearray:
+        """Lookup(acquire) decides whether the object exists and read-pins it; the bytes come from the node it
+        names, verified against the checksum in that answer. ``out=None``: a buffer of the object's size is
+        allocated and returned."""
+        reply = await self._lookup([key], acquire=True)
+        try:
+            if not reply.found:
+                raise ObjectNotFoundError(f"key {bytes(key)[:8].hex()}… is not in the store")
+            loc = reply.found[0]
+            transport = self.transports.for_node(loc.node)
+            if out is None:
+                buf = bytearray(loc.meta.size)
+                await transport.get_into(loc, buf)
+                return buf
+            return await transport.get_into(loc, out)
+        finally:
+            self._release_soon(reply.lease_id)
+
+    async def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
+    ) -> list[int | StoreError]:
+        """Move located (and pinned) objects into ``outs``: per-item size or error, pipelined per node."""
+        results: list[int | StoreError] = [StoreError("not run")] * len(locations)
+        groups: dict[int, tuple[Transport, list[int]]] = {}
+        for i, loc in enumerate(locations):
+            try:
+                transport = self.transports.for_node(loc.node)
+            except StoreError as exc:
+                results[i] = exc
+                continue
+            groups.setdefault(id(transport), (transport, []))[1].append(i)
+
+        async def run(transport: Transport, idx: list[int]) -> None:
+            got = await transport.batch_get_into([(locations[i], outs[i]) for i in idx])
+            for i, r in zip(idx, got, strict=True):
+                results[i] = r
+
+        await asyncio.gather(*(run(t, idx) for t, idx in groups.values()))
+        return results
+
+    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+        """Per key: its bytes or the typed error (``ObjectNotFoundError`` for missing keys)."""
+        return await self._timed("batch_get", self._batch_get(keys))
+
+    async def _batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+        reply = await self._lookup(keys, acquire=True)
+        try:
+            by_key = {loc.meta.key: loc for loc in reply.found}
+            locs = [by_key[k] for k in keys if k in by_key]
+            outs = [bytearray(loc.meta.size) for loc in locs]
+            fetched = await self.fetch_into(locs, outs)
+            got = {loc.meta.key: (buf, r) for loc, buf, r in zip(locs, outs, fetched, strict=True)}
+        finally:
+            self._release_soon(reply.lease_id)
+        results: list[bytes | StoreError] = []
+        for k in keys:
+            if k not in got:
+                results.append(ObjectNotFoundError(f"key {bytes(k)[:8].hex()}… is not in the store"))
+            else:
+                buf, r = got[k]
+                results.append(bytes(buf) if isinstance(r, int) else r)
+        return results
+
+    async def exists(self, key: bytes) -> bool:
+        """Whether ``key`` is stored (does not pin, so probing never blocks eviction)."""
+        reply = await self._timed("exists", self._lookup([key], acquire=False))
+        return bool(reply.found)
+
+    async def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
+        reply = await self._timed("exists", self._lookup(keys, acquire=False))
+        found = {loc.meta.key for loc in reply.found}
+        return [bytes(k) in found for k in keys]
+
+    async def match_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        tenant: str | None = None,
+        require_checkpoint: bool = True,
+        acquire: bool = False,
+        lease_ms: int | None = None,
+    ) -> master_pb2.MatchPrefixReply:
+        """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``."""
+        req = master_pb2.MatchPrefixRequest(
+            block_hashes=list(block_hashes),
+            tenant=self.tenant if tenant is None else tenant,
+            require_checkpoint=require_checkpoint,
+            acquire=acquire,
+            lease_ms=lease_ms or self.lease_ms,
+        )
+        return await self._timed("match_prefix", self.master.match_prefix(req))
+
     # --- management --------------------------------------------------------------------------------------
     async def remove(self, keys: bytes | Sequence[bytes]) -> int:
         keys = [keys] if isinstance(keys, bytes | bytearray) else list(keys)
-        for k in keys:
-            self._where.pop(bytes(k), None)
         reply = await self._timed("remove", self.master.remove(master_pb2.RemoveRequest(keys=keys)))
         return reply.removed
 
@@ -70,3 +438,16 @@ class AsyncStoreClient(StoreWrites, StoreReads):
 
     async def stats(self) -> master_pb2.StatsReply:
         return await self.master.stats(master_pb2.StatsRequest())
+
+
+def _item_error(err: master_pb2.ItemError) -> StoreError:
+    """A batch item's failure as the typed error the single call would have raised."""
+    return typed_error_from(grpc.StatusCode[err.code], err.message)
+
+
+def _store_error(exc: BaseException) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    if not isinstance(exc, Exception):
+        raise exc
+    return StoreUnavailableError(f"{type(exc).__name__}: {exc}")

@@ -14,15 +14,13 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from kvpool.kvstore.client.async_client import AsyncStoreClient
-from kvpool.kvstore.client.core import RPC_SHARE_OF_BUDGET
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient, PutItem
 from kvpool.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
     TransportTimeoutError,
 )
-from kvpool.kvstore.transport.base import Buffer
+from kvpool.kvstore.transport.payload import Buffer
 from kvpool.proto import common_pb2, master_pb2
 
 T = TypeVar("T")
@@ -98,16 +96,10 @@ class StoreClient:
         return self._call(self._async.batch_put(items))
 
     def get(self, key: bytes) -> bytes:
-        loc = self._async._where.get(bytes(key))
-        if loc is not None:
-            buf = bytearray(loc.meta.size)
-            if self._async.read_cached_now(key, buf) is not None:
-                return bytes(buf)
         return self._call(self._async.get(key))
 
     def get_into(self, key: bytes, out: Buffer) -> int:
-        n = self._async.read_cached_now(key, out)  # same-host shm hit: no hop to the loop thread
-        return self._call(self._async.get_into(key, out)) if n is None else n
+        return self._call(self._async.get_into(key, out))
 
     def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
         return self._call(self._async.batch_get(keys))
@@ -133,10 +125,9 @@ class StoreClient:
         require_checkpoint: bool = True,
         acquire: bool = False,
         lease_ms: int | None = None,
-        compact: bool = False,
     ) -> master_pb2.MatchPrefixReply:
         return self._call(
-            self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms, compact)
+            self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms)
         )
 
     def release(self, lease_id: str) -> None:
@@ -152,7 +143,7 @@ class StoreClient:
         return self._call(self._async.stats())
 
     def metrics(self) -> dict[str, float]:
-        return self._call(_value(self._async.metrics()))
+        return self._call(_metrics(self._async))  # read on the loop, which writes the counters
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -172,8 +163,8 @@ class StoreClient:
         self.close()
 
 
-async def _value(value: T) -> T:
-    return value
+async def _metrics(client: AsyncStoreClient) -> dict[str, float]:
+    return client.metrics()
 
 
 async def _cancel_background_tasks() -> None:

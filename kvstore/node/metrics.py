@@ -7,7 +7,7 @@ tests that run several services in one interpreter do not mix their series.
 
 Per-transport bytes: the data servers and the gRPC control plane see the store through a ``TransportTap``
 (a thin proxy over ``ObjectStore``) that attributes landed puts and served reads to the transport that
-carried them: ``tcp`` / ``ucx`` frames, and ``shm`` for reserve+seal and arena puts and located extents
+carried them: ``tcp`` / ``ucx`` frames, and ``shm`` for reserve+seal puts and located extents
 (the reader copies a located extent out of the shared segment itself; the node counts the bytes it handed
 out).
 """
@@ -74,12 +74,6 @@ class TransportTap:
         if pending is not None and not abort and self._store.counters.get("puts", 0) > before:
             self._counts.add("shm", "in", pending.meta.size)
 
-    def seal_in_arena(self, token: str, offset: int, meta) -> bool:  # type: ignore[no-untyped-def]
-        published = self._store.seal_in_arena(token, offset, meta)
-        if published:  # an shm writer copied it into its arena
-            self._counts.add("shm", "in", meta.size)
-        return published
-
     async def locate(self, key: bytes):  # type: ignore[no-untyped-def]
         extent = await self._store.locate(key)
         self._counts.add("shm", "out", extent.size)
@@ -122,7 +116,6 @@ class NodeCollector(Collector):
         objects.add_metric(["ssd"], len(s.objects) - dram)
         yield objects
         yield gauge("pending_puts", "shm put reservations not yet sealed", len(s.pending))
-        yield gauge("arena_bytes", "pool bytes held in same-host writers' arenas", s.arenas.held_bytes)
         moved = CounterMetricFamily(
             n + "transport_bytes",
             "object bytes moved, by transport and direction",

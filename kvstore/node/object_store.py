@@ -9,12 +9,29 @@ Generation stamps (``shm_stamps``, in the pool segment): an object gets a slot a
 it becomes readable in DRAM (``_publish``) and loses it the moment it stops being readable (``_retire``:
 Delete, Demote, drop, corrupt replace) — before its extent can be freed, and without waiting for tcp/ucx
 readers that defer the free — so a same-host reader never trusts a remembered extent of a retired object.
+
+HA fencing (``EpochFence``): with HA on, the master leader holds an etcd lease and its **epoch** is the etcd
+revision at which it created the leader key, so every later leader has a larger one. A leader that was paused
+(SIGSTOP, a GC stall) or cut off from etcd can wake up believing it still leads; the node is where its word
+would turn into deleted or written bytes, so the node keeps the newest epoch it has heard (from RegisterNode
+and Heartbeat replies, and from the orders and puts themselves) and refuses anything older with
+``StaleEpochError``. Epoch 0 means "no HA" and is never fenced, so single-master clusters are unchanged.
+
+SSD tier layout: ``<stem>.bin`` (the payload) + ``<stem>.meta`` (the serialized ObjectMeta). The ``.meta`` is
+renamed into place only after the ``.bin`` is complete, so a torn write never looks like an object, and a
+restarted node re-adopts exactly the pairs that are whole (``adopt``). The file name is derived from the key
+(``ssd_file_stem``); the real key lives in the ``.meta``, so a name is never parsed back. The file helpers are
+plain blocking I/O, called from worker threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,15 +46,14 @@ from kvpool.kvstore.errors import (
     ObjectTooLargeError,
     StaleEpochError,
 )
-from kvpool.kvstore.node.arenas import ArenaTable
-from kvpool.kvstore.node.fence import EpochFence
 from kvpool.kvstore.node.pool import Extent, SharedPool
-from kvpool.kvstore.node.ssd_files import adopt, read_file_into, remove_files, ssd_file_stem, write_files
 from kvpool.kvstore.protocol.data_frame import MAX_KEY
 from kvpool.proto import common_pb2
 
+log = logging.getLogger(__name__)
 checksum_of = xxhash.xxh3_64_intdigest
 STALE_DELETE_WINDOW_S = 10.0
+SSD_SUFFIXES = (".meta", ".bin")  # removal order: the .meta first, so a half-removed pair is never adopted
 
 
 @dataclass
@@ -91,7 +107,6 @@ class ObjectStore:
         self.auto_promote = True
         self._stale_deletes: dict[bytes, float] = {}  # key -> until when a Delete targets a replaced copy
         self.fence = EpochFence()  # HA: puts and orders of deposed master leaders are refused
-        self.arenas = ArenaTable(pool.allocator)  # same-host writers' pre-reserved space
         if ssd_path is not None:
             ssd_path.mkdir(parents=True, exist_ok=True)
             self._load_ssd()
@@ -375,7 +390,7 @@ class ObjectStore:
         self._publish(obj)
         self.count("promotes")
 
-    # --- SSD tier (file layout in ``ssd_files``: a restarted node re-adopts it) ---------------------------
+    # --- SSD tier (file layout in the module docstring: a restarted node re-adopts it) --------------------
     async def _write_ssd(self, obj: StoredObject) -> bool:
         """Write the object's files in a thread; False if it was deleted meanwhile or the write failed."""
         assert self.ssd_path is not None and obj.extent is not None
@@ -415,7 +430,7 @@ class ObjectStore:
             self.ssd_used += meta.size
         self.count("ssd_adopted", len(self.objects))
 
-    # --- shm puts: reservations live until sealed or their deadline ----------------------------------------
+    # --- shm puts: reservations live until sealed or their deadline -----------------------------------------
     def reserve(self, put_id: str, meta: common_pb2.ObjectMeta, ttl_s: float) -> PendingPut | None:
         if put_id in self.pending:
             raise BadRequestError(f"put {put_id} already reserved")
@@ -445,33 +460,79 @@ class ObjectStore:
             self.finish_put(pending)
 
     def reap_reservations(self) -> int:
+        """Free reservations whose writer vanished before sealing (their extents would leak)."""
         now = time.monotonic()
         stale = [pid for pid, p in self.pending.items() if p.deadline < now]
         for pid in stale:
             self.abort_put(self.pending.pop(pid))
-        arenas = self.arenas.reap(now)
-        self.count("arenas_reaped", arenas)
-        return len(stale) + arenas
+        return len(stale)
 
-    # --- shm puts through an arena (``arenas``): no reservation round trip before the copy ------------------
-    def open_arena(self, token: str, size: int, epoch: int, ttl_s: float) -> Extent:
-        self.fenced(epoch, "arena")
-        extent = self.arenas.open(token, size, ttl_s)
-        self.count("arenas_opened")
-        return extent
 
-    def seal_in_arena(self, token: str, offset: int, meta: common_pb2.ObjectMeta) -> bool:
-        """Publish an object a same-host writer copied into its arena at ``offset``; False when this node
-        already holds it (the slot stays the arena's). The checksum is the one the writer computed while
-        copying (``copy_hashing``), recorded as a checksum-less reservation's SEAL records it."""
-        if not meta.checksum:
-            raise BadRequestError("a SEAL into an arena declares the object's checksum")
-        if not self._admit(meta):
-            return False
-        extent = self.arenas.carve(token, offset, meta.size)
-        pending = PendingPut(token, common_pb2.ObjectMeta(), extent, landed_checksum=meta.checksum)
-        pending.meta.CopyFrom(meta)
-        pending.meta.tier = common_pb2.DRAM
-        self.finish_put(pending)
-        self.count("puts_arena")
-        return True
+class EpochFence:
+    """The newest leader epoch this node has seen, and the check every master-ordered action passes."""
+
+    __slots__ = ("epoch", "refused")
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.refused = 0
+
+    def observe(self, epoch: int) -> None:
+        """A leader with ``epoch`` spoke to this node (a reply to our RegisterNode/Heartbeat, or an order)."""
+        if epoch > self.epoch:
+            if self.epoch:
+                log.info(
+                    "leader epoch %d -> %d: orders and puts of older leaders are refused", self.epoch, epoch
+                )
+            self.epoch = epoch
+
+    def check(self, epoch: int, what: str) -> None:
+        """Raise ``StaleEpochError`` if ``epoch`` is older than the newest seen; else remember it."""
+        if epoch and epoch < self.epoch:
+            self.refused += 1
+            log.warning("refused %s from a deposed leader (epoch %d < %d)", what, epoch, self.epoch)
+            raise StaleEpochError(f"{what} carries leader epoch {epoch}, older than {self.epoch}: refused")
+        self.observe(epoch)
+
+
+def ssd_file_stem(key: bytes) -> str:
+    """File name of a key's SSD copy: its hex when short, else a 160-bit digest (names are capped at 255
+    bytes; keys at 1024). The ``.meta`` file holds the real key, so the name is never parsed back."""
+    if len(key) <= 100:
+        return key.hex()
+    return "h" + hashlib.blake2b(key, digest_size=20).hexdigest()
+
+
+def write_files(base: Path, data: memoryview, meta: bytes) -> None:
+    """``.bin`` first, then the ``.meta`` renamed into place: a torn write never looks like an object."""
+    with base.with_suffix(".bin").open("wb") as f:
+        f.write(data)
+    tmp = base.with_suffix(".meta.tmp")
+    tmp.write_bytes(meta)
+    os.replace(tmp, base.with_suffix(".meta"))
+
+
+def remove_files(base: Path) -> None:
+    for suffix in SSD_SUFFIXES:
+        base.with_suffix(suffix).unlink(missing_ok=True)
+
+
+def read_file_into(path: Path, view: memoryview) -> int:
+    with path.open("rb") as f:
+        return f.readinto(view)
+
+
+def adopt(directory: Path) -> Iterator[tuple[common_pb2.ObjectMeta, Path]]:
+    """Every complete pair in ``directory``: its meta (tier SSD) and its data file. A torn or unreadable
+    ``.meta``, or a ``.bin`` of the wrong size, is skipped: that object is simply not adopted."""
+    for meta_file in sorted(directory.glob("*.meta")):
+        data_file = meta_file.with_suffix(".bin")
+        meta = common_pb2.ObjectMeta()
+        try:
+            meta.ParseFromString(meta_file.read_bytes())
+        except Exception:
+            continue
+        if not data_file.exists() or data_file.stat().st_size != meta.size:
+            continue
+        meta.tier = common_pb2.SSD
+        yield meta, data_file

@@ -11,8 +11,8 @@ copies stay cache-line aligned. ``fragmentation`` = 1 - largest free extent / to
 (0 = one hole, towards 1 = dust).
 
 The segment is a little longer than the allocator's ``[0, capacity)``: its tail holds the generation stamps
-(``shm_stamps``) that let a same-host reader validate a remembered extent without asking the node. Capacity
-and fragmentation accounting only ever see ``[0, capacity)``.
+(``protocol/shm_segment``) that let a same-host reader validate a remembered extent without asking the node.
+Capacity and fragmentation accounting only ever see ``[0, capacity)``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, ObjectTooLargeError
-from kvpool.kvstore.protocol.shm_segment import MADV_POPULATE_WRITE, release_view
-from kvpool.kvstore.protocol.shm_stamps import StampTable, default_slots, segment_size
+from kvpool.kvstore.protocol.shm_segment import (
+    MADV_POPULATE_WRITE,
+    StampTable,
+    default_slots,
+    release_view,
+    segment_size,
+)
 
 ALIGN = 64
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Python 3.11 lacks the constants
@@ -89,17 +94,6 @@ class ExtentAllocator:
         self.used_bytes += span
         return Extent(best, size)
 
-    def split(self, offset: int, at: int) -> None:
-        """Cut the allocated span starting at ``offset`` in two at ``offset + at`` (a multiple of ``ALIGN``);
-        each half is then freed on its own. How a same-host writer's arena hands out object extents."""
-        span = self._used.get(offset)
-        if span is None:
-            raise ValueError(f"no allocated span starts at {offset}")
-        if at <= 0 or at >= span or at % ALIGN:
-            raise ValueError(f"cannot split a {span} B span at {at}")
-        self._used[offset] = at
-        self._used[offset + at] = span - at
-
     def free(self, extent: Extent) -> None:
         """Return an extent, merging free neighbours. Freeing an unallocated extent is a bug: ValueError."""
         if extent.size == 0:
@@ -145,7 +139,7 @@ class SharedPool:
     """Owner side: creates the named segment, hands out extents, exposes a memoryview; ``close`` unlinks.
 
     ``stamp_slots``: how many objects can carry a generation stamp at once (default
-    ``shm_stamps.default_slots(capacity)``; 0 = no stamp fast path for readers).
+    ``shm_segment.default_slots(capacity)``; 0 = no stamp fast path for readers).
     """
 
     def __init__(self, capacity: int, name: str | None = None, stamp_slots: int | None = None) -> None:

@@ -25,7 +25,7 @@ from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.node.registration import MasterRegistration
 from kvpool.kvstore.node.service import SERVICE_NAME, StorageNodeService
 from kvpool.kvstore.node.tcp_server import TcpDataServer
-from kvpool.kvstore.protocol.host import host_id
+from kvpool.kvstore.protocol.shm_segment import host_id
 from kvpool.proto import common_pb2, node_pb2_grpc
 from kvpool.runtime.grpc_server import GrpcServer
 from kvpool.runtime.lifecycle import print_ready, wait_for_stop_signal
@@ -81,7 +81,7 @@ class NodeConfig:
     prefault: bool = True
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     stamp_slots: int | None = None  # shm read stamps (objects at once); None = capacity // 4 KiB + 1024
-    reservation_ttl_s: float = 30.0  # an shm reservation or arena left unsealed this long is freed
+    reservation_ttl_s: float = 30.0  # an shm reservation left unsealed this long is freed
 
 
 class StorageNode:

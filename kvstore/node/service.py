@@ -1,4 +1,6 @@
-"""The StorageNode gRPC control plane (proto/node.proto) over a node's ``ObjectStore``.
+"""The StorageNode gRPC control plane (proto/node.proto) over a node's ``ObjectStore``: the master's orders
+(Delete, Demote, Promote, fenced by leader epoch) and what an operator or a test asks (Info, Inventory).
+Bytes and the shm control ops (LOCATE / RESERVE / SEAL) go over the tcp data plane (``tcp_server``).
 
 Typed store errors become gRPC statuses (missing → NOT_FOUND, full → RESOURCE_EXHAUSTED, bad input →
 INVALID_ARGUMENT, corrupt → DATA_LOSS) so the master and clients can tell them apart; the service keeps
@@ -10,9 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from kvpool.kvstore.errors import (
-    StoreError,
-)
+from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.protocol.grpc_errors import status_of
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
@@ -22,10 +22,6 @@ SERVICE_NAME = "kvpool.v1.StorageNode"
 MAX_KEYS_PER_CALL = 100_000
 
 
-def grpc_code_for(exc: StoreError) -> grpc.StatusCode:
-    return status_of(exc)
-
-
 class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
     """gRPC handlers; ``endpoint`` is filled in by the node once all ports are bound."""
 
@@ -33,15 +29,13 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
         self,
         store: ObjectStore,
         endpoint: Callable[[], common_pb2.NodeEndpoint],
-        reservation_ttl_s: float = 30.0,
     ) -> None:
         self.store = store
         self._endpoint = endpoint
-        self.reservation_ttl_s = reservation_ttl_s
 
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, exc: StoreError) -> None:
-        await context.abort(grpc_code_for(exc), f"{type(exc).__name__}: {exc}")
+        await context.abort(status_of(exc), f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     async def _check_keys(request: node_pb2.KeysRequest, context: grpc.aio.ServicerContext) -> None:
@@ -91,36 +85,3 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
         except StoreError as exc:
             await self._fail(context, exc)
         return node_pb2.KeysReply(done=done, missing=missing)
-
-    async def Locate(self, request, context):
-        """Extents for the shm path; SSD-only objects are promoted first (missing if no DRAM space)."""
-        await self._check_keys(request, context)
-        reply = node_pb2.LocateReply(shm_name=self.store.pool.name)
-        for key in request.keys:
-            try:
-                extent = await self.store.locate(key)
-            except StoreError:  # absent, SSD-only without DRAM room, or a damaged SSD copy
-                reply.missing.append(key)
-                continue
-            checksum = self.store.objects[key].meta.checksum
-            reply.extents.append(
-                node_pb2.ShmExtent(key=key, offset=extent.offset, size=extent.size, checksum=checksum)
-            )
-        return reply
-
-    async def ShmReserve(self, request, context):
-        self.store.reap_reservations()
-        try:
-            pending = self.store.reserve(request.put_id, request.meta, self.reservation_ttl_s)
-        except StoreError as exc:
-            await self._fail(context, exc)
-        if pending is None:
-            return node_pb2.ShmReserveReply(shm_name=self.store.pool.name, exists=True)
-        return node_pb2.ShmReserveReply(shm_name=self.store.pool.name, offset=pending.extent.offset)
-
-    async def ShmSeal(self, request, context):
-        try:
-            self.store.seal(request.put_id, request.abort)
-        except StoreError as exc:
-            await self._fail(context, exc)
-        return node_pb2.ShmSealReply()

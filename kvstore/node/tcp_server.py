@@ -1,4 +1,4 @@
-"""The node's tcp data plane: raw non-blocking asyncio sockets, frames from ``transport_frame``.
+"""The node's tcp data plane: raw non-blocking asyncio sockets, frames from ``protocol/data_frame``.
 
 Payloads land straight in the shared-memory extent (``sock_recv_into`` on a view of the pool, hashed chunk by
 chunk as they land) and leave straight from it: no intermediate copies, never ``readexactly``. A GET is
@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
 
 from kvpool.kvstore.errors import (
     BadRequestError,
@@ -32,16 +31,13 @@ from kvpool.kvstore.errors import (
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.protocol.data_frame import (
     FLAG_ABORT,
-    FLAG_ARENA,
     FLAG_EXISTS,
-    FLAG_SPECULATIVE,
     HEADER_SIZE,
     OP_GET,
     OP_LOCATE,
     OP_PING,
     OP_PUT,
     OP_RESERVE,
-    OP_SEAL,
     RESPONSE,
     Frame,
     FrameError,
@@ -212,7 +208,7 @@ class TcpDataServer:
         """LOCATE / RESERVE / SEAL for the shm transport: ~0.1 ms here vs ~0.4 ms per gRPC call.
 
         Replies that name a readable object (LOCATE, SEAL, RESERVE of a key already here) carry its stamp
-        slot and generation, which the reader keeps to skip LOCATE next time (``shm_stamps``).
+        slot and generation, which the reader keeps to skip LOCATE next time (``protocol/shm_segment``).
         """
         if frame.payload_len:
             await self._send_error(conn, frame.op, ProtocolError("shm control frames carry no payload"))
@@ -232,15 +228,9 @@ class TcpDataServer:
             if frame.op == OP_LOCATE:
                 await self.store.locate(frame.key)
                 stamped(frame.key)  # locate() leaves the object in DRAM (no await since)
-            elif frame.flags & FLAG_ARENA:
-                self._arena_control(frame, reply, stamped)
             elif frame.op == OP_RESERVE:
                 header = _put_header(frame.aux)
-                existing = self.store.objects.get(header.meta.key)
-                if frame.flags & FLAG_SPECULATIVE and existing is not None and not existing.doomed:
-                    pending = None  # leave any copy here alone: the client falls back to the plain path
-                else:
-                    pending = self.store.reserve(header.put_id, header.meta, self.reservation_ttl_s)
+                pending = self.store.reserve(header.put_id, header.meta, self.reservation_ttl_s)
                 if pending is None:
                     reply.flags = FLAG_EXISTS
                     stamped(header.meta.key)
@@ -257,25 +247,6 @@ class TcpDataServer:
             await self._send_error(conn, frame.op, exc, frame.request_id)
             return
         await loop.sock_sendall(conn, encode(reply))
-
-    def _arena_control(self, frame: Frame, reply: Frame, stamped: Callable[[bytes], None]) -> None:
-        """RESERVE opens an arena, SEAL publishes one object copied into it, SEAL + ABORT closes it
-        (``node/arenas.py``; the frame layouts are in ``data_frame``)."""
-        if frame.op == OP_RESERVE:
-            header = _put_header(frame.aux)
-            ttl = self.reservation_ttl_s
-            extent = self.store.open_arena(header.put_id, header.meta.size, header.meta.epoch, ttl)
-            reply.aux = ShmExtent(self.store.pool.name, extent.offset, extent.size).pack()
-            reply.checksum = int(ttl * 1000)  # the arena's lifetime: its writer stops using it well before
-        elif frame.op == OP_SEAL and frame.flags & FLAG_ABORT:
-            self.store.arenas.close(frame.aux.decode(errors="replace"))
-        elif frame.op == OP_SEAL:
-            header = _put_header(frame.aux)
-            if not self.store.seal_in_arena(header.put_id, header.arena_offset, header.meta):
-                reply.flags = FLAG_EXISTS
-            stamped(header.meta.key)
-        else:
-            raise BadRequestError(f"op {frame.op} takes no arena flag")
 
     async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: Frame) -> None:
         header = node_pb2.PutHeader()

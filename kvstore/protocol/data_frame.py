@@ -13,7 +13,7 @@ A fixed 48-byte little-endian header, then ``key`` and ``aux`` bytes, then ``pay
 * shm control (no payload): LOCATE, RESERVE and SEAL replies carry ``EXTENT`` = (offset, size, slot,
   generation) followed by the segment name in aux (see ``ShmExtent``); generation 0 = no stamp (RESERVE of a
   not yet readable put, or the node ran out of stamp slots). A reader keeps (segment, offset, size, slot,
-  generation) as a hint and later validates it against the node's stamp table (``shm_stamps``) instead of
+  generation) as a hint and later validates it against the node's stamp table (``shm_segment``) instead of
   sending LOCATE again. Node and client are in this repo and change in lockstep.
 
 Fixed sizes let the node reject garbage after 48 bytes and let ucx receive control messages into one
@@ -45,17 +45,9 @@ OP_RESERVE = 5
 OP_SEAL = 6
 RESPONSE = 0x80
 OPS = (OP_PUT, OP_GET, OP_PING, OP_LOCATE, OP_RESERVE, OP_SEAL)
-FLAG_EXISTS = 1
-FLAG_ABORT = 1
-# RESERVE request: made before the master placed the put; if the key is here at all, answer FLAG_EXISTS and
-# touch nothing (a plain RESERVE of a key whose copy is corrupt replaces it, which only the master may order)
-FLAG_SPECULATIVE = 2
-# RESERVE: an arena for a same-host writer (PutHeader: put_id = arena token, meta.size = bytes wanted, no
-# key); reply aux = EXTENT of what was granted, checksum = the arena's lifetime in ms. SEAL: aux =
-# PutHeader{arena token, the object's full meta, arena_offset}: publish the object the writer copied there
-# (FLAG_EXISTS reply: the node already had it); with FLAG_ABORT (aux = token): give the arena's unused bytes
-# back. Bit 4 is the tcp trailer flag.
-FLAG_ARENA = 8
+FLAG_EXISTS = 1  # RESERVE reply: the node already holds this object, nothing to copy
+FLAG_ABORT = 1  # SEAL request: free the reservation instead of publishing it
+# (bit 4 is the tcp transport's trailer flag, FLAG_TRAILER)
 EXTENT = struct.Struct("<QQQQ")  # offset, size, stamp slot, generation (0 = no stamp)
 
 STATUS_OK = 0

@@ -1,7 +1,7 @@
 """The transport interface every data-plane backend implements, plus shared deadline and socket helpers.
 
 A transport moves object bytes between a client and a storage node; the master never sees them. The client
-picks one per peer (``transport_select``). Every wait has a deadline: ``deadline_for(size)`` = a fixed
+picks one per peer (``transport/select``). Every wait has a deadline: ``deadline_for(size)`` = a fixed
 connect/latency allowance plus the size at a floor rate, so a dead or stalled peer surfaces as
 ``TransportTimeoutError`` instead of a hang, and a large object is not cut off on a slow link.
 """
@@ -17,13 +17,7 @@ from dataclasses import dataclass
 
 import xxhash
 from kvpool.kvstore.errors import CorruptObjectError, ProtocolError, StoreError, TransportTimeoutError
-from kvpool.kvstore.transport.payload import (  # noqa: F401  (re-exported: the transports' buffer helpers)
-    COPY_HASH_CHUNK,
-    Buffer,
-    Payload,
-    as_bytes_view,
-    copy_hashing,
-)
+from kvpool.kvstore.transport.payload import Buffer, Payload, as_bytes_view
 from kvpool.proto import common_pb2
 
 

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from kvpool.kvstore.errors import TransportUnavailableError
-from kvpool.kvstore.protocol.host import host_id
+from kvpool.kvstore.protocol.shm_segment import host_id
 from kvpool.kvstore.transport.base import DEFAULT_DEADLINES, Deadlines, Transport
 from kvpool.kvstore.transport.shm import ShmTransport
 from kvpool.kvstore.transport.tcp import TcpTransport
@@ -86,11 +86,6 @@ class TransportSelector:
     def _node_key(node) -> str:  # type: ignore[no-untyped-def]
         return f"{node.node_id}|{node.host}|{node.tcp_port}|{node.shm_name}|{node.ucx_port}"
 
-    def decided(self, node) -> Transport | None:  # type: ignore[no-untyped-def]
-        """The transport already chosen for ``node``, or None: never probes, so any thread may ask."""
-        name = self._decided.get(self._node_key(node))
-        return None if name is None else self.backends.get(name)
-
     def for_node(self, node) -> Transport:  # type: ignore[no-untyped-def]
         """The transport for ``node`` (a ``NodeEndpoint``)."""
         key = self._node_key(node)
@@ -119,9 +114,7 @@ class TransportSelector:
         for name, backend in self.backends.items():
             out[f"bytes_in.{name}"] = backend.bytes_in
             out[f"bytes_out.{name}"] = backend.bytes_out
-            if isinstance(backend, ShmTransport):  # same-host puts through arenas; reads with no round trip
-                out["shm.arenas_opened"] = backend.arena.opened
-                out["shm.arena_puts"] = backend.arena.sealed
+            if isinstance(backend, ShmTransport):  # same-host reads with no round trip (read hints)
                 out["shm.fast_hits"] = backend.fast_hits
         return out
 

@@ -1,31 +1,34 @@
 """shm transport: same-host copies straight into / out of the node's shared-memory pool (one memcpy).
 
+Puts: RESERVE (the node allocates an extent) → the client copies the bytes in, hashing them on the way (the
+checksum is left to the put: ``checksum_at_commit``) → SEAL publishes the object under that checksum, or
+aborts the reservation. The client then declares the same checksum at PutCommit. A batch pipelines all its
+RESERVEs, the copies, then all its SEALs: two round trips per node for a whole push.
+
 Reads: the node's LOCATE answers where the object lies; the client copies it out of the mapped segment and
 verifies the checksum after the copy. The master's read-pin lease (taken by Lookup/MatchPrefix with
 acquire=true) keeps the extent from being evicted during the copy; the checksum catches anything else.
 
-Reads without a round trip: every LOCATE / SEAL reply also names the object's stamp (slot, generation) in the
-node's stamp table (``shm_stamps``). The transport keeps it as a hint per (node, key) (``shm_hints``), and
-``read_cached`` — plain synchronous code, callable from any thread — copies the object when the stamp still
-holds that generation before and after the copy and the copy verifies; anything else drops the hint and the
-caller asks the node again. A retired object's stamp is cleared before its extent can be reused, so a hint
-never yields bytes of a deleted, demoted or replaced object.
-Writes: the client copies into its arena on the node (``shm_arena``: no round trip first) or into an extent a
-RESERVE allocated, hashing on the way; SEAL publishes the object under that checksum (or abort frees it).
-The control frames go over the node's tcp data-plane connection (pipelined, ~0.1 ms) rather than gRPC
-(~0.4 ms per call in Python); the node's gRPC ``Locate`` / ``ShmReserve`` / ``ShmSeal`` offer the same for
-other tools.
+Read hints: every LOCATE / SEAL reply also names the object's stamp (slot, generation) in the node's stamp
+table (``protocol/shm_segment``). The transport keeps it per (node, key), bounded LRU (``HINTS_MAX``, ~200 B
+each), and a later get of that object (``read_cached``) copies it with no message when the stamp still holds
+that generation before and after the copy and the copy verifies; anything else drops the hint and the get
+asks the node again. A retired object's stamp is cleared before its extent can be reused, so a hint never
+yields bytes of a deleted, demoted or replaced object.
 
-Only usable when the node is on this host (same ``host_id``) and advertises its segment; asking for shm
-otherwise raises ``TransportUnavailableError`` (no silent fallback).
+The control frames go over the node's tcp data-plane connection (pipelined, ~0.1 ms). Only usable when the
+node is on this host (same ``host_id``) and advertises its segment; asking for shm otherwise raises
+``TransportUnavailableError`` (no silent fallback).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import xxhash
 from kvpool.kvstore.errors import (
     BadRequestError,
     ProtocolError,
@@ -33,10 +36,10 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportUnavailableError,
 )
+from kvpool.kvstore.protocol import shm_segment
 from kvpool.kvstore.protocol.data_frame import (
     FLAG_ABORT,
     FLAG_EXISTS,
-    FLAG_SPECULATIVE,
     OP_LOCATE,
     OP_RESERVE,
     OP_SEAL,
@@ -44,20 +47,26 @@ from kvpool.kvstore.protocol.data_frame import (
     FrameError,
     ShmExtent,
 )
-from kvpool.kvstore.protocol.shm_segment import ReaderMapping
-from kvpool.kvstore.transport.base import (
-    DEFAULT_DEADLINES,
-    Buffer,
-    Deadlines,
-    Payload,
-    Transport,
-    as_bytes_view,
-    verify_checksum,
-)
-from kvpool.kvstore.transport.shm_arena import ArenaWriter
-from kvpool.kvstore.transport.shm_hints import HINTS_MAX, ReadHints
+from kvpool.kvstore.protocol.shm_segment import ReaderMapping, StampReader
+from kvpool.kvstore.transport.base import DEFAULT_DEADLINES, Deadlines, Transport, verify_checksum
+from kvpool.kvstore.transport.payload import Buffer, Payload, as_bytes_view
 from kvpool.kvstore.transport.tcp import TcpTransport
 from kvpool.proto import common_pb2, node_pb2
+
+HINTS_MAX = 16_384  # remembered objects per transport, ~200 B each
+
+
+@dataclass(frozen=True, slots=True)
+class ReadHint:
+    """What a LOCATE / SEAL reply said about one object, to be revalidated by its stamp before each use."""
+
+    mapping: ReaderMapping
+    stamps: StampReader
+    offset: int
+    size: int
+    slot: int
+    generation: int
+    checksum: int
 
 
 class ShmTransport(Transport):
@@ -82,12 +91,11 @@ class ShmTransport(Transport):
         self._control = control or TcpTransport(deadlines)
         self._owns_control = control is None
         self._segments: dict[str, ReaderMapping] = {}
-        self._segment_lock = threading.Lock()  # mapping creation only (the loop thread; never the hot path)
-        self.hints = ReadHints(hint_capacity)  # (node, key) -> a stamped extent: reads with no round trip
-        self._sealing: dict[
-            str, tuple[bytes, int]
-        ] = {}  # reserve_and_copy token -> (key, checksum) for seal()
-        self.arena = ArenaWriter(self._control, self._map, self._remember_reply)
+        self.hints: OrderedDict[tuple[str, bytes], ReadHint] = OrderedDict()  # (node_id, key) -> hint
+        self._hint_capacity = hint_capacity
+        self.fast_hits = 0
+        self.fast_misses = 0
+        self.fast_stale = 0
         self.locates = 0
 
     def reachable(self, node: common_pb2.NodeEndpoint) -> bool:
@@ -100,16 +108,12 @@ class ShmTransport(Transport):
 
     def _segment(self, name: str) -> ReaderMapping:
         mapping = self._segments.get(name)
-        if mapping is not None:
-            return mapping
-        with self._segment_lock:  # two threads must not both map (and leak) the same segment
-            mapping = self._segments.get(name)
-            if mapping is None:
-                try:
-                    mapping = ReaderMapping(name, background=True)  # map the pool off the request path
-                except FileNotFoundError as exc:
-                    raise StoreUnavailableError(f"shm segment {name} is gone (node stopped?)") from exc
-                self._segments[name] = mapping
+        if mapping is None:
+            try:
+                mapping = ReaderMapping(name, background=True)  # map the pool off the request path
+            except FileNotFoundError as exc:
+                raise StoreUnavailableError(f"shm segment {name} is gone (node stopped?)") from exc
+            self._segments[name] = mapping
         return mapping
 
     def wait_mapped(self, timeout_s: float) -> bool:
@@ -133,43 +137,21 @@ class ShmTransport(Transport):
         mapping.prepare(ext.offset, ext.size)
         return mapping
 
-    # --- read hints (``shm_hints``) -----------------------------------------------------------------------
+    # --- read hints ----------------------------------------------------------------------------------------
     def _remember(self, node: common_pb2.NodeEndpoint, key: bytes, ext: ShmExtent, checksum: int) -> None:
-        """Keep a stamped extent as a hint for ``read_cached`` (an unstamped one just drops the old hint)."""
-        self.hints.remember(node.node_id, key, self._segments.get(ext.segment), ext, checksum)
-
-    def forget(self, node_id: str, key: bytes) -> None:
-        """Drop the hint for ``key`` on ``node_id`` (e.g. the caller removed the key)."""
-        self.hints.forget(node_id, key)
-
-    @property
-    def fast_hits(self) -> int:
-        return self.hints.hits
-
-    @property
-    def fast_misses(self) -> int:
-        return self.hints.misses
-
-    @property
-    def fast_stale(self) -> int:
-        return self.hints.stale
-
-    def read_cached(
-        self, node: common_pb2.NodeEndpoint, key: bytes, checksum: int, size: int, out: Buffer
-    ) -> int | None:
-        """Copy a remembered object into ``out`` with no round trip; None = no usable hint (take the
-        LOCATE path, which refreshes it). Synchronous and thread-safe (``ReadHints.read``)."""
-        n = self.hints.read(node, key, checksum, size, out)
-        if n is not None:
-            self.bytes_in += n
-        return n
-
-    # --- puts ----------------------------------------------------------------------------------------------
-    async def _one(self, node: common_pb2.NodeEndpoint, frame: Frame) -> Frame:
-        reply = (await self._control.control(node, [frame]))[0]
-        if isinstance(reply, StoreError):
-            raise reply
-        return reply
+        """Keep a stamped extent as the hint for ``key`` on ``node``; an unstamped one drops the old hint."""
+        hint_key = (node.node_id, key)
+        mapping = self._segments.get(ext.segment)
+        if not ext.generation or mapping is None or mapping.stamps is None:
+            self.hints.pop(hint_key, None)
+            return
+        stamps = mapping.stamps
+        self.hints[hint_key] = ReadHint(
+            mapping, stamps, ext.offset, ext.size, ext.slot, ext.generation, checksum
+        )
+        self.hints.move_to_end(hint_key)
+        while len(self.hints) > self._hint_capacity:
+            self.hints.popitem(last=False)
 
     def _remember_reply(self, node: common_pb2.NodeEndpoint, key: bytes, reply: Frame) -> None:
         """A SEAL reply or an EXISTS RESERVE reply that describes the object: keep it as a read hint."""
@@ -182,43 +164,65 @@ class ShmTransport(Transport):
             return  # a hint is an optimisation: the put itself succeeded
         self._remember(node, key, ext, reply.checksum)
 
-    async def reserve_and_copy(
-        self,
-        node: common_pb2.NodeEndpoint,
-        token: str,
-        meta: common_pb2.ObjectMeta,
-        data: Buffer,
-        speculative: bool = True,
-    ) -> bool:
-        """First half of a put: RESERVE under ``token`` and copy the bytes in; nothing is published until
-        ``seal(node, token)``. False when the node already holds this object (nothing reserved; then
-        ``meta.checksum`` is the stored copy's).
+    def _drop_hint(self, hint_key: tuple[str, bytes]) -> None:
+        self.fast_stale += 1
+        self.hints.pop(hint_key, None)
 
-        ``speculative``: the client does this while the master's PutStart is in flight (the node keys
-        reservations by the caller's token and never checks master put ids), so it must not touch a copy
-        the node already holds (a plain RESERVE replaces a corrupt one, which only the master may order).
-        An unused reservation is aborted by the client, or freed by the node's reaper at its deadline.
+    def read_cached(
+        self, node: common_pb2.NodeEndpoint, key: bytes, checksum: int, size: int, out: Buffer
+    ) -> int | None:
+        """Copy a remembered object into ``out`` with no round trip; None = no usable hint (take the LOCATE
+        path, which refreshes it).
+
+        The bytes are returned only if the node's stamp for the object holds the remembered generation
+        before and after the copy (the object was readable for the whole copy, see ``shm_segment``) and the
+        copy hashes to ``checksum``. A mismatch is not a ``CorruptObjectError``: the object may have been
+        legitimately deleted or replaced; the hint is dropped and None returned. On None, ``out``'s
+        contents are unspecified.
         """
-        self._check(node)
-        view = _sized(data, meta)
-        header = node_pb2.PutHeader(put_id=token, meta=meta).SerializeToString()
-        flags = FLAG_SPECULATIVE if speculative else 0
-        reply = await self._one(node, Frame(OP_RESERVE, key=meta.key, aux=header, flags=flags))
-        if reply.flags & FLAG_EXISTS:
-            self._remember_reply(node, meta.key, reply)
-            if not speculative:  # the copy already there (same key = same bytes)
-                meta.checksum = meta.checksum or reply.checksum
-            return False
+        if not shm_segment.READS_TRUSTED:
+            return None
+        hint_key = (node.node_id, key)
+        hint = self.hints.get(hint_key)
+        if hint is None:
+            self.fast_misses += 1
+            return None
+        moved = bool(node.shm_name) and node.shm_name != hint.mapping.name  # a restarted node's new segment
+        if hint.checksum != checksum or hint.size != size or moved:
+            self._drop_hint(hint_key)
+            return None
+        view = as_bytes_view(out)
+        if len(view) < size:
+            return None  # the regular path reports the small buffer
+        stamps, slot, generation = hint.stamps, hint.slot, hint.generation
+        if (
+            stamps.generation(slot) != generation
+            or stamps.fields(slot) != (hint.offset, size, checksum)
+            or hint.mapping.unlinked()
+        ):
+            self._drop_hint(hint_key)
+            return None
+        dst = view[:size] if len(view) != size else view
         try:
-            self._copy_in(self._parse(reply), meta, view)
-        except BaseException:
-            with contextlib.suppress(StoreError):
-                await self._one(node, Frame(OP_SEAL, aux=token.encode(), flags=FLAG_ABORT))
-            raise
-        if len(self._sealing) >= HINTS_MAX:  # tokens never sealed (a vanished caller): bounded anyway
-            self._sealing.pop(next(iter(self._sealing)))
-        self._sealing[token] = (meta.key, meta.checksum)
-        return True
+            dst[:] = hint.mapping.buf[hint.offset : hint.offset + size]
+        except ValueError:  # the mapping was closed under us (transport closing)
+            self._drop_hint(hint_key)
+            return None
+        # second load after every copy load: G still there => the copy read only the object given G
+        if stamps.generation(slot) != generation or xxhash.xxh3_64_intdigest(dst) != checksum:
+            self._drop_hint(hint_key)
+            return None
+        self.hints.move_to_end(hint_key)
+        self.fast_hits += 1
+        self.bytes_in += size
+        return size
+
+    # --- puts ----------------------------------------------------------------------------------------------
+    async def _one(self, node: common_pb2.NodeEndpoint, frame: Frame) -> Frame:
+        reply = (await self._control.control(node, [frame]))[0]
+        if isinstance(reply, StoreError):
+            raise reply
+        return reply
 
     def _copy_in(self, ext: ShmExtent, meta: common_pb2.ObjectMeta, payload: Payload) -> None:
         """Copy the payload (part by part) into its reserved extent; with the checksum left to us
@@ -230,39 +234,23 @@ class ShmTransport(Transport):
         else:
             meta.checksum = payload.copy_hashing_into(dst)
 
-    async def copy_into_arena(
-        self, node: common_pb2.NodeEndpoint, meta: common_pb2.ObjectMeta, data: Buffer
-    ) -> str | None:
-        """First half of a put with no round trip before the copy: the bytes go into this client's arena
-        on ``node`` (``shm_arena``), hashed on the way; the token for ``seal``, or None when the put
-        should take ``reserve_and_copy`` instead (too large for an arena, none granted, checksum declared).
-        """
-        self._check(node)
-        return await self.arena.copy_in(node, meta, _sized(data, meta))
-
-    async def seal(self, node: common_pb2.NodeEndpoint, token: str, size: int, abort: bool = False) -> None:
-        """Publish or abort a ``reserve_and_copy`` reservation. SEAL carries the checksum computed while
-        copying when the reservation left it open (the node then records it: it describes the bytes as they
-        lie in its pool, and every reader verifies it); otherwise the node verifies the declared one."""
-        if self.arena.holds(token):  # an arena slot (``copy_into_arena``)
-            if await self.arena.seal(node, token, abort) is not None:
-                self.bytes_out += size
-            return
-        key, checksum = self._sealing.pop(token, (None, 0))
-        frame = Frame(OP_SEAL, aux=token.encode(), flags=FLAG_ABORT if abort else 0, checksum=checksum)
-        reply = await self._one(node, frame)
-        if not abort:
-            self.bytes_out += size
-            if key is not None:
-                self._remember_reply(node, key, reply)
+    @staticmethod
+    def _reserve_frame(put_id: str, meta: common_pb2.ObjectMeta) -> Frame:
+        return Frame(
+            OP_RESERVE, key=meta.key, aux=node_pb2.PutHeader(put_id=put_id, meta=meta).SerializeToString()
+        )
 
     async def put(
         self, node: common_pb2.NodeEndpoint, put_id: str, meta: common_pb2.ObjectMeta, data: Buffer
     ) -> None:
+        """RESERVE, copy (hashing), SEAL. SEAL carries the checksum computed while copying when the put left
+        it open (the node records it: it describes the bytes as they lie in its pool, and every reader
+        verifies it); otherwise the node verifies the declared one."""
         self._check(node)
-        view = _sized(data, meta)
-        header = node_pb2.PutHeader(put_id=put_id, meta=meta).SerializeToString()
-        reply = await self._one(node, Frame(OP_RESERVE, key=meta.key, aux=header))
+        view = Payload.of(data)
+        if view.nbytes != meta.size:
+            raise ValueError(f"data is {view.nbytes} B, meta says {meta.size} B")
+        reply = await self._one(node, self._reserve_frame(put_id, meta))
         if reply.flags & FLAG_EXISTS:
             self._remember_reply(node, meta.key, reply)
             meta.checksum = meta.checksum or reply.checksum  # the copy already there (same key = same bytes)
@@ -286,17 +274,7 @@ class ShmTransport(Transport):
         except StoreError as exc:
             return [exc] * len(items)
         results: list[StoreError | None] = [None] * len(items)
-        reserves = await self._control.control(
-            node,
-            [
-                Frame(
-                    OP_RESERVE,
-                    key=meta.key,
-                    aux=node_pb2.PutHeader(put_id=put_id, meta=meta).SerializeToString(),
-                )
-                for put_id, meta, _data in items
-            ],
-        )
+        reserves = await self._control.control(node, [self._reserve_frame(p, m) for p, m, _d in items])
         to_seal: list[int] = []
         for i, ((put_id, meta, data), reply) in enumerate(zip(items, reserves, strict=True)):
             if isinstance(reply, StoreError):
@@ -400,8 +378,6 @@ class ShmTransport(Transport):
         return results
 
     async def close(self) -> None:
-        with contextlib.suppress(StoreError):
-            await self.arena.close()
         if self._owns_control:
             await self._control.close()
         self.hints.clear()
@@ -409,11 +385,3 @@ class ShmTransport(Transport):
             with contextlib.suppress(Exception):
                 mapping.close()
         self._segments.clear()
-
-
-def _sized(data: object, meta: common_pb2.ObjectMeta) -> Payload:
-    """``data`` as a Payload of exactly ``meta.size`` bytes (``ValueError`` otherwise: a caller's bug)."""
-    payload = Payload.of(data)
-    if payload.nbytes != meta.size:
-        raise ValueError(f"data is {payload.nbytes} B, meta says {meta.size} B")
-    return payload

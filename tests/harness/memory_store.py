@@ -12,7 +12,7 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import PutItem
 from kvpool.kvstore.errors import (
     ObjectNotAdmittedError,
     ObjectNotFoundError,
