@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import PutItem
 from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import ObjectExistsError, ResourceExhausted
 from kvpool.proto import common_pb2

@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 import xxhash
-from kvpool.kvstore.client.async_client import AsyncStoreClient
-from kvpool.kvstore.client.records import PutItem
+from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
 from kvpool.kvstore.transport.payload import Payload, as_bytes_view
 from store_helpers import start_master, start_node
 
