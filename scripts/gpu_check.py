@@ -279,7 +279,7 @@ def _staged_equal(src: torch.Tensor, host: torch.Tensor) -> bool:
     """Staged bytes equal the device's, and the store's checksum of them as a put's Payload is the one of
     the source (the parts a prefill hands to ``batch_put`` are exactly what the device held)."""
     import xxhash
-    from kvpool.kvstore.transport.payload import Payload
+    from kvpool.kvstore.transport.base import Payload
 
     stream = torch.cuda.Stream() if src.device.type == "cuda" else None
     stage_to_host(src, host, 8, stream=stream)

@@ -14,7 +14,7 @@ from kvpool.kvstore.master.config import MasterConfig
 from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.node.pool import SharedPool
-from kvpool.kvstore.transport.payload import copy_hashing
+from kvpool.kvstore.transport.base import copy_hashing
 from kvpool.proto import common_pb2, master_pb2
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import xxhash
 from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
-from kvpool.kvstore.transport.payload import Payload, as_bytes_view
+from kvpool.kvstore.transport.base import Payload, as_bytes_view
 from store_helpers import start_master, start_node
 
 MB = 1 << 20

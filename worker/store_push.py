@@ -21,7 +21,7 @@ from kvpool.cache.units import RequestTail, encode_tail, kda_checkpoint_parts, m
 from kvpool.kvstore.client.async_client import PutItem
 from kvpool.kvstore.errors import ObjectNotAdmittedError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
-from kvpool.kvstore.transport.payload import Payload
+from kvpool.kvstore.transport.base import Payload
 from kvpool.model.cache_schema import CacheSchema
 from kvpool.model.state import KDACheckpoint
 from kvpool.proto import common_pb2

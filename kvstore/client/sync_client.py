@@ -20,7 +20,7 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportTimeoutError,
 )
-from kvpool.kvstore.transport.payload import Buffer
+from kvpool.kvstore.transport.base import Buffer
 from kvpool.proto import common_pb2, master_pb2
 
 T = TypeVar("T")

@@ -48,8 +48,15 @@ from kvpool.kvstore.protocol.data_frame import (
     ShmExtent,
 )
 from kvpool.kvstore.protocol.shm_segment import ReaderMapping, StampReader
-from kvpool.kvstore.transport.base import DEFAULT_DEADLINES, Deadlines, Transport, verify_checksum
-from kvpool.kvstore.transport.payload import Buffer, Payload, as_bytes_view
+from kvpool.kvstore.transport.base import (
+    DEFAULT_DEADLINES,
+    Buffer,
+    Deadlines,
+    Payload,
+    Transport,
+    as_bytes_view,
+    verify_checksum,
+)
 from kvpool.kvstore.transport.tcp import TcpTransport
 from kvpool.proto import common_pb2, node_pb2
 

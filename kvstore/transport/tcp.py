@@ -41,8 +41,11 @@ from kvpool.kvstore.transport.base import (
     FLAG_TRAILER,
     PUT_SEND_CHUNK,
     RECV_LOWAT,
+    Buffer,
     Deadlines,
+    Payload,
     Transport,
+    as_bytes_view,
     recv_exactly_into,
     recv_hashing_into,
     send_hashing,
@@ -50,7 +53,6 @@ from kvpool.kvstore.transport.base import (
     verify_checksum,
     with_deadline,
 )
-from kvpool.kvstore.transport.payload import Buffer, Payload, as_bytes_view
 from kvpool.proto import common_pb2, node_pb2
 from kvpool.runtime import cluster_auth
 

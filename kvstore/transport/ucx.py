@@ -35,12 +35,13 @@ from kvpool.kvstore.protocol.data_frame import (
 )
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
+    Buffer,
     Deadlines,
+    Payload,
     Transport,
     fill_checksum,
     with_deadline,
 )
-from kvpool.kvstore.transport.payload import Buffer, Payload
 from kvpool.proto import common_pb2, node_pb2
 from kvpool.runtime import cluster_auth
 

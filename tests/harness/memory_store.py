@@ -20,7 +20,7 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
 )
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
-from kvpool.kvstore.transport.payload import Payload
+from kvpool.kvstore.transport.base import Payload
 from kvpool.proto import common_pb2, master_pb2
 
 
