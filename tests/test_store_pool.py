@@ -94,7 +94,7 @@ def test_reader_process_exit_does_not_unlink_the_pool():
         probe.close()
         from multiprocessing import resource_tracker
 
-        resource_tracker.unregister(probe._name, "shared_memory")
+        resource_tracker.unregister(f"/{pool.name}", "shared_memory")
     finally:
         pool.close()
     with pytest.raises(FileNotFoundError):
@@ -121,7 +121,7 @@ def test_reader_mapping_maps_regions_once():
     try:
         m = ReaderMapping(pool.name)
         m.prepare(100, 5 << 20)  # touches 2 MiB chunks 0, 1 and 2
-        assert list(m._mapped[:4]) == ([1, 1, 1, 0] if m._supported else [0, 0, 0, 0])
+        assert list(m.mapped[:4]) == ([1, 1, 1, 0] if m.populate_supported else [0, 0, 0, 0])
         m.buf[100:105] = b"hello"
         assert bytes(pool.buf[100:105]) == b"hello"  # same memory as the owner's
         m.close()

@@ -123,7 +123,7 @@ def test_transport_raises_the_nodes_corrupt_verdict_and_reuses_the_connection(no
         try:
             with pytest.raises(CorruptObjectError, match="on the node"):
                 await t.get_into(location(node, meta), bytearray(len(data)))
-            assert sum(len(v) for v in t._idle.values()) == 1  # an error trailer keeps the connection
+            assert len(t.idle_sockets()) == 1  # an error trailer keeps the connection
             out = bytearray(5000)
             assert await t.get_into(location(node, m_other), out) == 5000
             assert out == other
@@ -177,7 +177,7 @@ def test_large_get_restores_the_receive_watermark_of_the_pooled_connection(node)
         try:
             out = bytearray(len(big))
             assert await t.get_into(location(node, m_big), out) == len(big) and out == big
-            (sock,) = [s for idle in t._idle.values() for s in idle]
+            (sock,) = t.idle_sockets()
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
             start = asyncio.get_running_loop().time()
             out = bytearray(5000)

@@ -238,8 +238,8 @@ class ReaderMapping:
         self.stamps = StampReader.open(self.buf)  # None: the node keeps no stamps (no fast path)
         self._fd: int = self.shm._fd  # type: ignore[attr-defined]
         self._closed = False
-        self._mapped = bytearray(-(-len(self.buf) // self.CHUNK))
-        self._supported = True
+        self.mapped = bytearray(-(-len(self.buf) // self.CHUNK))  # per CHUNK: 1 = populated
+        self.populate_supported = True  # False: this kernel lacks MADV_POPULATE (pages fault in)
         self._stop = threading.Event()
         self._mapper: threading.Thread | None = None
         if background:
@@ -265,17 +265,17 @@ class ReaderMapping:
         per = max(1, self.BACKGROUND_STEP // self.CHUNK)
 
         def run() -> None:
-            for first in range(0, len(self._mapped), per):
+            for first in range(0, len(self.mapped), per):
                 if self._stop.is_set():
                     return
-                last = min(first + per, len(self._mapped))
-                if all(self._mapped[first:last]):
+                last = min(first + per, len(self.mapped))
+                if all(self.mapped[first:last]):
                     continue
                 start = first * self.CHUNK
                 length = min(last * self.CHUNK, total) - start
                 if madvise(base + start, length, MADV_POPULATE_WRITE) != 0:
                     return  # kernel without MADV_POPULATE: prepare() falls back to faulting
-                self._mapped[first:last] = b"\x01" * (last - first)
+                self.mapped[first:last] = b"\x01" * (last - first)
 
         self._mapper = threading.Thread(target=run, name="kvpool-shm-mapper", daemon=True)
         self._mapper.start()
@@ -289,19 +289,19 @@ class ReaderMapping:
         return True
 
     def prepare(self, offset: int, size: int) -> None:
-        if not self._supported or size <= 0:
+        if not self.populate_supported or size <= 0:
             return
         first, last = offset // self.CHUNK, (offset + size - 1) // self.CHUNK
-        if all(self._mapped[first : last + 1]):
+        if all(self.mapped[first : last + 1]):
             return
         start = first * self.CHUNK
         length = min((last + 1) * self.CHUNK, len(self.buf)) - start
         try:
             self.shm._mmap.madvise(MADV_POPULATE_WRITE, start, length)  # type: ignore[union-attr]
         except (OSError, ValueError, AttributeError):
-            self._supported = False
+            self.populate_supported = False
             return
-        self._mapped[first : last + 1] = b"\x01" * (last + 1 - first)
+        self.mapped[first : last + 1] = b"\x01" * (last + 1 - first)
 
     def unlinked(self) -> bool:
         """True once the node removed the segment (stopped or killed): its stamps no longer mean anything.
