@@ -5,7 +5,7 @@ the object; a Delete or Demote arriving mid-read defers freeing the extent until
 transfer never streams bytes that were reallocated under it (the master's read-pin lease is the cross-process
 guarantee; this is the in-process one). Checksums (xxh3-64) are checked when a put lands and on every read.
 
-Generation stamps (``shm_stamps``, in the pool segment): an object gets a slot and a fresh generation when
+Generation stamps (``shm_segment``, in the pool segment): an object gets a slot and a fresh generation when
 it becomes readable in DRAM (``_publish``) and loses it the moment it stops being readable (``_retire``:
 Delete, Demote, drop, corrupt replace) — before its extent can be freed, and without waiting for tcp/ucx
 readers that defer the free — so a same-host reader never trusts a remembered extent of a retired object.
