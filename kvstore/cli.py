@@ -75,7 +75,7 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
         "--reservation-ttl",
         type=float,
         default=30.0,
-        help="seconds an shm reservation or a writer's arena may stay unsealed before it is freed",
+        help="seconds an shm reservation may stay unsealed before it is freed",
     )
     p.add_argument(
         "--no-prefault",
