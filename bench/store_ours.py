@@ -238,8 +238,7 @@ def push_scale() -> float:
 async def _measure_push(master: str, transport: str, reps: int, warmup: int) -> dict[str, float]:
     """GB/s of one request's whole push: ``batch_put`` (one control exchange each way, pipelined per node)
     against the same objects put one after another (two master round trips each)."""
-    from kvpool.kvstore.client.async_client import AsyncStoreClient
-    from kvpool.kvstore.client.async_client import PutItem
+    from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
     from kvpool.kvstore.keys import kda_key, mla_key
     from kvpool.proto import common_pb2
 
