@@ -73,7 +73,7 @@ CAPACITY_RETRIES = 4  # 50+100+200+400 ms: covers a master->node Delete in fligh
 # master link sees a silent master as a timeout and opens its breaker (master_link.py), instead of a
 # cancellation it cannot tell from a caller going away.
 RPC_SHARE_OF_BUDGET = 0.8
-CHOICES = ("auto", "tcp", "shm", "ucx")
+TRANSPORT_CHOICES = ("auto", "tcp", "shm", "ucx")
 RDMA_SYSFS = Path("/sys/class/infiniband")
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,8 +110,8 @@ class TransportSelector:
     def __init__(
         self, choice: str = "auto", deadlines: Deadlines = DEFAULT_DEADLINES, local_host_id: str | None = None
     ) -> None:
-        if choice not in CHOICES:
-            raise ValueError(f"transport must be one of {CHOICES}, got {choice!r}")
+        if choice not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}, got {choice!r}")
         self.choice = choice
         self.deadlines = deadlines
         self.local_host_id = local_host_id or host_id()
