@@ -250,10 +250,10 @@ def test_a_partitioned_master_fails_puts_fast_and_counted_and_answers_stay_ident
     assert cluster.chat(fresh)[0] == fresh_cold[0]
 
 
-def test_known_keys_stay_readable_while_the_master_is_partitioned(cluster: NetnsCluster) -> None:
+def test_a_partitioned_master_costs_a_client_one_deadline(cluster: NetnsCluster) -> None:
     """A store client (a fresh process in the root namespace: UCX learns the network devices, the bridge
-    included, when it starts) reads keys it has located without the master; its puts fail fast after the
-    first deadline and are counted."""
+    included, when it starts) cut off from the master: its first call waits out one deadline, every later
+    get and put fails fast (counted); once healed, every key is readable again."""
     child = subprocess.run(
         [sys.executable, "-c", KNOWN_KEYS_CLIENT, cluster.service("master")["address"], cluster.transport,
          str(cluster.state_path)],
@@ -263,9 +263,9 @@ def test_known_keys_stay_readable_while_the_master_is_partitioned(cluster: Netns
     assert child.returncode == 0, child.stderr[-3000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
     assert report["puts_before"] == [None] * 6
-    assert report["reads_before"] == report["reads_during"] == [True] * 6
-    assert report["puts_during"] == ["failed"] * 5
-    assert report["puts_during_s"] < 1.0 + 0.5  # one 1 s deadline, then the breaker fails fast
+    assert report["reads_before"] == report["reads_after"] == [True] * 6
+    assert report["reads_during"] == report["puts_during"] == ["failed"] * 6
+    assert report["during_s"] < 1.0 + 0.5  # one 1 s deadline, then the breaker fails fast
     assert report["failed_fast"] >= 1
 
 
@@ -280,6 +280,12 @@ def chaos(*args):
     cmd = [sys.executable, "-m", "kvpool.cli", "chaos", *args, "--state", state]
     subprocess.run(cmd, check=True, capture_output=True, timeout=60)
 
+async def failed_or(call):
+    try:
+        return repr(await call)[:40]
+    except StoreError:
+        return "failed"
+
 async def main():
     client = AsyncStoreClient(master, transport, rpc_timeout_s=1.0)
     out = {}
@@ -290,15 +296,24 @@ async def main():
         out["reads_before"] = [await client.get(k) == v for k, v in blobs.items()]
         chaos("partition", "master")
         try:
-            out["reads_during"] = [await client.get(k) == v for k, v in blobs.items()]
             t0 = time.monotonic()
-            later = await client.batch_put([PutItem(os.urandom(16), b"x" * 4096) for _ in range(4)])
+            out["reads_during"] = [await failed_or(client.get(k)) for k in blobs]
+            later = await client.batch_put([PutItem(os.urandom(16), b"x" * 4096) for _ in range(5)])
             later += await client.batch_put([PutItem(os.urandom(16), b"y" * 4096)])
-            out["puts_during_s"] = time.monotonic() - t0
+            out["during_s"] = time.monotonic() - t0
             out["puts_during"] = ["failed" if isinstance(r, StoreError) else repr(r) for r in later]
             out["failed_fast"] = client.metrics().get("master.failed_fast", 0)
         finally:
             chaos("heal", "master")
+        healed_by = time.monotonic() + 15  # the link's background probe closes its breaker
+        while True:
+            try:
+                out["reads_after"] = [await client.get(k) == v for k, v in blobs.items()]
+                break
+            except StoreError:
+                if time.monotonic() > healed_by:
+                    raise
+                await asyncio.sleep(0.2)
     finally:
         await client.close()
     print(json.dumps(out))
