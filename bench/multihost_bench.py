@@ -110,8 +110,8 @@ class _Workers:
 def _ttft_on(netns: bool, args: argparse.Namespace) -> dict[str, Any]:
     import ttft_bench
 
-    from kvpool.up import Cluster
-    from kvpool.up_config import load_config
+    from kvpool.launch.cluster import Cluster
+    from kvpool.launch.config import load_config
 
     ttft_bench.HITS = TTFT_HITS
     config = load_config(

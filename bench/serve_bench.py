@@ -211,8 +211,8 @@ async def run_load(url: str, api_key: str, policy: str, args: argparse.Namespace
 
 
 def bench_policy(policy: str, args: argparse.Namespace) -> Result:
-    from kvpool.up import Cluster
-    from kvpool.up_config import load_config
+    from kvpool.launch.cluster import Cluster
+    from kvpool.launch.config import load_config
 
     overrides = {
         "gateway": {"port": 0, "routing": policy, "max_concurrent": 4 * args.clients},

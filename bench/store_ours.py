@@ -51,7 +51,7 @@ def _entry(args: list[str]) -> list[str]:
         store_cli = None
     if store_cli is not None and hasattr(store_cli, "main") and args[:1] == ["store"]:
         return ["kvpool.kvstore.cli", *args[1:]]
-    return ["kvpool.cli", *args]
+    return ["kvpool", *args]
 
 
 def _spawn(
@@ -61,7 +61,7 @@ def _spawn(
     name: str,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Start ``python -m kvpool.cli ARGS`` through the one spawner and return its readiness record."""
+    """Start ``python -m kvpool ARGS`` through the one spawner and return its readiness record."""
     child = spawn(name, _entry(args), log_dir, READY_TIMEOUT_S, env=env)
     procs.append(child.popen)
     return {**child.ready, "pid": child.pid}

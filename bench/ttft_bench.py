@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="auto", help="workers' store data plane: auto|tcp|shm|ucx")
     p.add_argument("--link-gbps", type=float, default=25.0, help="network rate for the floor (Gbit/s)")
     args = p.parse_args(argv)
-    from kvpool.cluster import LocalCluster
+    from kvpool.launch.local_cluster import LocalCluster
 
     with LocalCluster(
         model=args.model,

@@ -1,7 +1,7 @@
 """Multi-turn chats of three workloads through the official ``openai`` client (used by ``make demo``).
 
-``run(base_url)`` talks to a running gateway (``kvpool up`` or ``kvpool.up.Cluster``) exactly as a user
-would: the chat workload is a conversation with a system prompt; the agent workload repeats a long tool
+``run(base_url)`` talks to a running gateway (``kvpool up`` or ``kvpool.launch.cluster.Cluster``) exactly as a
+user would: the chat workload is a conversation with a system prompt; the agent workload repeats a long tool
 manifest and appends tool results turn after turn; the rag workload asks different questions about one
 retrieved document. Each run uses a fresh ``cache_salt`` so earlier runs cannot inflate its hit rate, and
 labels requests with ``metadata.workload`` so the gateway's metrics split the same way. Returns per-chat

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvpool.cli import build_parser
+from kvpool.commands.main import build_parser
 
 
 def _undocumented(parser: argparse.ArgumentParser, path: str) -> list[str]:

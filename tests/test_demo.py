@@ -7,7 +7,7 @@ import sys
 
 def test_demo_runs_cluster_chats_and_resumes_bitwise() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "demo", "--json", "--turns", "2", "--max-tokens", "8"],
+        [sys.executable, "-m", "kvpool", "demo", "--json", "--turns", "2", "--max-tokens", "8"],
         capture_output=True,
         text=True,
         timeout=240,

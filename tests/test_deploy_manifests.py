@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpool.cli import build_parser
+from kvpool.commands.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -150,7 +150,7 @@ def test_healthcheck_script_fails_fast_on_a_dead_port() -> None:
 
 
 def test_local_config_is_what_kvpool_up_reads() -> None:
-    from kvpool.up_config import DEFAULT_CONFIG, load_config
+    from kvpool.launch.config import DEFAULT_CONFIG, load_config
 
     assert DEFAULT_CONFIG == DEPLOY / "local.toml"
     cfg = load_config(overrides={"prefill": {"count": 3}})

@@ -53,7 +53,7 @@ class UpProcess:
     def status(self) -> tuple[int, dict]:
         env = dict(os.environ, KVPOOL_RUNS=str(self.runs_root))
         r = subprocess.run(
-            [sys.executable, "-m", "kvpool.cli", "status", "--json"],
+            [sys.executable, "-m", "kvpool", "status", "--json"],
             env=env,
             capture_output=True,
             text=True,
@@ -134,7 +134,7 @@ def test_the_readme_snippet_shows_a_hit_on_its_second_call(up: UpProcess) -> Non
 
 def test_up_on_a_busy_port_says_so_before_starting_anything(up: UpProcess, tmp_path: Path) -> None:
     port = up.url.rsplit(":", 1)[1]
-    argv = [sys.executable, "-m", "kvpool.cli", "up", "--port", port, "--run-dir", str(tmp_path / "r")]
+    argv = [sys.executable, "-m", "kvpool", "up", "--port", port, "--run-dir", str(tmp_path / "r")]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 1 and f"port {port}" in run.stderr and "--port" in run.stderr, run.stderr
     assert not (tmp_path / "r" / "state.json").exists()  # nothing was started

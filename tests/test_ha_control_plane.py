@@ -50,7 +50,7 @@ from tests.harness.up_proc import start_up
 
 pytestmark = pytest.mark.slow
 
-LEASE_TTL_S = 2  # kvpool.ha_cluster.LEASE_TTL_S
+LEASE_TTL_S = 2  # kvpool.launch.ha_cluster.LEASE_TTL_S
 PUT_RESUME_S = 5.0
 HITS_BACK_S = 10.0
 UP_TIMEOUT_S = 150
@@ -164,7 +164,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HaCluster]:
 
 def test_status_names_one_leader_and_every_master_pid(cluster: HaCluster) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "status", "--json", "--state", str(cluster.state_path)],
+        [sys.executable, "-m", "kvpool", "status", "--json", "--state", str(cluster.state_path)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr

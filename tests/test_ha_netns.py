@@ -65,7 +65,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HaCluster]:
 
 def chaos(c: HaCluster, *args: str) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "chaos", *args, "--state", str(c.state_path)],
+        [sys.executable, "-m", "kvpool", "chaos", *args, "--state", str(c.state_path)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("torch_deterministic")
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "generate", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvpool", "generate", *args], capture_output=True, text=True, timeout=120
     )
 
 

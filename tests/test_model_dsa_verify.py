@@ -14,7 +14,7 @@ import pytest
 @pytest.mark.slow  # master + node + two workers (~10-30 s on 2 busy cores)
 def test_verify_tiny_dsa_fp8_on_a_local_cluster():
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "verify", "--model", "tiny-dsa-fp8", "--json"],
+        [sys.executable, "-m", "kvpool", "verify", "--model", "tiny-dsa-fp8", "--json"],
         capture_output=True,
         text=True,
         timeout=240,

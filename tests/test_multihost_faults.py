@@ -91,7 +91,7 @@ class NetnsCluster:
     def chaos(self, *args: str) -> None:
         """``kvpool chaos ARGS --state`` as a user runs it; fails the case on a non-zero exit."""
         r = subprocess.run(
-            [sys.executable, "-m", "kvpool.cli", "chaos", *args, "--state", str(self.state_path)],
+            [sys.executable, "-m", "kvpool", "chaos", *args, "--state", str(self.state_path)],
             capture_output=True,
             text=True,
             timeout=60,
@@ -150,7 +150,7 @@ def test_every_service_has_its_own_namespace_and_ip_and_no_shm_crosses_them(clus
     assert len({s["ip"] for s in isolated}) == 5 and all(s["ip"].startswith("10.") for s in isolated)
     assert services["gateway"]["netns"] is None and cluster.url.startswith("http://127.0.0.1:")
     status = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "status", "--json", "--state", str(cluster.state_path)],
+        [sys.executable, "-m", "kvpool", "status", "--json", "--state", str(cluster.state_path)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert status.returncode == 0, status.stdout + status.stderr  # every service answers across the bridge
@@ -277,7 +277,7 @@ from kvpool.kvstore.errors import StoreError
 master, transport, state = sys.argv[1:4]
 
 def chaos(*args):
-    cmd = [sys.executable, "-m", "kvpool.cli", "chaos", *args, "--state", state]
+    cmd = [sys.executable, "-m", "kvpool", "chaos", *args, "--state", state]
     subprocess.run(cmd, check=True, capture_output=True, timeout=60)
 
 async def failed_or(call):
@@ -382,7 +382,7 @@ def test_chaos_refuses_unknown_services_and_a_loopback_cluster(cluster: NetnsClu
         [
             sys.executable,
             "-m",
-            "kvpool.cli",
+            "kvpool",
             "chaos",
             "partition",
             "nope",
@@ -397,7 +397,7 @@ def test_chaos_refuses_unknown_services_and_a_loopback_cluster(cluster: NetnsClu
     loopback = tmp_path / "state.json"
     loopback.write_text(json.dumps({"services": [], "netns": None}))
     r = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "chaos", "heal", "--state", str(loopback)],
+        [sys.executable, "-m", "kvpool", "chaos", "heal", "--state", str(loopback)],
         capture_output=True,
         text=True,
         timeout=60,

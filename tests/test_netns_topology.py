@@ -26,7 +26,7 @@ from kvpool.runtime.netns import (
 )
 from kvpool.runtime.spawn import LaunchError, start, wait_ready
 
-from kvpool.placement import make_placement
+from kvpool.launch.placement import make_placement
 
 
 def test_link_specs_parse_and_bad_ones_say_what_is_wrong() -> None:

@@ -23,10 +23,10 @@ from kvpool.worker.sampling import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 from store_helpers import location, start_node
 
-from kvpool.cluster import LocalCluster
-from kvpool.status import run_status
-from kvpool.up import Cluster
-from kvpool.up_config import load_config
+from kvpool.commands.status import run_status
+from kvpool.launch.cluster import Cluster
+from kvpool.launch.config import load_config
+from kvpool.launch.local_cluster import LocalCluster
 
 Samples = dict[tuple[str, frozenset], float]
 

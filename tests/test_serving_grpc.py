@@ -22,8 +22,8 @@ from kvpool.worker.handoff import PrefillRequest
 from kvpool.worker.sampling import SamplingParams
 from kvpool.worker.wire import request_to_pb
 
-from kvpool.cluster import LocalCluster
 from kvpool.colocated import Colocated
+from kvpool.launch.local_cluster import LocalCluster
 
 B = 64
 GREEDY3 = SamplingParams(max_tokens=3)
@@ -300,7 +300,7 @@ def test_unreachable_store_serves_without_cache_or_fails_when_asked(tmp_path, re
         ("prefill", [*common, "--on-cache-error", "fail"]),
     ]
     with ThreadPoolExecutor(3) as pool:
-        children = list(pool.map(lambda s: spawn(s[0], ["kvpool.cli", s[0], *s[1]], tmp_path), specs))
+        children = list(pool.map(lambda s: spawn(s[0], ["kvpool", s[0], *s[1]], tmp_path), specs))
     try:
         prompt = list(range(3, 3 + 150))
         (got,) = remote(
@@ -341,7 +341,7 @@ def test_colocated_worker_serves_both_contracts(cluster, reference, tmp_path):
 
     child = spawn(
         "colocated",
-        ["kvpool.cli", "decode", "--colocated", "--master", cluster.master, "--threads", "1"],
+        ["kvpool", "decode", "--colocated", "--master", cluster.master, "--threads", "1"],
         tmp_path,
     )
     try:

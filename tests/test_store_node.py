@@ -154,7 +154,7 @@ def _cli(*args: str, module: str = "kvpool.kvstore.cli") -> subprocess.Completed
 
 
 def test_cli_store_group():
-    out = _cli("store", "node", "--help", module="kvpool.cli")  # the real `kvpool` entry point
+    out = _cli("store", "node", "--help", module="kvpool")  # the real `kvpool` entry point
     assert out.returncode == 0 and "--capacity" in out.stdout and "--ssd-path" in out.stdout
     bad = _cli("node", "--no-master", "--capacity", "lots")  # the store-only entry (no torch import)
     assert bad.returncode == 2 and "not a size" in bad.stderr

@@ -1,5 +1,5 @@
-"""``kvpool.up`` launcher details that need no cluster: orphan-free children when the launcher is killed
-hard, readiness deadlines with the child's log in the error, config merging."""
+"""``kvpool.launch.cluster`` launcher details that need no cluster: orphan-free children when the launcher is
+killed hard, readiness deadlines with the child's log in the error, config merging."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from kvpool.runtime.spawn import LaunchError
 
-from kvpool.up import Cluster
-from kvpool.up_config import load_config
+from kvpool.launch.cluster import Cluster
+from kvpool.launch.config import load_config
 
 
 def _gone(pid: int, within_s: float) -> bool:
@@ -33,7 +33,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from kvpool.up import Cluster
+        from kvpool.launch.cluster import Cluster
         c = Cluster({{"cluster": {{}}}}, Path({str(tmp_path)!r}))
         child = c._spawn("sleeper", "test", ["http.server", "0", "--bind", "127.0.0.1"])
         print(child.popen.pid, flush=True)

@@ -16,7 +16,7 @@ from kvpool.verify import _check_cached, prompt_set
 
 def _kvpool(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "verify", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "kvpool", "verify", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -35,7 +35,7 @@ def test_verify_json_on_a_local_cluster():
 
 
 def test_argument_errors_and_a_dead_endpoint(capsys):
-    from kvpool.cli import main
+    from kvpool.commands.main import main
 
     assert main(["verify", "--endpoint", "http://127.0.0.1:1/v1"]) == 1
     assert "ConnectError" in capsys.readouterr().err
@@ -46,8 +46,8 @@ def test_argument_errors_and_a_dead_endpoint(capsys):
 
 @pytest.mark.slow  # a whole `kvpool up` cluster: master, node, 2 prefill, 1 decode, gateway
 def test_verify_through_the_openai_gateway(tmp_path):
-    from kvpool.up import Cluster
-    from kvpool.up_config import load_config
+    from kvpool.launch.cluster import Cluster
+    from kvpool.launch.config import load_config
     from kvpool.verify import run_verify_endpoint
 
     config = load_config(overrides={"gateway": {"port": 0}, "cluster": {"ready_timeout_s": 150}})
@@ -68,8 +68,8 @@ def test_cached_tokens_check_needs_the_bytes():
 
 
 def test_the_endpoint_table_says_logits_were_not_compared(capsys):
+    from kvpool.commands.verify import print_table
     from kvpool.verify import Report, Row
-    from kvpool.verify_command import print_table
 
     row = Row("chat", 130, 64, True, None, None, True, "cached")
     report = Report(rows=[row], mode="endpoint").summarize(0.0)

@@ -15,7 +15,7 @@ from kvpool.workloads.stats import trace_stats
 from kvpool.workloads.trace import Request, read_kvpool
 from kvpool.workloads.workload_params import PARAMS, make_params
 
-from kvpool.cli import main
+from kvpool.commands.main import main
 
 
 def _small(workload: str) -> object:

@@ -26,8 +26,8 @@ from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import Request
 from kvpool.workloads.workload_params import make_params
 
-from kvpool.up import Cluster
-from kvpool.up_config import load_config
+from kvpool.launch.cluster import Cluster
+from kvpool.launch.config import load_config
 
 CHECKPOINTS = "end,junction"  # the prefill workers' policy (deploy/local.toml's default, set explicitly)
 CAPACITY = "256MiB"

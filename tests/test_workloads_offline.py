@@ -124,7 +124,7 @@ def test_an_unknown_offline_policy_names_the_valid_ones() -> None:
 def test_replay_runs_the_reference_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from kvpool.cli import main
+    from kvpool.commands.main import main
 
     args = ["replay", "conversation", "--limit", "400", "--policy", "reference", "--capacity-bytes", "89GiB"]
     assert main([*args, "--json", "--no-progress"]) == 0
@@ -153,7 +153,7 @@ def test_an_ssd_tier_without_a_dram_capacity_in_bytes_is_a_clear_error() -> None
 def test_a_sweep_reports_each_point_with_an_eta_even_off_a_terminal(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from kvpool.cli import main
+    from kvpool.commands.main import main
 
     args = [
         "replay",

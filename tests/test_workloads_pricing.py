@@ -18,7 +18,7 @@ from kvpool.workloads.pricing import (
 from kvpool.workloads.provider_cost import ProviderInputs, best_capacity, provider_view
 from kvpool.workloads.specs import get_spec
 
-from kvpool.cli import main
+from kvpool.commands.main import main
 
 
 def test_shipped_profiles_are_the_four_conventions() -> None:
@@ -184,7 +184,7 @@ def test_cli_price_bad_input_exits_2(
 
 
 def test_savings_fraction_prints_as_a_short_decimal(capsys) -> None:
-    from kvpool.cli import main
+    from kvpool.commands.main import main
 
     argv = ["price", "--input-tokens", "1000000", "--cached-tokens", "400000", "--output-tokens", "0"]
     argv.append("--json")

@@ -13,7 +13,7 @@ from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import Request, bundled_trace, read_mooncake
 
-from kvpool.cli import main
+from kvpool.commands.main import main
 
 K3 = get_spec("k3")
 GiB = 2**30

@@ -14,7 +14,7 @@ from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.live import replay_live_async, summarize
 from kvpool.workloads.trace import Request
 
-from kvpool.cli import main
+from kvpool.commands.main import main
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:

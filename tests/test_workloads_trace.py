@@ -21,7 +21,7 @@ from kvpool.workloads.trace import (
 )
 from kvpool.workloads.trace_write import write_kvpool, write_mooncake
 
-from kvpool.cli import main
+from kvpool.commands.main import main
 
 
 def test_shipped_traces_are_the_published_files_with_licence() -> None:

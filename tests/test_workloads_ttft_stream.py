@@ -17,7 +17,7 @@ from kvpool.workloads.trace import Request, arrival_ordered, bundled_trace, read
 from kvpool.workloads.trace_write import write_kvpool
 from kvpool.workloads.ttft import TtftModel
 
-from kvpool.cli import main
+from kvpool.commands.main import main
 
 K3 = get_spec("k3")
 

@@ -20,9 +20,9 @@ import signal
 import sys
 from pathlib import Path
 
+from kvpool.launch.config import runs_root
 from kvpool.runtime import netfaults
 from kvpool.runtime.netns import Host, LinkSpec, NetnsError, Topology, parse_duration_ms, parse_percent
-from kvpool.up_config import runs_root
 
 
 class ChaosError(RuntimeError):

@@ -20,8 +20,8 @@ import time
 import torch
 
 from kvpool.gateway.demo_chats import SCRIPTS, hit_table, run
-from kvpool.up import Cluster
-from kvpool.up_config import load_config
+from kvpool.launch.cluster import Cluster
+from kvpool.launch.config import load_config
 from kvpool.workloads.progress import StepProgress
 
 DEMO_PROMPT = (
@@ -46,7 +46,8 @@ def _mib(n: float) -> str:
 
 
 def run_local(turns: int = 3, overrides: dict | None = None, progress: bool = False) -> dict:
-    """Cluster up (``kvpool.up.Cluster``, gateway on a free port) → ``run`` → cluster down; for ``make demo``.
+    """Cluster up (``kvpool.launch.cluster.Cluster``, gateway on a free port) → ``run`` → cluster down; for
+    ``make demo``.
 
     Returns ``{"results", "table", "base_url", "run_dir", "up_s", "chats_s", "down_s"}``.
     """

@@ -15,13 +15,13 @@ COMMAND_MODULES = (
     "kvpool.model.cli",  # generate
     "kvpool.kvstore.cli",  # store master|node|...
     "kvpool.workloads.cli",  # replay, price, provision, report, trace
-    "kvpool.serve",  # prefill, decode (workers)
-    "kvpool.verify_command",  # verify
-    "kvpool.demo",  # demo
+    "kvpool.commands.worker",  # prefill, decode (workers)
+    "kvpool.commands.verify",  # verify
+    "kvpool.commands.demo",  # demo
     "kvpool.gateway.cli",  # gateway
-    "kvpool.up_command",  # up
-    "kvpool.status",  # status
-    "kvpool.chaos",  # chaos (faults on a --netns cluster)
+    "kvpool.commands.up",  # up
+    "kvpool.commands.status",  # status
+    "kvpool.commands.chaos",  # chaos (faults on a --netns cluster)
 )
 
 

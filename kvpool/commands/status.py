@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvpool.launch.config import runs_root
 from kvpool.runtime.spawn import pid_alive
-from kvpool.up_config import runs_root
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,7 +68,7 @@ def run_status(args: argparse.Namespace) -> int:
     ]
     masters = [r for r in rows if r["role"] == "master"]
     if len(masters) > 1:  # an HA group: say which one leads
-        from kvpool.ha_cluster import leader_of
+        from kvpool.launch.ha_cluster import leader_of
         from kvpool.runtime.cluster_auth import read_secret_file
 
         key = read_secret_file(state["secret_file"]) if state.get("secret_file") else None

@@ -1,6 +1,6 @@
 """``kvpool up`` on the command line: flags, the port check before anything starts, the foreground loop
 that reports a service that exits, and the ordered shutdown on Ctrl-C / SIGTERM. The cluster itself is
-``kvpool.up.Cluster``.
+``kvpool.launch.cluster.Cluster``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from kvpool.launch.cluster import Cluster
+from kvpool.launch.config import DEFAULT_CONFIG, load_config
 from kvpool.runtime.spawn import LaunchError
-from kvpool.up import Cluster
-from kvpool.up_config import DEFAULT_CONFIG, load_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

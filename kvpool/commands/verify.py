@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         return _emit(report, args.json)
     if args.prefill is None:
-        from kvpool.cluster import LocalCluster
+        from kvpool.launch.local_cluster import LocalCluster
         from kvpool.runtime.spawn import LaunchError
 
         try:

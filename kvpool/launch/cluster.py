@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool import ha_cluster
-from kvpool.placement import LoopbackPlacement, NetnsPlacement, Placed, make_placement
+from kvpool.launch import ha_cluster
+from kvpool.launch.config import load_config, runs_root
+from kvpool.launch.placement import LoopbackPlacement, NetnsPlacement, Placed, make_placement
+from kvpool.launch.service_argv import gateway_argv, master_argv, node_argv, worker_argv
 from kvpool.runtime import cluster_auth
 from kvpool.runtime.spawn import Child, LaunchError, wait_ready
 from kvpool.runtime.spawn import start as spawn_start
-from kvpool.service_argv import gateway_argv, master_argv, node_argv, worker_argv
-from kvpool.up_config import load_config, runs_root
 
 STOP_TIMEOUT_S = 10.0
 

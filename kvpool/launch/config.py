@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local.toml"
 
 
 def runs_root() -> Path:

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool.launch.service_argv import master_argv, node_argv, worker_argv
 from kvpool.runtime.spawn import Child, LaunchError, spawn
-from kvpool.service_argv import master_argv, node_argv, worker_argv
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The command lines of kvpool's services, built in one place for both launchers: ``kvpool up``
-(``kvpool.up.Cluster``) and the local cluster tests and benches start (``kvpool.cluster.LocalCluster``).
+(``kvpool.launch.cluster.Cluster``) and the local cluster tests and benches start
+(``kvpool.launch.local_cluster.LocalCluster``).
 
 Each returns the ``python -m`` module and its flags. Store services use the store-only entry points
 (``kvpool.kvstore.cli`` / ``kvpool.kvstore.master.cli``): no torch import, so they start in a fraction of the
@@ -66,7 +67,7 @@ def worker_argv(
 ) -> list[str]:
     """``kvpool prefill`` or ``kvpool decode`` on the shared store."""
     return [
-        "kvpool.cli",
+        "kvpool",
         role,
         "--master",
         master,

@@ -18,7 +18,7 @@ def start_up(base: Path, config: str, *flags: str, timeout_s: float) -> tuple[su
     (base / "cluster.toml").write_text(config)
     run_dir = base / "run"
     env = dict(os.environ, KVPOOL_RUNS=str(base / "runs"))
-    argv = [sys.executable, "-m", "kvpool.cli", "up", *flags]
+    argv = [sys.executable, "-m", "kvpool", "up", *flags]
     with (base / "up.log").open("wb") as log:
         popen = subprocess.Popen(
             [*argv, "--config", str(base / "cluster.toml"), "--run-dir", str(run_dir)],
