@@ -39,7 +39,7 @@ def _rand(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
-async def _measure(args: argparse.Namespace, cluster: object) -> dict:
+async def _measure(args: argparse.Namespace, prefill: str, decode: str) -> dict:
     import torch
     from kvpool.model.loader import load_model
     from kvpool.worker.client import DisaggClient
@@ -52,7 +52,7 @@ async def _measure(args: argparse.Namespace, cluster: object) -> dict:
     rng = random.Random(args.seed)
     tenant = f"ttft-{os.getpid()}"
     base = _rand(rng, L)
-    client = DisaggClient(cluster.prefill, cluster.decode, timeout_s=1200)  # type: ignore[attr-defined]
+    client = DisaggClient(prefill, decode, timeout_s=1200)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     model = load_model(args.model)
     rows = []
@@ -136,16 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="auto", help="workers' store data plane: auto|tcp|shm|ucx")
     p.add_argument("--link-gbps", type=float, default=25.0, help="network rate for the floor (Gbit/s)")
     args = p.parse_args(argv)
-    from kvpool.launch.local_cluster import LocalCluster
+    from kvpool.launch.cluster import Cluster
+    from kvpool.launch.config import load_config
 
-    with LocalCluster(
-        model=args.model,
-        block_size=args.block_size,
-        node_capacity="1GiB",
-        threads=args.threads,
-        transport=args.transport,
-    ) as cluster:
-        result = asyncio.run(_measure(args, cluster))
+    overrides = {
+        "cluster": {"model": args.model, "block_size": args.block_size, "threads": args.threads},
+        "store": {"capacity": "1GiB"},
+        "prefill": {"count": 1, "transport": args.transport},
+        "decode": {"transport": args.transport},
+    }
+    # the bench drives prefill and decode over gRPC itself: no gateway, and no secret it would have to hold
+    with Cluster(load_config(overrides=overrides), gateway=False, auth=False, publish=False) as cluster:
+        result = asyncio.run(_measure(args, cluster.address("prefill-0"), cluster.address("decode-0")))
     print(f"{args.tokens}-token prompts, {args.model}, B={args.block_size}, loadavg {result['loadavg']:.1f}")
     print(
         f"{'hit':>6} {'cached':>7} {'TTFT srv':>9} {'TTFT cli':>9} {'ratio':>6} {'e2e':>8} "

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.harness.up_proc import start_up
+from tests.harness.clusters import start_up
 
 API_KEY = "test-key"
 MODEL = "tiny"

@@ -46,7 +46,7 @@ from kvpool.proto import (
 )
 from kvpool.runtime import cluster_auth
 
-from tests.harness.up_proc import start_up
+from tests.harness.clusters import start_up
 
 pytestmark = pytest.mark.slow
 

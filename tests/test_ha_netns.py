@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from kvpool.runtime import cluster_auth
 
-from tests.harness.up_proc import start_up
+from tests.harness.clusters import start_up
 from tests.test_ha_control_plane import HaCluster, _prompt
 
 pytestmark = pytest.mark.slow

@@ -28,7 +28,7 @@ import pytest
 from kvpool.runtime import cluster_auth
 from kvpool.runtime.netns import run
 
-from tests.harness.up_proc import start_up
+from tests.harness.clusters import start_up
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,6 @@
 """Every service's own Prometheus ``/metrics`` (``--metrics-port``): prefill and decode workers and storage
-nodes as real processes (LocalCluster, ``node_procs``), scraped with httpx before and after real traffic."""
+nodes as real processes (``worker_cluster``, ``node_procs``), scraped with httpx before and after real
+traffic."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from store_helpers import location, start_node
 from kvpool.commands.status import run_status
 from kvpool.launch.cluster import Cluster
 from kvpool.launch.config import load_config
-from kvpool.launch.local_cluster import LocalCluster
+from tests.harness.clusters import worker_cluster
 
 Samples = dict[tuple[str, frozenset], float]
 
@@ -52,18 +53,14 @@ def metrics_addr(ready: dict) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with LocalCluster(
-        log_dir=tmp_path_factory.mktemp("metrics"),
-        worker_args=("--metrics-port", "0"),
-        node_args=("--metrics-port", "0"),
-    ) as c:
+    with worker_cluster(tmp_path_factory.mktemp("metrics")) as c:  # every service's metrics_port is on
         yield c
 
 
 def test_prefill_decode_and_node_metrics_move_with_a_conversation(cluster) -> None:
-    prefill = metrics_addr(cluster.children["prefill"].ready)
-    decode = metrics_addr(cluster.children["decode"].ready)
-    node = metrics_addr(cluster.children["node"].ready)
+    prefill = metrics_addr(cluster.services["prefill-0"].ready)
+    decode = metrics_addr(cluster.services["decode-0"].ready)
+    node = metrics_addr(cluster.services["node-0"].ready)
     p0, d0, n0 = scrape(*prefill), scrape(*decode), scrape(*node)
     assert val(p0, "kvpool_prefill_requests_total", status="ok") == 0
     assert val(d0, "kvpool_decode_requests_total", status="ok") == 0
@@ -74,7 +71,7 @@ def test_prefill_decode_and_node_metrics_move_with_a_conversation(cluster) -> No
     params = SamplingParams(max_tokens=70, ignore_eos=True)  # 200 + 69 consumed: decode pushes a block
 
     async def go():
-        client = DisaggClient(cluster.prefill, cluster.decode, timeout_s=60)
+        client = DisaggClient(cluster.address("prefill-0"), cluster.address("decode-0"), timeout_s=60)
         try:
             return [
                 await client.complete(PrefillRequest(f"m{i}", p, "tenant", params), return_logits=False)
@@ -117,7 +114,7 @@ def test_prefill_decode_and_node_metrics_move_with_a_conversation(cluster) -> No
     assert val(d1, "kvpool_decode_request_seconds_count") == 2
     assert val(d1, "kvpool_decode_resumes_total", path="tail") == 2
 
-    # node: what the workers pushed landed over tcp (LocalCluster's transport) and the reuse read it back
+    # node: what the workers pushed landed over tcp (worker_cluster's transport) and the reuse read it back
     assert val(n1, "kvpool_node_transport_bytes_total", transport="tcp", direction="in") > val(
         n0, "kvpool_node_transport_bytes_total", transport="tcp", direction="in"
     )

@@ -1,5 +1,6 @@
 """Disaggregated serving over real processes: master + storage node + prefill + decode workers on loopback
-(LocalCluster), compared with the colocated no-cache reference computed in this process."""
+(``tests.harness.clusters.worker_cluster``), compared with the colocated no-cache reference computed in this
+process."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from kvpool.worker.sampling import SamplingParams
 from kvpool.worker.wire import request_to_pb
 
 from kvpool.colocated import Colocated
-from kvpool.launch.local_cluster import LocalCluster
+from tests.harness.clusters import worker_cluster
 
 B = 64
 GREEDY3 = SamplingParams(max_tokens=3)
@@ -31,14 +32,14 @@ GREEDY3 = SamplingParams(max_tokens=3)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with LocalCluster(log_dir=tmp_path_factory.mktemp("serving")) as c:
+    with worker_cluster(tmp_path_factory.mktemp("serving")) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def model():
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)  # LocalCluster workers run --threads 1: same kernels on both sides
+    torch.set_num_threads(1)  # the cluster's workers run --threads 1: same kernels on both sides
     torch.use_deterministic_algorithms(True)
     yield load_model("tiny")
     torch.set_num_threads(threads)
@@ -57,7 +58,7 @@ def reference(model):
 
 def remote(cluster, requests):
     async def go():
-        client = DisaggClient(cluster.prefill, cluster.decode, timeout_s=60)
+        client = DisaggClient(cluster.address("prefill-0"), cluster.address("decode-0"), timeout_s=60)
         try:
             return [await client.complete(r) for r in requests]
         finally:
@@ -124,7 +125,7 @@ def test_stored_keys_are_the_independent_hash_chain(cluster, model):
     hashes = hash_blocks(prompt, B, root_hash(model.fingerprint(), "tk"))
 
     async def probe():
-        async with AsyncStoreClient(cluster.master, "tcp") as c:
+        async with AsyncStoreClient(cluster.master_address, "tcp") as c:
             return await c.batch_exists([*map(mla_key, hashes), *map(kda_key, hashes)])
 
     exists = asyncio.run(probe())
@@ -159,7 +160,7 @@ def test_corrupt_stored_object_is_detected_and_recomputed(cluster, reference, mo
     other_hashes = hash_blocks(other, B, root_hash(model.fingerprint(), "tc"))
 
     async def plant():
-        async with AsyncStoreClient(cluster.master, "tcp") as c:
+        async with AsyncStoreClient(cluster.master_address, "tcp") as c:
             good = await c.batch_get(
                 [mla_key(other_hashes[0]), mla_key(other_hashes[1]), kda_key(other_hashes[1])]
             )
@@ -180,7 +181,7 @@ def test_corrupt_stored_object_is_detected_and_recomputed(cluster, reference, mo
 
 def test_bad_requests_are_invalid_argument(cluster):
     async def go():
-        async with grpc.aio.insecure_channel(cluster.prefill) as ch:
+        async with grpc.aio.insecure_channel(cluster.address("prefill-0")) as ch:
             stub = prefill_pb2_grpc.PrefillStub(ch)
             codes = []
             for prompt, sp in (([], GREEDY3), ([5, 99999], GREEDY3), ([5], SamplingParams(top_p=2.0))):
@@ -192,7 +193,7 @@ def test_bad_requests_are_invalid_argument(cluster):
             reply = await stub.Prefill(
                 request_to_pb(PrefillRequest("ok", [5, 6, 7], "t", GREEDY3)), timeout=30
             )
-        async with grpc.aio.insecure_channel(cluster.decode) as ch:
+        async with grpc.aio.insecure_channel(cluster.address("decode-0")) as ch:
             bad = handoff_to_pb_with_wrong_hash(reply.handoff)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 async for _ in decode_pb2_grpc.DecodeStub(ch).Generate(
@@ -219,7 +220,7 @@ def test_sampling_stop_strings_and_deadlines_over_grpc(cluster, reference):
     (full,) = remote(cluster, [PrefillRequest("nostop", prompt, "ts", greedy)])
 
     async def too_short():
-        client = DisaggClient(cluster.prefill, cluster.decode, timeout_s=0.001)
+        client = DisaggClient(cluster.address("prefill-0"), cluster.address("decode-0"), timeout_s=0.001)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await client.complete(PrefillRequest("late", prompt, "ts", greedy))
@@ -250,7 +251,7 @@ def test_killing_the_storage_node_mid_request_still_gives_the_reference(cluster,
     cut = [rng.randrange(3, 1000) for _ in range(100)]
 
     async def go():
-        client = DisaggClient(cluster.prefill, cluster.decode, timeout_s=60)
+        client = DisaggClient(cluster.address("prefill-0"), cluster.address("decode-0"), timeout_s=60)
         try:
             reply = await client.prefill(PrefillRequest("cut", cut, "tkill", sp))
             assert reply.handoff.tail_stored
@@ -259,7 +260,7 @@ def test_killing_the_storage_node_mid_request_still_gives_the_reference(cluster,
                 for k, p in enumerate(prompts)
             ]
             await asyncio.sleep(0.05)
-            cluster.children["node"].kill()
+            cluster.services["node-0"].kill()
             chunks = [
                 c
                 async for c in client.decode_stub.Generate(
@@ -283,7 +284,7 @@ def test_killing_the_storage_node_mid_request_still_gives_the_reference(cluster,
         assert late.tokens == reference(prompts[0], sp).tokens
         assert late.prefill.cached_tokens == 0
     finally:
-        cluster.start_node()
+        cluster.restart("node-0")
 
 
 @pytest.mark.slow  # starts three more worker processes (~15 s on 2 busy cores)
@@ -330,7 +331,8 @@ def test_verify_against_given_workers(cluster):
     """`kvpool verify --prefill/--decode` path: the fixed prompt set against this module's workers."""
     from kvpool.verify import run_verify
 
-    report = asyncio.run(run_verify("tiny", cluster.prefill, cluster.decode, tenant="given"))
+    prefill, decode = cluster.address("prefill-0"), cluster.address("decode-0")
+    report = asyncio.run(run_verify("tiny", prefill, decode, tenant="given"))
     assert report.ok and report.identical == report.requests
     assert report.cached_tokens > 0 and report.cached_tokens_verified
 
@@ -341,7 +343,7 @@ def test_colocated_worker_serves_both_contracts(cluster, reference, tmp_path):
 
     child = spawn(
         "colocated",
-        ["kvpool", "decode", "--colocated", "--master", cluster.master, "--threads", "1"],
+        ["kvpool", "decode", "--colocated", "--master", cluster.master_address, "--threads", "1"],
         tmp_path,
     )
     try:

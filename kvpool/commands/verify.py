@@ -92,15 +92,22 @@ def run(args: argparse.Namespace) -> int:
             return 1
         return _emit(report, args.json)
     if args.prefill is None:
-        from kvpool.launch.local_cluster import LocalCluster
+        from kvpool.launch.cluster import Cluster
+        from kvpool.launch.config import load_config
         from kvpool.runtime.spawn import LaunchError
 
+        # the workers run the reference's model, block size and torch threads (bitwise comparisons need the
+        # same kernels); the checks use one prefill worker
+        cluster_flags = {"model": args.model, "block_size": args.block_size, "threads": args.threads}
+        config = load_config(overrides={"cluster": cluster_flags, "prefill": {"count": 1}})
         try:
-            cluster = LocalCluster(model=args.model, block_size=args.block_size, threads=args.threads).start()
+            # no gateway (the checks call the workers' gRPC), no secret (this process holds none), and a
+            # `kvpool up` already running stays the one `kvpool status` shows
+            cluster = Cluster(config, gateway=False, auth=False, publish=False).start()
         except LaunchError as exc:
             print(f"kvpool verify: {exc}", file=sys.stderr)
             return 1
-        prefill, decode = cluster.prefill, cluster.decode
+        prefill, decode = cluster.address("prefill-0"), cluster.address("decode-0")
     else:
         prefill, decode = args.prefill, args.decode
     try:

@@ -1,12 +1,15 @@
-"""``kvpool up``: the whole cluster as separate processes on loopback, and its Python API.
+"""``Cluster``: the one way kvpool starts a cluster of its services as child processes, used by ``kvpool up``,
+``kvpool verify`` (its local cluster), ``make demo``, the tests and the benchmarks.
 
 ``Cluster`` starts, in order, the store master, the storage node(s), the prefill and decode workers (all
-workers at once: their torch imports overlap) and the gateway; every child binds port 0 (the gateway its
-configured port) and announces itself with one JSON readiness line, read from its log file under a deadline.
+workers at once: their torch imports overlap) and, unless ``gateway=False``, the gateway; every child binds
+port 0 (the gateway its configured port) and announces itself with one JSON readiness line, read from its log
+file under a deadline. One set of defaults, ``deploy/local.toml`` (``kvpool.launch.config``): a caller that
+needs something else (one prefill, fast heartbeats, a tcp-only data plane) passes it as config overrides.
 Each service logs to ``<run dir>/<name>.log``. ``stop`` (also on Ctrl-C / SIGTERM) terminates the gateway,
 then the workers, then the store, SIGKILLs what does not exit in time and unlinks any storage-node shared
-memory segment left behind. ``state.json`` in the run dir (copied to ``<runs root>/current.json``) records
-pids, ports and logs for ``kvpool status``.
+memory segment left behind. ``state.json`` in the run dir (with ``publish``, also copied to
+``<runs root>/current.json``) records pids, ports and logs for ``kvpool status`` and ``kvpool chaos``.
 
 Why children get their own session: Ctrl-C in a terminal signals the whole foreground process group; the
 launcher, not the terminal, must decide the shutdown order (workers flush pushes before the store goes).
@@ -23,7 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +51,14 @@ def _metrics_args(section: dict, i: int) -> list[str]:
 
 
 @dataclass
-class Service(Child):
-    """One service of the cluster: a spawned child (``kvpool.runtime.spawn``) with its role."""
+class ServiceProcess(Child):
+    """The process of one service of the cluster: a spawned child (``kvpool.runtime.spawn``) with its role,
+    and what ``Cluster.restart`` needs to start it again (its argv and where it was placed)."""
 
     role: str = ""
     netns: str | None = None
+    argv: list[str] = field(default_factory=list)
+    placed: Placed = field(default_factory=Placed)
 
     @property
     def port(self) -> int:
@@ -89,6 +95,13 @@ class Cluster:
 
     Call ``start`` from a thread that outlives the cluster (the main thread, normally): the kernel ties the
     children's death signal to the thread that spawned them.
+
+    ``gateway=False`` stops at the workers (callers that drive prefill and decode over gRPC themselves).
+    ``auth=False`` runs without a cluster secret, for callers that talk to the workers or the store from
+    their own process and hold no secret (tests, ``kvpool verify``, benchmarks). ``publish=False`` leaves
+    ``<runs root>/current.json`` alone, so a ``kvpool up`` already running stays the one ``kvpool status``
+    shows. ``netns``/``link``: every service in its own network namespace (``placement``); ``ha``: two
+    masters elected through ``etcd_members`` etcd members (``ha_cluster``).
     """
 
     def __init__(
@@ -100,13 +113,17 @@ class Cluster:
         link: str | None = None,
         ha: bool = False,
         etcd_members: int = 1,
+        gateway: bool = True,
+        auth: bool = True,
+        publish: bool = True,
     ) -> None:
         self.config = config or load_config()
         self.run_dir = run_dir or runs_root() / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        self.services: dict[str, Service] = {}
+        self.services: dict[str, ServiceProcess] = {}
         self.fingerprint: str | None = None
         self._netns, self._link = netns, link
         self._ha, self._etcd_members = ha, etcd_members
+        self._gateway, self._auth, self._publish = gateway, auth, publish
         self.master_address = ""  # what every client is given: one address, or the HA group's list
         self.secret_file: Path | None = None  # this run's cluster secret (every internal listener needs it)
         self.placement: LoopbackPlacement | NetnsPlacement = LoopbackPlacement()
@@ -114,31 +131,42 @@ class Cluster:
     # -- processes ---------------------------------------------------------------------------------------
     def _spawn(
         self, name: str, role: str, argv: list[str], *, isolated: bool = False, placed: Placed | None = None
-    ) -> Service:
+    ) -> ServiceProcess:
         """Start one service; ``isolated`` services get their own namespace under ``--netns`` (and bind its
         IP), the others (the gateway, test helpers) stay in the launcher's namespace."""
         log_path = self.run_dir / f"{name}.log"
         if placed is None:
             placed = self.placement.place(name) if isolated else Placed()
-        if placed.netns:
-            argv = [*argv, "--host", placed.host]
+        full_argv = [*argv, "--host", placed.host] if placed.netns else list(argv)
         env = {cluster_auth.ENV_FILE: str(self.secret_file)} if self.secret_file else None
         svc = spawn_start(
-            name, argv, log_path, own_session=True, child_type=Service, role=role,
-            prefix=placed.prefix, netns=placed.netns, env=env,
+            name, full_argv, log_path, own_session=True, child_type=ServiceProcess, role=role,
+            prefix=placed.prefix, netns=placed.netns, env=env, argv=list(argv), placed=placed,
         )  # fmt: skip
         self.services[name] = svc
         return svc
 
-    def _wait_ready(self, svc: Service, timeout_s: float) -> dict:
+    def _wait_ready(self, svc: ServiceProcess, timeout_s: float) -> dict:
         return wait_ready(svc, timeout_s)
+
+    def restart(self, name: str) -> ServiceProcess:
+        """Start service ``name`` again, same flags and place, once it has exited or been killed (a test's
+        storage node after a fault); waits for its readiness line. The old process's shared memory segment,
+        if any, is unlinked: nobody can attach to a dead node's pool again."""
+        old = self.services[name]
+        old.kill()
+        self._unlink_shm(old)
+        svc = self._spawn(name, old.role, old.argv, placed=old.placed)
+        self._wait_ready(svc, float(self.config["cluster"].get("ready_timeout_s", 90)))
+        self.write_state()
+        return svc
 
     def start(self) -> Cluster:
         c = self.config
         cl, m, st, pf, dc = c["cluster"], c["master"], c["store"], c["prefill"], c["decode"]
         timeout = float(cl.get("ready_timeout_s", 90))
         try:
-            self.secret_file = self._write_secret()
+            self.secret_file = self._write_secret() if self._auth else None
             self.placement = make_placement(self.run_dir, self._netns, self._link)
             if self._ha:
                 # etcd members get their namespaces first: each one's peers must be named at its start
@@ -157,7 +185,7 @@ class Cluster:
                 ]
                 for master in masters:
                     self._wait_ready(master, timeout)
-                key = cluster_auth.read_secret_file(str(self.secret_file))
+                key = cluster_auth.read_secret_file(str(self.secret_file)) if self.secret_file else None
                 ha_cluster.wait_for_leader([s.address for s in masters], timeout, key=key)
             else:
                 masters = [self._spawn("master", "master", self._master_argv(m, 0), isolated=True)]
@@ -189,10 +217,12 @@ class Cluster:
             for svc in [*nodes, *workers]:
                 self._wait_ready(svc, timeout)
             self.fingerprint = workers[0].ready.get("fingerprint")
-            argv = gateway_argv(self.config, master, [(w.role, w.address) for w in workers], self.fingerprint)
-            gateway = self._spawn("gateway", "gateway", argv)
-            self._wait_ready(gateway, timeout)
-            self._wait_healthy(timeout)
+            if self._gateway:
+                argv = gateway_argv(
+                    self.config, master, [(w.role, w.address) for w in workers], self.fingerprint
+                )
+                self._wait_ready(self._spawn("gateway", "gateway", argv), timeout)
+                self._wait_healthy(timeout)
             self.write_state()
         except BaseException:
             self.stop()
@@ -219,7 +249,9 @@ class Cluster:
             node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
         )
 
-    def _spawn_workers(self, role: str, master: str, section: dict, role_flags: list[str]) -> list[Service]:
+    def _spawn_workers(
+        self, role: str, master: str, section: dict, role_flags: list[str]
+    ) -> list[ServiceProcess]:
         """Start ``section["count"]`` workers of ``role``; all start at once (their torch imports overlap)."""
         cl = self.config["cluster"]
         return [
@@ -268,8 +300,12 @@ class Cluster:
     def base_url(self) -> str:
         return self.services["gateway"].ready["url"]
 
-    def by_role(self, role: str) -> list[Service]:
+    def by_role(self, role: str) -> list[ServiceProcess]:
         return [s for s in self.services.values() if s.role == role]
+
+    def address(self, name: str) -> str:
+        """``host:port`` of service ``name`` (``master``, ``node-0``, ``prefill-0``, ``decode-0``...)."""
+        return self.services[name].address
 
     # -- state ------------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -288,7 +324,7 @@ class Cluster:
     def write_state(self) -> Path:
         path = self.run_dir / "state.json"
         data = json.dumps(self.state(), indent=2)
-        for p in (path, runs_root() / "current.json"):
+        for p in (path, runs_root() / "current.json") if self._publish else (path,):
             p.parent.mkdir(parents=True, exist_ok=True)
             tmp = p.with_suffix(".tmp")
             tmp.write_text(data)
@@ -315,14 +351,19 @@ class Cluster:
             shutil.rmtree(ssd, ignore_errors=True)
         self.placement.close()
         for s in self.by_role("node"):
-            name = s.ready.get("shm_name")
-            if name:
-                with contextlib.suppress(FileNotFoundError, OSError):
-                    os.unlink(f"/dev/shm/{name.lstrip('/')}")
+            self._unlink_shm(s)
         current = runs_root() / "current.json"
         with contextlib.suppress(FileNotFoundError, ValueError, OSError):
             if json.loads(current.read_text()).get("run_dir") == str(self.run_dir):
                 current.unlink()
+
+    @staticmethod
+    def _unlink_shm(node: ServiceProcess) -> None:
+        """A storage node's shared memory pool outlives a killed node; the launcher removes it."""
+        name = node.ready.get("shm_name")
+        if name:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                os.unlink(f"/dev/shm/{name.lstrip('/')}")
 
     def __enter__(self) -> Cluster:
         return self.start()

@@ -1,6 +1,5 @@
-"""The command lines of kvpool's services, built in one place for both launchers: ``kvpool up``
-(``kvpool.launch.cluster.Cluster``) and the local cluster tests and benches start
-(``kvpool.launch.local_cluster.LocalCluster``).
+"""The command lines of kvpool's services, built in one place for the launcher (``kvpool.launch.cluster``),
+which ``kvpool up``, ``kvpool verify``, the tests and the benchmarks all use.
 
 Each returns the ``python -m`` module and its flags. Store services use the store-only entry points
 (``kvpool.kvstore.cli`` / ``kvpool.kvstore.master.cli``): no torch import, so they start in a fraction of the
