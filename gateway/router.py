@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from kvpool.cache.hashing import hash_blocks, root_hash
 from kvpool.gateway.errors import BackendUnavailable, Overloaded
 from kvpool.gateway.workers import Worker, WorkerPool
-from kvpool.kvstore.client.master_link import MasterLink
 from kvpool.kvstore.errors import StoreError
+from kvpool.kvstore.protocol.master_link import MasterLink
 from kvpool.proto import master_pb2
 
 log = logging.getLogger("kvpool.gateway")
@@ -76,8 +76,8 @@ class Plan:
 class PrefixProbe:
     """``MatchPrefix(counts_only=true)`` against the master under a short deadline.
 
-    Goes through ``MasterLink``: the master's binary wire when it advertises one (~0.1 ms per call instead
-    of ~0.5 ms of Python gRPC, which the gateway pays once per request before routing), else gRPC.
+    Goes through ``MasterLink`` (the master wire, under this probe's short deadline): the gateway pays it
+    once per request before routing.
     """
 
     def __init__(

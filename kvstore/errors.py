@@ -2,12 +2,13 @@
 
 Callers branch on the type, never on message text: a missing object (``ObjectNotFoundError``) is not an
 empty object, a corrupt one (``CorruptObjectError``) is a miss to recompute, and a dead or slow peer
-(``StoreUnavailableError`` / ``TransportTimeoutError``) is retryable. Each error carries a short wire ``code``
-so the tcp / ucx frames and gRPC statuses map back to the same class on the other side.
+(``StoreUnavailableError`` / ``TransportTimeoutError``) is retryable.
 
-This is the one error hierarchy of the store boundary: the index's (``StoreIndexError``) and the master's
-(``MasterError``) errors derive from ``StoreError`` too, and ``grpc_status`` is the one table a server
-answers with (``kvpool.kvstore.protocol.grpc_errors.status_of``).
+This is the one error hierarchy of the store: the master, the nodes, the index (``StoreIndexError``) and the
+client raise these classes. Each class's ``code`` is its number in the one status table (:data:`_BY_CODE`,
+:func:`error_for_code`) that every framed boundary carries: the master wire's reply status, the tcp / ucx
+data-plane frames. So the receiving side raises the very class the other side raised, no translation. (The
+storage node's gRPC control plane, which only the master calls, answers with ``grpc_status``.)
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 class StoreError(Exception):
     """Base of every store error."""
 
-    code = 255  # wire status code (see ``error_for_code``)
-    grpc_status = "INTERNAL"  # the one mapping to gRPC (kvpool.kvstore.protocol.grpc_errors)
+    code = 255  # wire status code (see ``error_for_code``); the base class: an internal error
+    grpc_status = "INTERNAL"  # what the node's gRPC control plane answers it with (node/process.py)
 
 
 class ObjectNotFoundError(StoreError, KeyError):
@@ -159,25 +160,3 @@ _BY_CODE: dict[int, type[StoreError]] = {
 def error_for_code(code: int, message: str) -> StoreError:
     """Rebuild the typed error a peer reported in a wire frame (unknown codes become ``StoreError``)."""
     return _BY_CODE.get(code, StoreError)(message)
-
-
-class MasterError(StoreError):
-    """A request the master refuses; ``grpc_status`` is the status the server answers with."""
-
-    grpc_status = "INTERNAL"
-
-
-class InvalidRequest(MasterError):
-    grpc_status = "INVALID_ARGUMENT"
-
-
-class NotFound(MasterError):
-    grpc_status = "NOT_FOUND"
-
-
-class ResourceExhausted(MasterError):
-    grpc_status = "RESOURCE_EXHAUSTED"
-
-
-class FailedPrecondition(MasterError):
-    grpc_status = "FAILED_PRECONDITION"

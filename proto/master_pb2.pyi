@@ -13,20 +13,16 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("wire_port", "instance", "wire_methods", "epoch", "leader", "leader_address")
-    WIRE_PORT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("instance", "epoch", "leader", "leader_address")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
-    WIRE_METHODS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    wire_port: int
     instance: str
-    wire_methods: _containers.RepeatedScalarFieldContainer[str]
     epoch: int
     leader: bool
     leader_address: str
-    def __init__(self, wire_port: _Optional[int] = ..., instance: _Optional[str] = ..., wire_methods: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., leader: _Optional[bool] = ..., leader_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, instance: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[bool] = ..., leader_address: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "dram_capacity_bytes", "ssd_capacity_bytes", "inventory")
@@ -136,9 +132,9 @@ class ItemError(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    code: str
+    code: int
     message: str
-    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PutStartBatchRequest(_message.Message):
     __slots__ = ("items",)

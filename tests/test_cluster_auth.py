@@ -9,7 +9,7 @@ import os
 import grpc
 import pytest
 from kvpool.kvstore.errors import NotLeaderError
-from kvpool.kvstore.protocol.master_addresses import MasterAddresses
+from kvpool.kvstore.protocol.master_link import MasterAddresses
 from kvpool.runtime import cluster_auth
 from kvpool.runtime.cluster_auth import HELLO_SIZE, HelloCheck, hello, load_secret
 
@@ -54,27 +54,27 @@ def test_the_secret_comes_from_a_file_or_the_environment_and_must_be_long(tmp_pa
 
 def test_grpc_calls_without_the_token_are_refused_before_the_handler_runs() -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from kvpool.proto import master_pb2, master_pb2_grpc
+    from kvpool.proto import node_pb2, node_pb2_grpc
     from kvpool.runtime.grpc_server import GrpcServer
 
     ran: list[str] = []
 
-    class Master(master_pb2_grpc.MasterServicer):
-        async def Stats(self, request, context):  # type: ignore[no-untyped-def]
-            ran.append("Stats")
-            return master_pb2.StatsReply()
+    class Node(node_pb2_grpc.StorageNodeServicer):
+        async def Info(self, request, context):  # type: ignore[no-untyped-def]
+            ran.append("Info")
+            return node_pb2.NodeInfoReply()
 
     async def body() -> None:
         cluster_auth.configure(KEY)
         try:
             server = GrpcServer(
-                {"m": lambda s: master_pb2_grpc.add_MasterServicer_to_server(Master(), s)}, "127.0.0.1", 0
+                {"n": lambda s: node_pb2_grpc.add_StorageNodeServicer_to_server(Node(), s)}, "127.0.0.1", 0
             )
             port = await server.start()
             address = f"127.0.0.1:{port}"
             async with grpc.aio.insecure_channel(address) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await master_pb2_grpc.MasterStub(ch).Stats(master_pb2.StatsRequest(), timeout=5)
+                    await node_pb2_grpc.StorageNodeStub(ch).Info(node_pb2.NodeInfoRequest(), timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 health = await health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(), timeout=5
@@ -82,8 +82,8 @@ def test_grpc_calls_without_the_token_are_refused_before_the_handler_runs() -> N
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
             assert ran == []
             async with cluster_auth.aio_channel(address) as ch:
-                await master_pb2_grpc.MasterStub(ch).Stats(master_pb2.StatsRequest(), timeout=5)
-            assert ran == ["Stats"]
+                await node_pb2_grpc.StorageNodeStub(ch).Info(node_pb2.NodeInfoRequest(), timeout=5)
+            assert ran == ["Info"]
             await server.stop(0)
         finally:
             cluster_auth.configure(None)

@@ -1,4 +1,5 @@
-"""The master in a real subprocess over gRPC: puts, leases, node loss, recovery, bad input, health."""
+"""The master in a real subprocess over the master wire: puts, leases, node loss, recovery, bad input,
+health."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, ObjectNotFoundError, StoreError
 from kvpool.kvstore.keys import kda_key, mla_key
+from kvpool.kvstore.protocol.master_link import MasterLink
 from kvpool.proto import common_pb2, master_pb2
 
 from tests.harness.master_proc import DEADLINE_S, MasterProcess, ProbeNode, wait_until
@@ -39,9 +40,9 @@ def meta(key: bytes, size: int = 100, kind: int = common_pb2.BLOB, **kw: object)
 
 def put(m: MasterProcess, md: common_pb2.ObjectMeta) -> master_pb2.PutStartReply:
     """Two-phase put without payload (the probe node holds no bytes): start, then commit."""
-    reply = m.stub.PutStart(master_pb2.PutStartRequest(meta=md), timeout=T)
+    reply = m.call("PutStart", master_pb2.PutStartRequest(meta=md))
     if reply.status == STARTED:
-        m.stub.PutCommit(master_pb2.PutCommitRequest(put_id=reply.put_id), timeout=T)
+        m.call("PutCommit", master_pb2.PutCommitRequest(put_id=reply.put_id))
     return reply
 
 
@@ -67,7 +68,7 @@ def put_chain(
 def match(m: MasterProcess, hs: list[bytes], **kw: object) -> master_pb2.MatchPrefixReply:
     kw.setdefault("require_checkpoint", True)
     req = master_pb2.MatchPrefixRequest(block_hashes=hs, **kw)  # type: ignore[arg-type]
-    return m.stub.MatchPrefix(req, timeout=T)
+    return m.call("MatchPrefix", req)
 
 
 @pytest.fixture
@@ -94,14 +95,14 @@ def test_two_phase_put_visible_only_after_commit(master: MasterProcess, node: Pr
         meta(kda_key(hs[0]), kind=common_pb2.KDA_CHECKPOINT),
     )
     for md in pair:
-        reply = master.stub.PutStart(master_pb2.PutStartRequest(meta=md), timeout=T)
+        reply = master.call("PutStart", master_pb2.PutStartRequest(meta=md))
         assert reply.status == STARTED and reply.node.node_id == "n0" and reply.node.grpc_port == node.port
         assert reply.deadline_ms == 400
         started.append(reply.put_id)
     assert match(master, hs).mla_run_blocks == 0, "a pending put must be invisible"
-    assert list(master.stub.Lookup(master_pb2.LookupRequest(keys=[mla_key(hs[0])]), timeout=T).missing)
+    assert list(master.call("Lookup", master_pb2.LookupRequest(keys=[mla_key(hs[0])])).missing)
     for put_id in started:
-        master.stub.PutCommit(master_pb2.PutCommitRequest(put_id=put_id), timeout=T)
+        master.call("PutCommit", master_pb2.PutCommitRequest(put_id=put_id))
     got = match(master, hs)
     assert (got.usable_blocks, got.mla_run_blocks, list(got.checkpoint_blocks)) == (1, 1, [1])
     assert got.mla[0].meta.key == mla_key(hs[0]) and got.mla[0].node.node_id == "n0"
@@ -117,7 +118,7 @@ def test_concurrent_duplicate_puts_start_exactly_once(master: MasterProcess, nod
 
     def racer() -> None:
         barrier.wait(timeout=T)
-        reply = master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(key)), timeout=T)
+        reply = master.call("PutStart", master_pb2.PutStartRequest(meta=meta(key)))
         with lock:
             statuses.append(reply.status)
 
@@ -132,27 +133,25 @@ def test_concurrent_duplicate_puts_start_exactly_once(master: MasterProcess, nod
 
 
 def test_abandoned_put_is_aborted_and_node_told_to_delete(master: MasterProcess, node: ProbeNode) -> None:
-    reply = master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"abandoned")), timeout=T)
+    reply = master.call("PutStart", master_pb2.PutStartRequest(meta=meta(b"abandoned")))
     assert reply.status == STARTED
     assert master.stats().pending_puts == 1
     took = wait_until(lambda: master.stats().pending_puts == 0, timeout_s=3.0)
     assert took < 1.5
     wait_until(lambda: b"abandoned" in node.orders("delete"), timeout_s=3.0)
-    with pytest.raises(grpc.RpcError) as err:
-        master.stub.PutCommit(master_pb2.PutCommitRequest(put_id=reply.put_id), timeout=T)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(ObjectNotFoundError):
+        master.call("PutCommit", master_pb2.PutCommitRequest(put_id=reply.put_id))
     assert master.stats().counters["puts_abandoned"] == 1
     # the key is free again
     assert put(master, meta(b"abandoned")).status == STARTED
 
 
 def test_abort_frees_key_and_orders_delete(master: MasterProcess, node: ProbeNode) -> None:
-    reply = master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"k")), timeout=T)
-    master.stub.PutAbort(master_pb2.PutAbortRequest(put_id=reply.put_id, reason="transfer failed"), timeout=T)
+    reply = master.call("PutStart", master_pb2.PutStartRequest(meta=meta(b"k")))
+    master.call("PutAbort", master_pb2.PutAbortRequest(put_id=reply.put_id, reason="transfer failed"))
     wait_until(lambda: b"k" in node.orders("delete"), timeout_s=3.0)
-    with pytest.raises(grpc.RpcError) as err:
-        master.stub.PutAbort(master_pb2.PutAbortRequest(put_id=reply.put_id), timeout=T)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(ObjectNotFoundError):
+        master.call("PutAbort", master_pb2.PutAbortRequest(put_id=reply.put_id))
 
 
 def test_lease_pins_until_release_or_deadline(master: MasterProcess, tmp_path: Path) -> None:
@@ -167,8 +166,8 @@ def test_lease_pins_until_release_or_deadline(master: MasterProcess, tmp_path: P
         assert master.stats().active_leases == 1
         put(master, meta(b"fill", 390))  # 990 > 950: evict to 850 -- the leased chain cannot go
         assert match(master, hs).usable_blocks == 2
-        master.stub.Release(master_pb2.ReleaseRequest(lease_id=got.lease_id), timeout=T)
-        master.stub.Release(master_pb2.ReleaseRequest(lease_id=got.lease_id), timeout=T)  # idempotent
+        master.call("Release", master_pb2.ReleaseRequest(lease_id=got.lease_id))
+        master.call("Release", master_pb2.ReleaseRequest(lease_id=got.lease_id))  # idempotent
         put(master, meta(b"fill2", 10))
         assert match(master, hs).usable_blocks == 0, "released: the cold chain is evicted first"
         wait_until(lambda: kda_key(hs[1]) in n.orders("delete"), timeout_s=3.0)
@@ -209,11 +208,10 @@ def test_dead_node_dropped_within_deadline(master: MasterProcess, node: ProbeNod
     st = master.stats()
     assert st.objects == 0 and st.bytes == 0 and st.counters["nodes_lost"] == 1
     assert match(master, chain(3)).mla_run_blocks == 0
-    beat = master.stub.Heartbeat(master_pb2.HeartbeatRequest(node_id="n0"), timeout=T)
+    beat = master.call("Heartbeat", master_pb2.HeartbeatRequest(node_id="n0"))
     assert beat.reregister, "an unknown node is asked to re-register with its inventory"
-    with pytest.raises(grpc.RpcError) as err:  # no node left: placement fails cleanly
-        master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"x")), timeout=T)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(CapacityExceededError):  # no node left: placement fails cleanly
+        master.call("PutStart", master_pb2.PutStartRequest(meta=meta(b"x")))
 
 
 def test_restarted_master_rebuilds_from_inventories(tmp_path: Path) -> None:
@@ -233,7 +231,7 @@ def test_restarted_master_rebuilds_from_inventories(tmp_path: Path) -> None:
             a.master = b.master = m2
             assert m2.stats().objects == 0
             for probe in (a, b):
-                beat = m2.stub.Heartbeat(master_pb2.HeartbeatRequest(node_id=probe.node_id), timeout=T)
+                beat = m2.call("Heartbeat", master_pb2.HeartbeatRequest(node_id=probe.node_id))
                 assert beat.reregister
             # each node reports what it holds; children before parents on purpose (order must not matter)
             for probe in (a, b):
@@ -262,58 +260,42 @@ def test_restarted_master_rebuilds_from_inventories(tmp_path: Path) -> None:
 
 
 def test_bad_input_gets_clear_errors_and_server_keeps_serving(master: MasterProcess, node: ProbeNode) -> None:
-    s = master.stub
-    bad, exhausted = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
+    bad, exhausted = BadRequestError, CapacityExceededError
     cases = [
-        (s.MatchPrefix, master_pb2.MatchPrefixRequest(block_hashes=[b"short"]), bad, "32 bytes"),
-        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"")), grpc.StatusCode.INVALID_ARGUMENT, "key"),
+        ("MatchPrefix", master_pb2.MatchPrefixRequest(block_hashes=[b"short"]), bad, "32 bytes"),
+        ("PutStart", master_pb2.PutStartRequest(meta=meta(b"")), bad, "key"),
+        ("PutStart", master_pb2.PutStartRequest(meta=meta(b"k", size=0)), bad, "size"),
         (
-            s.PutStart,
-            master_pb2.PutStartRequest(meta=meta(b"k", size=0)),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "size",
-        ),
-        (
-            s.PutStart,
+            "PutStart",
             master_pb2.PutStartRequest(meta=meta(b"M" + b"x" * 3, kind=common_pb2.MLA_BLOCK)),
-            grpc.StatusCode.INVALID_ARGUMENT,
+            bad,
             "MLA",
         ),
+        ("PutStart", master_pb2.PutStartRequest(meta=meta(b"T1", kind=common_pb2.REQUEST_TAIL)), bad, "TTL"),
+        ("PutStart", master_pb2.PutStartRequest(meta=meta(b"huge", size=10**12)), exhausted, "capacity"),
+        ("PutStart", master_pb2.PutStartRequest(meta=meta(b"k", kind=99)), bad, "kind"),
+        ("PutCommit", master_pb2.PutCommitRequest(put_id="nope"), ObjectNotFoundError, "nope"),
+        ("PutCommit", master_pb2.PutCommitRequest(), bad, "empty"),
+        ("Release", master_pb2.ReleaseRequest(lease_id="garbage"), bad, "lease"),
+        ("Lookup", master_pb2.LookupRequest(keys=[b"x" * 2000]), bad, "key"),
+        ("MatchPrefix", master_pb2.MatchPrefixRequest(lease_ms=10**7), bad, "lease_ms"),
+        ("Pin", master_pb2.PinRequest(keys=[b"k"], ttl_ms=10**9), bad, "ttl"),
         (
-            s.PutStart,
-            master_pb2.PutStartRequest(meta=meta(b"T1", kind=common_pb2.REQUEST_TAIL)),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "TTL",
-        ),
-        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"huge", size=10**12)), exhausted, "capacity"),
-        (s.PutStart, master_pb2.PutStartRequest(meta=meta(b"k", kind=99)), bad, "kind"),
-        (s.PutCommit, master_pb2.PutCommitRequest(put_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
-        (s.PutCommit, master_pb2.PutCommitRequest(), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-        (s.Release, master_pb2.ReleaseRequest(lease_id="garbage"), grpc.StatusCode.INVALID_ARGUMENT, "lease"),
-        (s.Lookup, master_pb2.LookupRequest(keys=[b"x" * 2000]), grpc.StatusCode.INVALID_ARGUMENT, "key"),
-        (
-            s.MatchPrefix,
-            master_pb2.MatchPrefixRequest(lease_ms=10**7),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "lease_ms",
-        ),
-        (s.Pin, master_pb2.PinRequest(keys=[b"k"], ttl_ms=10**9), grpc.StatusCode.INVALID_ARGUMENT, "ttl"),
-        (
-            s.RegisterNode,
+            "RegisterNode",
             master_pb2.RegisterNodeRequest(node=common_pb2.NodeEndpoint(node_id="x")),
-            grpc.StatusCode.INVALID_ARGUMENT,
+            bad,
             "host",
         ),
-        (s.Heartbeat, master_pb2.HeartbeatRequest(), bad, "node_id"),
-        (s.MatchPrefix, master_pb2.MatchPrefixRequest(block_hashes=[b"\0" * 32] * 70_000), bad, "more than"),
+        ("Heartbeat", master_pb2.HeartbeatRequest(), bad, "node_id"),
+        ("MatchPrefix", master_pb2.MatchPrefixRequest(block_hashes=[b"\0" * 32] * 70_000), bad, "more than"),
     ]
-    for method, request, code, words in cases:
-        with pytest.raises(grpc.RpcError) as err:
-            method(request, timeout=T)
-        assert err.value.code() == code, (request, err.value.details())
-        assert words.lower() in err.value.details().lower(), err.value.details()
+    for name, request, error, words in cases:
+        with pytest.raises(StoreError) as err:
+            master.call(name, request)
+        assert type(err.value) is error, (request, err.value)
+        assert words.lower() in str(err.value).lower(), err.value
     assert put(master, meta(b"still-works")).status == STARTED
-    assert master.stats().counters["rpc_invalid_argument"] >= 10
+    assert master.stats().counters["rpc_bad_request"] >= 10
 
 
 def test_remove_pin_quota_and_eviction_orders(master: MasterProcess) -> None:
@@ -323,23 +305,20 @@ def test_remove_pin_quota_and_eviction_orders(master: MasterProcess) -> None:
     try:
         put(master, meta(b"sys-prompt", 300, tenant="t1"))
         assert (
-            master.stub.Pin(
-                master_pb2.PinRequest(keys=[b"sys-prompt", b"absent"], ttl_ms=60_000), timeout=T
-            ).pinned
+            master.call("Pin", master_pb2.PinRequest(keys=[b"sys-prompt", b"absent"], ttl_ms=60_000)).pinned
             == 1
         )
         for i in range(8):
             put(master, meta(f"o{i}".encode(), 100, tenant="t2"))
-        assert master.stub.Lookup(master_pb2.LookupRequest(keys=[b"sys-prompt"]), timeout=T).found
+        assert master.call("Lookup", master_pb2.LookupRequest(keys=[b"sys-prompt"])).found
         wait_until(lambda: len(n.orders("delete")) >= 1, timeout_s=3.0)
         assert b"sys-prompt" not in n.orders("delete")
-        master.stub.SetQuota(master_pb2.SetQuotaRequest(tenant="t2", max_bytes=200), timeout=T)
+        master.call("SetQuota", master_pb2.SetQuotaRequest(tenant="t2", max_bytes=200))
         st = master.stats()
         assert st.bytes_per_tenant["t2"] <= 200 and st.bytes_per_tenant["t1"] == 300
-        with pytest.raises(grpc.RpcError) as err:
-            master.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"big", 300, tenant="t2")), timeout=T)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in err.value.details()
-        removed = master.stub.Remove(master_pb2.RemoveRequest(keys=[b"sys-prompt", b"absent"]), timeout=T)
+        with pytest.raises(CapacityExceededError, match="quota"):
+            master.call("PutStart", master_pb2.PutStartRequest(meta=meta(b"big", 300, tenant="t2")))
+        removed = master.call("Remove", master_pb2.RemoveRequest(keys=[b"sys-prompt", b"absent"]))
         assert removed.removed == 1
         wait_until(lambda: b"sys-prompt" in n.orders("delete"), timeout_s=3.0)
     finally:
@@ -374,10 +353,8 @@ def test_kvpool_cli_health_metrics_and_clean_sigterm(tmp_path: Path) -> None:
     assert "kvpool_master_objects 0" in text and 'kvpool_master_info{policy="cost"} 1' in text
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(f"http://127.0.0.1:{master.metrics_port}/nope", timeout=T)
-    stub = health_pb2_grpc.HealthStub(master.channel)
-    for service in ("", "kvpool.v1.Master"):
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=T)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    described = master.call("Describe", master_pb2.DescribeRequest())  # what health probes ask
+    assert described.leader and described.instance
     assert master.terminate() == 0
 
 
@@ -399,22 +376,20 @@ def test_failed_demotion_drops_the_object_and_orders_delete(master: MasterProces
         n.close()
 
 
-def test_async_stub_works_too(master: MasterProcess, node: ProbeNode) -> None:
-    """The client library drives the master with grpc.aio stubs; the same server answers both kinds."""
+def test_the_client_link_drives_the_same_master(master: MasterProcess, node: ProbeNode) -> None:
+    """Store clients call the master through MasterLink (asyncio, multiplexed) rather than one blocking
+    call per connection: the same calls and answers."""
     import asyncio
-
-    from kvpool.proto import master_pb2_grpc
 
     hs = chain(3)
     put_chain(master, hs, checkpoints=(3,))
 
     async def run() -> tuple[int, int]:
-        async with grpc.aio.insecure_channel(master.address) as channel:
-            stub = master_pb2_grpc.MasterStub(channel)
+        async with MasterLink(master.address, T) as link:
             req = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True, acquire=True)
-            got = await stub.MatchPrefix(req, timeout=T)
-            await stub.Release(master_pb2.ReleaseRequest(lease_id=got.lease_id), timeout=T)
-            stats = await stub.Stats(master_pb2.StatsRequest(), timeout=T)
+            got = await link.match_prefix(req)
+            await link.release(master_pb2.ReleaseRequest(lease_id=got.lease_id))
+            stats = await link.stats(master_pb2.StatsRequest())
             return got.usable_blocks, stats.active_leases
 
     assert asyncio.run(run()) == (3, 0)
@@ -455,15 +430,14 @@ def test_large_inventory_adoption(tmp_path: Path) -> None:
 def test_state_file_keeps_quotas_across_a_kill(tmp_path: Path) -> None:
     state = str(tmp_path / "state.json")
     m1 = MasterProcess(tmp_path, "--state-file", state)
-    m1.stub.SetQuota(master_pb2.SetQuotaRequest(tenant="t", max_bytes=100), timeout=T)
+    m1.call("SetQuota", master_pb2.SetQuotaRequest(tenant="t", max_bytes=100))
     m1.kill()
     m2 = MasterProcess(tmp_path, "--state-file", state)
     n = ProbeNode("n", m2, dram=10_000)
     try:
         n.register()
-        with pytest.raises(grpc.RpcError) as err:
-            m2.stub.PutStart(master_pb2.PutStartRequest(meta=meta(b"k", 200, tenant="t")), timeout=T)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in err.value.details()
+        with pytest.raises(CapacityExceededError, match="quota"):
+            m2.call("PutStart", master_pb2.PutStartRequest(meta=meta(b"k", 200, tenant="t")))
     finally:
         n.close()
         m2.kill()

@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
-from kvpool.kvstore.client.master_link import MasterLink
 from kvpool.kvstore.errors import (
     CapacityExceededError,
     ObjectNotAdmittedError,
@@ -52,8 +50,9 @@ from kvpool.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
     TransportUnavailableError,
+    error_for_code,
 )
-from kvpool.kvstore.protocol.grpc_errors import typed_error_from
+from kvpool.kvstore.protocol.master_link import MasterLink
 from kvpool.kvstore.protocol.shm_segment import host_id
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
@@ -566,7 +565,7 @@ class AsyncStoreClient:
 
 def _item_error(err: master_pb2.ItemError) -> StoreError:
     """A batch item's failure as the typed error the single call would have raised."""
-    return typed_error_from(grpc.StatusCode[err.code], err.message)
+    return error_for_code(err.code, err.message)
 
 
 def _store_error(exc: BaseException) -> StoreError:

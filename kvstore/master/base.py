@@ -9,7 +9,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from kvpool.kvstore.errors import FailedPrecondition
+from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.index.eviction import make_policy
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import (
@@ -85,7 +85,7 @@ class MasterBase:
     def _endpoint(self, node_id: str) -> common_pb2.NodeEndpoint:
         rec = self._nodes.get(node_id)
         if rec is None:
-            raise FailedPrecondition(f"node {node_id!r} is not registered")
+            raise StoreError(f"node {node_id!r} is not registered")
         return rec.endpoint
 
     def _endpoint_cached(

@@ -3,7 +3,7 @@ each way instead of one per object.
 
 Each item gets exactly what the single call would answer (same core method, same order), or its own
 ``ItemError``: one bad item (too big, a tenant over quota, an unknown kind) never fails the others. A key that
-appears twice in one batch is refused on its second appearance with ALREADY_EXISTS, so the writer learns
+appears twice in one batch is refused on its second appearance with ObjectExistsError, so the writer learns
 that one of its own items was dropped instead of mistaking it for another writer's put in progress.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from kvpool.kvstore.errors import InvalidRequest, MasterError
+from kvpool.kvstore.errors import BadRequestError, ObjectExistsError, StoreError
 from kvpool.proto import master_pb2
 
 R = TypeVar("R")
@@ -34,8 +34,8 @@ _OK = master_pb2.ItemError()
 def _each(call: Callable[[], R]) -> tuple[R | None, master_pb2.ItemError]:
     try:
         return call(), _OK
-    except MasterError as exc:
-        return None, master_pb2.ItemError(code=exc.grpc_status, message=f"{type(exc).__name__}: {exc}")
+    except StoreError as exc:
+        return None, master_pb2.ItemError(code=exc.code, message=f"{type(exc).__name__}: {exc}")
 
 
 def put_start_batch(core: MasterCore, req: master_pb2.PutStartBatchRequest) -> master_pb2.PutStartBatchReply:
@@ -45,7 +45,7 @@ def put_start_batch(core: MasterCore, req: master_pb2.PutStartBatchRequest) -> m
         if item.meta.key in seen:
             reply, err = (
                 None,
-                master_pb2.ItemError(code="ALREADY_EXISTS", message="key appears twice in one batch"),
+                master_pb2.ItemError(code=ObjectExistsError.code, message="key appears twice in one batch"),
             )
         else:
             seen.add(item.meta.key)
@@ -61,7 +61,7 @@ def put_commit_batch(
 ) -> master_pb2.PutCommitBatchReply:
     out = master_pb2.PutCommitBatchReply()
     if req.checksums and len(req.checksums) != len(req.put_ids):
-        raise InvalidRequest(f"{len(req.checksums)} checksums for {len(req.put_ids)} put ids")
+        raise BadRequestError(f"{len(req.checksums)} checksums for {len(req.put_ids)} put ids")
     sums = list(req.checksums) or [0] * len(req.put_ids)
     for put_id, checksum in zip(req.put_ids, sums, strict=True):
         commit = master_pb2.PutCommitRequest(put_id=put_id, checksum=checksum)

@@ -1,8 +1,8 @@
 """``kvpool store master``: run the master until SIGTERM/SIGINT.
 
-Prints exactly one JSON line ``{"ready": true, "port": N, "wire_port": W, ...}`` on stdout once it serves
-(``--port 0`` / ``--wire-port 0`` pick free ports; ``wire_port`` is null with ``--wire-port -1``), so
-launchers and tests read the ports instead of guessing; logs go to stderr.
+Prints exactly one JSON line ``{"ready": true, "port": N, ...}`` on stdout once it serves (``--port 0`` picks
+a free port), so launchers and tests read the port instead of guessing; logs go to stderr. ``--port`` is the
+master wire, the one listener: ``HOST:PORT`` is what workers, nodes and the gateway pass as ``--master``.
 ``python -m kvpool.kvstore.master.cli [flags]`` is the same command without loading the other command
 groups (the model's imports take seconds), which is what tests and benchmarks spawn.
 """
@@ -34,13 +34,8 @@ def add_master_parser(store_sub: argparse._SubParsersAction) -> argparse.Argumen
 def add_master_arguments(p: argparse.ArgumentParser) -> None:
     d = MasterConfig()
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     p.add_argument(
-        "--wire-port",
-        type=int,
-        default=d.wire_port,
-        help="master wire port, the clients' fast channel for hot calls "
-        "(0 = any free port, -1 = off: clients use gRPC)",
+        "--port", type=int, default=0, help="master wire port, the address clients use (0 = any free port)"
     )
     p.add_argument(
         "--policy",
@@ -123,7 +118,7 @@ def add_master_arguments(p: argparse.ArgumentParser) -> None:
         "--advertise",
         metavar="HOST:PORT",
         default=None,
-        help="where clients reach this master's gRPC (default: --host and the bound port)",
+        help="where clients reach this master (default: --host and the bound port)",
     )
     ha.add_argument("--lease-ttl", type=int, default=2, help="leader lease in seconds (etcd minimum 2)")
     p.add_argument("--log-level", default="INFO", help="stderr log level")
@@ -149,7 +144,6 @@ def config_from_args(args: argparse.Namespace) -> MasterConfig:
         node_call_timeout_ms=args.node_call_timeout_ms,
         sweep_ms=args.sweep_ms,
         state_path=args.state_file,
-        wire_port=args.wire_port,
     )
 
 
@@ -197,7 +191,7 @@ async def _serve(
     async def start() -> dict:
         bound = await server.start()
         bound_metrics = await metrics.start() if metrics is not None else None
-        ready = {"port": bound, "host": host, "policy": config.policy, "wire_port": server.wire_port or None}
+        ready = {"port": bound, "host": host, "policy": config.policy}
         if ha is not None:
             await ha.start(f"{host}:{bound}")
             ready["ha"] = {"group": args.ha_group, "advertise": ha.advertise, "etcd": args.etcd}

@@ -40,7 +40,6 @@ class MasterConfig:
     node_call_timeout_ms: int = 2000
     sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
     state_path: Path | None = None  # quotas and pins persisted here (JSON), None = not persisted
-    wire_port: int = 0  # master wire listener (kvstore/protocol/master_wire.py): 0 = any free port, -1 = off
 
     def validate(self) -> None:
         self.admission.check()
@@ -55,5 +54,3 @@ class MasterConfig:
             raise ValueError("node_timeout_ms must exceed heartbeat_ms")
         if not 0 < self.sweep_ms * 2 <= self.node_timeout_ms:
             raise ValueError("sweep_ms must be at most half of node_timeout_ms")
-        if not -1 <= self.wire_port <= 65535:
-            raise ValueError("wire_port must be -1 (off), 0 (any free port) or a port number")

@@ -2,8 +2,9 @@
 quotas and recovery, over one :class:`~kvpool.kvstore.index.prefix_index.PrefixIndex`.
 
 Transport-free on purpose: every RPC is a plain method taking and returning the proto messages and raising
-a typed :class:`MasterError` (which carries its gRPC status name), so ``master_server`` is a thin adapter
-and the logic can be driven with a fake clock. Not thread-safe: the server calls it from one event loop.
+a typed store error (``kvpool.kvstore.errors``, carried to the caller as its class), so the wire server is
+a thin adapter and the logic can be driven with a fake clock. Not thread-safe: the server calls it from one
+event loop.
 
 What the nodes must do as a consequence of a call (delete evicted/expired/aborted objects, demote to SSD,
 promote on a hit) is queued per node and collected by :meth:`MasterCore.take_actions`; the server sends
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from kvpool.kvstore.errors import InvalidRequest, NotFound, ResourceExhausted
+from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, ObjectNotFoundError
 from kvpool.kvstore.index.records import (
     BadObjectError,
     CapacityError,
@@ -60,11 +61,11 @@ class MasterCore(NodeMembership):
         meta = req.meta
         check_key(meta.key)
         if meta.kind not in ObjectKind._value2member_map_:
-            raise InvalidRequest(f"unknown object kind {meta.kind}")
+            raise BadRequestError(f"unknown object kind {meta.kind}")
         if meta.size == 0:
-            raise InvalidRequest("size must be > 0")
+            raise BadRequestError("size must be > 0")
         if req.checksum_at_commit and meta.checksum:
-            raise InvalidRequest("checksum_at_commit: the checksum comes with PutCommit, not PutStart")
+            raise BadRequestError("checksum_at_commit: the checksum comes with PutCommit, not PutStart")
         check_tenant(meta.tenant)
         Reply = master_pb2.PutStartReply
         existing = self.index.get(meta.key)
@@ -97,13 +98,13 @@ class MasterCore(NodeMembership):
                 avoid_node=replacing,
             )
         except BadObjectError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise BadRequestError(str(exc)) from None
         except NotAdmittedError:
             self._count("puts_not_admitted")
             return Reply(status=Reply.NOT_ADMITTED)
         except (CapacityError, QuotaExceededError) as exc:
             self._count("puts_refused")
-            raise ResourceExhausted(str(exc)) from None
+            raise CapacityExceededError(str(exc)) from None
         finally:
             self._absorb_index_events()
         # a delete of this key still queued for this node (evicted, removed) must not land after the new
@@ -127,12 +128,12 @@ class MasterCore(NodeMembership):
 
     def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
         if req.put_id in self._puts and self._puts[req.put_id].checksum_at_commit and not req.checksum:
-            raise InvalidRequest(f"put {req.put_id!r} was started with checksum_at_commit: commit needs it")
+            raise BadRequestError(f"put {req.put_id!r} was started with checksum_at_commit: commit needs it")
         put = self._take_put(req.put_id)
         try:
             self.index.commit(put.key, req.checksum if put.checksum_at_commit else None)
         except UnknownKeyError:  # its TTL ran out before the commit (the node was told to delete it)
-            raise NotFound(f"put {req.put_id!r} expired before its commit") from None
+            raise ObjectNotFoundError(f"put {req.put_id!r} expired before its commit") from None
         self._restore_pin(put.key)
         self._absorb_index_events()
         self._count("puts_committed")
@@ -151,11 +152,13 @@ class MasterCore(NodeMembership):
 
     def _take_put(self, put_id: str) -> PendingPut:
         if not put_id:
-            raise InvalidRequest("put_id is empty")
+            raise BadRequestError("put_id is empty")
         put = self._puts.pop(put_id, None)
         if put is None or self._put_of_key.get(put.key) != put_id:
             # unknown, finished, or superseded: its pending entry expired and another put took the key
-            raise NotFound(f"no pending put {put_id!r} (unknown, committed, aborted or past its deadline)")
+            raise ObjectNotFoundError(
+                f"no pending put {put_id!r} (unknown, committed, aborted or past its deadline)"
+            )
         del self._put_of_key[put.key]
         return put
 
@@ -172,13 +175,13 @@ class MasterCore(NodeMembership):
     def match_prefix(self, req: master_pb2.MatchPrefixRequest) -> master_pb2.MatchPrefixReply:
         hashes = req.block_hashes
         if len(hashes) > MAX_BLOCKS_PER_MATCH:
-            raise InvalidRequest(f"more than {MAX_BLOCKS_PER_MATCH} block hashes")
+            raise BadRequestError(f"more than {MAX_BLOCKS_PER_MATCH} block hashes")
         check_tenant(req.tenant)
         lease_ms = self._lease_ms(req.lease_ms)
         try:
             m = self.index.match_prefix(hashes, require_checkpoint=req.require_checkpoint, touch=req.acquire)
         except BadObjectError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise BadRequestError(str(exc)) from None
         reply = master_pb2.MatchPrefixReply(
             usable_blocks=m.usable_blocks,
             mla_run_blocks=m.mla_run_blocks,
@@ -248,7 +251,7 @@ class MasterCore(NodeMembership):
     def release(self, req: master_pb2.ReleaseRequest) -> master_pb2.ReleaseReply:
         instance, _, num = req.lease_id.partition(":")
         if not num.isdigit():
-            raise InvalidRequest(f"malformed lease_id {req.lease_id!r}")
+            raise BadRequestError(f"malformed lease_id {req.lease_id!r}")
         # an unknown or expired lease is not an error: the deadline already released it
         if instance != self.instance or not self.index.release(int(num)):
             self._count("releases_late")
@@ -256,7 +259,7 @@ class MasterCore(NodeMembership):
 
     def _lease_ms(self, asked: int) -> int:
         if asked > self.config.max_lease_ms:
-            raise InvalidRequest(f"lease_ms {asked} exceeds the maximum {self.config.max_lease_ms}")
+            raise BadRequestError(f"lease_ms {asked} exceeds the maximum {self.config.max_lease_ms}")
         return asked or self.config.lease_ms
 
     def _promote_on_hit(self, on_ssd: list[ObjectInfo] | list[LocationRow]) -> None:
@@ -287,7 +290,7 @@ class MasterCore(NodeMembership):
     def pin(self, req: master_pb2.PinRequest) -> master_pb2.PinReply:
         keys = check_keys(req.keys)
         if req.ttl_ms > MAX_PIN_MS:
-            raise InvalidRequest(f"ttl_ms {req.ttl_ms} exceeds the maximum {MAX_PIN_MS}")
+            raise BadRequestError(f"ttl_ms {req.ttl_ms} exceeds the maximum {MAX_PIN_MS}")
         found = [k for k in keys if k in self.index]
         self.index.pin(found, req.ttl_ms)
         self.state.set_pins(found, req.ttl_ms)

@@ -2,7 +2,7 @@
 
 Every master of a group runs this. The elected one serves; the others are standbys that answer every call
 with ``NotLeaderError`` naming the leader (clients, nodes and the gateway hold the group's address list and
-move there; ``protocol.master_addresses``). Why a standby holds no copy of the index: the index is derived
+move there; ``protocol.master_link``). Why a standby holds no copy of the index: the index is derived
 state the storage nodes hold authoritatively (each RegisterNode carries the node's inventory), so a new
 leader rebuilds it in one registration round, as a restarted master always has; replicating it would put an
 etcd or follower round trip on every put and lookup, the master's hot path, to save that round.
@@ -39,7 +39,7 @@ STATE_RETRY_S = 0.2
 class HaConfig:
     etcd: str  # "host:port[,host:port...]"
     group: str  # masters of one cluster share it
-    advertise: str = ""  # host:port where the others and clients reach this master (default: given to start)
+    advertise: str = ""  # host:port of this master's wire, as clients reach it (default: given to start)
     lease_ttl_s: int = 2
     etcd_timeout_s: float = 0.5
 
@@ -64,8 +64,8 @@ class HaMaster:
         self._state_writer: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
         server.replace_core(self._core(StateStore(None), epoch=0))
-        server.dispatch.gate = self
-        server.leadership = self.describe
+        server.wire.gate = self
+        server.wire.leadership = self.describe
         server.may_sweep = self.leadership.may_write
 
     async def start(self, bound_address: str) -> None:
@@ -94,6 +94,7 @@ class HaMaster:
         return f"master {self.advertise} is {what}" + (f"; leader={other}" if other else "")
 
     def describe(self) -> tuple[int, bool, str]:
+        """``(epoch, leader?, leader address)`` for the wire's Describe (epoch 0 while not leading)."""
         lead = self.leadership
         return lead.epoch if lead.may_read() else 0, lead.may_read(), lead.leader_address or ""
 

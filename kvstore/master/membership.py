@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from kvpool.kvstore.errors import InvalidRequest
+from kvpool.kvstore.errors import BadRequestError
 from kvpool.kvstore.index.records import (
     DuplicateKeyError,
     ObjectKind,
@@ -33,9 +33,9 @@ class NodeMembership(MasterBase):
         this node before is replaced by what the node says it holds."""
         ep = req.node
         if not ep.node_id or not ep.host or not 0 < ep.grpc_port < 65536:
-            raise InvalidRequest("node needs node_id, host and a grpc_port in 1..65535")
+            raise BadRequestError("node needs node_id, host and a grpc_port in 1..65535")
         if req.dram_capacity_bytes == 0 and req.ssd_capacity_bytes == 0:
-            raise InvalidRequest("node must offer DRAM or SSD capacity")
+            raise BadRequestError("node must offer DRAM or SSD capacity")
         if ep.node_id in self._nodes:
             self._forget_node(ep.node_id, reason="reregistered")
         self.index.add_node(ep.node_id, req.dram_capacity_bytes, req.ssd_capacity_bytes)
@@ -115,7 +115,7 @@ class NodeMembership(MasterBase):
 
     def heartbeat(self, req: master_pb2.HeartbeatRequest) -> master_pb2.HeartbeatReply:
         if not req.node_id:
-            raise InvalidRequest("heartbeat without node_id")
+            raise BadRequestError("heartbeat without node_id")
         rec = self._nodes.get(req.node_id)
         if rec is None:
             self._count("heartbeats_unknown")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from kvpool.kvstore.errors import InvalidRequest
+from kvpool.kvstore.errors import BadRequestError
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import (
     MAX_KEY_BYTES,
@@ -70,7 +70,7 @@ def fill_table(
         width = len(keys[0])
         blob = b"".join(keys)
         if len(blob) != width * len(keys):  # cannot happen: every key is a kind tag + a validated hash
-            raise InvalidRequest("matched keys differ in length")
+            raise BadRequestError("matched keys differ in length")
         table.key_width = width
         table.keys = blob
     table.kind = cols.kind[idx].astype("u1").tobytes()
@@ -110,13 +110,13 @@ def fill_row(loc: common_pb2.ObjectLocation, row: LocationRow, ep: common_pb2.No
 
 def check_key(key: bytes) -> None:
     if not key or len(key) > MAX_KEY_BYTES:
-        raise InvalidRequest(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+        raise BadRequestError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
 
 
 def check_keys(keys: Iterable[bytes]) -> list[bytes]:
     out = list(keys)
     if len(out) > MAX_KEYS_PER_CALL:
-        raise InvalidRequest(f"more than {MAX_KEYS_PER_CALL} keys in one call")
+        raise BadRequestError(f"more than {MAX_KEYS_PER_CALL} keys in one call")
     for key in out:
         check_key(key)
     return out
@@ -124,4 +124,4 @@ def check_keys(keys: Iterable[bytes]) -> list[bytes]:
 
 def check_tenant(tenant: str) -> None:
     if len(tenant) > MAX_TENANT_CHARS:
-        raise InvalidRequest(f"tenant name longer than {MAX_TENANT_CHARS} characters")
+        raise BadRequestError(f"tenant name longer than {MAX_TENANT_CHARS} characters")

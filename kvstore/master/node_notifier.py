@@ -28,8 +28,7 @@ class _NodeWorker:
         self.address = f"{endpoint.host}:{endpoint.grpc_port}"
         self.channel = cluster_auth.aio_channel(self.address)
         self.stub = node_pb2_grpc.StorageNodeStub(self.channel)
-        # (action, keys, epoch, done): ``done`` resolves once the call was attempted (delivered or failed)
-        self.queue: list[tuple[NodeAction, list[bytes], int, asyncio.Future[None]]] = []
+        self.queue: list[tuple[NodeAction, list[bytes], int]] = []  # (action, keys, epoch), sent in order
         self.task: asyncio.Task[None] | None = None
 
 
@@ -48,24 +47,18 @@ class NodeNotifier:
         self._on_missing = on_missing
         self._workers: dict[str, _NodeWorker] = {}
 
-    def submit(self, batches: list[PendingActions]) -> list[asyncio.Future[None]]:
-        """Queue the calls; the returned futures resolve as each one has been attempted. Most callers
-        ignore them (the master never waits for nodes while answering); ``Remove`` waits, bounded, so that
-        a removed key is gone from its node before the client hears "removed" (clients read known keys
-        straight from nodes)."""
+    def submit(self, batches: list[PendingActions]) -> None:
+        """Queue the calls and return: the master never waits for nodes while answering (a removed key's
+        node drops it moments later; clients find keys only through the master, which no longer lists it)."""
         loop = asyncio.get_running_loop()
-        done: list[asyncio.Future[None]] = []
         for batch in batches:
             worker = self._worker(batch.node)
             for action in (NodeAction.PROMOTE, NodeAction.DEMOTE, NodeAction.DELETE):
                 keys = batch.keys.get(action)
                 if keys:
-                    fut: asyncio.Future[None] = loop.create_future()
-                    worker.queue.append((action, keys, batch.epoch, fut))
-                    done.append(fut)
+                    worker.queue.append((action, keys, batch.epoch))
             if worker.task is None or worker.task.done():
                 worker.task = loop.create_task(self._drain(worker))
-        return done
 
     async def idle(self, timeout_s: float = 5.0) -> None:
         """Wait (bounded) until every queued call has been sent; used at shutdown and by tests."""
@@ -78,10 +71,7 @@ class NodeNotifier:
             if worker.task is not None:
                 worker.task.cancel()
         await asyncio.gather(*(w.task for w in self._workers.values() if w.task), return_exceptions=True)
-        for worker in self._workers.values():  # nobody may wait on a call that will never be made
-            for *_order, done in worker.queue:
-                if not done.done():
-                    done.set_result(None)
+        for worker in self._workers.values():
             worker.queue.clear()
         await asyncio.gather(*(w.channel.close() for w in self._workers.values()), return_exceptions=True)
         self._workers.clear()
@@ -97,12 +87,8 @@ class NodeNotifier:
 
     async def _drain(self, worker: _NodeWorker) -> None:
         while worker.queue:
-            action, keys, epoch, done = worker.queue.pop(0)
-            try:
-                await self._deliver(worker, action, keys, epoch)
-            finally:
-                if not done.done():
-                    done.set_result(None)
+            action, keys, epoch = worker.queue.pop(0)
+            await self._deliver(worker, action, keys, epoch)
 
     async def _deliver(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes], epoch: int) -> None:
         for start in range(0, len(keys), MAX_KEYS_PER_NODE_CALL):

@@ -1,20 +1,36 @@
-"""Master wire, server side: the listener on the master's event loop (protocol in ``master_wire``).
+"""The master's listener: every master call over the master wire (protocol in ``protocol/master_wire``).
 
-Every call goes through the same :class:`~kvpool.kvstore.master.dispatch.CoreDispatch` as the gRPC
-servicer, so errors, counters and node orders are identical on both channels.
+Each call runs the synchronous :class:`~kvpool.kvstore.master.core.MasterCore` method on the event loop (one
+thread: no locks). A typed store error the core raises is answered with its code from the one error table
+(``kvpool.kvstore.errors``), so the caller raises the same class; any other exception is answered as a plain
+``StoreError`` without taking the server down (a bug costs one call). The node orders a call produced go to
+the :class:`~kvpool.kvstore.master.node_notifier.NodeNotifier` right away and the reply does not wait for
+them: nodes are ordered in the background, and a lost order is reconciled by the node's next registration.
+
+Calls are resolved by name on the current core, because with HA the core is replaced on every election (a
+new leader starts from an empty index that the nodes' inventories refill). A ``gate`` (``ha.HaMaster``) may
+refuse a call before it runs: a standby answers ``NotLeaderError`` naming the leader, and nothing was
+executed. ``Describe`` is answered by the server itself and never gated: it is how probes and clients learn
+who leads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError, Message
-from kvpool.kvstore.master.dispatch import CoreCallError, CoreDispatch
+from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, NotLeaderError, StoreError
+from kvpool.kvstore.master.core import MasterCore
+from kvpool.kvstore.master.node_notifier import NodeNotifier
 from kvpool.kvstore.protocol.master_wire import (
     BY_ID,
     FRAME_TIMEOUT_S,
     MAX_BODY,
+    MAX_BULK_BODY,
     MAX_ERROR_BYTES,
     STATUS_OK,
     FrameBuffer,
@@ -22,26 +38,40 @@ from kvpool.kvstore.protocol.master_wire import (
     WireMethod,
     encode,
     no_delay,
-    status_number,
 )
+from kvpool.proto import master_pb2
 from kvpool.runtime import cluster_auth
 from kvpool.runtime.cluster_auth import HELLO_SIZE
 
 log = logging.getLogger(__name__)
 
 
+class Gate(Protocol):
+    """Decides whether this master may run a call now (HA: only the leader may)."""
+
+    def refusal(self, method: str) -> str | None:
+        """None to run core method ``method``; else why not, naming the leader (``leader=HOST:PORT``)."""
+        ...
+
+
+def error_counter(exc: StoreError) -> str:
+    """The core counter a failed call bumps: ``rpc_`` + the class name in snake case, without ``Error``
+    (BadRequestError -> ``rpc_bad_request``)."""
+    name = type(exc).__name__.removesuffix("Error") or "store"
+    return "rpc_" + re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
 class _ServerConnection(asyncio.Protocol):
-    """One client connection: cut frames, run each call through the dispatch, write the replies (all
-    replies to one read go out in one write)."""
+    """One client connection: cut frames, run each call, write the replies (all replies to one read go out
+    in one write)."""
 
     def __init__(self, server: MasterWireServer) -> None:
         self.server = server
-        self.frames = FrameBuffer(server.max_body)
+        self.frames = FrameBuffer(server.max_body, server.max_bulk_body)
         self.transport: asyncio.Transport | None = None
         # with a cluster secret: the connection's first bytes must be the hello; nothing runs before it
         self._hello: bytearray | None = bytearray() if server.auth is not None else None
         self._frame_timer: asyncio.TimerHandle | None = None
-        self._waiting: set[asyncio.Task[None]] = set()
         self._out: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -53,8 +83,6 @@ class _ServerConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self._cancel_timer()
-        for task in self._waiting:
-            task.cancel()
 
     # flow control: a client that does not read its replies stops being read from
     def pause_writing(self) -> None:
@@ -85,7 +113,7 @@ class _ServerConnection(asyncio.Protocol):
             for method_id, status, request_id, body in frames:
                 if status != STATUS_OK:
                     raise WireFrameError(f"request {request_id} with status {status}")
-                self._call(BY_ID[method_id], request_id, body)
+                self._answer(BY_ID[method_id], request_id, body)
         except WireFrameError as exc:
             self.server.count("wire_bad_frames")
             log.warning("master wire: closing %s: %s", self._peer(), exc)
@@ -101,45 +129,14 @@ class _ServerConnection(asyncio.Protocol):
         elif not self.frames.partial:
             self._cancel_timer()
 
-    def _call(self, method: WireMethod, request_id: int, body: bytes) -> None:
+    def _answer(self, method: WireMethod, request_id: int, body: bytes) -> None:
         try:
-            request = method.request.FromString(body)
-        except DecodeError as exc:
-            self.server.count("rpc_invalid_argument")
-            self._reply_error(method, request_id, "INVALID_ARGUMENT", f"undecodable {method.name}: {exc}")
+            reply = self.server.run(method, body)
+        except StoreError as exc:
+            message = str(exc).encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+            self._out.append(encode(method.method_id, exc.code, request_id, message))
             return
-        try:
-            reply, done = self.server.dispatch.run(method.core_method, request)
-        except CoreCallError as exc:
-            self._reply_error(method, request_id, exc.code, exc.message)
-            return
-        if done:  # answered once its node orders were attempted; later calls are not held up
-            loop = asyncio.get_running_loop()
-            task = loop.create_task(self._reply_when_settled(method, request_id, reply, done))
-            self._waiting.add(task)
-            task.add_done_callback(self._waiting.discard)
-        else:
-            self._reply_ok(method, request_id, reply)
-
-    async def _reply_when_settled(
-        self, method: WireMethod, request_id: int, reply: Message, done: list[asyncio.Future[None]]
-    ) -> None:
-        await self.server.dispatch.settle(done)
-        self._reply_ok(method, request_id, reply)
-        self._flush()
-
-    def _reply_ok(self, method: WireMethod, request_id: int, reply: Message) -> None:
-        body = reply.SerializeToString()
-        if len(body) > self.server.max_body:  # as gRPC refuses a reply over the clients' receive limit
-            self.server.count("rpc_resource_exhausted")
-            why = f"{method.name} reply of {len(body)} B exceeds the {self.server.max_body} B message limit"
-            self._reply_error(method, request_id, "RESOURCE_EXHAUSTED", why)
-            return
-        self._out.append(encode(method.method_id, STATUS_OK, request_id, body))
-
-    def _reply_error(self, method: WireMethod, request_id: int, code: str, message: str) -> None:
-        body = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-        self._out.append(encode(method.method_id, status_number(code), request_id, body))
+        self._out.append(encode(method.method_id, STATUS_OK, request_id, reply))
 
     def _flush(self) -> None:
         out, self._out = self._out, []
@@ -171,23 +168,85 @@ class _ServerConnection(asyncio.Protocol):
 
 
 class MasterWireServer:
-    """The wire listener, on the master's event loop next to gRPC: ``port = await server.start(host, 0)``
-    ... ``await server.close()``. Calls go through the same :class:`CoreDispatch` as gRPC's."""
+    """The master's wire listener on its event loop: ``port = await server.start(host, 0)`` ...
+    ``await server.close()``. ``core`` may be replaced at any time (HA); ``leadership`` says
+    ``(epoch, leader?, leader address)`` for Describe (no HA: ``(0, True, "")``)."""
 
     def __init__(
         self,
-        dispatch: CoreDispatch,
+        core: MasterCore,
+        notifier: NodeNotifier,
         *,
+        gate: Gate | None = None,
+        leadership: Callable[[], tuple[int, bool, str]] = lambda: (0, True, ""),
         frame_timeout_s: float = FRAME_TIMEOUT_S,
         max_body: int = MAX_BODY,
+        max_bulk_body: int = MAX_BULK_BODY,
     ) -> None:
-        self.dispatch = dispatch
+        self.core = core
+        self.notifier = notifier
+        self.gate = gate
+        self.leadership = leadership
         self.auth = cluster_auth.server_hello_check("master wire")
         self.frame_timeout_s = frame_timeout_s
         self.max_body = max_body
+        self.max_bulk_body = max_bulk_body
         self.port = 0
         self.connections: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
+
+    def run(self, method: WireMethod, body: bytes) -> bytes:
+        """The serialized reply to one call; raises the typed StoreError to answer with instead."""
+        try:
+            request = method.request.FromString(body)
+        except DecodeError as exc:
+            self.count("rpc_bad_request")
+            raise BadRequestError(f"undecodable {method.name}: {exc}") from None
+        if method.core_method is None:
+            reply: Message = self.describe()
+        else:
+            reply = self._run_core(method.core_method, request)
+        out = reply.SerializeToString()
+        if len(out) > self.max_body:  # the clients' frame cap
+            self.count("rpc_capacity_exceeded")
+            raise CapacityExceededError(
+                f"{method.name} reply of {len(out)} B exceeds the {self.max_body} B frame cap"
+            )
+        return out
+
+    def _run_core(self, name: str, request: Any) -> Message:
+        if self.gate is not None:
+            refusal = self.gate.refusal(name)
+            if refusal is not None:
+                self.count("rpc_not_leader")
+                raise NotLeaderError(refusal)
+        fn: Callable[[Any], Message] = getattr(self.core, name)
+        try:
+            return fn(request)
+        except StoreError as exc:
+            self.count(error_counter(exc))
+            raise
+        except Exception as exc:  # a bug must cost one call, never the server
+            log.exception("%s failed", name)
+            self.count("rpc_internal")
+            raise StoreError(f"internal error: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.flush()
+
+    def describe(self) -> master_pb2.DescribeReply:
+        epoch, leader, leader_address = self.leadership()
+        return master_pb2.DescribeReply(
+            instance=self.core.instance, epoch=epoch, leader=leader, leader_address=leader_address
+        )
+
+    def flush(self) -> None:
+        """Hand every queued node order to the notifier (sent in the background)."""
+        actions = self.core.take_actions()
+        if actions:
+            self.notifier.submit(actions)
+
+    def count(self, name: str) -> None:
+        self.core.count(name)
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port`` (0 = any free port); returns the bound port. Raises OSError."""
@@ -195,9 +254,6 @@ class MasterWireServer:
         self._server = await loop.create_server(lambda: _ServerConnection(self), host, port)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
-
-    def count(self, name: str) -> None:
-        self.dispatch.core.count(name)
 
     async def close(self) -> None:
         """Stop listening and drop every connection (their in-flight calls fail on the client side)."""

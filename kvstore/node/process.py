@@ -33,7 +33,6 @@ from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.node.registration import MasterRegistration
 from kvpool.kvstore.node.tcp_server import TcpDataServer
-from kvpool.kvstore.protocol.grpc_errors import status_of
 from kvpool.kvstore.protocol.shm_segment import host_id
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from kvpool.runtime import cluster_auth
@@ -109,7 +108,7 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
 
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, exc: StoreError) -> None:
-        await context.abort(status_of(exc), f"{type(exc).__name__}: {exc}")
+        await context.abort(grpc.StatusCode[exc.grpc_status], f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     async def _check_keys(request: node_pb2.KeysRequest, context: grpc.aio.ServicerContext) -> None:

@@ -1,7 +1,8 @@
 """Helpers to run a real master in a child process (tests, benchmarks, other teams' end-to-end tests).
 
-``MasterProcess`` starts ``kvpool store master`` and reads its readiness line; ``ProbeNode`` is a real
-gRPC StorageNode endpoint for master-only tests.
+``MasterProcess`` starts ``kvpool store master`` and reads its readiness line; ``call`` makes one master call
+over the wire, blocking (typed errors). ``ProbeNode`` is a real gRPC StorageNode endpoint for master-only
+tests.
 
 A probe node is a real gRPC StorageNode endpoint in the test process that only records the lifecycle
 orders (Delete / Demote / Promote) the master sends it and heartbeats on its behalf, so tests can assert
@@ -15,16 +16,20 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
-from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+from google.protobuf.message import Message
+from kvpool.kvstore.errors import StoreError
+from kvpool.kvstore.protocol.master_wire import call_blocking
+from kvpool.proto import common_pb2, master_pb2, node_pb2, node_pb2_grpc
 from kvpool.runtime.spawn import spawn
 
 DEADLINE_S = 5.0
 
 
 class MasterProcess:
-    """``kvpool store master`` in a child process; ``stub`` is a sync MasterStub."""
+    """``kvpool store master`` in a child process, called through :meth:`call`."""
 
     def __init__(self, log_dir: Path, *flags: str, via_kvpool_cli: bool = False) -> None:
         # the full `kvpool` CLI also imports the model (torch): seconds per start; same code path otherwise
@@ -35,18 +40,18 @@ class MasterProcess:
         self.metrics_port: int | None = self.child.ready.get("metrics_port")
         self.port = int(self.child.ready["port"])
         self.address = f"127.0.0.1:{self.port}"
-        self.channel = grpc.insecure_channel(self.address)
-        self.stub = master_pb2_grpc.MasterStub(self.channel)
+
+    def call(self, name: str, request: Message, timeout_s: float = DEADLINE_S) -> Any:
+        """The master's reply to ``name`` (master.proto's method table), or the typed error it answered."""
+        return call_blocking(self.address, name, request, timeout_s)
 
     def stats(self) -> master_pb2.StatsReply:
-        return self.stub.Stats(master_pb2.StatsRequest(), timeout=DEADLINE_S)
+        return self.call("Stats", master_pb2.StatsRequest())
 
     def terminate(self, timeout_s: float = 10.0) -> int:
-        self.channel.close()
         return self.child.stop(timeout_s)
 
     def kill(self) -> None:
-        self.channel.close()
         self.child.kill()
 
 
@@ -90,14 +95,14 @@ class ProbeNode:
         self._beats: threading.Thread | None = None
 
     def register(self, inventory: list[common_pb2.ObjectMeta] | None = None) -> master_pb2.RegisterNodeReply:
-        return self.master.stub.RegisterNode(
+        return self.master.call(
+            "RegisterNode",
             master_pb2.RegisterNodeRequest(
                 node=self.endpoint,
                 dram_capacity_bytes=self.dram,
                 ssd_capacity_bytes=self.ssd,
                 inventory=inventory or [],
             ),
-            timeout=DEADLINE_S,
         )
 
     def start_heartbeats(self, interval_s: float = 0.05) -> None:
@@ -105,10 +110,8 @@ class ProbeNode:
 
         def beat() -> None:
             while not self._stop.wait(interval_s):
-                with contextlib.suppress(grpc.RpcError):  # the master may be restarting
-                    self.master.stub.Heartbeat(
-                        master_pb2.HeartbeatRequest(node_id=self.node_id), timeout=DEADLINE_S
-                    )
+                with contextlib.suppress(StoreError):  # the master may be restarting
+                    self.master.call("Heartbeat", master_pb2.HeartbeatRequest(node_id=self.node_id))
 
         self._beats = threading.Thread(target=beat, daemon=True)
         self._beats.start()
