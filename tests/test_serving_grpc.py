@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -56,9 +55,16 @@ def reference(model):
     return run
 
 
-def remote(cluster, requests):
+def workers(cluster) -> tuple[str, str]:
+    """The cluster's prefill and decode addresses."""
+    return cluster.address("prefill-0"), cluster.address("decode-0")
+
+
+def remote(where: tuple[str, str], requests):
+    """``requests`` completed one after another through the prefill and decode workers at ``where``."""
+
     async def go():
-        client = DisaggClient(cluster.address("prefill-0"), cluster.address("decode-0"), timeout_s=60)
+        client = DisaggClient(*where, timeout_s=60)
         try:
             return [await client.complete(r) for r in requests]
         finally:
@@ -101,7 +107,7 @@ def test_fifty_prompts_bitwise_equal_to_the_no_cache_reference(cluster, referenc
         prompts.append(head + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 80))])
     requests = [PrefillRequest(f"p50-{k}", p, "t50", GREEDY3) for k, p in enumerate(prompts)]
     t0 = time.perf_counter()
-    got = remote(cluster, requests)
+    got = remote(workers(cluster), requests)
     elapsed = time.perf_counter() - t0
     sim = PolicySim()
     identical = 0
@@ -121,7 +127,7 @@ def test_fifty_prompts_bitwise_equal_to_the_no_cache_reference(cluster, referenc
 def test_stored_keys_are_the_independent_hash_chain(cluster, model):
     rng = random.Random(12)
     prompt = [rng.randrange(3, 1000) for _ in range(3 * B + 7)]
-    remote(cluster, [PrefillRequest("keys", prompt, "tk", GREEDY3)])
+    remote(workers(cluster), [PrefillRequest("keys", prompt, "tk", GREEDY3)])
     hashes = hash_blocks(prompt, B, root_hash(model.fingerprint(), "tk"))
 
     async def probe():
@@ -139,11 +145,11 @@ def test_second_turn_hits_the_first_turns_output(cluster, reference):
     rng = random.Random(13)
     prompt = [rng.randrange(3, 1000) for _ in range(90)]
     sp = SamplingParams(max_tokens=45, ignore_eos=True)
-    (t1,) = remote(cluster, [PrefillRequest("turn1", prompt, "tt", sp)])
+    (t1,) = remote(workers(cluster), [PrefillRequest("turn1", prompt, "tt", sp)])
     assert t1.tokens == reference(prompt, sp).tokens
     assert t1.decode.checkpoint_pushed == 128 and t1.decode.blocks_pushed == 1
     prompt2 = prompt + t1.tokens + [rng.randrange(3, 1000) for _ in range(20)]
-    (t2,) = remote(cluster, [PrefillRequest("turn2", prompt2, "tt", GREEDY3)])
+    (t2,) = remote(workers(cluster), [PrefillRequest("turn2", prompt2, "tt", GREEDY3)])
     assert t2.prefill.cached_tokens == 128
     ref = reference(prompt2)
     assert torch.allclose(t2.first_logits, ref.first_logits, atol=1e-5, rtol=1e-5)
@@ -155,7 +161,7 @@ def test_corrupt_stored_object_is_detected_and_recomputed(cluster, reference, mo
     rng = random.Random(14)
     prompt = [rng.randrange(3, 1000) for _ in range(2 * B + 30)]
     other = [rng.randrange(3, 1000) for _ in range(2 * B + 30)]
-    remote(cluster, [PrefillRequest("other", other, "tc", GREEDY3)])
+    remote(workers(cluster), [PrefillRequest("other", other, "tc", GREEDY3)])
     hashes = hash_blocks(prompt, B, root_hash(model.fingerprint(), "tc"))
     other_hashes = hash_blocks(other, B, root_hash(model.fingerprint(), "tc"))
 
@@ -170,11 +176,11 @@ def test_corrupt_stored_object_is_detected_and_recomputed(cluster, reference, mo
             await c.put(kda_key(hashes[1]), good[2], kind=2, parent=mla_key(hashes[1]), tenant="tc")
 
     asyncio.run(plant())
-    (got,) = remote(cluster, [PrefillRequest("victim", prompt, "tc", GREEDY3)])
+    (got,) = remote(workers(cluster), [PrefillRequest("victim", prompt, "tc", GREEDY3)])
     assert got.prefill.cached_tokens == 0 and got.prefill.recomputed_tokens == 2 * B
     ref = reference(prompt)
     assert torch.equal(got.first_logits, ref.first_logits) and got.tokens == ref.tokens
-    (again,) = remote(cluster, [PrefillRequest("victim2", prompt, "tc", GREEDY3)])
+    (again,) = remote(workers(cluster), [PrefillRequest("victim2", prompt, "tc", GREEDY3)])
     assert again.prefill.cached_tokens == 2 * B, "the bad units were removed and rewritten"
     assert torch.equal(again.first_logits, ref.first_logits)
 
@@ -212,15 +218,15 @@ def test_sampling_stop_strings_and_deadlines_over_grpc(cluster, reference):
     rng = random.Random(16)
     prompt = [rng.randrange(3, 1000) for _ in range(120)]
     sp = SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=5, max_tokens=8, ignore_eos=True)
-    (got,) = remote(cluster, [PrefillRequest("sampled", prompt, "ts", sp)])
+    (got,) = remote(workers(cluster), [PrefillRequest("sampled", prompt, "ts", sp)])
     assert got.tokens == reference(prompt, sp).tokens  # prefill draws step 0, decode steps 1.. (seeded)
     text = "".join(c.text for c in got.chunks[:-1])
     assert text == got.text
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
-    (full,) = remote(cluster, [PrefillRequest("nostop", prompt, "ts", greedy)])
+    (full,) = remote(workers(cluster), [PrefillRequest("nostop", prompt, "ts", greedy)])
 
     async def too_short():
-        client = DisaggClient(cluster.address("prefill-0"), cluster.address("decode-0"), timeout_s=0.001)
+        client = DisaggClient(*workers(cluster), timeout_s=0.001)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await client.complete(PrefillRequest("late", prompt, "ts", greedy))
@@ -229,7 +235,7 @@ def test_sampling_stop_strings_and_deadlines_over_grpc(cluster, reference):
             await client.close()
 
     assert asyncio.run(too_short()) == grpc.StatusCode.DEADLINE_EXCEEDED
-    (after,) = remote(cluster, [PrefillRequest("after-deadline", prompt, "ts", greedy)])
+    (after,) = remote(workers(cluster), [PrefillRequest("after-deadline", prompt, "ts", greedy)])
     assert after.tokens == full.tokens
 
 
@@ -246,12 +252,12 @@ def test_killing_the_storage_node_mid_request_still_gives_the_reference(cluster,
     requests with the node killed while they run (fetch, push or tail read fails somewhere)."""
     rng = random.Random(15)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (150, 200, 170, 140)]
-    remote(cluster, [PrefillRequest(f"warm{k}", p, "tkill", GREEDY3) for k, p in enumerate(prompts)])
+    remote(workers(cluster), [PrefillRequest(f"warm{k}", p, "tkill", GREEDY3) for k, p in enumerate(prompts)])
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     cut = [rng.randrange(3, 1000) for _ in range(100)]
 
     async def go():
-        client = DisaggClient(cluster.address("prefill-0"), cluster.address("decode-0"), timeout_s=60)
+        client = DisaggClient(*workers(cluster), timeout_s=60)
         try:
             reply = await client.prefill(PrefillRequest("cut", cut, "tkill", sp))
             assert reply.handoff.tail_stored
@@ -280,7 +286,7 @@ def test_killing_the_storage_node_mid_request_still_gives_the_reference(cluster,
             assert torch.equal(g.first_logits, ref.first_logits), k
             assert g.tokens == ref.tokens, k
         # with the node gone for good the workers serve without cache
-        (late,) = remote(cluster, [PrefillRequest("after", prompts[0], "tkill", sp)])
+        (late,) = remote(workers(cluster), [PrefillRequest("after", prompts[0], "tkill", sp)])
         assert late.tokens == reference(prompts[0], sp).tokens
         assert late.prefill.cached_tokens == 0
     finally:
@@ -305,7 +311,7 @@ def test_unreachable_store_serves_without_cache_or_fails_when_asked(tmp_path, re
     try:
         prompt = list(range(3, 3 + 150))
         (got,) = remote(
-            SimpleNamespace(prefill=children[0].address, decode=children[1].address),
+            (children[0].address, children[1].address),
             [PrefillRequest("nostore", prompt, "t", GREEDY3)],
         )
         assert got.prefill.cached_tokens == 0 and got.prefill.cache_error
@@ -331,8 +337,7 @@ def test_verify_against_given_workers(cluster):
     """`kvpool verify --prefill/--decode` path: the fixed prompt set against this module's workers."""
     from kvpool.verify import run_verify
 
-    prefill, decode = cluster.address("prefill-0"), cluster.address("decode-0")
-    report = asyncio.run(run_verify("tiny", prefill, decode, tenant="given"))
+    report = asyncio.run(run_verify("tiny", *workers(cluster), tenant="given"))
     assert report.ok and report.identical == report.requests
     assert report.cached_tokens > 0 and report.cached_tokens_verified
 
@@ -351,7 +356,7 @@ def test_colocated_worker_serves_both_contracts(cluster, reference, tmp_path):
         rng = random.Random(17)
         head = [rng.randrange(3, 1000) for _ in range(130)]
         prompts = [head + [rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40)]
-        where = SimpleNamespace(prefill=child.address, decode=child.address)
+        where = (child.address, child.address)
         got = remote(where, [PrefillRequest(f"colo{k}", p, "tcolo", GREEDY3) for k, p in enumerate(prompts)])
         for p, g in zip(prompts, got, strict=True):
             ref = reference(p)
