@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import traceback
+
+import pytest
 
 from kvpool.commands.main import build_parser
 
 
-def _undocumented(parser: argparse.ArgumentParser, path: str) -> list[str]:
-    out = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                out += _undocumented(sub, f"{path} {name}")
-        elif action.option_strings and action.dest != "help" and not action.help:
-            out.append(f"{path} {action.option_strings[-1]}")
-    return out
+def test_every_option_has_help_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each argparse action is seen as it is made (argument groups and subcommands included), and an option
+    without help is reported with the source line that added it."""
+    undocumented: list[str] = []
+    init = argparse.Action.__init__
 
+    def seen(self: argparse.Action, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        if self.option_strings and self.dest != "help" and not self.help:
+            caller = next(
+                f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.endswith("argparse.py")
+            )
+            undocumented.append(f"{self.option_strings[-1]} ({caller.filename}:{caller.lineno})")
 
-def test_every_option_has_help_text() -> None:
-    assert _undocumented(build_parser(), "kvpool") == []
+    monkeypatch.setattr(argparse.Action, "__init__", seen)
+    build_parser()
+    assert undocumented == []

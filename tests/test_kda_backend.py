@@ -8,8 +8,10 @@ functions standing in for the kernels, that the model's call sites hand the swit
 
 from __future__ import annotations
 
-import functools
 import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
 
 import pytest
 import torch
@@ -33,26 +35,45 @@ def _inputs(T: int, H: int = 4, dk: int = 32, dv: int = 16) -> tuple[torch.Tenso
     return q, k, torch.randn(T, H, dv, generator=g), gate, beta, torch.randn(H, dk, dv, generator=g) * 0.1
 
 
-def test_the_fla_wrapper_gives_fla_its_layout_and_returns_ours() -> None:
+@pytest.fixture
+def fla_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Callable, Callable], None]]:
+    """Install ``fla.ops.kda`` with the given stand-ins for ``chunk_kda`` / ``fused_recurrent_kda`` (fla's
+    own package needs triton to import), so the backend's public functions run exactly as on a GPU up to
+    the kernel call. Puts the backend back to ``naive`` afterwards."""
+
+    def install(chunk: Callable, recurrent: Callable) -> None:
+        kda = ModuleType("fla.ops.kda")
+        kda.chunk_kda, kda.fused_recurrent_kda = chunk, recurrent  # type: ignore[attr-defined]
+        for name in ("fla", "fla.ops"):
+            monkeypatch.setitem(sys.modules, name, ModuleType(name))
+        monkeypatch.setitem(sys.modules, "fla.ops.kda", kda)
+
+    yield install
+    kda_backend.set_kda_backend("naive")
+
+
+def test_the_fla_wrapper_gives_fla_its_layout_and_returns_ours(fla_kernels) -> None:
     nv = load_fla_naive()
+    fla_kernels(nv.naive_chunk_kda, nv.naive_recurrent_kda)
     x = _inputs(64)
-    for fla_fn, ours in ((nv.naive_recurrent_kda, kda_recurrent), (nv.naive_chunk_kda, kda_chunk)):
-        o_f, s_f = kda_backend._on_fla(fla_fn, *x)
+    for fla_fn, ours in ((kda_backend.fla_recurrent, kda_recurrent), (kda_backend.fla_chunk, kda_chunk)):
+        o_f, s_f = fla_fn(*x)
         o, s = ours(*x)
         assert o_f.shape == o.shape and s_f.shape == s.shape and o_f.dtype == s_f.dtype == torch.float32
         assert (o_f - o).abs().max().item() < TOL, fla_fn.__name__
         assert (s_f - s).abs().max().item() < TOL, fla_fn.__name__
 
 
-def test_a_state_from_the_fla_side_resumes_on_ours() -> None:
+def test_a_state_from_the_fla_side_resumes_on_ours(fla_kernels) -> None:
     """Same state bits in both directions: fla's final state feeds our recurrence and vice versa."""
     nv = load_fla_naive()
+    fla_kernels(nv.naive_chunk_kda, nv.naive_recurrent_kda)
     q, k, v, g, beta, s0 = _inputs(48)
-    _, s_fla = kda_backend._on_fla(nv.naive_recurrent_kda, q[:32], k[:32], v[:32], g[:32], beta[:32], s0)
+    _, s_fla = kda_backend.fla_recurrent(q[:32], k[:32], v[:32], g[:32], beta[:32], s0)
     _, s_ours = kda_recurrent(q[:32], k[:32], v[:32], g[:32], beta[:32], s0)
     tail = (q[32:], k[32:], v[32:], g[32:], beta[32:])
     o_a, _ = kda_recurrent(*tail, s_fla)
-    o_b, _ = kda_backend._on_fla(nv.naive_recurrent_kda, *tail, s_ours)
+    o_b, _ = kda_backend.fla_recurrent(*tail, s_ours)
     assert (o_a - o_b).abs().max().item() < TOL
 
 
@@ -69,7 +90,7 @@ def test_choosing_fla_where_its_kernels_cannot_import_is_a_typed_error() -> None
     assert kda_backend.kda_backend() == "naive"
 
 
-def test_the_model_under_the_fla_switch_matches_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_model_under_the_fla_switch_matches_ours(fla_kernels) -> None:
     """Prefill (chunk calls) and decode (recurrent calls) through the switch, fla's naive math in the
     kernels' place: logits within rounding, greedy tokens identical."""
     nv = load_fla_naive()
@@ -79,14 +100,12 @@ def test_the_model_under_the_fla_switch_matches_ours(monkeypatch: pytest.MonkeyP
     ours_tokens = model.generate(prompt.tolist(), 6, eos_ids=())
     calls: list[int] = []
 
-    def counted(fn, *a):  # type: ignore[no-untyped-def]
-        calls.append(a[0].shape[0])
-        return kda_backend._on_fla(fn, *a)
+    def counted(*a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(a[0].shape[1])  # fla's q: [batch of one, T, H, dk]
+        return nv.naive_recurrent_kda(*a, **kw)
 
-    stand_in = functools.partial(counted, nv.naive_recurrent_kda)
-    monkeypatch.setattr(kda_backend, "fla_chunk", stand_in)
-    monkeypatch.setattr(kda_backend, "fla_recurrent", stand_in)
-    monkeypatch.setattr(kda_backend, "_backend", "fla")
+    fla_kernels(counted, counted)
+    kda_backend.set_kda_backend("fla")
     fla_logits = model.prefill(prompt.tolist()).logits
     fla_tokens = model.generate(prompt.tolist(), 6, eos_ids=())
     assert calls and max(calls) == 64  # the chunked prefill went through the switch, 64-token segments

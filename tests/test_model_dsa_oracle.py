@@ -139,17 +139,16 @@ def test_selection_equal_where_margin_allows(oracle, monkeypatch):
 
 @torch.no_grad()
 def test_sparse_path_with_everything_selected_equals_dense(oracle):
-    """The gather path (per-query selected latents) is the dense formula when every key is selected."""
+    """The gather path (per-query selected latents) is the dense formula when every key is selected: with
+    ``index_topk`` one short of a 128-row segment, each query but the last takes the gather path with all
+    of its causal keys selected, and must answer what the dense path (``index_topk`` = 128) answers."""
     attn, x, _, _ = oracle
-    layer = _ours(attn, TOPK)
-    _, cache = _run_segments(layer, x[0, :128])
-    kv = layer.row_format().latents(cache)
-    H = layer.num_heads
-    q_lat = torch.randn(H, 64, layer.rank + layer.rope, generator=torch.Generator().manual_seed(2))
-    dense = layer._dense(q_lat, kv)
-    full = torch.zeros(64, 128).masked_fill(torch.ones(64, 128).triu(65).bool(), float("-inf"))
-    idx, valid = select_topk(full, 128)
-    assert (layer._sparse(q_lat, kv, idx, valid) - dense).abs().max().item() < 1e-6
+    empty = torch.empty(0, _ours(attn, 128).row_format().row_bytes, dtype=torch.uint8)
+    dense, dense_rows = _ours(attn, 128)(x[0, :128], empty)
+    gathered, rows = _ours(attn, 127)(x[0, :128], empty)
+    assert torch.equal(rows, dense_rows)
+    assert (gathered[:127] - dense[:127]).abs().max().item() < 1e-6
+    assert (gathered[127] - dense[127]).abs().max().item() > 1e-6  # the last query did drop a key
 
 
 @torch.no_grad()

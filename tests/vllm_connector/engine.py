@@ -17,6 +17,7 @@ import time
 
 MARK = "KVPOOL-ENGINE "  # our answer lines; vLLM logs on the same stdout
 
+
 def build_llm(spec: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig

@@ -95,4 +95,3 @@ def prompts_of(lengths: list[int], seed: int, vocab: int = 512) -> list[list[int
 
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
-

@@ -69,10 +69,10 @@ def connector(master: str, model_dir: Path) -> KvpoolConnector:
     return KvpoolConnector(vllm_config, KVConnectorRole.SCHEDULER, hybrid_config())
 
 
-def store_objects(conn: KvpoolConnector, salt: str, chunks: set[int], states: set[int]) -> None:
+def store_objects(conn: KvpoolConnector, master: str, salt: str, chunks: set[int], states: set[int]) -> None:
     """MLA-style chunk objects k and state objects after n chunks, as a producer would have left them."""
     h = chunk_hashes(PROMPT, conn.chunk, conn.fp, salt)
-    with StoreClient(conn.store._async.master_address, "tcp", deadline_s=10) as c:
+    with StoreClient(master, "tcp", deadline_s=10) as c:
         for k in sorted(chunks):
             parent = mla_key(h[k - 1]) if k else b""
             assert c.put(mla_key(h[k]), b"chunk", kind=common_pb2.MLA_BLOCK, parent=parent)
@@ -103,17 +103,17 @@ def request(salt: str | None) -> Request:
         ({0, 1, 2}, {5}),  # a state with no chunks under it
     ],
 )
-def test_the_offered_prefix_ends_at_the_last_stored_state(connector, chunks, states) -> None:
+def test_the_offered_prefix_ends_at_the_last_stored_state(connector, master, chunks, states) -> None:
     salt = f"rule-{sorted(chunks)}-{sorted(states)}"
-    store_objects(connector, salt, chunks, states)
+    store_objects(connector, master, salt, chunks, states)
     got, is_async = connector.get_num_new_matched_tokens(request(salt), 0)
     matchable = (len(PROMPT) - 1) // connector.chunk
     assert connector.chunk == 128 and connector.planner.hybrid and not is_async
     assert got == joint_rule(chunks, states, matchable) * connector.chunk
 
 
-def test_another_salt_and_a_local_hit_are_respected(connector) -> None:
-    store_objects(connector, "owner", set(range(6)), {4})
+def test_another_salt_and_a_local_hit_are_respected(connector, master) -> None:
+    store_objects(connector, master, "owner", set(range(6)), {4})
     assert connector.get_num_new_matched_tokens(request("owner"), 0)[0] == 512
     assert connector.get_num_new_matched_tokens(request("thief"), 0)[0] == 0
     assert connector.get_num_new_matched_tokens(request(None), 0)[0] == 0
@@ -121,11 +121,12 @@ def test_another_salt_and_a_local_hit_are_respected(connector) -> None:
     assert connector.get_num_new_matched_tokens(request("owner"), 640)[0] == 0
 
 
-def test_the_step_plan_moves_each_group_s_own_blocks(connector) -> None:
+def test_the_step_plan_moves_each_group_s_own_blocks(connector, master) -> None:
     """Loads: chunks 0-3 (two attention blocks each) + the state after 4 chunks (state block 3); saves as
-    the prefill advances: new chunks, and the state whenever a step ends on a chunk boundary."""
+    the prefill advances: new chunks, and the state whenever a step ends on a chunk boundary; a finished
+    request leaves nothing behind."""
     salt = "plan"
-    store_objects(connector, salt, set(range(6)), {4})
+    store_objects(connector, master, salt, set(range(6)), {4})
     r = request(salt)
     assert connector.get_num_new_matched_tokens(r, 0) == (512, False)
     connector.update_state_after_alloc(r, None, 512)
@@ -159,7 +160,8 @@ def test_the_step_plan_moves_each_group_s_own_blocks(connector) -> None:
     plan2 = connector.build_connector_meta(nxt).plan
     assert plan2.loads == [] and [t.key for t in plan2.saves] == [mla_key(h[8]), mla_key(h[9])]
     connector.request_finished_all_groups(r, (attn, state))
-    assert r.request_id not in connector._trackers
+    replayed = connector.build_connector_meta(out).plan  # the first step again: the request is forgotten
+    assert replayed.loads == [] and replayed.saves == []
 
 
 def test_the_connector_counts_in_prometheus(connector) -> None:
