@@ -25,7 +25,7 @@ from kvpool.gateway.model_info import ModelInfo
 from kvpool.gateway.openai_format import Formatter, sse_data
 from kvpool.gateway.router import PrefixProbe, Router
 from kvpool.gateway.schemas import CompletionRequest, _Sampling
-from kvpool.gateway.service import Generation, GenRequest, Service
+from kvpool.gateway.service import Dispatcher, Generation, GenRequest
 from kvpool.gateway.settings import GatewaySettings
 from kvpool.gateway.tenants import bound_salt, key_tenant
 from kvpool.gateway.workers import WorkerPool
@@ -47,7 +47,7 @@ class Gateway:
         self.pool = WorkerPool(list(settings.prefill), list(settings.decode))
         self.probe = PrefixProbe(settings.master, info.fingerprint, settings.block_size)
         self.router = Router(self.pool, self.probe, settings.routing, settings.ttft_slo_s)
-        self.service = Service(self.router, self.metrics, settings.request_timeout_s)
+        self.dispatcher = Dispatcher(self.router, self.metrics, settings.request_timeout_s)
         self._stats_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -150,7 +150,7 @@ class Gateway:
     async def run(self, req: GenRequest, body: _Sampling, fmt: Formatter) -> Response:
         slot = self.acquire()
         try:
-            gen = await self.service.start(req)
+            gen = await self.dispatcher.start(req)
         except GatewayError as exc:
             if exc.status == 429:
                 self.metrics.rejected.labels("ttft_slo" if "SLO" in exc.message else "backend").inc()

@@ -74,7 +74,7 @@ class Generation:
 
     def __init__(
         self,
-        svc: Service,
+        svc: Dispatcher,
         req: GenRequest,
         plan: Plan,
         look: Lookup | None,
@@ -165,7 +165,10 @@ class Generation:
             self._drop()
 
 
-class Service:
+class Dispatcher:
+    """Starts each generation on the workers: plans it (router), calls prefill (retrying elsewhere when a
+    worker is gone) and opens decode, every call bounded by the time left of the request's deadline."""
+
     def __init__(self, router: Router, metrics: GatewayMetrics, request_timeout_s: float = 60.0) -> None:
         self.router = router
         self.metrics = metrics
