@@ -17,10 +17,13 @@ def master_argv(
     host: str = "127.0.0.1",
     port: int = 0,
     metrics_port: int = -1,
-    policy: str = "hybrid",
-    heartbeat_ms: int = 500,
-    node_timeout_ms: int = 3000,
+    policy: str | None = None,
+    heartbeat_ms: int | None = None,
+    node_timeout_ms: int | None = None,
+    extra: Sequence[str] = (),
 ) -> list[str]:
+    """``kvpool store master``; a setting left at None keeps the master's own default."""
+    tuned = {"--policy": policy, "--heartbeat-ms": heartbeat_ms, "--node-timeout-ms": node_timeout_ms}
     return [
         "kvpool.kvstore.master.cli",
         "--host",
@@ -29,23 +32,19 @@ def master_argv(
         str(port),
         "--metrics-port",
         str(metrics_port),
-        "--policy",
-        policy,
-        "--heartbeat-ms",
-        str(heartbeat_ms),
-        "--node-timeout-ms",
-        str(node_timeout_ms),
+        *(item for flag, value in tuned.items() if value is not None for item in (flag, str(value))),
         "--log-level",
         "WARNING",
+        *extra,
     ]
 
 
-def node_argv(master: str, capacity: str, transport: str, extra: Sequence[str] = ()) -> list[str]:
+def node_argv(master: str | None, capacity: str, transport: str, extra: Sequence[str] = ()) -> list[str]:
+    """``kvpool store node`` registered with ``master``, or standalone (``--no-master``) when it is None."""
     return [
         "kvpool.kvstore.cli",
         "node",
-        "--master",
-        master,
+        *(["--master", master] if master else ["--no-master"]),
         "--capacity",
         capacity,
         "--transport",

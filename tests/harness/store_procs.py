@@ -4,8 +4,8 @@ For tests, benchmarks and local launchers: ``start_master(log_dir)`` then ``star
 give handles with the bound ports (dynamic by default), ``endpoint`` (a NodeEndpoint) and ``stop()``
 (SIGTERM, exit code). Each launcher waits, with a deadline, for the one JSON readiness line on stdout,
 skipping any other line (UCX may log there), then keeps draining stdout in a thread so the child never
-blocks on a full pipe. Children run ``python -m kvpool.kvstore.cli`` (no torch import) via subprocess:
-never fork a process that may have initialised UCX.
+blocks on a full pipe. Their command lines are the launcher's (``kvpool.launch.service_argv``, the store-only
+entry points: no torch import), started via subprocess: never fork a process that may have initialised UCX.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 
 from kvpool.proto import common_pb2
 from kvpool.runtime.spawn import Child, spawn
+
+from kvpool.launch.service_argv import master_argv, node_argv
 
 READY_TIMEOUT_S = 30.0
 
@@ -43,17 +45,6 @@ class NodeProc(Proc):
         return f"{self.ready['host']}:{self.ready['grpc_port']}"
 
 
-def _spawn(
-    cls: type,
-    args: list[str],
-    log_dir: Path,
-    name: str,
-    timeout: float = READY_TIMEOUT_S,
-):  # type: ignore[no-untyped-def]
-    """``python -m kvpool.kvstore.cli ARGS`` (store-only entry: no torch import) through the one spawner."""
-    return spawn(name, ["kvpool.kvstore.cli", *args], log_dir, timeout, child_type=cls)
-
-
 def start_node(
     log_dir: Path,
     master: str | None = None,
@@ -67,11 +58,9 @@ def start_node(
     ``extra``: more node flags (``--ssd-path``, ``--frame-timeout``...). ``prefault=False`` skips backing the
     pool at startup (faster start, slower first puts; tests use it).
     """
-    where = ["--master", master] if master else ["--no-master"]
-    args = ["node", *where, "--capacity", capacity, "--transport", transports, *extra]
-    if not prefault:
-        args.append("--no-prefault")
-    return _spawn(NodeProc, args, log_dir, "node")
+    flags = [*extra] if prefault else [*extra, "--no-prefault"]
+    argv = node_argv(master, capacity, transports, flags)
+    return spawn("node", argv, log_dir, READY_TIMEOUT_S, child_type=NodeProc)
 
 
 @dataclass
@@ -83,9 +72,5 @@ class MasterProc(Proc):
 
 def start_master(log_dir: Path, *extra: str, port: int = 0) -> MasterProc:
     """``kvpool store master`` as a child (``port`` fixed when a restarted master must keep its address)."""
-    return _spawn(
-        MasterProc,
-        ["master", "--port", str(port), "--log-level", "WARNING", *extra],
-        log_dir,
-        "master",
-    )
+    argv = master_argv(port=port, extra=extra)
+    return spawn("master", argv, log_dir, READY_TIMEOUT_S, child_type=MasterProc)
