@@ -1,8 +1,11 @@
-"""Container health probe: ``healthcheck.py http URL`` | ``grpc HOST:PORT`` | ``auto`` (exit 0 = healthy).
+"""Container health probe: ``healthcheck.py http URL`` | ``grpc HOST:PORT`` | ``master HOST:PORT`` | ``auto``
+(exit 0 = healthy).
 
 Why a script: the image has no grpc_health_probe/curl; this uses libraries kvpool already depends on, with a
 3 s deadline. ``auto`` reads the role from the container's command line (``/proc/1/cmdline``): the gateway
-is probed over HTTP (/health), every gRPC service through the standard health service.
+is probed over HTTP (/health), the master by its wire's ``Describe`` call (its one listener; an HA standby
+answers too; the cluster secret comes from the container's environment), every gRPC service through the
+standard health service.
 """
 
 from __future__ import annotations
@@ -35,6 +38,18 @@ def grpc_ok(address: str) -> bool:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def master_ok(address: str) -> bool:
+    from kvpool.kvstore.errors import StoreError
+    from kvpool.kvstore.protocol.master_wire import call_blocking
+    from kvpool.proto import master_pb2
+
+    try:
+        call_blocking(address, "Describe", master_pb2.DescribeRequest(), TIMEOUT_S)
+    except StoreError:
+        return False
+    return True
+
+
 def auto() -> bool:
     argv = Path("/proc/1/cmdline").read_bytes().decode(errors="replace").split("\0")
     role = next((r for r in DEFAULT_PORTS if r in argv), "gateway")
@@ -43,6 +58,8 @@ def auto() -> bool:
         port = int(argv[argv.index("--port") + 1])
     if role == "gateway":
         return http_ok(f"http://127.0.0.1:{port}/health")
+    if role == "master":
+        return master_ok(f"127.0.0.1:{port}")
     return grpc_ok(f"127.0.0.1:{port}")
 
 
@@ -51,6 +68,8 @@ def main(argv: list[str]) -> int:
         return 0 if http_ok(argv[1]) else 1
     if argv[:1] == ["grpc"] and len(argv) == 2:
         return 0 if grpc_ok(argv[1]) else 1
+    if argv[:1] == ["master"] and len(argv) == 2:
+        return 0 if master_ok(argv[1]) else 1
     if argv[:1] == ["auto"]:
         return 0 if auto() else 1
     print(__doc__.splitlines()[0], file=sys.stderr)

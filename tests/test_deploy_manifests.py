@@ -63,7 +63,12 @@ def test_k8s_layout_probes_services_and_commands() -> None:
             assert "readinessProbe" in c and "livenessProbe" in c, c["name"]
             ports = {p["containerPort"] for p in c["ports"]} | {p["name"] for p in c["ports"]}
             for probe in (c["readinessProbe"], c["livenessProbe"]):
-                port = (probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket"))["port"]
+                if "exec" in probe:  # the master: its wire's Describe through deploy/healthcheck.py
+                    command = probe["exec"]["command"]
+                    assert command[1:3] == ["/app/deploy/healthcheck.py", "master"], command
+                    port = int(command[3].rsplit(":", 1)[1])
+                else:
+                    port = (probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket"))["port"]
                 assert port in ports, (c["name"], port)
             assert all(r["configMapRef"]["name"] == "kvpool-config" for r in c.get("envFrom", []))
             if c["image"] != "kvpool:0.1.0":  # etcd: its own image and flags
@@ -146,7 +151,22 @@ def test_healthcheck_script_fails_fast_on_a_dead_port() -> None:
         [sys.executable, str(DEPLOY / "healthcheck.py"), "http", "http://127.0.0.1:1/health"], timeout=30
     )
     assert r.returncode == 1
+    r = subprocess.run([sys.executable, str(DEPLOY / "healthcheck.py"), "master", "127.0.0.1:1"], timeout=30)
+    assert r.returncode == 1
     assert subprocess.run([sys.executable, str(DEPLOY / "healthcheck.py")], timeout=30).returncode == 2
+
+
+def test_healthcheck_script_passes_a_live_master(tmp_path: Path) -> None:
+    from tests.harness.master_proc import MasterProcess
+
+    master = MasterProcess(tmp_path)
+    try:
+        r = subprocess.run(
+            [sys.executable, str(DEPLOY / "healthcheck.py"), "master", master.address], timeout=30
+        )
+        assert r.returncode == 0
+    finally:
+        master.terminate()
 
 
 def test_local_config_is_what_kvpool_up_reads() -> None:

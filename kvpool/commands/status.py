@@ -31,8 +31,22 @@ def _grpc_serving(address: str) -> bool:
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def service_health(svc: dict) -> str:
-    """``down`` (no process), ``up`` (answers its health check), ``unhealthy``."""
+def _master_answers(address: str, key: bytes | None) -> bool:
+    """A master serves no gRPC: it is up when it answers ``Describe`` on its wire (a standby does too)."""
+    from kvpool.kvstore.errors import StoreError
+    from kvpool.kvstore.protocol.master_wire import call_blocking
+    from kvpool.proto import master_pb2
+
+    try:
+        call_blocking(address, "Describe", master_pb2.DescribeRequest(), 1.0, key=key)
+    except StoreError:
+        return False
+    return True
+
+
+def service_health(svc: dict, key: bytes | None = None) -> str:
+    """``down`` (no process), ``up`` (answers its health check), ``unhealthy``; ``key`` is the run's cluster
+    secret (the master's wire wants its hello)."""
     if not pid_alive(int(svc["pid"])):
         return "down"
     if svc["role"] == "gateway":
@@ -43,6 +57,8 @@ def service_health(svc: dict) -> str:
         except httpx.HTTPError:
             return "unhealthy"
         return "up" if r.status_code == 200 else "degraded"
+    if svc["role"] == "master":
+        return "up" if _master_answers(svc["address"], key) else "unhealthy"
     return "up" if _grpc_serving(svc["address"]) else "unhealthy"
 
 
@@ -53,6 +69,9 @@ def run_status(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError):
         print(f"kvpool status: no running cluster ({path} not found)", file=sys.stderr)
         return 1
+    from kvpool.runtime.cluster_auth import read_secret_file
+
+    key = read_secret_file(state["secret_file"]) if state.get("secret_file") else None
     rows = [
         {
             "name": s["name"],
@@ -60,7 +79,7 @@ def run_status(args: argparse.Namespace) -> int:
             "pid": s["pid"],
             "address": s["address"],
             "metrics": s.get("metrics"),
-            "health": service_health(s),
+            "health": service_health(s, key),
             "netns": s.get("netns"),
             "log": s["log"],
         }
@@ -69,9 +88,7 @@ def run_status(args: argparse.Namespace) -> int:
     masters = [r for r in rows if r["role"] == "master"]
     if len(masters) > 1:  # an HA group: say which one leads
         from kvpool.launch.ha_cluster import leader_of
-        from kvpool.runtime.cluster_auth import read_secret_file
 
-        key = read_secret_file(state["secret_file"]) if state.get("secret_file") else None
         leader = leader_of([r["address"] for r in masters if r["health"] == "up"], key=key)
         for r in masters:
             r["leader"] = r["address"] == leader

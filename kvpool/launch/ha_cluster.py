@@ -66,20 +66,17 @@ def master_flags(etcd: list[Child]) -> list[str]:
 
 def leader_of(addresses: list[str], timeout_s: float = 1.0, key: bytes | None = None) -> str | None:
     """The address whose master says it leads (``Describe``), None if none does now."""
-    import grpc
-
-    from kvpool.proto import master_pb2, master_pb2_grpc
-    from kvpool.runtime import cluster_auth
+    from kvpool.kvstore.errors import StoreError
+    from kvpool.kvstore.protocol.master_wire import call_blocking
+    from kvpool.proto import master_pb2
 
     for address in addresses:
-        with cluster_auth.sync_channel(address, key=key) as ch:
-            try:
-                stub = master_pb2_grpc.MasterStub(ch)
-                reply = stub.Describe(master_pb2.DescribeRequest(), timeout=timeout_s)
-            except grpc.RpcError:
-                continue
-            if reply.leader:
-                return address
+        try:
+            reply = call_blocking(address, "Describe", master_pb2.DescribeRequest(), timeout_s, key=key)
+        except StoreError:
+            continue
+        if reply.leader:
+            return address
     return None
 
 

@@ -397,17 +397,20 @@ class MasterWireClient:
             conn.fail(StoreUnavailableError("master wire: client closed"))
 
 
-def call_blocking(address: str, name: str, request: Message, timeout_s: float = 3.0) -> Any:
+def call_blocking(
+    address: str, name: str, request: Message, timeout_s: float = 3.0, *, key: bytes | None = None
+) -> Any:
     """One call on its own connection, blocking (health probes, ``kvpool status``, tools and tests): the
     reply, or the typed error; TransportTimeoutError past ``timeout_s``, StoreUnavailableError when the
-    master cannot be reached."""
+    master cannot be reached. ``key``: the cluster secret to say hello with (default: this process's)."""
     method = METHODS[name]
     body = request_body(method, request)
+    hello = cluster_auth.hello(key) if key else cluster_auth.client_hello()
     deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection(split_address(address), timeout=timeout_s) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(cluster_auth.client_hello() + encode(method.method_id, STATUS_OK, 1, body))
+            sock.sendall(hello + encode(method.method_id, STATUS_OK, 1, body))
             frames = FrameBuffer()
             while True:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
