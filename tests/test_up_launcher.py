@@ -1,8 +1,9 @@
 """``kvpool.launch.cluster`` launcher details that need no cluster: orphan-free children when the launcher is
-killed hard, readiness deadlines with the child's log in the error, config merging."""
+killed hard, readiness deadlines with the child's log in the error, config merging, which run is current."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kvpool.runtime.spawn import LaunchError
+from kvpool.runtime.spawn import LaunchError, wait_ready
 
 from kvpool.launch.cluster import Cluster
 from kvpool.launch.config import load_config
@@ -35,7 +36,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
         from pathlib import Path
         from kvpool.launch.cluster import Cluster
         c = Cluster({{"cluster": {{}}}}, Path({str(tmp_path)!r}))
-        child = c._spawn("sleeper", "test", ["http.server", "0", "--bind", "127.0.0.1"])
+        child = c.start_service("sleeper", "test", ["http.server", "0", "--bind", "127.0.0.1"])
         print(child.popen.pid, flush=True)
         time.sleep(60)
     """)
@@ -51,19 +52,19 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
 
 def test_a_child_that_exits_early_fails_fast_with_its_log(tmp_path: Path) -> None:
     c = Cluster({"cluster": {}}, tmp_path)
-    child = c._spawn("broken", "test", ["kvpool.kvstore.master.cli", "--no-such-flag"])
+    child = c.start_service("broken", "test", ["kvpool.kvstore.master.cli", "--no-such-flag"])
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match="no-such-flag"):
-        c._wait_ready(child, 30)
+        wait_ready(child, 30)
     assert time.monotonic() - t0 < 15
 
 
 def test_a_silent_child_hits_the_readiness_deadline(tmp_path: Path) -> None:
     c = Cluster({"cluster": {}}, tmp_path)
-    child = c._spawn("silent", "test", ["http.server", "0", "--bind", "127.0.0.1"])
+    child = c.start_service("silent", "test", ["http.server", "0", "--bind", "127.0.0.1"])
     try:
         with pytest.raises(LaunchError, match="not ready within 1s"):
-            c._wait_ready(child, 1.0)
+            wait_ready(child, 1.0)
     finally:
         child.popen.send_signal(signal.SIGTERM)
         child.popen.wait(10)
@@ -76,3 +77,14 @@ def test_user_config_is_merged_over_the_defaults(tmp_path: Path) -> None:
     assert cfg["gateway"]["routing"] == "rr" and cfg["gateway"]["port"] == 0
     assert cfg["decode"]["count"] == 2 and cfg["prefill"]["count"] == 2  # untouched default
     assert cfg["gateway"]["max_concurrent"] == 64
+
+
+def test_only_a_published_cluster_becomes_the_one_kvpool_status_shows(tmp_path: Path, monkeypatch) -> None:
+    """``kvpool verify``'s and the tests' clusters (``publish=False``) leave a running ``kvpool up`` the
+    current one."""
+    monkeypatch.setenv("KVPOOL_RUNS", str(tmp_path / "runs"))
+    Cluster(load_config(), tmp_path / "up").write_state()
+    Cluster(load_config(), tmp_path / "quiet", publish=False).write_state()
+    assert (tmp_path / "quiet" / "state.json").exists()
+    current = json.loads((tmp_path / "runs" / "current.json").read_text())
+    assert current["run_dir"] == str(tmp_path / "up")

@@ -129,11 +129,12 @@ class Cluster:
         self.placement: LoopbackPlacement | NetnsPlacement = LoopbackPlacement()
 
     # -- processes ---------------------------------------------------------------------------------------
-    def _spawn(
+    def start_service(
         self, name: str, role: str, argv: list[str], *, isolated: bool = False, placed: Placed | None = None
     ) -> ServiceProcess:
-        """Start one service; ``isolated`` services get their own namespace under ``--netns`` (and bind its
-        IP), the others (the gateway, test helpers) stay in the launcher's namespace."""
+        """Start one service (``python -m ARGV``) as this cluster's child and return at once (wait for it with
+        ``kvpool.runtime.spawn.wait_ready``); ``isolated`` services get their own namespace under
+        ``--netns`` (and bind its IP), the others (the gateway, test helpers) stay in the launcher's."""
         log_path = self.run_dir / f"{name}.log"
         if placed is None:
             placed = self.placement.place(name) if isolated else Placed()
@@ -146,9 +147,6 @@ class Cluster:
         self.services[name] = svc
         return svc
 
-    def _wait_ready(self, svc: ServiceProcess, timeout_s: float) -> dict:
-        return wait_ready(svc, timeout_s)
-
     def restart(self, name: str) -> ServiceProcess:
         """Start service ``name`` again, same flags and place, once it has exited or been killed (a test's
         storage node after a fault); waits for its readiness line. The old process's shared memory segment,
@@ -156,8 +154,8 @@ class Cluster:
         old = self.services[name]
         old.kill()
         self._unlink_shm(old)
-        svc = self._spawn(name, old.role, old.argv, placed=old.placed)
-        self._wait_ready(svc, float(self.config["cluster"].get("ready_timeout_s", 90)))
+        svc = self.start_service(name, old.role, old.argv, placed=old.placed)
+        wait_ready(svc, float(self.config["cluster"].get("ready_timeout_s", 90)))
         self.write_state()
         return svc
 
@@ -172,27 +170,29 @@ class Cluster:
                 # etcd members get their namespaces first: each one's peers must be named at its start
                 hosts = [self.placement.place(f"etcd-{i}") for i in range(self._etcd_members)]
                 etcd = ha_cluster.start_etcd(
-                    lambda name, role, argv, i: self._spawn(name, role, argv, placed=hosts[i]),
-                    self._wait_ready,
+                    lambda name, role, argv, i: self.start_service(name, role, argv, placed=hosts[i]),
+                    wait_ready,
                     self.run_dir,
                     [h.host for h in hosts],
                     timeout,
                 )
                 flags = ha_cluster.master_flags(etcd)
                 masters = [
-                    self._spawn(f"master-{i}", "master", [*self._master_argv(m, i), *flags], isolated=True)
+                    self.start_service(
+                        f"master-{i}", "master", [*self._master_argv(m, i), *flags], isolated=True
+                    )
                     for i in range(ha_cluster.MASTERS)
                 ]
                 for master in masters:
-                    self._wait_ready(master, timeout)
+                    wait_ready(master, timeout)
                 key = cluster_auth.read_secret_file(str(self.secret_file)) if self.secret_file else None
                 ha_cluster.wait_for_leader([s.address for s in masters], timeout, key=key)
             else:
-                masters = [self._spawn("master", "master", self._master_argv(m, 0), isolated=True)]
-                self._wait_ready(masters[0], timeout)
+                masters = [self.start_service("master", "master", self._master_argv(m, 0), isolated=True)]
+                wait_ready(masters[0], timeout)
             master = self.master_address = ",".join(s.address for s in masters)
             nodes = [
-                self._spawn(
+                self.start_service(
                     f"node-{i}",
                     "node",
                     node_argv(
@@ -215,13 +215,13 @@ class Cluster:
                 *self._spawn_workers("decode", master, dc, ["--max-batch", str(dc.get("max_batch", 64))]),
             ]
             for svc in [*nodes, *workers]:
-                self._wait_ready(svc, timeout)
+                wait_ready(svc, timeout)
             self.fingerprint = workers[0].ready.get("fingerprint")
             if self._gateway:
                 argv = gateway_argv(
                     self.config, master, [(w.role, w.address) for w in workers], self.fingerprint
                 )
-                self._wait_ready(self._spawn("gateway", "gateway", argv), timeout)
+                wait_ready(self.start_service("gateway", "gateway", argv), timeout)
                 self._wait_healthy(timeout)
             self.write_state()
         except BaseException:
@@ -255,7 +255,7 @@ class Cluster:
         """Start ``section["count"]`` workers of ``role``; all start at once (their torch imports overlap)."""
         cl = self.config["cluster"]
         return [
-            self._spawn(
+            self.start_service(
                 f"{role}-{i}",
                 role,
                 worker_argv(
