@@ -1,5 +1,6 @@
-"""``kvpool up``'s configuration and run directories: the shipped defaults (``deploy/local.toml``) merged with
-a user's TOML and command-line overrides, and where runs keep their logs and ``state.json``."""
+"""The launcher's configuration and run directories: the shipped defaults (``deploy/local.toml``), the one set
+every ``Cluster`` starts from, merged with a user's TOML (``kvpool up --config``) and a caller's overrides,
+and where runs keep their logs and ``state.json``."""
 
 from __future__ import annotations
 
