@@ -50,28 +50,10 @@ def _percentiles(samples_s: list[float]) -> dict[str, float]:
     }
 
 
-def _pymalloc_bytes(obj: object) -> int:
-    """What a small object really occupies: pymalloc serves it from 16-byte size classes (a 33-byte key,
-    66 bytes of object, takes 80)."""
-    size = sys.getsizeof(obj)
-    return (size + 15) & ~15 if size <= 512 else size
-
-
 def index_breakdown(idx: PrefixIndex) -> dict[str, float]:
     """Bytes per indexed object by structure (why the RSS figure is what it is; overview §7)."""
     n = max(1, len(idx))
-    keys = [k for k in idx._keys if k is not None]
-    cols = idx._cols
-    return {
-        name: round(b / n, 1)
-        for name, b in (
-            ("key_objects", sum(map(_pymalloc_bytes, keys))),
-            ("slot_ints", sum(_pymalloc_bytes(s) for s in idx._slot.values() if s > 256)),
-            ("dict", sys.getsizeof(idx._slot)),
-            ("slot_lists", sys.getsizeof(idx._keys) + sys.getsizeof(idx._anchors)),
-            ("columns", sum(getattr(cols, name).nbytes for name, _ in cols.SPEC)),
-        )
-    }
+    return {name: round(b / n, 1) for name, b in idx.footprint().items()}
 
 
 def _memory_child(n: int, chain: int, reps: int, queue: mp.Queue) -> None:

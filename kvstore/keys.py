@@ -39,8 +39,15 @@ def tail_key(request_id: str) -> bytes:
     return TAIL_TAG + request_id.encode()
 
 
+def block_tag(key: bytes) -> bytes | None:
+    """``MLA_TAG`` or ``KDA_TAG`` when ``key`` is a block key (the tag + a block hash), else None. The tag
+    is an object's kind: the index refuses an object whose declared kind disagrees with it."""
+    tag = key[:1]
+    return tag if len(key) == 1 + HASH_BYTES and tag in (MLA_TAG, KDA_TAG) else None
+
+
 def block_hash_of(key: bytes) -> bytes:
     """The block hash inside an MLA or KDA key."""
-    if len(key) != 1 + HASH_BYTES or key[:1] not in (MLA_TAG, KDA_TAG):
+    if block_tag(key) is None:
         raise BadKeyError(f"not a block key: {key[:8].hex()}…")
     return key[1:]

@@ -4,9 +4,7 @@ the adaptive sampling rate), on the index itself and through the master's PutSta
 from __future__ import annotations
 
 import contextlib
-import hashlib
 
-import numpy as np
 import pytest
 from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.prefix_index import PrefixIndex
@@ -16,28 +14,15 @@ from kvpool.kvstore.master.config import MasterConfig
 from kvpool.kvstore.master.core import MasterCore
 from kvpool.proto import common_pb2, master_pb2
 
+from tests.harness.chains import chain
+from tests.harness.clock import Clock
+
 MLA, KDA = ObjectKind.MLA, ObjectKind.KDA
 REFUSE_NEW = AdmissionConfig(initial_rate=0.0, min_rate=0.0)  # only continuations get in
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def chain(n: int, seed: str) -> list[bytes]:
-    out, prev = [], seed.encode()
-    for i in range(n):
-        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
-        out.append(prev)
-    return out
-
-
 def index(cap: int = 1000, admission: AdmissionConfig | None = None) -> tuple[PrefixIndex, Clock]:
-    clock = Clock()
+    clock = Clock(100.0)
     idx = PrefixIndex("hybrid", clock=clock, high_watermark=0.9, low_watermark=0.8, admission=admission)
     idx.add_node("n", cap)
     return idx, clock
@@ -51,11 +36,6 @@ def put_chain(idx: PrefixIndex, hs: list[bytes], *, ck_at: tuple[int, ...] = (),
         parent = mla_key(h)
         if i + 1 in ck_at and kda_key(h) not in idx:
             idx.insert(kda_key(h), KDA, size, node_id="n")
-
-
-def scores(idx: PrefixIndex, keys: list[bytes], now: float) -> list[float]:
-    slots = np.array([idx._slot[k] for k in keys])
-    return idx.policy.scores(idx._cols, slots, now).tolist()
 
 
 def evicted(idx: PrefixIndex) -> list[bytes]:
@@ -84,17 +64,17 @@ def test_a_deeper_checkpoint_may_be_older() -> None:
     clock.t = 200.0
     put_chain(idx, shallow, ck_at=(1,), size=5)  # written at t=200
     clock.t = 260.0  # ages 160 s and 60 s: deep is 2.7x older, under 4x
-    ranked = scores(idx, [kda_key(deep[-1]), kda_key(shallow[0])], clock.t)
+    ranked = idx.eviction_scores([kda_key(deep[-1]), kda_key(shallow[0])])
     assert ranked[0] > ranked[1]  # the shallow one goes first
     clock.t = 1000.0  # ages 900 s and 800 s: both old, deep wins by depth alone
-    ranked = scores(idx, [kda_key(deep[-1]), kda_key(shallow[0])], clock.t)
+    ranked = idx.eviction_scores([kda_key(deep[-1]), kda_key(shallow[0])])
     assert ranked[0] > ranked[1]
     idx2, clock2 = index(cap=1000)
     put_chain(idx2, deep, ck_at=(16,), size=5)
     clock2.t = 110.0
     put_chain(idx2, shallow, ck_at=(1,), size=5)
     clock2.t = 112.0  # ages 12 s and 2 s: deep is 6x older, over 4x: it goes first
-    ranked = scores(idx2, [kda_key(deep[-1]), kda_key(shallow[0])], clock2.t)
+    ranked = idx2.eviction_scores([kda_key(deep[-1]), kda_key(shallow[0])])
     assert ranked[0] < ranked[1]
 
 
@@ -175,7 +155,7 @@ def test_bad_admission_settings_are_refused_by_name(bad: dict) -> None:
 
 
 def test_master_answers_not_admitted_as_a_status_and_counts_it() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     core = MasterCore(MasterConfig(admission=REFUSE_NEW), clock=clock)
     core.register_node(
         master_pb2.RegisterNodeRequest(

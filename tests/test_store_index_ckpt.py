@@ -1,39 +1,19 @@
-"""match_prefix's checkpoint bit (SLOT_CKPT on the MLA slot) agrees with a reference built from lookup/get."""
+"""match_prefix's checkpoint bit (SLOT_CKPT on the MLA slot) agrees with a reference built from lookup/get,
+and a block key's tag is its kind (one kind field): nothing else may use a block key."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 
-import numpy as np
 import pytest
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import (
-    SLOT_CKPT,
-    BadObjectError,
-    CapacityError,
-    ObjectKind,
-    QuotaExceededError,
-)
-from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, kda_key, mla_key
+from kvpool.kvstore.index.records import BadObjectError, CapacityError, ObjectKind, QuotaExceededError
+from kvpool.kvstore.keys import HASH_BYTES, kda_key, mla_key
+
+from tests.harness.chains import chain
+from tests.harness.clock import Clock
 
 MLA, KDA, TAIL, BLOB = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL, ObjectKind.BLOB
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def chain(n: int, seed: str) -> list[bytes]:
-    out, prev = [], seed.encode()
-    for _ in range(n):
-        prev = hashlib.sha256(prev).digest()
-        out.append(prev)
-    return out
 
 
 def reference(idx: PrefixIndex, hashes: list[bytes], require_checkpoint: bool) -> tuple:
@@ -56,21 +36,7 @@ def reference(idx: PrefixIndex, hashes: list[bytes], require_checkpoint: bool) -
     return usable, run, tuple(checkpoints), tuple(keys[:usable]), ck
 
 
-def check_bits(idx: PrefixIndex) -> None:
-    """Invariant: a committed MLA-tagged block key has the bit iff its KDA-tagged twin is committed."""
-    for key, slot in idx._slot.items():
-        if len(key) == 1 + HASH_BYTES and key[:1] == MLA_TAG:
-            has = bool(idx._cols.flags[slot] & SLOT_CKPT)
-            assert has == (KDA_TAG + key[1:] in idx._slot), key[:9].hex()
-    odd = [
-        k
-        for k, s in (*idx._slot.items(), *idx._pending.items())
-        if len(k) == 1 + HASH_BYTES and k[:1] == KDA_TAG and idx._cols.kind[s] != KDA
-    ]
-    assert idx._odd_twins == len(odd)
-
-
-def check_matches(idx: PrefixIndex, queries: list[list[bytes]], rng: random.Random) -> None:
+def check_matches(idx: PrefixIndex, clock: Clock, queries: list[list[bytes]], rng: random.Random) -> None:
     for hashes in queries:
         for req in (True, False):
             m = idx.match_prefix(hashes, require_checkpoint=req)
@@ -80,18 +46,10 @@ def check_matches(idx: PrefixIndex, queries: list[list[bytes]], rng: random.Rand
     # touch marks exactly the usable MLA blocks and the closing checkpoint
     hashes = rng.choice(queries)
     req = rng.random() < 0.7
-    seen: list[list[int]] = []
-    orig = idx.policy.touch
-    idx.policy.touch = lambda cols, slots, now: (
-        seen.append(np.asarray(slots).tolist()),
-        orig(cols, slots, now),
-    )
-    try:
-        m = idx.match_prefix(hashes, require_checkpoint=req, touch=True)
-    finally:
-        del idx.policy.touch
-    want = [idx._slot[k] for k in m.mla_keys] + ([idx._slot[m.checkpoint_key]] if m.checkpoint_key else [])
-    assert seen == ([want] if m.usable_blocks else [])
+    clock.advance(0.001)  # a time no earlier use shares
+    m = idx.match_prefix(hashes, require_checkpoint=req, touch=True)
+    touched = {k for k in idx if (info := idx.get(k)) is not None and info.last_use == clock.t}
+    assert touched == {*m.mla_keys, *([m.checkpoint_key] if m.checkpoint_key else [])}
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
@@ -117,8 +75,10 @@ def test_fast_match_equals_reference_under_random_operations(seed: int) -> None:
                 i = int(len(hs) * rng.random() ** 2)  # early blocks more often: long usable prefixes
                 kind = rng.choice([MLA, MLA, KDA, KDA, BLOB])
                 tagged = kda_key(hs[i]) if kind != MLA else mla_key(hs[i])
-                if rng.random() < 0.05:  # an MLA-tagged key stored as a blob also counts (keys, not kinds)
-                    tagged, kind = mla_key(hs[i]), BLOB
+                if kind == BLOB or rng.random() < 0.05:  # a blob may not use a block key of either tag
+                    with pytest.raises(BadObjectError):
+                        idx.insert(tagged, BLOB, 10)
+                    tagged, kind = b"B" + tagged[1:], BLOB  # it takes its own key (and its bytes count)
                 if tagged not in idx and not idx.is_pending(tagged):
                     idx.insert(
                         tagged,
@@ -129,23 +89,20 @@ def test_fast_match_equals_reference_under_random_operations(seed: int) -> None:
                         pending=rng.random() < 0.25,
                         ttl_ms=rng.choice([0] * 7 + [rng.randint(20, 400)]),
                     )
-            elif op < 0.6 and idx._pending:
-                idx.commit(rng.choice(list(idx._pending)))
-            elif op < 0.67 and (len(idx) or idx._pending):
-                pool = list(idx._slot) + list(idx._pending)
-                idx.remove(rng.choice(pool))
+            elif op < 0.6 and idx.pending_keys():
+                idx.commit(rng.choice(idx.pending_keys()))
+            elif op < 0.67 and (len(idx) or idx.pending_keys()):
+                idx.remove(rng.choice(list(idx) + idx.pending_keys()))
             elif op < 0.72 and len(idx):
-                lease = idx.acquire(
-                    rng.sample(list(idx._slot), min(3, len(idx))), lease_ms=rng.randint(10, 300)
-                )
+                lease = idx.acquire(rng.sample(list(idx), min(3, len(idx))), lease_ms=rng.randint(10, 300))
                 if lease is not None:
                     leases.append(lease.lease_id)
             elif op < 0.76 and leases:
                 idx.release(leases.pop(rng.randrange(len(leases))))
             elif op < 0.8 and len(idx):
-                idx.pin(rng.sample(list(idx._slot), 1), ttl_ms=rng.choice([0, 100]))
+                idx.pin(rng.sample(list(idx), 1), ttl_ms=rng.choice([0, 100]))
             elif op < 0.85 and len(idx):
-                idx.promote(rng.choice(list(idx._slot)))
+                idx.promote(rng.choice(list(idx)))
             elif op < 0.87:
                 idx.remove_node("b")
                 idx.add_node("b", 500)
@@ -157,8 +114,8 @@ def test_fast_match_equals_reference_under_random_operations(seed: int) -> None:
                 idx.evict()
         except (CapacityError, QuotaExceededError):
             pass
-        check_bits(idx)
-        check_matches(idx, queries, rng)
+        assert idx.verify() == []  # the checkpoint bits included
+        check_matches(idx, clock, queries, rng)
     st = idx.stats()
     assert st.evictions > 0 and st.expired > 0  # the run did exercise pressure and TTLs
 
@@ -202,11 +159,16 @@ def test_checkpoint_bit_edge_cases() -> None:
     idx.remove_node("n")
     idx.add_node("n", 1 << 20)
     assert usable() == 0 and len(idx) == 0
-    idx.insert(kda_key(hs[2]), BLOB, 10)  # a blob under a KDA-tagged key: no dependency, still counts
+    for key in (kda_key(hs[2]), mla_key(hs[2])):  # one kind per key tag: no blob under a block key
+        with pytest.raises(BadObjectError):
+            idx.insert(key, BLOB, 10)
+    with pytest.raises(BadObjectError):
+        idx.insert(mla_key(hs[2]), KDA, 10)
+    idx.insert(kda_key(hs[2]), KDA, 10)  # the checkpoint before its block: it waits as an orphan
     idx.insert(mla_key(hs[0]), MLA, 10)
     idx.insert(mla_key(hs[1]), MLA, 10, parent=mla_key(hs[0]))
     assert usable() == 0
-    idx.insert(mla_key(hs[2]), MLA, 10, parent=mla_key(hs[1]))  # a new leaf: no dependents
+    idx.insert(mla_key(hs[2]), MLA, 10, parent=mla_key(hs[1]))  # adopts the waiting checkpoint
     assert usable() == 3
     with pytest.raises(BadObjectError):
         idx.match_prefix([b"short"])

@@ -10,19 +10,13 @@ from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import ObjectKind, Tier
 from kvpool.kvstore.keys import kda_key, mla_key
 
+from tests.harness.clock import Clock
+
 BLOB, MLA, KDA = ObjectKind.BLOB, ObjectKind.MLA, ObjectKind.KDA
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 10.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def index(policy: str, cap: int = 100, low_watermark: float = 0.85) -> tuple[PrefixIndex, Clock]:
-    clock = Clock()
+    clock = Clock(10.0)
     idx = PrefixIndex(policy, clock=clock, high_watermark=0.9, low_watermark=low_watermark)
     idx.add_node("n", cap)
     return idx, clock
@@ -42,7 +36,7 @@ def test_frequency_vs_recency(policy: str, victim: bytes) -> None:
     idx.insert(b"hot", BLOB, 35, node_id="n")
     for _ in range(10):
         clock.t += 1
-        idx.touch([b"hot"])
+        idx.lookup([b"hot"], touch=True)
     clock.t += 1
     idx.insert(b"once", BLOB, 35, node_id="n")  # used once, but most recently
     clock.t += 1
@@ -53,12 +47,12 @@ def test_lfu_ages_old_popularity_away() -> None:
     idx, clock = index("lfu")
     idx.policy = make_policy("lfu", half_life_s=10.0)
     idx.insert(b"was-hot", BLOB, 35, node_id="n")
-    idx.touch([b"was-hot"] * 1)
+    idx.lookup([b"was-hot"] * 1, touch=True)
     for _ in range(8):
-        idx.touch([b"was-hot"])
+        idx.lookup([b"was-hot"], touch=True)
     clock.t += 200  # 20 half-lives: 9 hits are worth ~1e-5 now
     idx.insert(b"fresh", BLOB, 35, node_id="n")
-    idx.touch([b"fresh"])
+    idx.lookup([b"fresh"], touch=True)
     assert first_victim(idx) == b"was-hot"
 
 
@@ -86,7 +80,7 @@ def test_same_operations_same_evictions() -> None:
             clock.t += 0.5
             idx.insert(f"k{i}".encode(), BLOB, 10 + i % 7, node_id="n")
             if i % 3 == 0:
-                idx.touch([f"k{i // 2}".encode()])
+                idx.lookup([f"k{i // 2}".encode()], touch=True)
         return [e.key for e in idx.drain_events()]
 
     assert run() == run()
@@ -101,7 +95,7 @@ def test_policy_names() -> None:
 
 
 def test_ssd_full_falls_back_to_dropping_leaves_and_promotion_accounts_bytes() -> None:
-    clock = Clock()
+    clock = Clock(10.0)
     idx = PrefixIndex(clock=clock, high_watermark=0.9, low_watermark=0.5)
     idx.add_node("n", 100, ssd_bytes=60)
     for i in range(10):
@@ -111,20 +105,20 @@ def test_ssd_full_falls_back_to_dropping_leaves_and_promotion_accounts_bytes() -
     assert usage[Tier.DRAM][0] <= 90 and usage[Tier.SSD][0] <= 60
     st = idx.stats()
     assert st.demotions > 0 and st.evictions > 0, "SSD filled up: later pressure must drop"
-    on_ssd = [k for k in idx._slot if (info := idx.get(k)) is not None and info.tier == Tier.SSD]
+    on_ssd = [k for k in idx if (info := idx.get(k)) is not None and info.tier == Tier.SSD]
     assert on_ssd
     assert idx.promote(on_ssd[-1])
     info = idx.get(on_ssd[-1])
     assert info is not None and info.tier == Tier.DRAM
     after = idx.node_usage("n")
     assert after[Tier.DRAM][0] <= 100 and after[Tier.SSD][0] <= 60
-    held = {t: sum(i.size for k in idx._slot if (i := idx.get(k)) is not None and i.tier == t) for t in Tier}
+    held = {t: sum(i.size for k in idx if (i := idx.get(k)) is not None and i.tier == t) for t in Tier}
     assert held == {t: after[t][0] for t in Tier}, "per-tier accounting drifted"
     assert not idx.promote(b"o-absent") and not idx.promote(on_ssd[-1]), "already in DRAM"
 
 
 def test_set_quota_enforces_immediately() -> None:
-    clock = Clock()
+    clock = Clock(10.0)
     idx = PrefixIndex(clock=clock)
     idx.add_node("n", 10_000)
     for i in range(10):
@@ -137,7 +131,7 @@ def test_set_quota_enforces_immediately() -> None:
 
 
 def test_rows_match_get() -> None:
-    clock = Clock()
+    clock = Clock(10.0)
     idx = PrefixIndex(clock=clock)
     idx.add_node("n", 10_000)
     idx.insert(b"a", BLOB, 5, tenant="x", checksum=99, node_id="n")

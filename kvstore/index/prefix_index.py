@@ -1,36 +1,42 @@
 """PrefixIndex: the master's in-memory object index, prefix matcher, pin table and byte-based evictor.
 
-Pure and deterministic: no gRPC, no threads, no wall clock (``clock`` is injected), so the master service
-and the offline trace simulator (``kvpool replay --sim``) run the very same code and agree on hit rates.
-Not thread-safe: the master serialises calls behind one lock.
+Pure and deterministic: no network, no threads, no wall clock (``clock`` is injected), so the master and
+the offline trace simulator (``kvpool replay --sim``) run the very same code and agree on hit rates. Not
+thread-safe: the master calls it from one event loop.
 
 API (all sizes in bytes, all durations in ms, ``now`` always from ``clock()`` in seconds)::
 
     idx = PrefixIndex(policy="lru", high_watermark=0.95, low_watermark=0.85, lease_ms=5000, clock=fn)
     idx.add_node(node_id, dram_bytes, ssd_bytes=0)      # capacity per node and tier; re-adding updates it
     idx.remove_node(node_id) -> list[Removal]           # node died: every object on it leaves the index
-    idx.place(size, tier=Tier.DRAM) -> node_id          # most free bytes first (CapacityError if none fits)
     idx.insert(key, kind, size, node_id=None, tier=Tier.DRAM, tenant="", parent=b"", checksum=0,
                ttl_ms=0, pending=False, evict=True, avoid_node=None) -> node_id
-                                                        # pending=True: reserved, invisible until commit()
-    idx.commit(key); idx.remove(key, reason="removed") -> bool
+                                                        # placed by free space; pending=True: invisible
+                                                        # until commit()
+    idx.commit(key); idx.remove(key, reason="removed") -> bool; idx.promote(key) -> bool
     idx.reserve(objects)                                # size once for a bulk load (a node's inventory)
     idx.match_prefix(block_hashes, require_checkpoint=True, touch=False) -> PrefixMatch
     idx.lookup(keys, touch=False) -> list[ObjectInfo | None]; idx.get(key) -> ObjectInfo | None
+    idx.rows(keys) -> list[LocationRow]; idx.count_on_tier(keys, tier) -> int; iter(idx); idx.pending_keys()
     idx.acquire(keys, lease_ms=None) -> Lease | None; idx.release(lease_id) -> bool     # read pins
     idx.pin(keys, ttl_ms) -> int                        # soft pin; ttl_ms=0 unpins
     idx.set_quota(tenant, max_bytes)                    # 0 = unlimited
     idx.expire() -> list[Removal]                       # retire due leases, pins and TTLs now
     idx.evict() -> list[Removal]                        # watermark pass over every pool (insert does it too)
     idx.drain_events() -> list[Removal]                 # what nodes must do: delete or demote (keep_events)
-    idx.stats() -> IndexStats
+    idx.stats() -> IndexStats; idx.node_usage(node_id); idx.eviction_scores(keys); idx.footprint()
+    idx.verify() -> list[str]                           # recount the incremental bookkeeping (tests, debug)
 
 Rules:
 
 - **Joint prefix rule.** ``match_prefix`` returns the largest p such that MLA blocks [0, p) are all
   committed and a KDA checkpoint keyed by h_{p-1} is committed (p = 0 always usable); with
   ``require_checkpoint=False`` p is the plain MLA run. Lookups never pin and never change recency unless
-  ``touch=True`` says the caller really used the objects (a fetch) — probes cannot starve eviction.
+  ``touch=True`` says the caller really used the objects (a fetch): probes cannot starve eviction.
+- **One kind field.** A block key (``kvstore.keys``: a tag + a 32-byte hash) and its kind agree both ways:
+  an MLA or KDA object has its tag, and nothing else may use a block key (``BadObjectError``). So a
+  committed ``KDA_TAG + h`` is always a checkpoint that depends on ``MLA_TAG + h``, which is what lets
+  ``match_prefix`` read "h has a checkpoint" as one bit of the MLA slot (``SLOT_CKPT``).
 - **Dependencies.** An MLA block depends on its ``parent`` (previous MLA block); a KDA checkpoint keyed by
   h_i depends on the MLA block h_i (without it the checkpoint is unusable); a tail/blob depends on its
   ``parent`` if given. ``deps[slot]`` counts live dependents; nothing with dependents is ever *evicted*
@@ -39,57 +45,211 @@ Rules:
   expiry and node loss may orphan dependents; they stay correct (matching stops at the gap) and are
   re-linked if the missing object comes back.
 - **Eviction by bytes**, per (node, tier) pool: when a pool passes ``high_watermark`` x capacity it is
-  drained to ``low_watermark`` in policy order (``kvstore.eviction``). A DRAM pool on a node with an SSD
-  tier demotes instead (the object stays indexed with tier SSD, the SSD pool has its own watermark and
-  drops leaves). Leased, soft-pinned and pending objects are never candidates.
+  drained to ``low_watermark`` in policy order (``eviction``). A DRAM pool on a node with an SSD tier
+  demotes instead (the object stays indexed with tier SSD, the SSD pool has its own watermark and drops
+  leaves). Leased, soft-pinned and pending objects are never candidates. Admission (``admission``, policy
+  ``hybrid``) may refuse a new chain's blocks up front.
 - **Quotas**: a tenant whose bytes would exceed its quota drops its own evictable objects first; if that
   is not enough the insert raises :class:`QuotaExceededError`.
 
-Memory: struct-of-arrays. Per object: one ``dict`` entry key -> slot (the key bytes object is shared with
-the slot's reverse list and with dependents' anchor references), two list pointers, and 45 bytes of
-numpy columns. Tenants and node ids are interned to 16-bit ids; children are counted, not listed.
-
-Where the parts live: ``records`` (kinds, tiers, errors, returned records, column store), ``state`` (slots,
-nodes, tenants and the slot operations), ``evictor`` (expiry, watermarks, quotas, demotion) and this module
-(the public calls: writes, reads, prefix matching, pins and leases).
+Memory: struct-of-arrays (``records.Columns``). Per object: one ``dict`` entry key -> slot (the key bytes
+object is shared with the slot's reverse list and with dependents' anchor references), two list pointers,
+and 45 bytes of numpy columns. Tenants and node ids are interned to 16-bit ids; children are counted, not
+listed.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
-from kvpool.kvstore.index.evictor import IndexEviction
+from kvpool.kvstore.index.admission import Admission, AdmissionConfig
+from kvpool.kvstore.index.eviction import EvictionPolicy, make_policy
 from kvpool.kvstore.index.records import (
+    DEPTH_MAX,
+    MAX_INTERNED,
+    MAX_KEY_BYTES,
     SLOT_CKPT,
     SLOT_LIVE,
     SLOT_PENDING,
     SLOT_PINNED,
     BadObjectError,
     CapacityError,
+    Columns,
     DuplicateKeyError,
     IndexStats,
     Lease,
     LocationRow,
+    NodeUsage,
     NotAdmittedError,
     ObjectInfo,
     ObjectKind,
     PrefixMatch,
     QuotaExceededError,
+    Removal,
     Tier,
     UnknownKeyError,
+    UnknownNodeError,
+    anchor_of,
 )
-from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG
+from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, block_tag
+
+_TAG_OF_KIND = {ObjectKind.MLA: MLA_TAG, ObjectKind.KDA: KDA_TAG}
 
 
-class PrefixIndex(IndexEviction):
+class PrefixIndex:
     """Object index + prefix matcher + pins + eviction. See the module docstring for the rules."""
 
-    # ------------------------------------------------------------------ nodes and placement
+    def __init__(
+        self,
+        policy: str | EvictionPolicy = "lru",
+        *,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        lease_ms: int = 5000,
+        clock: Callable[[], float] = time.monotonic,
+        keep_events: bool = True,
+        admission: AdmissionConfig | None = None,
+    ) -> None:
+        if not 0.0 < low_watermark <= high_watermark <= 1.0:
+            raise ValueError(
+                f"need 0 < low_watermark <= high_watermark <= 1, got {low_watermark}, {high_watermark}"
+            )
+        if lease_ms <= 0:
+            raise ValueError("lease_ms must be > 0")
+        self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        if admission is None and getattr(self.policy, "admits", False):
+            admission = AdmissionConfig()
+        # None: every put is admitted (the policy only orders evictions)
+        self.admission = None if admission is None else Admission(admission, clock)
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.lease_ms = lease_ms
+        self._clock = clock
+        self._keep_events = keep_events
+        self._cols = Columns(1024)
+        self._n = 0  # slots ever used; [0, _n) are addressable
+        self._free: list[int] = []
+        self._keys: list[bytes | None] = []
+        self._anchors: list[bytes | None] = []
+        self._slot: dict[bytes, int] = {}  # committed objects
+        self._pending: dict[bytes, int] = {}  # two-phase puts not yet committed
+        self._orphans: dict[bytes, int] = {}  # absent anchor key -> live dependents waiting for it
+        self._tenants: list[str] = [""]
+        self._tenant_ids: dict[str, int] = {"": 0}
+        self._tenant_bytes: dict[int, int] = {}
+        self._quota: dict[int, int] = {}
+        self._nodes: dict[int, NodeUsage] = {}
+        self._node_names: list[str] = []
+        self._node_ids: dict[str, int] = {}
+        self._pins: dict[int, float] = {}  # slot -> soft pin deadline
+        self._ttl: dict[int, float] = {}  # slot -> expiry deadline
+        self._ttl_heap: list[tuple[float, int, bytes]] = []
+        self._leases: dict[int, tuple[float, np.ndarray]] = {}
+        self._lease_heap: list[tuple[float, int]] = []
+        self._lease_ids = itertools.count(1)
+        self._events: list[Removal] = []
+        self._evictions = 0
+        self._evicted_bytes = 0
+        self._demotions = 0
+        self._expired = 0
 
-    # ------------------------------------------------------------------ writes
+    def add_node(self, node_id: str, dram_bytes: int, ssd_bytes: int = 0) -> None:
+        """Add a node or update its capacities (objects stay)."""
+        if not node_id:
+            raise BadObjectError("node id must be non-empty")
+        if dram_bytes < 0 or ssd_bytes < 0:
+            raise BadObjectError("capacities must be >= 0")
+        nid = self._node_ids.get(node_id)
+        if nid is None:
+            if len(self._node_names) > MAX_INTERNED:
+                raise CapacityError("too many node ids")
+            nid = len(self._node_names)
+            self._node_names.append(node_id)
+            self._node_ids[node_id] = nid
+        node = self._nodes.get(nid)
+        if node is None:
+            self._nodes[nid] = NodeUsage(node_id, {Tier.DRAM: dram_bytes, Tier.SSD: ssd_bytes})
+        else:
+            node.capacity = {Tier.DRAM: dram_bytes, Tier.SSD: ssd_bytes}
+
+    def node_usage(self, node_id: str) -> dict[Tier, tuple[int, int]]:
+        """(used, capacity) bytes per tier."""
+        node = self._node(node_id)
+        return {t: (node.used[t], node.capacity[t]) for t in Tier}
+
+    def remove_node(self, node_id: str) -> list[Removal]:
+        """Drop the node and every object on it (reason ``node_lost``); returns what was dropped."""
+        nid = self._node_ids.get(node_id)
+        if nid is None or nid not in self._nodes:
+            raise UnknownNodeError(node_id)
+        c, n = self._cols, self._n
+        slots = np.flatnonzero((c.node[:n] == nid) & ((c.flags[:n] & SLOT_LIVE) != 0))
+        dropped = [self._drop(int(s), "node_lost", emit=False) for s in slots]
+        del self._nodes[nid]
+        return dropped
+
+    def _place(self, size: int, tier: Tier = Tier.DRAM, avoid: str | None = None) -> str:
+        """The node with the most free bytes in ``tier`` whose capacity can hold ``size``; ``avoid`` is
+        chosen only when no other node can hold it."""
+        best: NodeUsage | None = None
+        best_key = (False, -1)
+        for node in self._nodes.values():
+            cap = node.capacity[tier]
+            key = (node.node_id != avoid, cap - node.used[tier])
+            if cap >= size and key > best_key:
+                best, best_key = node, key
+        if best is None:
+            raise CapacityError(f"no node has {tier.name} capacity for an object of {size} bytes")
+        return best.node_id
+
+    def _capacity_of(self, tier: Tier = Tier.DRAM) -> int:
+        """Bytes of ``tier`` over all nodes."""
+        return sum(node.capacity[tier] for node in self._nodes.values())
+
+    def _node(self, node_id: str) -> NodeUsage:
+        nid = self._node_ids.get(node_id)
+        node = None if nid is None else self._nodes.get(nid)
+        if node is None:
+            raise UnknownNodeError(f"unknown node {node_id!r}")
+        return node
+
+    def _tenant_id(self, tenant: str) -> int:
+        tid = self._tenant_ids.get(tenant)
+        if tid is None:
+            if len(self._tenants) > MAX_INTERNED:
+                raise QuotaExceededError("too many tenants")
+            tid = len(self._tenants)
+            self._tenants.append(tenant)
+            self._tenant_ids[tenant] = tid
+        return tid
+
+    @staticmethod
+    def _check_object(
+        key: bytes, kind: ObjectKind | int, size: int, ttl_ms: int, checksum: int
+    ) -> ObjectKind:
+        if not key or len(key) > MAX_KEY_BYTES:
+            raise BadObjectError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+        try:
+            kind = ObjectKind(kind)
+        except ValueError:
+            raise BadObjectError(f"unknown object kind {kind}") from None
+        tag = _TAG_OF_KIND.get(kind)
+        if block_tag(key) != tag:  # the key's tag is the kind's one truth (module docstring)
+            if tag is None:
+                raise BadObjectError(f"a {kind.name} object cannot use the block key {key[:9].hex()}…")
+            raise BadObjectError(f"{kind.name} key must be {tag!r} + {HASH_BYTES}-byte hash")
+        if size <= 0:
+            raise BadObjectError(f"size must be > 0, got {size}")
+        if kind == ObjectKind.TAIL and ttl_ms <= 0:
+            raise BadObjectError("a request tail must have a TTL")
+        if ttl_ms < 0 or checksum < 0 or checksum >= 1 << 64:
+            raise BadObjectError("ttl_ms and checksum must be non-negative (checksum < 2^64)")
+        return kind
 
     def reserve(self, objects: int) -> None:
         """Make room for ``objects`` more inserts at once (a node's inventory: its size is known up front).
@@ -149,7 +309,7 @@ class PrefixIndex(IndexEviction):
                         f"all pinned or in use; cannot fit {size}"
                     )
         if node_id is None:
-            node_id = self.place(size, tier, avoid_node)
+            node_id = self._place(size, tier, avoid_node)
         node = self._node(node_id)
         nid = self._node_ids[node_id]
         if size > node.capacity[tier]:
@@ -176,8 +336,6 @@ class PrefixIndex(IndexEviction):
         self._link_anchor(slot, key, kind, parent)
         (self._pending if pending else self._slot)[key] = slot
         self._keys[slot] = key
-        if kind != ObjectKind.KDA and len(key) == 1 + HASH_BYTES and key[:1] == KDA_TAG:
-            self._odd_twins += 1
         if not pending:
             self._mark_checkpoint(slot, key, deps)
         node.used[tier] += size
@@ -196,7 +354,7 @@ class PrefixIndex(IndexEviction):
         assert adm is not None
         h = key[1:]
         if kind == ObjectKind.MLA:
-            hangs_on = parent if len(parent) == 1 + HASH_BYTES and parent[:1] == MLA_TAG else b""
+            hangs_on = parent if block_tag(parent) == MLA_TAG else b""
         else:
             hangs_on = MLA_TAG + h
 
@@ -274,8 +432,6 @@ class PrefixIndex(IndexEviction):
             return False
         return True
 
-    # ------------------------------------------------------------------ reads
-
     def __len__(self) -> int:
         return len(self._slot)
 
@@ -284,6 +440,14 @@ class PrefixIndex(IndexEviction):
 
     def is_pending(self, key: bytes) -> bool:
         return key in self._pending
+
+    def __iter__(self) -> Iterator[bytes]:
+        """The committed keys, oldest first (do not insert or remove while iterating)."""
+        return iter(self._slot)
+
+    def pending_keys(self) -> list[bytes]:
+        """The keys of puts started and not yet committed."""
+        return list(self._pending)
 
     def match_prefix(
         self, block_hashes: Sequence[bytes], *, require_checkpoint: bool = True, touch: bool = False
@@ -320,7 +484,7 @@ class PrefixIndex(IndexEviction):
             usable, ck = run, None
         used = tuple(keys[:usable])
         if touch and self.admission is not None:  # the writer's fetch: it will put what it missed
-            self.admission.on_lookup(block_hashes, run, self.capacity_of())
+            self.admission.on_lookup(block_hashes, run, self._capacity_of())
         if touch and usable:
             idx = mla[:usable]
             if ck is not None:
@@ -383,15 +547,6 @@ class PrefixIndex(IndexEviction):
             self.policy.touch(self._cols, np.array(used, dtype=np.int64), self._clock())
         return out
 
-    def touch(self, keys: Iterable[bytes]) -> int:
-        """Record a real use of committed objects; returns how many were found."""
-        used = [s for s in (self._slot.get(k) for k in keys) if s is not None]
-        if used:
-            self.policy.touch(self._cols, np.array(used, dtype=np.int64), self._clock())
-        return len(used)
-
-    # ------------------------------------------------------------------ pins and leases
-
     def acquire(self, keys: Iterable[bytes], lease_ms: int | None = None) -> Lease | None:
         """Read-pin the committed objects among ``keys`` until released or the deadline; None if none."""
         found = [(k, s) for k, s in ((k, self._slot.get(k)) for k in keys) if s is not None]
@@ -435,8 +590,6 @@ class PrefixIndex(IndexEviction):
                 self._unpin(slot)
         return count
 
-    # ------------------------------------------------------------------ time and eviction
-
     def stats(self) -> IndexStats:
         c, n = self._cols, self._n
         live = (c.flags[:n] & SLOT_LIVE) != 0
@@ -456,6 +609,392 @@ class PrefixIndex(IndexEviction):
             bytes_per_tier=tiers,
             bytes_per_tenant={self._tenants[t]: b for t, b in self._tenant_bytes.items() if b},
             policy=self.policy.name,
+            orphans=sum(self._orphans.values()),
         )
 
-    # ------------------------------------------------------------------ internals
+    def eviction_scores(self, keys: Sequence[bytes]) -> list[float]:
+        """The policy's score now of each committed key (lower goes first): how eviction ranks them."""
+        slots = np.fromiter(map(self._slot.__getitem__, keys), dtype=np.int64, count=len(keys))
+        return self.policy.scores(self._cols, slots, self._clock()).tolist()
+
+    @property
+    def allocated_slots(self) -> int:
+        """Objects the columns have room for (``reserve`` sizes them exactly for a bulk load)."""
+        return self._cols.capacity
+
+    def footprint(self) -> dict[str, int]:
+        """Bytes the index holds by structure (what its memory per object is made of). Small objects are
+        counted as pymalloc serves them, in 16-byte classes (a 33-byte key, 66 bytes of object, takes 80)."""
+
+        def held(obj: object) -> int:
+            size = sys.getsizeof(obj)
+            return (size + 15) & ~15 if size <= 512 else size
+
+        return {
+            "key_objects": sum(held(k) for k in self._keys if k is not None),
+            "slot_ints": sum(held(s) for s in self._slot.values() if s > 256),  # smaller ints are cached
+            "dict": sys.getsizeof(self._slot),
+            "slot_lists": sys.getsizeof(self._keys) + sys.getsizeof(self._anchors),
+            "columns": sum(getattr(self._cols, name).nbytes for name, _ in Columns.SPEC),
+        }
+
+    def verify(self) -> list[str]:
+        """Recount from the slots everything the index keeps incrementally (pool and tenant bytes, dependent
+        and orphan counts, checkpoint bits, the free list) and say what disagrees; empty when consistent.
+        O(objects): for tests and for debugging, never on a request path."""
+        c, n = self._cols, self._n
+        live = [s for s in range(n) if c.flags[s] & SLOT_LIVE]
+        out: list[str] = []
+        if len(live) != len(self._slot) + len(self._pending):
+            out.append(f"{len(live)} live slots for {len(self._slot) + len(self._pending)} keys")
+        used: dict[tuple[int, int], int] = {}
+        tenants: dict[int, int] = {}
+        deps: dict[int, int] = {}
+        orphans: dict[bytes, int] = {}
+        for s in live:
+            key = self._keys[s]
+            if key is None or self._find(key) != s:
+                out.append(f"slot {s} is not its key's slot")
+                continue
+            pool = (int(c.node[s]), int(c.tier[s]))
+            used[pool] = used.get(pool, 0) + int(c.size[s])
+            tenants[int(c.tenant[s])] = tenants.get(int(c.tenant[s]), 0) + int(c.size[s])
+            anchor = self._anchors[s]
+            if anchor is not None:
+                a = self._find(anchor)
+                if a is None:
+                    orphans[anchor] = orphans.get(anchor, 0) + 1
+                else:
+                    deps[a] = deps.get(a, 0) + 1
+            if block_tag(key) == MLA_TAG and key in self._slot:
+                has = bool(c.flags[s] & SLOT_CKPT)
+                if has != (KDA_TAG + key[1:] in self._slot):
+                    out.append(f"checkpoint bit of {key[:9].hex()} is {has}")
+        for nid, node in self._nodes.items():
+            for tier in Tier:
+                if node.used[tier] != used.get((nid, int(tier)), 0) or node.used[tier] > node.capacity[tier]:
+                    out.append(f"node {node.node_id} {tier.name}: {node.used[tier]} bytes counted")
+        if {t: b for t, b in self._tenant_bytes.items() if b} != tenants:
+            out.append("tenant bytes drifted")
+        if {s: int(c.deps[s]) for s in live if c.deps[s]} != deps:
+            out.append("dependent counts drifted")
+        if self._orphans != orphans:
+            out.append("orphan counts drifted")
+        if len(self._free) != len(set(self._free)):
+            out.append("a slot was freed twice")
+        held = {int(s) for _, slots in self._leases.values() for s in slots}
+        if set(self._free) & (set(live) | held):
+            out.append("a live or leased slot is on the free list")
+        return out
+
+    def expire(self) -> list[Removal]:
+        """Retire everything due now (leases, soft pins, TTLs); returns the objects dropped by TTL."""
+        before = len(self._events)
+        removed = self._retire_due(self._clock())
+        if not self._keep_events:
+            del self._events[before:]
+        return removed
+
+    def evict(self) -> list[Removal]:
+        """Run the watermark pass on every pool; returns the removals/demotions it made."""
+        now = self._clock()
+        self._retire_due(now)
+        start = len(self._events)
+        keep = self._keep_events
+        self._keep_events = True
+        try:
+            for nid, node in list(self._nodes.items()):
+                for tier in Tier:
+                    if node.capacity[tier]:
+                        self._evict_pool(nid, tier, now)
+            out = self._events[start:]
+        finally:
+            self._keep_events = keep
+        if not keep:
+            del self._events[start:]
+        return out
+
+    def drain_events(self) -> list[Removal]:
+        """Removals/demotions since the last drain that the owning nodes must carry out."""
+        out, self._events = self._events, []
+        return out
+
+    def _retire_due(self, now: float) -> list[Removal]:
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            _, lease_id = heapq.heappop(self._lease_heap)
+            self.release(lease_id)
+        for slot in [s for s, until in self._pins.items() if until <= now]:
+            self._unpin(slot)
+        removed: list[Removal] = []
+        heap = self._ttl_heap
+        while heap and heap[0][0] <= now:
+            deadline, slot, key = heapq.heappop(heap)
+            if self._keys[slot] is not key or self._ttl.get(slot) != deadline:
+                continue  # stale entry: object gone or slot reused
+            if self._cols.leases[slot]:
+                heapq.heappush(heap, (now + 0.05, slot, key))  # being read: expire after the fetch
+                self._ttl[slot] = now + 0.05
+                continue
+            self._expired += 1
+            removed.append(self._drop(slot, "expired", emit=True))
+        return removed
+
+    def _candidates(self, mask: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Slots under ``mask`` that may go now, in policy order, with their scores."""
+        c, n = self._cols, self._n
+        mask &= (c.flags[:n] & (SLOT_LIVE | SLOT_PENDING | SLOT_PINNED)) == SLOT_LIVE
+        mask &= c.leases[:n] == 0
+        cand = np.flatnonzero(mask)
+        scores = self.policy.scores(c, cand, now)
+        order = np.argsort(scores, kind="stable")
+        return cand[order], scores[order]
+
+    def _evictable_leaf(self, slot: int) -> bool:
+        c = self._cols
+        free = (c.flags[slot] & (SLOT_LIVE | SLOT_PENDING | SLOT_PINNED)) == SLOT_LIVE
+        return bool(free and not c.leases[slot] and not c.deps[slot])
+
+    def _drain(
+        self,
+        candidates: tuple[np.ndarray, np.ndarray],
+        over: Callable[[], bool],
+        act: Callable[[int], bool],
+        exposable: Callable[[int], bool],
+        now: float,
+    ) -> None:
+        """Walk candidates in policy order, merging in anchors that become leaves as their last
+        dependent goes, until ``over()`` is False. ``act(slot)`` evicts/demotes; True if it dropped it."""
+        order, scores = candidates
+        exposed: list[tuple[float, int]] = []
+        i = 0
+        while over():
+            if exposed and (i >= len(order) or exposed[0][0] < scores[i]):
+                slot = heapq.heappop(exposed)[1]
+            elif i < len(order):
+                slot = int(order[i])
+                i += 1
+            else:
+                return
+            if not self._cols.flags[slot] & SLOT_LIVE:
+                continue
+            anchor = self._anchors[slot]
+            if not act(slot) or anchor is None:
+                continue
+            a = self._slot.get(anchor)
+            if a is not None and self._evictable_leaf(a) and exposable(a):
+                score = float(self.policy.scores(self._cols, np.array([a]), now)[0])
+                heapq.heappush(exposed, (score, a))
+
+    def _evict_pool(self, nid: int, tier: Tier, now: float, protect: int = -1) -> None:
+        node = self._nodes[nid]
+        cap = node.capacity[tier]
+        if node.used[tier] <= self.high_watermark * cap:
+            return
+        self._shrink_pool(nid, tier, int(self.low_watermark * cap), now, protect)
+
+    def _make_room(self, nid: int, tier: Tier, size: int, now: float) -> bool:
+        node = self._nodes[nid]
+        cap = node.capacity[tier]
+        if node.used[tier] + size <= cap:
+            return True
+        self._shrink_pool(nid, tier, min(int(self.low_watermark * cap), cap - size), now)
+        return node.used[tier] + size <= cap
+
+    def _shrink_pool(self, nid: int, tier: Tier, target: int, now: float, protect: int = -1) -> None:
+        """Bring a pool's used bytes down to ``target``: demote DRAM->SSD when the node has SSD, else drop
+        leaves (an object with dependents is never dropped by pressure)."""
+        c, n = self._cols, self._n
+        node = self._nodes[nid]
+        demote = tier == Tier.DRAM and node.capacity[Tier.SSD] > 0
+        mask = (c.node[:n] == nid) & (c.tier[:n] == tier)
+        if not demote:
+            mask &= c.deps[:n] == 0
+        if 0 <= protect < n:
+            mask[protect] = False
+        candidates = self._candidates(mask, now)
+
+        def act(slot: int) -> bool:
+            if int(c.tier[slot]) != tier:
+                return False  # already demoted earlier in this pass
+            size = int(c.size[slot])
+            if demote and c.kind[slot] != ObjectKind.TAIL and self._make_room(nid, Tier.SSD, size, now):
+                if not c.flags[slot] & SLOT_LIVE:  # SSD eviction cannot touch DRAM slots, but be safe
+                    return False
+                c.tier[slot] = Tier.SSD
+                node.used[Tier.DRAM] -= size
+                node.used[Tier.SSD] += size
+                self._demotions += 1
+                if self._keep_events:
+                    key = self._keys[slot]
+                    assert key is not None
+                    self._events.append(Removal(key, node.node_id, Tier.DRAM, size, "demoted", True))
+                return False
+            if c.deps[slot]:
+                return False  # demotion impossible and it still has dependents: keep it
+            self._evictions += 1
+            self._evicted_bytes += size
+            self._learn_eviction(slot, size)
+            self._drop(slot, "evicted", emit=True)
+            return True
+
+        def exposable(slot: int) -> bool:
+            # when demoting, every object in the pool is a candidate already
+            return not demote and int(c.node[slot]) == nid and int(c.tier[slot]) == tier and slot != protect
+
+        self._drain(candidates, lambda: node.used[tier] > target, act, exposable, now)
+
+    def _learn_eviction(self, slot: int, size: int) -> None:
+        """Tell admission an MLA block or checkpoint left by pressure (and whether it was ever read)."""
+        adm, c = self.admission, self._cols
+        if adm is None or c.kind[slot] not in (ObjectKind.MLA, ObjectKind.KDA):
+            return
+        key = self._keys[slot]
+        assert key is not None
+        adm.evicted(key[1:], size, self._capacity_of(), unread=float(c.freq[slot]) <= 1.0)
+
+    def _evict_tenant(self, tid: int, target: int, now: float) -> None:
+        """Drop the tenant's own evictable leaves (any pool) until it holds at most ``target`` bytes."""
+        c, n = self._cols, self._n
+        candidates = self._candidates((c.tenant[:n] == tid) & (c.deps[:n] == 0), now)
+
+        def act(slot: int) -> bool:
+            self._evictions += 1
+            self._evicted_bytes += int(c.size[slot])
+            self._drop(slot, "quota", emit=True)
+            return True
+
+        self._drain(
+            candidates,
+            lambda: self._tenant_bytes.get(tid, 0) > target,
+            act,
+            lambda s: int(c.tenant[s]) == tid,
+            now,
+        )
+
+    def _find(self, key: bytes) -> int | None:
+        slot = self._slot.get(key)
+        return self._pending.get(key) if slot is None else slot
+
+    def _mark_checkpoint(self, slot: int, key: bytes, deps: int) -> None:
+        """Keep the SLOT_CKPT bit true as ``key`` becomes committed (``deps``: its dependents now): set on an
+        MLA block whose checkpoint is committed, or on the committed MLA block of a checkpoint.
+
+        A pending or fresh slot never has the bit (insert writes the flags, _drop clears them). A checkpoint
+        depends on its MLA block (one kind per key tag), so a block without dependents has none: the common
+        insert (a new leaf block) builds and hashes no second key."""
+        tag = block_tag(key)
+        if tag == MLA_TAG:
+            if deps and KDA_TAG + key[1:] in self._slot:
+                self._cols.flags[slot] |= np.uint8(SLOT_CKPT)
+        elif tag == KDA_TAG:
+            m = self._slot.get(MLA_TAG + key[1:])
+            if m is not None:
+                self._cols.flags[m] |= np.uint8(SLOT_CKPT)
+
+    def _alloc_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._n == self._cols.capacity:
+            self._cols.grow()
+        if self._n == len(self._keys):  # else reserve() made the room already
+            self._keys.append(None)
+            self._anchors.append(None)
+        self._n += 1
+        return self._n - 1
+
+    def _link_anchor(self, slot: int, key: bytes, kind: ObjectKind, parent: bytes) -> None:
+        anchor = anchor_of(key, kind, parent)
+        c = self._cols
+        depth = 1 if kind == ObjectKind.MLA else 0
+        if anchor is not None:
+            a = self._find(anchor)
+            if a is None:
+                anchor = bytes(anchor)
+                self._orphans[anchor] = self._orphans.get(anchor, 0) + 1
+                depth = 0  # unknown until the chain is complete; policies treat 0 as 1
+            else:
+                anchor = self._keys[a]  # share the bytes object
+                c.deps[a] += 1
+                depth = min(int(c.depth[a]) + (1 if kind == ObjectKind.MLA else 0), DEPTH_MAX)
+        c.depth[slot] = depth
+        self._anchors[slot] = anchor
+
+    def _set_ttl(self, slot: int, key: bytes, deadline: float) -> None:
+        self._ttl[slot] = deadline
+        heapq.heappush(self._ttl_heap, (deadline, slot, key))
+
+    def _unpin(self, slot: int) -> None:
+        self._pins.pop(slot, None)
+        self._cols.flags[slot] &= ~np.uint8(SLOT_PINNED)
+
+    def _drop(self, slot: int, reason: str, *, emit: bool, demoted: bool = False) -> Removal:
+        """Remove a live slot from every structure; the slot is recycled once no lease refers to it."""
+        c = self._cols
+        key = self._keys[slot]
+        assert key is not None
+        committed = self._slot.pop(key, None) is not None
+        if not committed:
+            self._pending.pop(key, None)
+        if committed and block_tag(key) == KDA_TAG:
+            m = self._slot.get(MLA_TAG + key[1:])
+            if m is not None:
+                c.flags[m] &= ~np.uint8(SLOT_CKPT)
+        anchor = self._anchors[slot]
+        if anchor is not None:
+            a = self._find(anchor)
+            if a is not None:
+                c.deps[a] -= 1
+            else:
+                left = self._orphans[anchor] - 1
+                if left:
+                    self._orphans[anchor] = left
+                else:
+                    del self._orphans[anchor]
+        if c.deps[slot]:
+            self._orphans[key] = int(c.deps[slot])
+        size = int(c.size[slot])
+        tier = Tier(int(c.tier[slot]))
+        nid = int(c.node[slot])
+        node = self._nodes.get(nid)
+        if node is not None:
+            node.used[tier] -= size
+        tid = int(c.tenant[slot])
+        self._tenant_bytes[tid] -= size
+        self._pins.pop(slot, None)
+        self._ttl.pop(slot, None)
+        c.flags[slot] = 0
+        c.deps[slot] = 0
+        self._keys[slot] = None
+        self._anchors[slot] = None
+        if not c.leases[slot]:
+            self._free.append(slot)
+        event = Removal(key, self._node_names[nid], tier, size, reason, demoted)
+        if emit and self._keep_events:
+            self._events.append(event)
+        return event
+
+    def _info(self, slot: int) -> ObjectInfo:
+        c = self._cols
+        key = self._keys[slot]
+        assert key is not None
+        kind = ObjectKind(int(c.kind[slot]))
+        ttl = self._ttl.get(slot)
+        remaining = max(1, int((ttl - self._clock()) * 1000)) if ttl is not None else 0
+        return ObjectInfo(
+            key=key,
+            kind=kind,
+            size=int(c.size[slot]),
+            checksum=int(c.checksum[slot]),
+            tenant=self._tenants[int(c.tenant[slot])],
+            parent=(self._anchors[slot] or b"") if kind != ObjectKind.KDA else b"",
+            node_id=self._node_names[int(c.node[slot])],
+            tier=Tier(int(c.tier[slot])),
+            ttl_ms=remaining,
+            committed=not c.flags[slot] & SLOT_PENDING,
+            pinned=slot in self._pins,
+            leases=int(c.leases[slot]),
+            depth=int(c.depth[slot]),
+            dependents=int(c.deps[slot]),
+            last_use=float(c.last_use[slot]),
+            freq=float(c.freq[slot]),
+        )

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 from kvpool.kvstore.errors import StoreError
-from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG
+from kvpool.kvstore.keys import MLA_TAG
 
 MAX_KEY_BYTES = 1024
 MAX_INTERNED = 0xFFFF
@@ -112,6 +112,10 @@ class ObjectInfo:
     committed: bool
     pinned: bool
     leases: int
+    depth: int  # MLA blocks from the chain's root to this one (0 = unknown: adopted before its parent)
+    dependents: int  # live objects that depend on this one (it is never evicted while > 0)
+    last_use: float  # index clock seconds of the last real use (the write counts as one)
+    freq: float  # the policy's aged use count
 
 
 class LocationRow(NamedTuple):
@@ -164,6 +168,7 @@ class IndexStats:
     bytes_per_tier: dict[str, int]
     bytes_per_tenant: dict[str, int]
     policy: str
+    orphans: int  # live objects whose parent (or a checkpoint's MLA block) is not indexed
 
 
 @dataclass(slots=True)
@@ -221,6 +226,6 @@ class Columns:
 
 def anchor_of(key: bytes, kind: ObjectKind, parent: bytes) -> bytes | None:
     """The key this object depends on (see module docstring), or None for a root."""
-    if kind == ObjectKind.KDA and len(key) == 1 + HASH_BYTES and key[:1] == KDA_TAG:
+    if kind == ObjectKind.KDA:  # its key is KDA_TAG + h (the index checks kinds against key tags)
         return MLA_TAG + key[1:]
     return parent or None
