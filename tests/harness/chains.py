@@ -1,8 +1,7 @@
 """Deterministic 32-byte hash chains for store tests: ``h_i = sha256(h_{i-1} || i)`` from a seed.
 
 Real block hashes (``kvpool.cache.hashing``) need a model fingerprint and tokens; the store needs only
-distinct,
-chained 32-byte keys, and a seed per test keeps chains from colliding.
+distinct, chained 32-byte keys, and a seed per test keeps chains from colliding.
 """
 
 from __future__ import annotations
