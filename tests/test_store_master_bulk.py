@@ -3,6 +3,7 @@ sized once, and the memory the load freed goes back to the OS (kvstore/master/ma
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import platform
 import random
@@ -15,17 +16,11 @@ from kvpool.kvstore.master.config import BULK_ADOPTION_OBJECTS, TRIM_SWEEPS_AFTE
 from kvpool.kvstore.master.core import MasterCore
 from kvpool.proto import common_pb2, master_pb2
 
+from tests.harness.clock import Clock
+
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 CHAIN = 40
 CKPT_EVERY = 8
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def inventory(objects: int) -> list[common_pb2.ObjectMeta]:
@@ -82,19 +77,12 @@ def put_all(core: MasterCore, metas: list[common_pb2.ObjectMeta]) -> None:
 
 
 def state(core: MasterCore, metas: list[common_pb2.ObjectMeta], with_depth: bool = True) -> dict:
-    """Everything the index holds per key (columns read at the key's slot), independent of slot order."""
-    idx = core.index
-    c = idx._cols
+    """Everything the index holds per key, independent of where it keeps it."""
     out = {}
     for meta in metas:
-        slot = idx._slot[meta.key]
-        info = idx.get(meta.key)
+        info = core.index.get(meta.key)
         assert info is not None
-        out[meta.key] = (
-            info.kind, info.size, info.checksum, info.tenant, info.parent, info.node_id, info.tier,
-            info.committed, int(c.flags[slot]), int(c.deps[slot]), int(c.depth[slot]) if with_depth else 0,
-            float(c.last_use[slot]), float(c.freq[slot]),
-        )  # fmt: skip
+        out[meta.key] = info if with_depth else dataclasses.replace(info, depth=0)
     return out
 
 
@@ -105,7 +93,7 @@ def chains_of(metas: list[common_pb2.ObjectMeta]) -> list[list[bytes]]:
 
 def test_bulk_adoption_builds_the_same_index_as_puts() -> None:
     metas = inventory(BULK_ADOPTION_OBJECTS + 500)
-    clock = Clock()
+    clock = Clock(100.0)
     adopted, written = new_core(clock), new_core(clock)
     assert register(adopted, "n0", metas) == len(metas)
     register(written, "n0", [])
@@ -124,38 +112,38 @@ def test_shuffled_inventory_links_the_same_dependencies() -> None:
     metas = inventory(BULK_ADOPTION_OBJECTS + 100)
     shuffled = metas[:]
     random.Random(7).shuffle(shuffled)
-    clock = Clock()
+    clock = Clock(100.0)
     adopted, written = new_core(clock), new_core(clock)
     assert register(adopted, "n0", shuffled) == len(metas)
     register(written, "n0", [])
     put_all(written, metas)
     # depth is 0 ("unknown") for a block adopted before its parent; everything else must agree
     assert state(adopted, metas, with_depth=False) == state(written, metas, with_depth=False)
-    assert not adopted.index._orphans
+    assert adopted.index.stats().orphans == 0
     for chain in chains_of(metas):
         assert adopted.index.match_prefix(chain) == written.index.match_prefix(chain)
 
 
 def test_bulk_adoption_sizes_the_index_once_and_puts_grow_it_after() -> None:
     metas = inventory(BULK_ADOPTION_OBJECTS * 2)
-    core = new_core(Clock())
+    core = new_core(Clock(100.0))
     assert register(core, "n0", metas) == len(metas)
     idx = core.index
-    assert idx._cols.capacity == len(metas) == len(idx._keys) == len(idx._anchors)  # no growth slack
+    assert idx.allocated_slots == len(metas)  # no growth slack
     extra = inventory(len(metas) + 10)[len(metas) :]
     put_all(core, extra)  # past the reserved room: one-by-one growth again
-    assert idx._cols.capacity > len(metas) + 10
+    assert idx.allocated_slots > len(metas) + 10
     assert all(idx.get(m.key) is not None for m in metas + extra)
     # the node restarts with the same inventory: its slots are recycled, nothing grows
-    capacity = idx._cols.capacity
+    capacity = idx.allocated_slots
     assert register(core, "n0", metas) == len(metas)
-    assert idx._cols.capacity == capacity and len(idx) == len(metas)
+    assert idx.allocated_slots == capacity and len(idx) == len(metas)
     assert state(core, metas) == state(core, metas)  # every key readable at its (recycled) slot
 
 
 @pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
 def test_sweeps_after_a_bulk_adoption_trim_the_heap_and_small_ones_do_not() -> None:
-    core = new_core(Clock())
+    core = new_core(Clock(100.0))
     register(core, "small", inventory(10))
     for _ in range(TRIM_SWEEPS_AFTER_BULK + 2):
         core.sweep()

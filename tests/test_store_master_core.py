@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
-from kvpool.kvstore.errors import NotFound, ResourceExhausted
+from kvpool.kvstore.errors import CapacityExceededError, ObjectNotFoundError
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.master.config import MasterConfig
-from kvpool.kvstore.master.core import MasterCore
-from kvpool.kvstore.master.records import NodeAction
+from kvpool.kvstore.master.core import MasterCore, NodeAction
 from kvpool.proto import common_pb2, master_pb2
 
+from tests.harness.chains import chain
+from tests.harness.clock import Clock
+
 STARTED = master_pb2.PutStartReply.STARTED
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 50.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def chain(n: int, seed: str = "c") -> list[bytes]:
-    out, prev = [], seed.encode()
-    for i in range(n):
-        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
-        out.append(prev)
-    return out
 
 
 def chain_metas(hs: list[bytes], size: int = 10, ck_every: int = 0) -> list[common_pb2.ObjectMeta]:
@@ -72,7 +57,7 @@ def orders(core: MasterCore) -> dict[tuple[str, NodeAction], list[bytes]]:
 
 
 def test_reregistration_replaces_what_the_index_believed() -> None:
-    core = MasterCore(clock=Clock())
+    core = MasterCore(clock=Clock(50.0))
     old, new = chain(5, "old"), chain(3, "new")
     assert register(core, "a", 10_000, chain_metas(old, ck_every=5)) == 6
     assert register(core, "a", 10_000, chain_metas(new, ck_every=3)) == 4  # node restarted, lost DRAM
@@ -85,7 +70,7 @@ def test_reregistration_replaces_what_the_index_believed() -> None:
 
 def test_adoption_defers_eviction_until_the_forest_is_complete() -> None:
     """Inventory above the high watermark, children listed first: eviction afterwards is still leaf-first."""
-    core = MasterCore(MasterConfig(high_watermark=0.8, low_watermark=0.5), clock=Clock())
+    core = MasterCore(MasterConfig(high_watermark=0.8, low_watermark=0.5), clock=Clock(50.0))
     hs = chain(10)
     assert register(core, "a", 100, list(reversed(chain_metas(hs)))) == 10  # 100 bytes > 80
     st = core.stats()
@@ -96,7 +81,7 @@ def test_adoption_defers_eviction_until_the_forest_is_complete() -> None:
 
 
 def test_queued_delete_is_cancelled_by_a_reput_on_the_same_node() -> None:
-    core = MasterCore(MasterConfig(high_watermark=0.9, low_watermark=0.5), clock=Clock())
+    core = MasterCore(MasterConfig(high_watermark=0.9, low_watermark=0.5), clock=Clock(50.0))
     register(core, "a", 100)
     put(core, b"victim", 30)
     core.remove(master_pb2.RemoveRequest(keys=[b"victim"]))
@@ -105,7 +90,7 @@ def test_queued_delete_is_cancelled_by_a_reput_on_the_same_node() -> None:
 
 
 def test_tail_ttl_expiry_orders_delete() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     core = MasterCore(clock=clock)
     register(core, "a", 1000)
     put(core, b"Treq", 10, kind=common_pb2.REQUEST_TAIL, ttl_ms=200)
@@ -127,7 +112,7 @@ def advance(core: MasterCore, clock: Clock, seconds: float) -> None:
 
 
 def test_node_loss_drops_pending_puts_and_objects() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     core = MasterCore(MasterConfig(heartbeat_ms=100, node_timeout_ms=500), clock=clock)
     register(core, "a", 1000)
     reply = core.put_start(master_pb2.PutStartRequest(meta=common_pb2.ObjectMeta(key=b"k", kind=4, size=5)))
@@ -139,14 +124,14 @@ def test_node_loss_drops_pending_puts_and_objects() -> None:
     advance(core, clock, 0.2)
     st = core.stats()
     assert (st.nodes, st.objects, st.pending_puts, st.bytes) == (0, 0, 0, 0)
-    with pytest.raises(NotFound):
+    with pytest.raises(ObjectNotFoundError):
         core.put_commit(master_pb2.PutCommitRequest(put_id=reply.put_id))
     assert core.take_actions() == [], "nobody to tell: the node is gone"
 
 
 def test_master_stall_is_not_blamed_on_nodes() -> None:
     """A sweep delayed by a long call (huge adoption, GC) must not declare healthy nodes dead."""
-    clock = Clock()
+    clock = Clock(50.0)
     core = MasterCore(MasterConfig(heartbeat_ms=100, node_timeout_ms=500), clock=clock)
     register(core, "a", 1000)
     advance(core, clock, 0.3)
@@ -161,7 +146,7 @@ def test_master_stall_is_not_blamed_on_nodes() -> None:
 
 
 def test_replace_if_corrupt_places_elsewhere_and_deletes_the_bad_copy() -> None:
-    core = MasterCore(clock=Clock())
+    core = MasterCore(clock=Clock(50.0))
     register(core, "a", 1000)
     put(core, b"k", 10)
     register(core, "b", 500)  # less free space than a: normal placement would pick a
@@ -175,7 +160,7 @@ def test_replace_if_corrupt_places_elsewhere_and_deletes_the_bad_copy() -> None:
 
 
 def test_release_of_an_old_masters_lease_is_harmless() -> None:
-    core = MasterCore(clock=Clock())
+    core = MasterCore(clock=Clock(50.0))
     register(core, "a", 1000)
     put(core, b"k", 10)
     got = core.lookup(master_pb2.LookupRequest(keys=[b"k"], acquire=True))
@@ -188,7 +173,7 @@ def test_release_of_an_old_masters_lease_is_harmless() -> None:
 
 
 def test_counts_only_match_for_routers() -> None:
-    core = MasterCore(MasterConfig(high_watermark=0.9, low_watermark=0.5), clock=Clock())
+    core = MasterCore(MasterConfig(high_watermark=0.9, low_watermark=0.5), clock=Clock(50.0))
     hs = chain(20)
     register(core, "a", 200, chain_metas(hs, size=9, ck_every=10), ssd=1000)  # 198 > 180: some to SSD
     full = core.match_prefix(master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True))
@@ -205,7 +190,7 @@ def test_counts_only_match_for_routers() -> None:
 def test_stale_put_never_touches_the_put_that_replaced_it() -> None:
     """A pending tail whose TTL ran out frees its key; the next writer's put must survive the first put's
     commit attempt and deadline sweep."""
-    clock = Clock()
+    clock = Clock(50.0)
     core = MasterCore(MasterConfig(put_deadline_ms=1000), clock=clock)
     register(core, "a", 1000)
     md = common_pb2.ObjectMeta(key=b"Tx", kind=common_pb2.REQUEST_TAIL, size=5, ttl_ms=100)
@@ -215,7 +200,7 @@ def test_stale_put_never_touches_the_put_that_replaced_it() -> None:
     md.ttl_ms = 60_000
     second = core.put_start(master_pb2.PutStartRequest(meta=md))
     assert second.status == STARTED
-    with pytest.raises(NotFound):
+    with pytest.raises(ObjectNotFoundError):
         core.put_commit(master_pb2.PutCommitRequest(put_id=first.put_id))
     advance(core, clock, 0.9)  # the first put's deadline passes: nothing of the second may go
     assert core.index.is_pending(b"Tx")
@@ -228,22 +213,22 @@ def test_quotas_and_pins_survive_a_restart(tmp_path: Path) -> None:
 
     state = tmp_path / "master-state.json"
     cfg = MasterConfig(high_watermark=0.9, low_watermark=0.5, state_path=state)
-    first = MasterCore(cfg, clock=Clock())
+    first = MasterCore(cfg, clock=Clock(50.0))
     register(first, "a", 1000)
     put(first, b"sys", 300)
     put(first, b"other", 300)
     assert first.pin(master_pb2.PinRequest(keys=[b"sys", b"absent"], ttl_ms=3_600_000)).pinned == 1
     first.set_quota(master_pb2.SetQuotaRequest(tenant="t", max_bytes=100))
     # a new master life: nothing in memory, same state file, the node brings its inventory back
-    second = MasterCore(cfg, clock=Clock())
+    second = MasterCore(cfg, clock=Clock(50.0))
     inventory = [common_pb2.ObjectMeta(key=k, kind=4, size=300) for k in (b"other", b"sys")]
     assert register(second, "a", 1000, inventory) == 2
     assert second.counters["pins_restored"] == 1
     put(second, b"fill", 350)  # 950 > 900: evict down to 500 -- the pinned object must stay
     assert second.lookup(master_pb2.LookupRequest(keys=[b"sys"])).found
     assert second.lookup(master_pb2.LookupRequest(keys=[b"other"])).missing == [b"other"]
-    with pytest.raises(ResourceExhausted, match="quota"):
+    with pytest.raises(CapacityExceededError, match="quota"):
         put(second, b"big", 200, tenant="t")
     state.write_text("{not json")
     with pytest.raises(StateFileError):
-        MasterCore(cfg, clock=Clock())
+        MasterCore(cfg, clock=Clock(50.0))

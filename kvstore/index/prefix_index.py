@@ -229,9 +229,11 @@ class PrefixIndex:
         return tid
 
     @staticmethod
-    def _check_object(
+    def check_object(
         key: bytes, kind: ObjectKind | int, size: int, ttl_ms: int, checksum: int
     ) -> ObjectKind:
+        """The object's kind if its description is valid (key, a kind that agrees with the key's tag, size,
+        TTL, checksum), else ``BadObjectError``: the master checks a PutStart with it before anything else."""
         if not key or len(key) > MAX_KEY_BYTES:
             raise BadObjectError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
         try:
@@ -289,7 +291,7 @@ class PrefixIndex:
         :meth:`evict` once the whole inventory is in, so no block is judged a leaf before its children
         have arrived; it still refuses to overfill a pool.
         """
-        kind = self._check_object(key, kind, size, ttl_ms, checksum)
+        kind = self.check_object(key, kind, size, ttl_ms, checksum)
         if key in self._slot or key in self._pending:
             raise DuplicateKeyError(key, key in self._pending)
         now = self._clock()

@@ -1,7 +1,8 @@
-"""The master's service logic: node membership, two-phase puts, prefix matching with read leases, pins,
-quotas and recovery, over one :class:`~kvpool.kvstore.index.prefix_index.PrefixIndex`.
+"""MasterCore: the master's state and every call's semantics: node membership and recovery, two-phase puts,
+prefix matching with read leases, pins, quotas and the background sweep, over one
+:class:`~kvpool.kvstore.index.prefix_index.PrefixIndex`.
 
-Transport-free on purpose: every RPC is a plain method taking and returning the proto messages and raising
+Transport-free on purpose: every call is a plain method taking and returning the proto messages and raising
 a typed store error (``kvpool.kvstore.errors``, carried to the caller as its class), so the wire server is
 a thin adapter and the logic can be driven with a fake clock. Not thread-safe: the server calls it from one
 event loop.
@@ -11,83 +12,291 @@ promote on a hit) is queued per node and collected by :meth:`MasterCore.take_act
 it with deadlines and never waits for it while answering clients. A queued delete is cancelled if the same
 key is put again on the same node before it was sent, so a quick re-put cannot be deleted by a stale order.
 
-Where the parts live: ``config`` (tunables and limits), ``records`` (nodes, puts, node orders), ``base``
-(state and helpers), ``membership`` (registration, heartbeats, recovery), ``messages`` (replies and request
-checks) and this module (puts, reads, management, background sweeps).
+Tunables and request limits are in ``config``, the durable quotas and pins in ``state``.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypeVar
 
-from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, ObjectNotFoundError
+from kvpool.kvstore.errors import (
+    BadRequestError,
+    CapacityExceededError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
+from kvpool.kvstore.index.eviction import make_policy
+from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import (
+    MAX_KEY_BYTES,
     BadObjectError,
     CapacityError,
+    DuplicateKeyError,
     LocationRow,
     NotAdmittedError,
     ObjectInfo,
     ObjectKind,
     QuotaExceededError,
+    Removal,
+    StoreIndexError,
     Tier,
     UnknownKeyError,
+    UnknownNodeError,
 )
-from kvpool.kvstore.master import batch_puts
-from kvpool.kvstore.master.config import MAX_BLOCKS_PER_MATCH, MAX_PIN_MS
-from kvpool.kvstore.master.membership import NodeMembership
-from kvpool.kvstore.master.messages import (
-    check_key,
-    check_keys,
-    check_tenant,
-    fill_location,
-    fill_row,
-    fill_table,
+from kvpool.kvstore.master.config import (
+    BULK_ADOPTION_OBJECTS,
+    BULK_MMAP_THRESHOLD,
+    MAX_BLOCKS_PER_MATCH,
+    MAX_KEYS_PER_CALL,
+    MAX_PIN_MS,
+    MAX_TENANT_CHARS,
+    TRIM_SWEEPS_AFTER_BULK,
+    MasterConfig,
 )
-from kvpool.kvstore.master.records import NodeAction, PendingActions, PendingPut
+from kvpool.kvstore.master.malloc_ctl import fix_mmap_threshold, release_free_heap
+from kvpool.kvstore.master.state import StateStore
 from kvpool.proto import common_pb2, master_pb2
 from kvpool.runtime import cluster_auth
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
+Q = TypeVar("Q")
 
-class MasterCore(NodeMembership):
-    """All master state and RPC semantics. See the module docstring."""
 
-    # ------------------------------------------------------------------ storage nodes
+class NodeAction(StrEnum):
+    """What a node is told to do with a key (sent by the server's node notifier)."""
 
-    # ------------------------------------------------------------------ two-phase put
+    DELETE = "delete"
+    DEMOTE = "demote"
+    PROMOTE = "promote"
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    endpoint: common_pb2.NodeEndpoint
+    last_heartbeat: float
+    dram_reported: int = 0
+    ssd_reported: int = 0
+
+
+@dataclass(slots=True)
+class OpenPut:
+    """A put between PutStart and PutCommit/PutAbort: its bytes are on their way to ``node_id``."""
+
+    put_id: str
+    key: bytes
+    node_id: str
+    deadline: float
+    checksum_at_commit: bool = False  # the writer declares the checksum in PutCommit (hashed while copying)
+
+
+@dataclass(slots=True)
+class PendingActions:
+    """Keys a node must act on, per action, in the order they were decided."""
+
+    node: common_pb2.NodeEndpoint
+    epoch: int = 0  # HA: the leadership epoch of the master that decided them (nodes fence older ones)
+    keys: dict[NodeAction, list[bytes]] = field(default_factory=dict)
+
+
+class MasterCore:
+    """All master state and call semantics. See the module docstring."""
+
+    def __init__(
+        self,
+        config: MasterConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        state: StateStore | None = None,
+        epoch: int = 0,
+    ) -> None:
+        self.config = config or MasterConfig()
+        self.config.validate()
+        self._clock = clock
+        self.index = PrefixIndex(
+            make_policy(self.config.policy, depth_weight=self.config.depth_weight),
+            admission=self.config.admission if self.config.policy == "hybrid" else None,
+            high_watermark=self.config.high_watermark,
+            low_watermark=self.config.low_watermark,
+            lease_ms=self.config.lease_ms,
+            clock=clock,
+        )
+        self.instance = secrets.token_hex(4)  # lease/put ids of an earlier master life never match
+        self._nodes: dict[str, NodeRecord] = {}
+        self._puts: dict[str, OpenPut] = {}
+        self._put_of_key: dict[bytes, str] = {}
+        self._put_seq = 0
+        self._outbox: dict[str, dict[bytes, NodeAction]] = {}
+        self._last_sweep = clock()
+        self.counters: dict[str, int] = {}
+        self._trim_sweeps_left = 0  # after a bulk adoption: sweeps that return freed memory to the OS
+        self._mmap_threshold_fixed = False
+        # StateFileError if unreadable: refuse to start. With HA the caller passes the state read from etcd.
+        self.state = state if state is not None else StateStore(self.config.state_path)
+        self.epoch = epoch  # HA leadership epoch (0 = no HA): on every put placement and node order
+        for tenant, max_bytes in self.state.state.quotas.items():
+            self.index.set_quota(tenant, max_bytes)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the event counter ``name`` (Stats ``counters``); the server counts node calls here."""
+        if n:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    @property
+    def node_count(self) -> int:
+        return len(self._nodes)
+
+    def register_node(self, req: master_pb2.RegisterNodeRequest) -> master_pb2.RegisterNodeReply:
+        """(Re)join a node and adopt its inventory: how a restarted master rebuilds its index, and how a
+        restarted node's surviving (SSD) objects become visible again. Whatever the index believed about
+        this node before is replaced by what the node says it holds."""
+        ep = req.node
+        if not ep.node_id or not ep.host or not 0 < ep.grpc_port < 65536:
+            raise BadRequestError("node needs node_id, host and a grpc_port in 1..65535")
+        if req.dram_capacity_bytes == 0 and req.ssd_capacity_bytes == 0:
+            raise BadRequestError("node must offer DRAM or SSD capacity")
+        if ep.node_id in self._nodes:
+            self._forget_node(ep.node_id, reason="reregistered")
+        self.index.add_node(ep.node_id, req.dram_capacity_bytes, req.ssd_capacity_bytes)
+        self._nodes[ep.node_id] = NodeRecord(_copy_endpoint(ep), self._clock())
+        inventory = req.inventory
+        bulk = len(inventory) >= BULK_ADOPTION_OBJECTS
+        if bulk:
+            self._prepare_bulk_adoption(len(inventory))
+        adopted = 0
+        for meta in inventory:
+            if self._adopt(ep.node_id, meta):
+                adopted += 1
+        self.index.evict()  # once everything is linked: leaf-first is only meaningful on a complete forest
+        self._absorb_index_events()
+        if bulk:  # not now: the request still lives (the caller holds it), trimming would keep its pages
+            self._trim_sweeps_left = TRIM_SWEEPS_AFTER_BULK
+        self.count("nodes_registered")
+        self.count("objects_adopted", adopted)
+        log.info("node %s registered: %d objects adopted of %d", ep.node_id, adopted, len(req.inventory))
+        return master_pb2.RegisterNodeReply(
+            heartbeat_interval_ms=self.config.heartbeat_ms,
+            node_timeout_ms=self.config.node_timeout_ms,
+            adopted_objects=adopted,
+            epoch=self.epoch,
+        )
+
+    def _adopt(self, node_id: str, meta: common_pb2.ObjectMeta) -> bool:
+        tier = Tier.SSD if meta.tier == common_pb2.SSD else Tier.DRAM
+        try:
+            self.index.insert(
+                meta.key,
+                ObjectKind(meta.kind) if meta.kind in ObjectKind._value2member_map_ else ObjectKind.BLOB,
+                meta.size,
+                node_id=node_id,
+                tier=tier,
+                tenant=meta.tenant,
+                parent=meta.parent,
+                checksum=meta.checksum,
+                ttl_ms=meta.ttl_ms,
+                evict=False,
+            )
+        except DuplicateKeyError:
+            # already indexed elsewhere (one replica is tracked): this copy is unreachable bytes on the node
+            self.count("adopt_duplicates")
+            self._queue(node_id, NodeAction.DELETE, meta.key)
+            return False
+        except StoreIndexError as exc:
+            self.count("adopt_rejected")
+            log.warning("node %s: cannot adopt %s: %s", node_id, meta.key[:9].hex(), exc)
+            self._queue(node_id, NodeAction.DELETE, meta.key)
+            return False
+        self._restore_pin(meta.key)
+        return True
+
+    def _prepare_bulk_adoption(self, objects: int) -> None:
+        """Before adopting a large inventory: size the index for it once, and (first time) pin the mmap
+        threshold so the big blocks of this and later loads go back to the OS when freed (overview §7)."""
+        if not self._mmap_threshold_fixed:
+            self._mmap_threshold_fixed = fix_mmap_threshold(BULK_MMAP_THRESHOLD)
+        self.index.reserve(objects)
+
+    def _release_adoption_garbage(self) -> None:
+        """Run by the sweep for a few rounds after a bulk adoption, by when its request has been freed: hand
+        the pages it occupied back to the OS (``kvstore/master/malloc_ctl.py``). Never on a put/get path."""
+        if not self._trim_sweeps_left:
+            return
+        self._trim_sweeps_left -= 1
+        if release_free_heap():
+            self.count("heap_trims")
+
+    def _restore_pin(self, key: bytes) -> None:
+        """Re-apply a pin that outlived an earlier master (or an earlier copy of the object)."""
+        remaining = self.state.pin_remaining_ms(key)
+        if remaining:
+            self.index.pin([key], remaining)
+            self.count("pins_restored")
+
+    def heartbeat(self, req: master_pb2.HeartbeatRequest) -> master_pb2.HeartbeatReply:
+        if not req.node_id:
+            raise BadRequestError("heartbeat without node_id")
+        rec = self._nodes.get(req.node_id)
+        if rec is None:
+            self.count("heartbeats_unknown")
+            return master_pb2.HeartbeatReply(reregister=True, epoch=self.epoch)
+        rec.last_heartbeat = self._clock()
+        rec.dram_reported = req.dram_used_bytes
+        rec.ssd_reported = req.ssd_used_bytes
+        return master_pb2.HeartbeatReply(reregister=False, epoch=self.epoch)
+
+    def _forget_node(self, node_id: str, reason: str) -> int:
+        """Drop a node and everything indexed on it (dead, or about to re-adopt its inventory)."""
+        self._nodes.pop(node_id, None)
+        self._outbox.pop(node_id, None)
+        for put_id in [p.put_id for p in self._puts.values() if p.node_id == node_id]:
+            put = self._puts.pop(put_id)
+            if self._put_of_key.get(put.key) == put_id:
+                del self._put_of_key[put.key]
+        try:
+            dropped = self.index.remove_node(node_id)
+        except UnknownNodeError:
+            return 0
+        self.count(f"objects_dropped_{reason}", len(dropped))
+        return len(dropped)
 
     def put_start(self, req: master_pb2.PutStartRequest) -> master_pb2.PutStartReply:
         meta = req.meta
-        check_key(meta.key)
-        if meta.kind not in ObjectKind._value2member_map_:
-            raise BadRequestError(f"unknown object kind {meta.kind}")
-        if meta.size == 0:
-            raise BadRequestError("size must be > 0")
+        try:  # key, size, TTL and a kind that agrees with the key's tag, before anything is looked up
+            kind = PrefixIndex.check_object(meta.key, meta.kind, meta.size, meta.ttl_ms, meta.checksum)
+        except BadObjectError as exc:
+            raise BadRequestError(str(exc)) from None
         if req.checksum_at_commit and meta.checksum:
             raise BadRequestError("checksum_at_commit: the checksum comes with PutCommit, not PutStart")
-        check_tenant(meta.tenant)
+        _check_tenant(meta.tenant)
         Reply = master_pb2.PutStartReply
         existing = self.index.get(meta.key)
         replacing: str | None = None
         if existing is not None:
             if not existing.committed:
-                self._count("puts_in_progress")
+                self.count("puts_in_progress")
                 return Reply(status=Reply.IN_PROGRESS, node=self._endpoint(existing.node_id))
             if not req.replace_if_corrupt:
-                self._count("puts_exist")
+                self.count("puts_exist")
                 return Reply(status=Reply.EXISTS, node=self._endpoint(existing.node_id))
             # a reader found it corrupt: drop it and place the new copy elsewhere if any node can take it,
             # so the delete of the bad copy cannot race with the new bytes on the same node
             self.index.remove(meta.key)
             self._queue(existing.node_id, NodeAction.DELETE, meta.key)
             replacing = existing.node_id
-            self._count("puts_replacing_corrupt")
+            self.count("puts_replacing_corrupt")
         tier = Tier.SSD if meta.tier == common_pb2.SSD else Tier.DRAM
         try:
             node_id = self.index.insert(
                 meta.key,
-                ObjectKind(meta.kind),
+                kind,
                 meta.size,
                 tier=tier,
                 tenant=meta.tenant,
@@ -100,10 +309,10 @@ class MasterCore(NodeMembership):
         except BadObjectError as exc:
             raise BadRequestError(str(exc)) from None
         except NotAdmittedError:
-            self._count("puts_not_admitted")
+            self.count("puts_not_admitted")
             return Reply(status=Reply.NOT_ADMITTED)
         except (CapacityError, QuotaExceededError) as exc:
-            self._count("puts_refused")
+            self.count("puts_refused")
             raise CapacityExceededError(str(exc)) from None
         finally:
             self._absorb_index_events()
@@ -115,9 +324,9 @@ class MasterCore(NodeMembership):
         self._put_seq += 1
         put_id = f"{self.instance}-{self._put_seq}"
         deadline = self._clock() + self.config.put_deadline_ms / 1000.0
-        self._puts[put_id] = PendingPut(put_id, meta.key, node_id, deadline, req.checksum_at_commit)
+        self._puts[put_id] = OpenPut(put_id, meta.key, node_id, deadline, req.checksum_at_commit)
         self._put_of_key[meta.key] = put_id
-        self._count("puts_started")
+        self.count("puts_started")
         return Reply(
             status=Reply.STARTED,
             put_id=put_id,
@@ -136,21 +345,46 @@ class MasterCore(NodeMembership):
             raise ObjectNotFoundError(f"put {req.put_id!r} expired before its commit") from None
         self._restore_pin(put.key)
         self._absorb_index_events()
-        self._count("puts_committed")
+        self.count("puts_committed")
         return master_pb2.PutCommitReply()
 
     def put_start_batch(self, req: master_pb2.PutStartBatchRequest) -> master_pb2.PutStartBatchReply:
-        return batch_puts.put_start_batch(self, req)
+        """A whole push (one prefill's MLA blocks and checkpoint) in one exchange instead of one per object.
+
+        Each item gets exactly what :meth:`put_start` answers, in order, or its own ``ItemError``: one bad
+        item (too big, a tenant over quota, a kind that disagrees with its key) never fails the others. A
+        key that appears twice is refused on its second appearance (``ObjectExistsError``), so the writer
+        learns that one of its own items was dropped instead of taking it for another writer's put."""
+        out = master_pb2.PutStartBatchReply()
+        seen: set[bytes] = set()
+        for item in req.items:
+            if item.meta.key in seen:
+                reply, err = None, _item_error(ObjectExistsError("key appears twice in one batch"))
+            else:
+                seen.add(item.meta.key)
+                reply, err = _each(self.put_start, item)
+            out.items.append(reply if reply is not None else master_pb2.PutStartReply())
+            out.errors.append(err)
+        self.count("put_batches")
+        return out
 
     def put_commit_batch(self, req: master_pb2.PutCommitBatchRequest) -> master_pb2.PutCommitBatchReply:
-        return batch_puts.put_commit_batch(self, req)
+        """Commit many puts in one exchange: each gets :meth:`put_commit`'s answer or its own error."""
+        out = master_pb2.PutCommitBatchReply()
+        if req.checksums and len(req.checksums) != len(req.put_ids):
+            raise BadRequestError(f"{len(req.checksums)} checksums for {len(req.put_ids)} put ids")
+        sums = list(req.checksums) or [0] * len(req.put_ids)
+        for put_id, checksum in zip(req.put_ids, sums, strict=True):
+            commit = master_pb2.PutCommitRequest(put_id=put_id, checksum=checksum)
+            out.errors.append(_each(self.put_commit, commit)[1])
+        return out
 
     def put_abort(self, req: master_pb2.PutAbortRequest) -> master_pb2.PutAbortReply:
         self._drop_put(self._take_put(req.put_id))
-        self._count("puts_aborted")
+        self.count("puts_aborted")
         return master_pb2.PutAbortReply()
 
-    def _take_put(self, put_id: str) -> PendingPut:
+    def _take_put(self, put_id: str) -> OpenPut:
         if not put_id:
             raise BadRequestError("put_id is empty")
         put = self._puts.pop(put_id, None)
@@ -162,7 +396,7 @@ class MasterCore(NodeMembership):
         del self._put_of_key[put.key]
         return put
 
-    def _drop_put(self, put: PendingPut) -> None:
+    def _drop_put(self, put: OpenPut) -> None:
         """Undo a started put: the pending entry goes (if it is still this put's) and the node is told to
         delete whatever bytes of it landed."""
         info = self.index.get(put.key)
@@ -170,13 +404,11 @@ class MasterCore(NodeMembership):
             self.index.remove(put.key, reason="aborted")
         self._queue(put.node_id, NodeAction.DELETE, put.key)
 
-    # ------------------------------------------------------------------ reads
-
     def match_prefix(self, req: master_pb2.MatchPrefixRequest) -> master_pb2.MatchPrefixReply:
         hashes = req.block_hashes
         if len(hashes) > MAX_BLOCKS_PER_MATCH:
             raise BadRequestError(f"more than {MAX_BLOCKS_PER_MATCH} block hashes")
-        check_tenant(req.tenant)
+        _check_tenant(req.tenant)
         lease_ms = self._lease_ms(req.lease_ms)
         try:
             m = self.index.match_prefix(hashes, require_checkpoint=req.require_checkpoint, touch=req.acquire)
@@ -187,10 +419,10 @@ class MasterCore(NodeMembership):
             mla_run_blocks=m.mla_run_blocks,
             checkpoint_blocks=m.checkpoint_blocks,
         )
-        self._count("match_prefix")
-        self._count("match_blocks_asked", len(hashes))
-        self._count("match_blocks_usable", m.usable_blocks)
-        self._count("match_blocks_lost_to_checkpoint", m.blocks_lost_to_checkpoint)
+        self.count("match_prefix")
+        self.count("match_blocks_asked", len(hashes))
+        self.count("match_blocks_usable", m.usable_blocks)
+        self.count("match_blocks_lost_to_checkpoint", m.blocks_lost_to_checkpoint)
         keys = list(m.mla_keys)
         if m.checkpoint_key is not None:
             keys.append(m.checkpoint_key)
@@ -203,30 +435,22 @@ class MasterCore(NodeMembership):
         if req.counts_only and not req.acquire:
             reply.usable_blocks_on_ssd = self.index.count_on_tier(m.mla_keys, Tier.SSD)
             return reply
-        if req.compact:
-            table, n_mla = reply.table, m.usable_blocks
-            # keys left out: the caller sent the hashes, so row i is MLA_TAG + hash i (checkpoint: KDA_TAG +
-            # the last usable hash); 66 KB less per 2,000 blocks, ~40 us of the 1 ms goal
-            reply.usable_blocks_on_ssd = fill_table(
-                table, self.index, keys, n_mla, self._endpoint, with_keys=False
-            )
-            return reply
         rows = self.index.rows(keys)  # all present: the index was not changed since the match
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
         on_ssd = 0
         for row in rows[: m.usable_blocks]:
-            fill_row(reply.mla.add(), row, self._endpoint_cached(row.node_id, endpoints))
+            _fill_row(reply.mla.add(), row, self._endpoint_cached(row.node_id, endpoints))
             on_ssd += row.tier == Tier.SSD
         reply.usable_blocks_on_ssd = on_ssd
         if m.checkpoint_key is not None:
             row = rows[m.usable_blocks]
-            fill_row(reply.checkpoint, row, self._endpoint_cached(row.node_id, endpoints))
+            _fill_row(reply.checkpoint, row, self._endpoint_cached(row.node_id, endpoints))
         return reply
 
     def lookup(self, req: master_pb2.LookupRequest) -> master_pb2.LookupReply:
-        keys = check_keys(req.keys)
+        keys = _check_keys(req.keys)
         lease_ms = self._lease_ms(req.lease_ms)
-        infos = self.index.lookup(keys, touch=req.acquire or req.touch)
+        infos = self.index.lookup(keys, touch=req.acquire)
         reply = master_pb2.LookupReply()
         found = [i for i in infos if i is not None]
         if req.acquire and found:
@@ -235,17 +459,13 @@ class MasterCore(NodeMembership):
                 reply.lease_id = f"{self.instance}:{lease.lease_id}"
             self._promote_on_hit([i for i in found if i.tier == Tier.SSD])
             infos = self.index.lookup(keys)
-        if req.touch and not req.acquire:  # a use report: the reads are done, their locations are not needed
-            reply.missing.extend(k for k, info in zip(keys, infos, strict=True) if info is None)
-            self._count("touch_reports")
-            return reply
         endpoints: dict[str, common_pb2.NodeEndpoint] = {}
         for key, info in zip(keys, infos, strict=True):
             if info is None:
                 reply.missing.append(key)
             else:
-                fill_location(reply.found.add(), info, self._endpoint_cached(info.node_id, endpoints))
-        self._count("lookups")
+                _fill_location(reply.found.add(), info, self._endpoint_cached(info.node_id, endpoints))
+        self.count("lookups")
         return reply
 
     def release(self, req: master_pb2.ReleaseRequest) -> master_pb2.ReleaseReply:
@@ -254,7 +474,7 @@ class MasterCore(NodeMembership):
             raise BadRequestError(f"malformed lease_id {req.lease_id!r}")
         # an unknown or expired lease is not an error: the deadline already released it
         if instance != self.instance or not self.index.release(int(num)):
-            self._count("releases_late")
+            self.count("releases_late")
         return master_pb2.ReleaseReply()
 
     def _lease_ms(self, asked: int) -> int:
@@ -267,14 +487,12 @@ class MasterCore(NodeMembership):
         for obj in on_ssd:
             if self.index.promote(obj.key):
                 self._queue(obj.node_id, NodeAction.PROMOTE, obj.key)
-                self._count("promotions")
+                self.count("promotions")
         self._absorb_index_events()
-
-    # ------------------------------------------------------------------ management
 
     def remove(self, req: master_pb2.RemoveRequest) -> master_pb2.RemoveReply:
         removed = 0
-        for key in check_keys(req.keys):
+        for key in _check_keys(req.keys):
             info = self.index.get(key)
             if info is None:
                 continue
@@ -284,11 +502,11 @@ class MasterCore(NodeMembership):
             self.index.remove(key)
             self._queue(info.node_id, NodeAction.DELETE, key)
             removed += 1
-        self._count("removed", removed)
+        self.count("removed", removed)
         return master_pb2.RemoveReply(removed=removed)
 
     def pin(self, req: master_pb2.PinRequest) -> master_pb2.PinReply:
-        keys = check_keys(req.keys)
+        keys = _check_keys(req.keys)
         if req.ttl_ms > MAX_PIN_MS:
             raise BadRequestError(f"ttl_ms {req.ttl_ms} exceeds the maximum {MAX_PIN_MS}")
         found = [k for k in keys if k in self.index]
@@ -297,7 +515,7 @@ class MasterCore(NodeMembership):
         return master_pb2.PinReply(pinned=len(found))
 
     def set_quota(self, req: master_pb2.SetQuotaRequest) -> master_pb2.SetQuotaReply:
-        check_tenant(req.tenant)
+        _check_tenant(req.tenant)
         self.index.set_quota(req.tenant, req.max_bytes)
         self.state.set_quota(req.tenant, req.max_bytes)
         self._absorb_index_events()
@@ -323,8 +541,6 @@ class MasterCore(NodeMembership):
             admission_rate=None if self.index.admission is None else self.index.admission.rate,
         )
 
-    # ------------------------------------------------------------------ background work
-
     def sweep(self) -> None:
         """Periodic duties (the server calls this every few hundred ms): drop nodes whose heartbeats
         stopped, abort puts past their deadline, retire leases/pins/TTLs."""
@@ -336,18 +552,18 @@ class MasterCore(NodeMembership):
             # queued behind it are not the nodes' fault, so the silence window restarts after the stall
             for rec in self._nodes.values():
                 rec.last_heartbeat += stalled
-            self._count("sweep_stalls")
+            self.count("sweep_stalls")
         timeout = self.config.node_timeout_ms / 1000.0
         for node_id in [n for n, r in self._nodes.items() if now - r.last_heartbeat > timeout]:
             lost = self._forget_node(node_id, reason="node_lost")
-            self._count("nodes_lost")
+            self.count("nodes_lost")
             log.warning("node %s silent for %.1fs: dropped with %d objects", node_id, timeout, lost)
         for put in [p for p in self._puts.values() if p.deadline <= now]:
             del self._puts[put.put_id]
             if self._put_of_key.get(put.key) == put.put_id:
                 del self._put_of_key[put.key]
                 self._drop_put(put)
-            self._count("puts_abandoned")
+            self.count("puts_abandoned")
         self.index.expire()
         self._absorb_index_events()
         self._release_adoption_garbage()
@@ -378,6 +594,100 @@ class MasterCore(NodeMembership):
             if info is not None and info.node_id == node_id and info.tier == Tier.SSD:
                 self.index.remove(key, reason="demote_failed")
                 self._queue(node_id, NodeAction.DELETE, key)
-                self._count("demotions_failed")
+                self.count("demotions_failed")
 
-    # ------------------------------------------------------------------ helpers
+    def _queue(self, node_id: str, action: NodeAction, key: bytes) -> None:
+        if node_id in self._nodes:
+            self._outbox.setdefault(node_id, {})[key] = action
+
+    def _absorb_index_events(self) -> None:
+        for ev in self.index.drain_events():
+            self._on_removal(ev)
+
+    def _on_removal(self, ev: Removal) -> None:
+        if ev.reason == "node_lost":
+            return
+        self._queue(ev.node_id, NodeAction.DEMOTE if ev.demoted else NodeAction.DELETE, ev.key)
+
+    def _endpoint(self, node_id: str) -> common_pb2.NodeEndpoint:
+        rec = self._nodes.get(node_id)
+        if rec is None:
+            raise StoreError(f"node {node_id!r} is not registered")
+        return rec.endpoint
+
+    def _endpoint_cached(
+        self, node_id: str, cache: dict[str, common_pb2.NodeEndpoint]
+    ) -> common_pb2.NodeEndpoint:
+        ep = cache.get(node_id)
+        if ep is None:
+            ep = cache[node_id] = self._endpoint(node_id)
+        return ep
+
+
+def _each(call: Callable[[Q], R], req: Q) -> tuple[R | None, master_pb2.ItemError]:
+    """One item of a batch: its reply, or its own error (the others go on)."""
+    try:
+        return call(req), _OK
+    except StoreError as exc:
+        return None, _item_error(exc)
+
+
+def _item_error(exc: StoreError) -> master_pb2.ItemError:
+    return master_pb2.ItemError(code=exc.code, message=f"{type(exc).__name__}: {exc}")
+
+
+_OK = master_pb2.ItemError()
+
+
+def _copy_endpoint(ep: common_pb2.NodeEndpoint) -> common_pb2.NodeEndpoint:
+    out = common_pb2.NodeEndpoint()
+    out.CopyFrom(ep)
+    return out
+
+
+def _fill_location(loc: common_pb2.ObjectLocation, info: ObjectInfo, ep: common_pb2.NodeEndpoint) -> None:
+    m = loc.meta
+    m.key = info.key
+    m.kind = int(info.kind)
+    m.size = info.size
+    m.checksum = info.checksum
+    m.tenant = info.tenant
+    m.parent = info.parent
+    m.ttl_ms = info.ttl_ms
+    m.tier = int(info.tier)
+    loc.node.CopyFrom(ep)
+
+
+def _fill_row(loc: common_pb2.ObjectLocation, row: LocationRow, ep: common_pb2.NodeEndpoint) -> None:
+    """Like _fill_location for MatchPrefix's rows; ``meta.parent`` is left out (the previous entry of the
+    reply is the parent)."""
+    m = loc.meta
+    m.key = row.key
+    m.kind = row.kind
+    m.size = row.size
+    m.checksum = row.checksum
+    m.tier = row.tier
+    if row.tenant:
+        m.tenant = row.tenant
+    if row.ttl_ms:
+        m.ttl_ms = row.ttl_ms
+    loc.node.CopyFrom(ep)
+
+
+def _check_key(key: bytes) -> None:
+    if not key or len(key) > MAX_KEY_BYTES:
+        raise BadRequestError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
+    out = list(keys)
+    if len(out) > MAX_KEYS_PER_CALL:
+        raise BadRequestError(f"more than {MAX_KEYS_PER_CALL} keys in one call")
+    for key in out:
+        _check_key(key)
+    return out
+
+
+def _check_tenant(tenant: str) -> None:
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise BadRequestError(f"tenant name longer than {MAX_TENANT_CHARS} characters")

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 import grpc
-from kvpool.kvstore.master.records import NodeAction, PendingActions
+from kvpool.kvstore.master.core import NodeAction, PendingActions
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from kvpool.runtime import cluster_auth
 

@@ -14,9 +14,8 @@ import logging
 from collections.abc import Callable
 
 from kvpool.kvstore.master.config import MasterConfig
-from kvpool.kvstore.master.core import MasterCore
+from kvpool.kvstore.master.core import MasterCore, NodeAction
 from kvpool.kvstore.master.node_notifier import NodeNotifier
-from kvpool.kvstore.master.records import NodeAction
 from kvpool.kvstore.master.wire_server import MasterWireServer
 
 log = logging.getLogger(__name__)
