@@ -290,7 +290,7 @@ def median_extra(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             }
             for t, modes in out["gbps"].items()
         }
-    for k in ("p50_ms", "p99_ms", "min_ms", "one_block_p50_ms", "grpc_p50_ms", "full_locations_p50_ms"):
+    for k in ("p50_ms", "p99_ms", "min_ms", "one_block_p50_ms"):
         vals = [r[k] for r in rounds if isinstance(r.get(k), int | float)]
         if vals:
             out[k] = round(statistics.median(vals), 3)
@@ -436,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"\nmatch_prefix, {mp.get('chain_blocks')}-block chain through the client (master wire): "
                 f"p50 {mp.get('p50_ms')} ms, "
                 f"p99 {mp.get('p99_ms')} ms ({mp.get('calls')} calls; usable={mp.get('usable_blocks')}; "
-                f"1-block call p50 {mp.get('one_block_p50_ms')} ms; same call over gRPC p50 "
-                f"{mp.get('grpc_p50_ms')} ms)"
+                f"1-block call p50 {mp.get('one_block_p50_ms')} ms)"
             )
         if mem:
             print(

@@ -22,9 +22,6 @@ BLOCK_PAYLOAD = 256  # bytes per chain object: the latency test is about the ind
 MEMORY_CHUNK = 50_000  # objects per RegisterNode when filling the master (small messages, little garbage)
 
 
-# ---------------------------------------------------------------------------------------- match_prefix
-
-
 def hash_chain(n: int, seed: bytes = b"store-bench") -> list[bytes]:
     """``n`` chained 32-byte block hashes (each depends on the one before, as in overview §3)."""
     out: list[bytes] = []
@@ -36,8 +33,7 @@ def hash_chain(n: int, seed: bytes = b"store-bench") -> list[bytes]:
 
 
 async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
-    from kvpool.kvstore.client.async_client import AsyncStoreClient
-    from kvpool.kvstore.client.records import LocationColumns, PutItem
+    from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
     from kvpool.kvstore.keys import kda_key, mla_key
     from kvpool.proto import common_pb2
 
@@ -52,26 +48,22 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
     items.append(PutItem(kda_key(hashes[-1]), payload, kind=common_pb2.KDA_CHECKPOINT, parent=parent))
     calls = 50 if plan.quick else 500
 
-    # the goal figure (p50_ms) is the shipped client's call, which goes over the master wire
-    # (docs/design/store_master.md "Wire protocol"); the same call forced onto gRPC is grpc_p50_ms
-    async def compact_calls(client: AsyncStoreClient) -> list[float]:
+    async def timed(client: AsyncStoreClient, chain: list[bytes], require_checkpoint: bool) -> list[float]:
+        """Per-call seconds of the shipped client's ``match_prefix`` (the master wire), after 10 warm-ups;
+        every reply is checked against the chain that was put."""
         out: list[float] = []
         for i in range(10 + calls):
-            # compact locations (one LocationTable, decoded into numpy columns inside the timed window)
             t0 = time.perf_counter()
-            reply = await client.match_prefix(hashes, require_checkpoint=True, compact=True)
-            cols = LocationColumns.of_match(reply, hashes)
+            reply = await client.match_prefix(chain, require_checkpoint=require_checkpoint)
             dt = time.perf_counter() - t0
-            if reply.usable_blocks != CHAIN_BLOCKS or reply.mla_run_blocks != CHAIN_BLOCKS:
+            n = len(chain)
+            if reply.usable_blocks != n or reply.mla_run_blocks != n or len(reply.mla) != n:
                 raise VerifyError(
-                    f"match_prefix returned usable={reply.usable_blocks} "
-                    f"run={reply.mla_run_blocks}, expected {CHAIN_BLOCKS}"
+                    f"match_prefix returned usable={reply.usable_blocks} run={reply.mla_run_blocks} "
+                    f"locations={len(reply.mla)}, expected {n}"
                 )
-            if (
-                len(cols) != CHAIN_BLOCKS + 1
-                or cols.key(CHAIN_BLOCKS - 1) != items[CHAIN_BLOCKS - 1].key
-                or int(cols.size.sum()) != BLOCK_PAYLOAD * (CHAIN_BLOCKS + 1)
-            ):
+            sizes = sum(loc.meta.size for loc in reply.mla)
+            if reply.mla[-1].meta.key != items[n - 1].key or sizes != n * BLOCK_PAYLOAD:
                 raise VerifyError("match_prefix locations do not match the chain that was put")
             if i >= 10:
                 out.append(dt)
@@ -82,43 +74,18 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
             errors = [e for e in await client.batch_put(items[lo : lo + 250]) if e is not None]
             if errors:
                 raise RuntimeError(f"inserting the chain failed: {errors[0]}")
-        times = await compact_calls(client)
-        if client.master.wire is None:
-            raise VerifyError("the master advertised no wire: p50_ms would be a gRPC figure")
-        # the same call with one ObjectLocation message per block (what callers that do not ask for the
-        # compact table get): context, not the goal figure
-        full: list[float] = []
-        for i in range(3 + max(5, calls // 10)):
-            t0 = time.perf_counter()
-            reply = await client.match_prefix(hashes, require_checkpoint=True)
-            dt = time.perf_counter() - t0
-            if len(reply.mla) != CHAIN_BLOCKS:
-                raise VerifyError(f"full match_prefix listed {len(reply.mla)} locations")
-            if i >= 3:
-                full.append(dt)
-        async with AsyncStoreClient(master, transport="tcp", rpc_timeout_s=30, master_wire=False) as plain:
-            over_grpc = await compact_calls(plain)
-        # the same call for a 1-block chain: the gRPC + client floor, to tell chain cost from RPC cost
-        floor: list[float] = []
-        for i in range(10 + calls):
-            t0 = time.perf_counter()
-            reply = await client.match_prefix(hashes[:1], require_checkpoint=False)
-            dt = time.perf_counter() - t0
-            if reply.mla_run_blocks != 1:
-                raise VerifyError(f"1-block match_prefix returned run={reply.mla_run_blocks}")
-            if i >= 10:
-                floor.append(dt)
+        times = await timed(client, hashes, require_checkpoint=True)
+        # the same call for a 1-block chain: the wire + client floor, to tell chain cost from call cost
+        floor = await timed(client, hashes[:1], require_checkpoint=False)
     times.sort()
     return {
         "chain_blocks": CHAIN_BLOCKS,
         "calls": calls,
         "usable_blocks": CHAIN_BLOCKS,
         "one_block_p50_ms": round(statistics.median(floor) * 1e3, 3),
-        "locations": "compact LocationTable (compact=True), decoded by LocationColumns.of_match",
-        "full_locations_p50_ms": round(statistics.median(full) * 1e3, 3),
-        "grpc_p50_ms": round(statistics.median(over_grpc) * 1e3, 3),
+        "locations": "one ObjectLocation per block (the one MatchPrefix reply)",
         "p50_ms": round(statistics.median(times) * 1e3, 3),
-        "channel": "master wire (client default)",
+        "channel": "master wire",
         "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),
         "min_ms": round(times[0] * 1e3, 3),
         "require_checkpoint": True,
@@ -126,17 +93,14 @@ async def _measure_match_prefix(plan: Plan, master: str) -> dict[str, Any]:
 
 
 def section_match_prefix(plan: Plan) -> dict[str, Any]:
-    """``MatchPrefix`` through the store client (master wire; gRPC for context) on a committed 2,000-block
-    chain (+ checkpoint at its end)."""
+    """``MatchPrefix`` through the store client (master wire) on a committed 2,000-block chain (+ checkpoint
+    at its end)."""
     with children() as procs, tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
         log_dir = Path(tmp)
         master, _ = start_master(procs, log_dir)
         start_node(procs, log_dir, master, 64 * MB, "tcp")
         res = asyncio.run(_measure_match_prefix(plan, master))
     return {"rows": [], "match_prefix": res}
-
-
-# --------------------------------------------------------------------------------------- master memory
 
 
 def _fake_inventory(start: int, count: int) -> list[Any]:
@@ -157,9 +121,12 @@ def _fake_inventory(start: int, count: int) -> list[Any]:
     return metas
 
 
-def _settled_rss(pid: int, stub: Any, master_pb2: Any) -> int:
+def _settled_rss(pid: int, master: str) -> int:
     """RSS once it stops moving (the master frees request garbage asynchronously)."""
-    stub.Stats(master_pb2.StatsRequest(), timeout=30)
+    from kvpool.kvstore.protocol.master_wire import call_blocking
+    from kvpool.proto import master_pb2
+
+    call_blocking(master, "Stats", master_pb2.StatsRequest(), timeout_s=30)
     last = rss_bytes(pid)
     for _ in range(20):
         time.sleep(0.25)
@@ -176,39 +143,37 @@ def _measure_master_memory(objects: int, master: str, pid: int) -> dict[str, Any
     Fake nodes never heartbeat, so the master runs with a long node timeout; they offer far more
     capacity than the objects take, so nothing is evicted while measuring.
     """
-    import grpc
-    from kvpool.proto import common_pb2, master_pb2, master_pb2_grpc
+    from kvpool.kvstore.protocol.master_wire import call_blocking
+    from kvpool.proto import common_pb2, master_pb2
 
-    with grpc.insecure_channel(master, options=[("grpc.max_send_message_length", 1 << 30)]) as ch:
-        stub = master_pb2_grpc.MasterStub(ch)
-        before = _settled_rss(pid, stub, master_pb2)
-        done = 0
-        node = 0
-        while done < objects:
-            count = min(MEMORY_CHUNK, objects - done)
-            inventory = _fake_inventory(done, count)
-            ep = common_pb2.NodeEndpoint(
-                node_id=f"bench-fake-{node}", host=HOST, grpc_port=1, tcp_port=1, host_id="bench-fake"
-            )
-            reply = stub.RegisterNode(
-                master_pb2.RegisterNodeRequest(node=ep, dram_capacity_bytes=1 << 50, inventory=inventory),
-                timeout=300,
-            )
-            if reply.adopted_objects != count:
-                raise VerifyError(f"master adopted {reply.adopted_objects} of {count} objects")
-            del inventory
-            done += count
-            node += 1
-        gc.collect()
-        stats = stub.Stats(master_pb2.StatsRequest(), timeout=30)
-        if stats.objects < objects:
-            raise VerifyError(f"master indexes {stats.objects} objects, expected {objects}")
-        after = _settled_rss(pid, stub, master_pb2)
-        trims = stub.Stats(master_pb2.StatsRequest(), timeout=30).counters.get("heap_trims", 0)
+    before = _settled_rss(pid, master)
+    done = 0
+    node = 0
+    while done < objects:
+        count = min(MEMORY_CHUNK, objects - done)
+        inventory = _fake_inventory(done, count)
+        ep = common_pb2.NodeEndpoint(
+            node_id=f"bench-fake-{node}", host=HOST, grpc_port=1, tcp_port=1, host_id="bench-fake"
+        )
+        req = master_pb2.RegisterNodeRequest(node=ep, dram_capacity_bytes=1 << 50, inventory=inventory)
+        reply = call_blocking(master, "RegisterNode", req, timeout_s=300)
+        if reply.adopted_objects != count:
+            raise VerifyError(f"master adopted {reply.adopted_objects} of {count} objects")
+        del inventory, req
+        done += count
+        node += 1
+    gc.collect()
+    stats = call_blocking(master, "Stats", master_pb2.StatsRequest(), timeout_s=30)
+    if stats.objects < objects:
+        raise VerifyError(f"master indexes {stats.objects} objects, expected {objects}")
+    after = _settled_rss(pid, master)
+    trims = call_blocking(master, "Stats", master_pb2.StatsRequest(), timeout_s=30).counters.get(
+        "heap_trims", 0
+    )
     return {
         "objects": objects,
         "fake_nodes": node,
-        "method": "RegisterNode inventories, RSS delta",
+        "method": "RegisterNode inventories over the master wire, RSS delta",
         "rss_before_mb": round(before / MB, 1),
         "rss_after_mb": round(after / MB, 1),
         "bytes_per_object": round((after - before) / objects, 1),
@@ -228,7 +193,7 @@ def section_master_memory(plan: Plan) -> dict[str, Any]:
     """Master resident memory per indexed object with ``plan.objects`` objects (default 1 M).
 
     Two measurements, and the goal is judged on the larger: the whole master process (RegisterNode
-    inventories into a real ``kvpool store master``, RSS delta: gRPC, protobuf and allocator overhead
+    inventories into a real ``kvpool store master``, RSS delta: wire, protobuf and allocator overhead
     included, the way a restarted master re-indexes its nodes) and, when ``bench/master_bench.py`` is
     there, its ``bench_memory`` (the index filled by one-by-one inserts in a fresh process, the way puts
     build it). Either one over the budget fails the goal.
