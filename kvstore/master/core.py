@@ -81,10 +81,10 @@ class NodeAction(StrEnum):
 
 @dataclass(slots=True)
 class NodeRecord:
+    """A registered node: where to reach it, and when it last said it is alive."""
+
     endpoint: common_pb2.NodeEndpoint
     last_heartbeat: float
-    dram_reported: int = 0
-    ssd_reported: int = 0
 
 
 @dataclass(slots=True)
@@ -149,10 +149,6 @@ class MasterCore:
         """Add ``n`` to the event counter ``name`` (Stats ``counters``); the server counts node calls here."""
         if n:
             self.counters[name] = self.counters.get(name, 0) + n
-
-    @property
-    def node_count(self) -> int:
-        return len(self._nodes)
 
     def register_node(self, req: master_pb2.RegisterNodeRequest) -> master_pb2.RegisterNodeReply:
         """(Re)join a node and adopt its inventory: how a restarted master rebuilds its index, and how a
@@ -248,8 +244,6 @@ class MasterCore:
             self.count("heartbeats_unknown")
             return master_pb2.HeartbeatReply(reregister=True, epoch=self.epoch)
         rec.last_heartbeat = self._clock()
-        rec.dram_reported = req.dram_used_bytes
-        rec.ssd_reported = req.ssd_used_bytes
         return master_pb2.HeartbeatReply(reregister=False, epoch=self.epoch)
 
     def _forget_node(self, node_id: str, reason: str) -> int:
