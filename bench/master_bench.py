@@ -1,12 +1,12 @@
-"""Master benchmark: memory per indexed object and MatchPrefix latency (in-process and over gRPC).
+"""Master benchmark: memory per indexed object and MatchPrefix latency (in-process and over the master wire).
 
 Goals from the master issue: <= 256 bytes of master memory per indexed object with 1 M objects (Mooncake's
 master OOMs at tens of millions, #3452), and match_prefix p50 <= 1 ms for a 2,000-block chain.
 
-    .venv/bin/python bench/master_bench.py [--objects 1000000] [--chain 2000] [--reps 300] [--no-grpc]
+    .venv/bin/python bench/master_bench.py [--objects 1000000] [--chain 2000] [--reps 300] [--no-wire]
 
 Memory is the RSS growth of a fresh child process while it indexes N MLA blocks (keys created inside the
-measured region, as a master receiving them over gRPC would hold them), divided by N. Prints one JSON
+measured region, as a master receiving them over its wire would hold them), divided by N. Prints one JSON
 object; with --out also writes it there.
 """
 
@@ -27,6 +27,8 @@ import psutil
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import ObjectKind
 from kvpool.kvstore.keys import kda_key, mla_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.harness (the master process)
 
 CHAIN_BLOCKS = 2000
 KDA_BYTES = 429 << 20  # K3 checkpoint (overview §3)
@@ -168,8 +170,9 @@ def _chain_metas(hs: list[bytes]) -> list:
     return metas
 
 
-def bench_grpc(chain: int, reps: int) -> dict:
-    """A real master child process; one node adopts a 2,000-block chain; MatchPrefix over loopback."""
+def bench_wire(chain: int, reps: int) -> dict:
+    """A real master child process; one node adopts a 2,000-block chain; MatchPrefix over the master wire
+    (one blocking call per connection, loopback)."""
     from kvpool.proto import master_pb2
 
     from tests.harness.master_proc import MasterProcess, ProbeNode
@@ -178,7 +181,7 @@ def bench_grpc(chain: int, reps: int) -> dict:
         master = MasterProcess(Path(tmp), "--node-timeout-ms", "600000", "--heartbeat-ms", "1000")
         node = ProbeNode("n0", master, dram=1 << 62)
         try:
-            hs = block_hashes(chain, b"grpc")
+            hs = block_hashes(chain, b"wire")
             node.register(_chain_metas(hs))
             out: dict = {}
             for label, acquire in (("probe", False), ("acquire", True)):
@@ -186,27 +189,29 @@ def bench_grpc(chain: int, reps: int) -> dict:
                 samples = []
                 for _ in range(reps):
                     t = time.perf_counter()
-                    reply = master.stub.MatchPrefix(req, timeout=10)
+                    reply = master.call("MatchPrefix", req, timeout_s=10)
                     samples.append(time.perf_counter() - t)
                     if reply.lease_id:
-                        master.stub.Release(master_pb2.ReleaseRequest(lease_id=reply.lease_id), timeout=10)
-                out[f"match_prefix_grpc_{label}"] = _percentiles(samples)
+                        master.call(
+                            "Release", master_pb2.ReleaseRequest(lease_id=reply.lease_id), timeout_s=10
+                        )
+                out[f"match_prefix_wire_{label}"] = _percentiles(samples)
             out["usable_blocks"] = reply.usable_blocks
             out["reply_bytes"] = reply.ByteSize()
             counts = master_pb2.MatchPrefixRequest(block_hashes=hs, require_checkpoint=True, counts_only=True)
             samples = []
             for _ in range(reps):
                 t = time.perf_counter()
-                master.stub.MatchPrefix(counts, timeout=10)
+                master.call("MatchPrefix", counts, timeout_s=10)
                 samples.append(time.perf_counter() - t)
-            out["match_prefix_grpc_counts_only"] = _percentiles(samples)
+            out["match_prefix_wire_counts_only"] = _percentiles(samples)
             short = master_pb2.MatchPrefixRequest(block_hashes=hs[:1], require_checkpoint=False)
             samples = []
             for _ in range(reps):
                 t = time.perf_counter()
-                master.stub.MatchPrefix(short, timeout=10)
+                master.call("MatchPrefix", short, timeout_s=10)
                 samples.append(time.perf_counter() - t)
-            out["match_prefix_grpc_1_block"] = _percentiles(samples)
+            out["match_prefix_wire_1_block"] = _percentiles(samples)
             return out
         finally:
             node.close()
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--objects", type=int, default=1_000_000)
     ap.add_argument("--chain", type=int, default=CHAIN_BLOCKS)
     ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--no-grpc", action="store_true")
+    ap.add_argument("--no-wire", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     result = {
@@ -226,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         "memory": bench_memory(args.objects, args.chain, args.reps),
         "core": bench_core(args.chain, args.reps),
     }
-    if not args.no_grpc:
-        result["grpc"] = bench_grpc(args.chain, args.reps)
+    if not args.no_wire:
+        result["wire"] = bench_wire(args.chain, args.reps)
     result["goals"] = {
         "bytes_per_object_le_256": result["memory"]["rss_bytes_per_object"] <= 256,
         "match_p50_le_1ms_in_process": result["memory"]["match_prefix_in_process_probe"]["p50_ms"] <= 1.0,
