@@ -229,9 +229,7 @@ class PrefixIndex:
         return tid
 
     @staticmethod
-    def check_object(
-        key: bytes, kind: ObjectKind | int, size: int, ttl_ms: int, checksum: int
-    ) -> ObjectKind:
+    def check_object(key: bytes, kind: ObjectKind | int, size: int, ttl_ms: int, checksum: int) -> ObjectKind:
         """The object's kind if its description is valid (key, a kind that agrees with the key's tag, size,
         TTL, checksum), else ``BadObjectError``: the master checks a PutStart with it before anything else."""
         if not key or len(key) > MAX_KEY_BYTES:
