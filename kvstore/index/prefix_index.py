@@ -384,9 +384,7 @@ class PrefixIndex:
 
     def remove(self, key: bytes, reason: str = "removed") -> bool:
         """Drop an object (committed or pending) regardless of pins; False if it was not indexed."""
-        slot = self._slot.get(key)
-        if slot is None:
-            slot = self._pending.get(key)
+        slot = self._find(key)
         if slot is None:
             return False
         self._drop(slot, reason, emit=False)
@@ -494,9 +492,7 @@ class PrefixIndex:
 
     def get(self, key: bytes) -> ObjectInfo | None:
         """Info on a committed or pending object, None if absent. Never changes recency."""
-        slot = self._slot.get(key)
-        if slot is None:
-            slot = self._pending.get(key)
+        slot = self._find(key)
         return None if slot is None else self._info(slot)
 
     def rows(self, keys: Sequence[bytes]) -> list[LocationRow]:
