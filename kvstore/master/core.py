@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 Q = TypeVar("Q")
+_KINDS = frozenset(ObjectKind)
 
 
 class NodeAction(StrEnum):
@@ -190,7 +191,7 @@ class MasterCore:
         try:
             self.index.insert(
                 meta.key,
-                ObjectKind(meta.kind) if meta.kind in ObjectKind._value2member_map_ else ObjectKind.BLOB,
+                meta.kind if meta.kind in _KINDS else ObjectKind.BLOB,  # a newer node's kind: a blob
                 meta.size,
                 node_id=node_id,
                 tier=tier,
