@@ -28,6 +28,7 @@ if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
 fi
 # Image hygiene: no downloaded .debs or package lists (an image's apt-get runs `apt-get update` first).
 rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/tmp/*
+chmod 755 "$ROOTFS"  # mktemp made it 0700: the image's / would be closed to every non-root user
 tar -C "$ROOTFS" -c . | docker import \
   -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8' \
   -c 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
