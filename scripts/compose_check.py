@@ -34,6 +34,8 @@ MODEL = "tiny"
 GATEWAY = "http://127.0.0.1:8000"
 PROMETHEUS = "http://127.0.0.1:9090"
 MAX_TOKENS = 16
+ETCDCTL = ["etcdctl", "--endpoints=http://127.0.0.1:2379"]
+LEADER_KEY = "/kvpool/kvpool/leader"  # kvstore/master/election.py leader_key, the compose file's --ha-group
 SYSTEM = (
     "You are the support desk of a storage company. Answer in one short sentence, name the product, "
     "and never promise a delivery date. Products: kvpool store, kvpool gateway, kvpool prefill workers. "
@@ -232,9 +234,7 @@ def check_prometheus(timeout_s: float) -> dict:
 
 
 def leader(stack: Stack) -> str:
-    out = stack.compose(
-        "exec", "-T", "etcd", "etcdctl", "--endpoints=http://127.0.0.1:2379", "get", "--prefix", "/kvpool/"
-    )
+    out = stack.compose("exec", "-T", "etcd", *ETCDCTL, "get", "--print-value-only", LEADER_KEY)
     found = [m for m in ("master-0", "master-1") if m in out]
     if len(found) != 1:
         raise CheckFailed(f"cannot tell the master leader from etcd: {out!r}")
