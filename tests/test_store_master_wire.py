@@ -206,7 +206,7 @@ def test_a_bug_costs_one_call_answered_as_an_internal_store_error_and_counted() 
     with pytest.raises(BadRequestError):
         wire.run(METHODS["Lookup"], master_pb2.LookupRequest(keys=[b""]).SerializeToString())
     assert core.counters["rpc_internal"] == 1 and core.counters["rpc_bad_request"] == 1
-    reply = master_pb2.LookupReply.FromString(wire.run(METHODS["Lookup"], b""))
+    reply = master_pb2.LookupReply.FromString(wire.run(METHODS["Lookup"], b"")[0])
     assert not reply.found
 
 

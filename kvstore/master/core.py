@@ -9,8 +9,10 @@ event loop.
 
 What the nodes must do as a consequence of a call (delete evicted/expired/aborted objects, demote to SSD,
 promote on a hit) is queued per node and collected by :meth:`MasterCore.take_actions`; the server sends
-it with deadlines and never waits for it while answering clients. A queued delete is cancelled if the same
-key is put again on the same node before it was sent, so a quick re-put cannot be deleted by a stale order.
+it with deadlines and never waits for it while answering clients, with one exception: a put placed on a node
+that still has a delete of the same key to receive (removed, evicted or corrupt a moment ago) is answered
+once that delete was sent, so the old order can neither refuse nor erase the new bytes (the wire server does
+this; see ``NodeNotifier.delete_pending``).
 
 Tunables and request limits are in ``config``, the durable quotas and pins in ``state``.
 """
@@ -311,11 +313,6 @@ class MasterCore:
             raise CapacityExceededError(str(exc)) from None
         finally:
             self._absorb_index_events()
-        # a delete of this key still queued for this node (evicted, removed) must not land after the new
-        # bytes; a corrupt copy's delete stays (only one node: it is sent first, the new bytes follow)
-        queued = self._outbox.get(node_id)
-        if queued and queued.get(meta.key) == NodeAction.DELETE and replacing != node_id:
-            del queued[meta.key]
         self._put_seq += 1
         put_id = f"{self.instance}-{self._put_seq}"
         deadline = self._clock() + self.config.put_deadline_ms / 1000.0

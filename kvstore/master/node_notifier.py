@@ -28,7 +28,9 @@ class _NodeWorker:
         self.address = f"{endpoint.host}:{endpoint.grpc_port}"
         self.channel = cluster_auth.aio_channel(self.address)
         self.stub = node_pb2_grpc.StorageNodeStub(self.channel)
-        self.queue: list[tuple[NodeAction, list[bytes], int]] = []  # (action, keys, epoch), sent in order
+        # (action, keys, epoch, sent), in order; ``sent`` resolves once the call was made (answered or failed)
+        self.queue: list[tuple[NodeAction, list[bytes], int, asyncio.Future[None]]] = []
+        self.deleting: dict[bytes, asyncio.Future[None]] = {}  # key -> its latest queued delete's ``sent``
         self.task: asyncio.Task[None] | None = None
 
 
@@ -56,9 +58,20 @@ class NodeNotifier:
             for action in (NodeAction.PROMOTE, NodeAction.DEMOTE, NodeAction.DELETE):
                 keys = batch.keys.get(action)
                 if keys:
-                    worker.queue.append((action, keys, batch.epoch))
+                    sent = loop.create_future()
+                    worker.queue.append((action, keys, batch.epoch, sent))
+                    if action == NodeAction.DELETE:
+                        worker.deleting.update(dict.fromkeys(keys, sent))
             if worker.task is None or worker.task.done():
                 worker.task = loop.create_task(self._drain(worker))
+
+    def delete_pending(self, node_id: str, key: bytes) -> asyncio.Future[None] | None:
+        """The delete of ``key`` still to be sent to ``node_id``, if any: a new put of that key on that node
+        is answered only after it (else the node would refuse the new bytes as a duplicate, or a late
+        delete would erase them)."""
+        worker = self._workers.get(node_id)
+        sent = worker.deleting.get(key) if worker is not None else None
+        return sent if sent is not None and not sent.done() else None
 
     async def idle(self, timeout_s: float = 5.0) -> None:
         """Wait (bounded) until every queued call has been sent; used at shutdown and by tests."""
@@ -72,7 +85,11 @@ class NodeNotifier:
                 worker.task.cancel()
         await asyncio.gather(*(w.task for w in self._workers.values() if w.task), return_exceptions=True)
         for worker in self._workers.values():
+            for *_, sent in worker.queue:
+                if not sent.done():
+                    sent.set_result(None)
             worker.queue.clear()
+            worker.deleting.clear()
         await asyncio.gather(*(w.channel.close() for w in self._workers.values()), return_exceptions=True)
         self._workers.clear()
 
@@ -87,8 +104,16 @@ class NodeNotifier:
 
     async def _drain(self, worker: _NodeWorker) -> None:
         while worker.queue:
-            action, keys, epoch = worker.queue.pop(0)
-            await self._deliver(worker, action, keys, epoch)
+            action, keys, epoch, sent = worker.queue.pop(0)
+            try:
+                await self._deliver(worker, action, keys, epoch)
+            finally:
+                if not sent.done():
+                    sent.set_result(None)
+                if action == NodeAction.DELETE:
+                    for key in keys:
+                        if worker.deleting.get(key) is sent:
+                            del worker.deleting[key]
 
     async def _deliver(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes], epoch: int) -> None:
         for start in range(0, len(keys), MAX_KEYS_PER_NODE_CALL):

@@ -131,12 +131,23 @@ class _ServerConnection(asyncio.Protocol):
 
     def _answer(self, method: WireMethod, request_id: int, body: bytes) -> None:
         try:
-            reply = self.server.run(method, body)
+            reply, after = self.server.run(method, body)
         except StoreError as exc:
             message = str(exc).encode("utf-8", "replace")[:MAX_ERROR_BYTES]
             self._out.append(encode(method.method_id, exc.code, request_id, message))
             return
-        self._out.append(encode(method.method_id, STATUS_OK, request_id, reply))
+        frame = encode(method.method_id, STATUS_OK, request_id, reply)
+        if not after:
+            self._out.append(frame)
+            return
+        asyncio.get_running_loop().create_task(self._answer_after(after, frame))
+
+    async def _answer_after(self, after: list[asyncio.Future[None]], frame: bytes) -> None:
+        """Send ``frame`` once the node orders it depends on were sent (bounded by the notifier's deadline,
+        which bounds each of those calls anyway); replies are matched by id, so others overtake it."""
+        await asyncio.wait(after, timeout=self.server.notifier.timeout_s)
+        self._out.append(frame)
+        self._flush()
 
     def _flush(self) -> None:
         out, self._out = self._out, []
@@ -195,8 +206,9 @@ class MasterWireServer:
         self.connections: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
 
-    def run(self, method: WireMethod, body: bytes) -> bytes:
-        """The serialized reply to one call; raises the typed StoreError to answer with instead."""
+    def run(self, method: WireMethod, body: bytes) -> tuple[bytes, list[asyncio.Future[None]]]:
+        """The serialized reply to one call and the node orders to be sent before it (a put placed where a
+        delete of its key is still queued); raises the typed StoreError to answer with instead."""
         try:
             request = method.request.FromString(body)
         except DecodeError as exc:
@@ -212,7 +224,21 @@ class MasterWireServer:
             raise CapacityExceededError(
                 f"{method.name} reply of {len(out)} B exceeds the {self.max_body} B frame cap"
             )
-        return out
+        return out, self._deletes_first(request, reply)
+
+    def _deletes_first(self, request: Any, reply: Message) -> list[asyncio.Future[None]]:
+        """For puts placed on a node that still has a delete of the same key queued: those deletes."""
+        if isinstance(reply, master_pb2.PutStartReply):
+            pairs = [(request, reply)]
+        elif isinstance(reply, master_pb2.PutStartBatchReply):
+            pairs = list(zip(request.items, reply.items, strict=False))
+        else:
+            return []
+        started = master_pb2.PutStartReply.STARTED
+        pending = (
+            self.notifier.delete_pending(r.node.node_id, q.meta.key) for q, r in pairs if r.status == started
+        )
+        return [sent for sent in pending if sent is not None]
 
     def _run_core(self, name: str, request: Any) -> Message:
         if self.gate is not None:
