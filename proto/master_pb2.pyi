@@ -165,25 +165,23 @@ class PutCommitBatchReply(_message.Message):
     def __init__(self, errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms", "counts_only", "compact")
+    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms", "counts_only")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_ONLY_FIELD_NUMBER: _ClassVar[int]
-    COMPACT_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tenant: str
     require_checkpoint: bool
     acquire: bool
     lease_ms: int
     counts_only: bool
-    compact: bool
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., counts_only: _Optional[bool] = ..., compact: _Optional[bool] = ...) -> None: ...
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., counts_only: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixReply(_message.Message):
-    __slots__ = ("usable_blocks", "mla_run_blocks", "mla", "checkpoint", "lease_id", "checkpoint_blocks", "usable_blocks_on_ssd", "table")
+    __slots__ = ("usable_blocks", "mla_run_blocks", "mla", "checkpoint", "lease_id", "checkpoint_blocks", "usable_blocks_on_ssd")
     USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MLA_RUN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MLA_FIELD_NUMBER: _ClassVar[int]
@@ -191,7 +189,6 @@ class MatchPrefixReply(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USABLE_BLOCKS_ON_SSD_FIELD_NUMBER: _ClassVar[int]
-    TABLE_FIELD_NUMBER: _ClassVar[int]
     usable_blocks: int
     mla_run_blocks: int
     mla: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectLocation]
@@ -199,48 +196,17 @@ class MatchPrefixReply(_message.Message):
     lease_id: str
     checkpoint_blocks: _containers.RepeatedScalarFieldContainer[int]
     usable_blocks_on_ssd: int
-    table: LocationTable
-    def __init__(self, usable_blocks: _Optional[int] = ..., mla_run_blocks: _Optional[int] = ..., mla: _Optional[_Iterable[_Union[_common_pb2.ObjectLocation, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.ObjectLocation, _Mapping]] = ..., lease_id: _Optional[str] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., usable_blocks_on_ssd: _Optional[int] = ..., table: _Optional[_Union[LocationTable, _Mapping]] = ...) -> None: ...
-
-class LocationTable(_message.Message):
-    __slots__ = ("rows", "nodes", "node_index", "key_width", "keys", "kind", "tier", "size", "checksum", "tenants", "tenant_index", "ttl_ms")
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    NODES_FIELD_NUMBER: _ClassVar[int]
-    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    TIER_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    TENANTS_FIELD_NUMBER: _ClassVar[int]
-    TENANT_INDEX_FIELD_NUMBER: _ClassVar[int]
-    TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    rows: int
-    nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]
-    node_index: bytes
-    key_width: int
-    keys: bytes
-    kind: bytes
-    tier: bytes
-    size: bytes
-    checksum: bytes
-    tenants: _containers.RepeatedScalarFieldContainer[str]
-    tenant_index: bytes
-    ttl_ms: bytes
-    def __init__(self, rows: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeEndpoint, _Mapping]]] = ..., node_index: _Optional[bytes] = ..., key_width: _Optional[int] = ..., keys: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., tier: _Optional[bytes] = ..., size: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., tenants: _Optional[_Iterable[str]] = ..., tenant_index: _Optional[bytes] = ..., ttl_ms: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, usable_blocks: _Optional[int] = ..., mla_run_blocks: _Optional[int] = ..., mla: _Optional[_Iterable[_Union[_common_pb2.ObjectLocation, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.ObjectLocation, _Mapping]] = ..., lease_id: _Optional[str] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., usable_blocks_on_ssd: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "acquire", "lease_ms", "touch")
+    __slots__ = ("keys", "acquire", "lease_ms")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
-    TOUCH_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     acquire: bool
     lease_ms: int
-    touch: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., touch: _Optional[bool] = ...) -> None: ...
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("found", "missing", "lease_id")

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import xxhash
-from kvpool.kvstore.errors import BadRequestError, InvalidRequest
+from kvpool.kvstore.errors import BadRequestError
 from kvpool.kvstore.master.config import MasterConfig
 from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.node.object_store import ObjectStore
@@ -32,7 +32,7 @@ def _core() -> MasterCore:
 def test_the_master_takes_the_checksum_at_commit_and_shows_nothing_before() -> None:
     core = _core()
     meta = common_pb2.ObjectMeta(key=b"Bk", kind=common_pb2.BLOB, size=10)
-    with pytest.raises(InvalidRequest):  # a checksum at start and at commit: one or the other
+    with pytest.raises(BadRequestError):  # a checksum at start and at commit: one or the other
         core.put_start(
             master_pb2.PutStartRequest(
                 meta=common_pb2.ObjectMeta(key=b"Bk", size=10, checksum=5, kind=common_pb2.BLOB),
@@ -42,7 +42,7 @@ def test_the_master_takes_the_checksum_at_commit_and_shows_nothing_before() -> N
     start = core.put_start(master_pb2.PutStartRequest(meta=meta, checksum_at_commit=True))
     assert start.status == master_pb2.PutStartReply.STARTED
     assert list(core.lookup(master_pb2.LookupRequest(keys=[b"Bk"])).missing) == [b"Bk"]
-    with pytest.raises(InvalidRequest):  # the checksum it owes: refused, and the put stays pending
+    with pytest.raises(BadRequestError):  # the checksum it owes: refused, and the put stays pending
         core.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id))
     core.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id, checksum=0xABC))
     found = core.lookup(master_pb2.LookupRequest(keys=[b"Bk"])).found
@@ -58,7 +58,7 @@ def test_a_batch_commit_carries_one_checksum_per_put() -> None:
         )
     ).items
     ids = [s.put_id for s in starts]
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(BadRequestError):
         core.put_commit_batch(master_pb2.PutCommitBatchRequest(put_ids=ids, checksums=[1, 2]))
     reply = core.put_commit_batch(master_pb2.PutCommitBatchRequest(put_ids=ids, checksums=[11, 12, 13]))
     assert all(not e.code for e in reply.errors)

@@ -13,7 +13,7 @@ import time
 import pytest
 from kvpool.kvstore.client.async_client import PutItem
 from kvpool.kvstore.client.sync_client import StoreClient
-from kvpool.kvstore.errors import ObjectExistsError, ResourceExhausted
+from kvpool.kvstore.errors import CapacityExceededError, ObjectExistsError
 from kvpool.proto import common_pb2
 from store_helpers import start_master, start_node
 
@@ -44,7 +44,7 @@ def test_one_bad_item_is_refused_typed_and_the_rest_commit(cluster, transport) -
         before = counters(c)
         got = c.batch_put([PutItem(k, v, common_pb2.BLOB) for k, v in [*good, too_big, dup]])
         assert got[:3] == [None, None, None]
-        assert isinstance(got[3], ResourceExhausted) and isinstance(got[4], ObjectExistsError)
+        assert isinstance(got[3], CapacityExceededError) and isinstance(got[4], ObjectExistsError)
         assert "twice in one batch" in str(got[4])
         for k, v in good:
             assert c.get(k) == v  # read-your-writes: committed before batch_put returned
