@@ -9,6 +9,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ class EngineError(RuntimeError):
 
 
 class Engine:
-    """One engine process: ``run(prompts, ...)`` sends a command and waits for its answer line."""
+    """One engine process. It boots as soon as it is constructed and nothing waits for it until
+    ``wait_ready()`` or the first ``run(prompts, ...)``, so a test can boot several engines at once;
+    ``run`` sends a command and waits for its answer line."""
 
     def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
         self.log_path = log_path
@@ -39,7 +42,14 @@ class Engine:
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        self.ready = self._next(START_DEADLINE_S)
+        self._start_deadline = time.monotonic() + START_DEADLINE_S
+        self._ready: dict[str, Any] | None = None
+
+    def wait_ready(self) -> dict[str, Any]:
+        """The engine's readiness answer, waited for once, within START_DEADLINE_S of its start."""
+        if self._ready is None:
+            self._ready = self._next(max(0.0, self._start_deadline - time.monotonic()))
+        return self._ready
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -68,6 +78,7 @@ class Engine:
         salt: str | None = None,
         deadline_s: float = RUN_DEADLINE_S,
     ) -> dict[str, Any]:
+        self.wait_ready()
         assert self.proc.stdin is not None
         cmd = {"prompts": prompts, "max_tokens": max_tokens, "salt": salt}
         self.proc.stdin.write(json.dumps(cmd) + "\n")
