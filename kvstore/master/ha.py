@@ -1,11 +1,33 @@
-"""HA master: one :class:`~kvpool.kvstore.master.server.MasterServer` under an etcd leadership.
+"""High availability of the master: an etcd session, the leader election over it, and the HA master that
+gates one :class:`~kvpool.kvstore.master.server.MasterServer` by that election (``docs/design/ha.md``).
 
-Every master of a group runs this. The elected one serves; the others are standbys that answer every call
-with ``NotLeaderError`` naming the leader (clients, nodes and the gateway hold the group's address list and
-move there; ``protocol.master_link``). Why a standby holds no copy of the index: the index is derived
-state the storage nodes hold authoritatively (each RegisterNode carries the node's inventory), so a new
-leader rebuilds it in one registration round, as a restarted master always has; replicating it would put an
-etcd or follower round trip on every put and lookup, the master's hot path, to save that round.
+**The etcd session.** ``aetcd`` talks to one member; a member that is down (or cut off from its quorum) must
+not stall the master, so every call runs under ``timeout_s`` and, on failure, is tried once on each other
+member before :class:`EtcdUnavailableError` is raised. Writes and lease keep-alives need a quorum, so with
+most members down they fail within the deadline too, which is exactly what the leadership loop needs to see.
+
+**The election.**
+
+* The group's leader key ``/kvpool/<group>/leader`` exists only under the leader's lease. A master becomes
+  leader by creating it in one transaction (``create_revision == 0`` -> put with its lease). Its **epoch**
+  is the etcd revision of that put: every later leader's is larger, so nodes can fence by comparing numbers.
+* The leader refreshes the lease every ``ttl/4`` and re-reads the key. It may act (write, order nodes) only
+  while ``now < valid_until``, where ``valid_until`` = when the last successful refresh was *sent* +
+  ``SAFE_SHARE`` of the TTL. A leader that was paused (SIGSTOP, a GC stall) wakes past that moment and does
+  nothing until it has asked etcd again; etcd itself expires the lease a full TTL after the last refresh it
+  received, so the paused leader always stops before a successor can start.
+* The lease gone, or the key owned by another, means **deposed**: the master drops everything it knew and
+  campaigns again as a standby.
+* etcd unreachable past ``valid_until`` means **read-only**: nobody can be elected without etcd, so the
+  leader keeps answering reads (a stale read is at worst a miss: objects are checked by checksum) but
+  refuses writes and leadership changes until etcd answers again, and logs it.
+
+**The HA master.** Every master of a group runs one. The elected one serves; the others are standbys that
+answer every call with ``NotLeaderError`` naming the leader (clients, nodes and the gateway hold the group's
+address list and move there; ``protocol.master_link``). Why a standby holds no copy of the index: the index
+is derived state the storage nodes hold authoritatively (each RegisterNode carries the node's inventory), so
+a new leader rebuilds it in one registration round, as a restarted master always has; replicating it would
+put an etcd or follower round trip on every put and lookup, the master's hot path, to save that round.
 
 On election the server gets a fresh core with the group's quotas and pins read from etcd and the new epoch
 (stamped on every put placement and node order, which nodes fence by); on deposition the core is replaced by
@@ -17,24 +39,241 @@ write cannot land.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import enum
+import json
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import aetcd
+import grpc
+from kvpool.kvstore.errors import StoreUnavailableError
 from kvpool.kvstore.master.core import MasterCore
-from kvpool.kvstore.master.election import Leadership, Role, leader_key
-from kvpool.kvstore.master.etcd_session import EtcdSession, EtcdUnavailableError
 from kvpool.kvstore.master.server import MasterServer
 from kvpool.kvstore.master.state import StateStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
+SAFE_SHARE = 0.75  # act for at most this share of the TTL after the last refresh was sent
 # Calls a leader that lost etcd (read-only) still answers: reads, and the nodes' own registration and
 # heartbeats (refusing them would make nodes leave for a standby that cannot be elected either).
 READ_ONLY_CALLS = frozenset({"match_prefix", "lookup", "release", "stats", "register_node", "heartbeat"})
 STATE_RETRY_S = 0.2
 
 
+# -- the etcd session ------------------------------------------------------------------------------------
+class EtcdUnavailableError(StoreUnavailableError):
+    """No etcd member answered within the deadline (down, partitioned, or without a quorum)."""
+
+
+def parse_members(spec: str) -> list[tuple[str, int]]:
+    """``"http://a:2379,b:2381"`` -> [("a", 2379), ("b", 2381)]; ValueError on a malformed entry."""
+    members = []
+    for raw in spec.split(","):
+        entry = raw.strip().removeprefix("http://")
+        if not entry:
+            continue
+        host, sep, port = entry.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"etcd member {raw.strip()!r} is not HOST:PORT")
+        members.append((host, int(port)))
+    if not members:
+        raise ValueError(f"no etcd member in {spec!r}")
+    return members
+
+
+class EtcdSession:
+    """``await session.run(lambda client: client.get(key))``: the result, or ``EtcdUnavailableError``."""
+
+    def __init__(self, members: str, timeout_s: float = 1.0) -> None:
+        self.members = parse_members(members)
+        self.timeout_s = timeout_s
+        self._at = 0
+        self._client: aetcd.Client | None = None
+
+    @property
+    def member(self) -> str:
+        host, port = self.members[self._at]
+        return f"{host}:{port}"
+
+    async def run(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        last: BaseException | None = None
+        for _ in range(len(self.members)):
+            try:
+                return await asyncio.wait_for(self._on_member(op), self.timeout_s)
+            except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError, OSError) as exc:
+                last = exc
+                log.debug("etcd member %s failed: %r", self.member, exc)
+                await self._drop()
+                self._at = (self._at + 1) % len(self.members)
+        raise EtcdUnavailableError(f"no etcd member of {len(self.members)} answered: {last!r}")
+
+    async def _on_member(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Connect if needed and run ``op``, both inside the caller's deadline."""
+        return await op(await self._connected())
+
+    async def _connected(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self.members[self._at]
+            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)
+            await self._client.connect()
+        return self._client
+
+    async def _drop(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), self.timeout_s)
+
+    async def close(self) -> None:
+        await self._drop()
+
+
+# -- the election ----------------------------------------------------------------------------------------
+class Role(enum.Enum):
+    STANDBY = "standby"
+    LEADER = "leader"
+    READ_ONLY = "read_only"  # was leader; etcd cannot be reached, so nobody can take over (or confirm us)
+
+
+def leader_key(group: str) -> bytes:
+    return f"/kvpool/{group}/leader".encode()
+
+
+class Leadership:
+    """One master's side of the election. ``await run()`` forever; ask :meth:`may_write`/:meth:`may_read`
+    before acting. ``on_elected(epoch)`` runs (awaited) before the role turns LEADER; ``on_deposed()`` runs
+    when it is lost, before campaigning again."""
+
+    def __init__(
+        self,
+        session: EtcdSession,
+        group: str,
+        address: str,
+        ttl_s: int,
+        on_elected: Callable[[int], Awaitable[None]],
+        on_deposed: Callable[[], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s < 2:
+            raise ValueError("the leader lease TTL must be at least 2 s (etcd's minimum)")
+        self.session = session
+        self.key = leader_key(group)
+        self.address = address
+        self.ttl_s = ttl_s
+        self._on_elected = on_elected
+        self._on_deposed = on_deposed
+        self._clock = clock
+        self.role = Role.STANDBY
+        self.epoch = 0
+        self.leader_address: str | None = None  # the current leader as last read from etcd
+        self._lease_id = 0
+        self._valid_until = 0.0
+
+    @property
+    def period_s(self) -> float:
+        return self.ttl_s / 4
+
+    def may_write(self) -> bool:
+        return self.role is Role.LEADER and self._clock() < self._valid_until
+
+    def may_read(self) -> bool:
+        return self.may_write() or self.role is Role.READ_ONLY
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await (self._campaign() if self.role is Role.STANDBY else self._keep())
+            except EtcdUnavailableError as exc:
+                self._etcd_lost(exc)
+            await asyncio.sleep(self.period_s)
+
+    async def resign(self) -> None:
+        """Give the key up at once (clean shutdown), so a standby need not wait out the lease."""
+        if self.role is not Role.STANDBY and self._lease_id:
+            lease, self._lease_id = self._lease_id, 0
+            self.role = Role.STANDBY
+            try:
+                await self.session.run(lambda c: c.revoke_lease(lease))
+            except EtcdUnavailableError:
+                log.warning("could not revoke the leader lease; a standby takes over when it expires")
+
+    # -- states -----------------------------------------------------------------------------------------
+    async def _campaign(self) -> None:
+        sent = self._clock()
+        lease = await self.session.run(lambda c: c.lease(self.ttl_s))
+        value = json.dumps({"address": self.address}).encode()
+
+        async def txn(c):
+            tx = c.transactions
+            return await c.transaction(
+                compare=[tx.create(self.key) == 0],
+                success=[tx.put(self.key, value, lease.id)],
+                failure=[tx.get(self.key)],
+            )
+
+        won, responses = await self.session.run(txn)
+        if not won:
+            self.leader_address = _address_in(responses)
+            with contextlib.suppress(EtcdUnavailableError):  # else it expires by itself
+                await self.session.run(lambda c: c.revoke_lease(lease.id))
+            return
+        epoch = int(responses[0].response_put.header.revision)
+        self._lease_id = lease.id
+        self._valid_until = sent + SAFE_SHARE * self.ttl_s
+        self.epoch = epoch
+        self.leader_address = self.address
+        await self._on_elected(epoch)
+        self.role = Role.LEADER
+        log.info("elected leader of %s with epoch %d (lease %x)", self.key.decode(), epoch, lease.id)
+
+    async def _keep(self) -> None:
+        sent = self._clock()
+        reply = await self.session.run(lambda c: c.refresh_lease(self._lease_id))
+        got = await self.session.run(lambda c: c.get(self.key))
+        ours = got is not None and int(got.create_revision) == self.epoch
+        if reply is None or reply.TTL <= 0 or not ours:
+            await self._deposed("the lease expired" if ours else "another master holds the key")
+            return
+        if self.role is Role.READ_ONLY:
+            log.warning("etcd answers again: leader with epoch %d resumes writes", self.epoch)
+        self.role = Role.LEADER
+        self._valid_until = sent + SAFE_SHARE * min(self.ttl_s, int(reply.TTL))
+
+    async def _deposed(self, why: str) -> None:
+        log.warning("deposed (%s): epoch %d ends; dropping all state and standing by", why, self.epoch)
+        self.role = Role.STANDBY
+        self._lease_id = 0
+        self.leader_address = None
+        await self._on_deposed()
+
+    def _etcd_lost(self, exc: EtcdUnavailableError) -> None:
+        if self.role is Role.LEADER and self._clock() >= self._valid_until:
+            self.role = Role.READ_ONLY
+            log.error(
+                "etcd unreachable past the lease (%s): serving reads only, no writes and no leadership "
+                "change until it answers",
+                exc,
+            )
+        elif self.role is Role.STANDBY:
+            log.debug("etcd unreachable: cannot campaign (%s)", exc)
+
+
+def _address_in(responses: list) -> str | None:
+    """The leader address in a failed campaign's ``get`` of the leader key (None if unreadable)."""
+    try:
+        value = responses[0][0][0]
+        return str(json.loads(value)["address"])
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
+# -- the HA master ---------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class HaConfig:
     etcd: str  # "host:port[,host:port...]"
