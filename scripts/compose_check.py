@@ -35,7 +35,7 @@ GATEWAY = "http://127.0.0.1:8000"
 PROMETHEUS = "http://127.0.0.1:9090"
 MAX_TOKENS = 16
 ETCDCTL = ["etcdctl", "--endpoints=http://127.0.0.1:2379"]
-LEADER_KEY = "/kvpool/kvpool/leader"  # kvstore/master/election.py leader_key, the compose file's --ha-group
+LEADER_KEY = "/kvpool/kvpool/leader"  # kvstore/master/ha.py leader_key, the compose file's --ha-group
 SYSTEM = (
     "You are the support desk of a storage company. Answer in one short sentence, name the product, "
     "and never promise a delivery date. Products: kvpool store, kvpool gateway, kvpool prefill workers. "
