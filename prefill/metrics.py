@@ -3,7 +3,7 @@
 The servicers record one outcome per request (``PrefillService`` / ``DecodeService``), the step batcher
 times each batched model call; everything else comes from the stats the engines already return
 (``PrefillOutcome``, ``FetchStats``, ``PushStats``, ``DecodeResult``, ``ResumeInfo``). Served on the worker's
-event loop by ``kvpool.kvstore.node.metrics.MetricsHttpServer``.
+event loop by ``kvpool.runtime.metrics_http.MetricsHttpServer``.
 """
 
 from __future__ import annotations

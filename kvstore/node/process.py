@@ -1,5 +1,5 @@
 """A storage node process: shared-memory pool, optional SSD tier, data planes (tcp / shm / ucx), gRPC
-control plane + health, and registration with the master.
+control plane + health, the link to the master, and ``/metrics``.
 
 Everything runs on one asyncio loop (the object table needs no locks; ucxx's blocking progress mode is driven
 by the same loop). Startup prints exactly one JSON readiness line on stdout once every port is bound and the
@@ -11,6 +11,30 @@ Promote, fenced by leader epoch) and what an operator or a test asks (Info, Inve
 control ops (LOCATE / RESERVE / SEAL) go over the tcp data plane (``tcp_server``). Typed store errors become
 gRPC statuses (missing → NOT_FOUND, full → RESOURCE_EXHAUSTED, bad input → INVALID_ARGUMENT, corrupt →
 DATA_LOSS) so the master and clients can tell them apart; the service keeps serving after any of them.
+
+**The link to the master** (``MasterRegistration``): RegisterNode with the full inventory, then heartbeats.
+Registration is retried with backoff until the master answers (a node may start before its master, and a
+restarted master must get the node's objects back). A heartbeat reply with ``reregister`` (the master
+restarted and does not know this node) triggers a fresh RegisterNode carrying the inventory, which is how the
+index is rebuilt without any data moving. Every call has a deadline; an unreachable master never blocks
+the data plane. A heartbeat waits at most two intervals (at least 1 s): longer than that the master has
+stopped counting it anyway. All calls go through a :class:`~kvpool.kvstore.protocol.master_link.MasterLink`,
+which drops a connection that let a call time out (a partition leaves it in TCP's retransmission backoff long
+after the link heals; a new connection's handshake goes out at once), so a healed node is back in the index
+within about one heartbeat. HA: the master address may list the masters of a group (``a,b``). The link
+follows a standby's ``NotLeaderError`` to the leader it names (or the next master when one cannot be
+reached); whenever the link has moved, the node registers again, with its inventory, which is how a new
+leader rebuilds its index. Every leader reply carries its epoch, which the node's ``EpochFence`` remembers so
+that a deposed leader's later orders and puts are refused.
+
+**Metrics** (``--metrics-port``, served by ``kvpool.runtime.metrics_http``): the object table is read at
+scrape time on the loop that mutates it, so every scrape is a consistent snapshot and no lock is needed. Each
+node renders its own ``CollectorRegistry`` (never prometheus_client's global default), so tests that run
+several services in one interpreter do not mix their series. The data servers and the gRPC control plane see
+the store through a ``TransportTap`` (a thin proxy over ``ObjectStore``) that attributes landed puts and
+served reads to the transport that carried them: ``tcp`` / ``ucx`` frames, and ``shm`` for reserve+seal puts
+and located extents (the reader copies a located extent out of the shared segment itself; the node counts
+the bytes it handed out).
 """
 
 from __future__ import annotations
@@ -22,29 +46,32 @@ import os
 import re
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from kvpool.kvstore.errors import StoreError
-from kvpool.kvstore.node.metrics import TransportBytes, TransportTap, node_registry
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.node.pool import SharedPool
-from kvpool.kvstore.node.registration import MasterRegistration
 from kvpool.kvstore.node.tcp_server import TcpDataServer
+from kvpool.kvstore.protocol.master_link import MasterLink
 from kvpool.kvstore.protocol.shm_segment import host_id
-from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.proto import common_pb2, master_pb2, node_pb2, node_pb2_grpc
 from kvpool.runtime import cluster_auth
 from kvpool.runtime.grpc_server import GrpcServer
 from kvpool.runtime.lifecycle import print_ready, wait_for_stop_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "shm", "ucx")
 RESERVATION_REAP_S = 5.0
 SERVICE_NAME = "kvpool.v1.StorageNode"
 MAX_KEYS_PER_CALL = 100_000
+MASTER_CALL_TIMEOUT_S = 5.0
 _UNITS = {
     "": 1,
     "b": 1,
@@ -160,6 +187,220 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
         return node_pb2.KeysReply(done=done, missing=missing)
 
 
+# -- the link to the master -----------------------------------------------------------------------------
+class MasterRegistration:
+    """Registers ``endpoint`` with the master at ``address`` and keeps it alive."""
+
+    def __init__(self, address: str, store: ObjectStore, endpoint: common_pb2.NodeEndpoint) -> None:
+        self.link = MasterLink(address, MASTER_CALL_TIMEOUT_S)
+        self.store = store
+        self.endpoint = endpoint
+        self.heartbeat_interval_s = 1.0
+        self._registered_at = ""  # the master the last registration went to
+        self._task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        """The master this node talks to now (the leader, as far as it knows)."""
+        return self.link.address
+
+    async def register(self) -> master_pb2.RegisterNodeReply:
+        reply = await self.link.register_node(
+            master_pb2.RegisterNodeRequest(
+                node=self.endpoint,
+                dram_capacity_bytes=self.store.pool.capacity,
+                ssd_capacity_bytes=self.store.ssd_capacity,
+                inventory=self.store.inventory(),
+            )
+        )
+        self._registered_at = self.address
+        self.store.fence.observe(reply.epoch)
+        if reply.heartbeat_interval_ms:
+            self.heartbeat_interval_s = reply.heartbeat_interval_ms / 1000
+        self.store.count("registrations")
+        return reply
+
+    async def register_until_done(self, backoff_max_s: float = 2.0) -> master_pb2.RegisterNodeReply:
+        delay = 0.05
+        while True:
+            try:
+                return await self.register()
+            except StoreError as exc:
+                log.warning("RegisterNode at %s failed (%s); retrying", self.address, type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, backoff_max_s)
+
+    def start_heartbeats(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            alloc = self.store.pool.allocator
+            try:
+                if self.address != self._registered_at:  # the link moved to another master (HA)
+                    self.store.count("master_moves")
+                    await self.register()
+                    continue
+                reply = await self.link.heartbeat(
+                    master_pb2.HeartbeatRequest(
+                        node_id=self.endpoint.node_id,
+                        dram_used_bytes=alloc.used_bytes,
+                        ssd_used_bytes=self.store.ssd_used,
+                        fragmentation=alloc.fragmentation,
+                    ),
+                    self.heartbeat_timeout_s,
+                )
+                self.store.fence.observe(reply.epoch)
+                if reply.reregister:
+                    await self.register()
+            except StoreError as exc:
+                self.store.count("heartbeat_failures")
+                log.debug("heartbeat to %s failed: %s", self.address, type(exc).__name__)
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return min(max(2 * self.heartbeat_interval_s, 1.0), MASTER_CALL_TIMEOUT_S)
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.link.close()
+
+
+# -- metrics --------------------------------------------------------------------------------------------
+class TransportBytes:
+    """Bytes and objects moved per (transport, direction), filled by the ``TransportTap`` proxies."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple[str, str], int] = {}
+        self.objects: dict[tuple[str, str], int] = {}
+
+    def add(self, transport: str, direction: str, size: int) -> None:
+        k = (transport, direction)
+        self.bytes[k] = self.bytes.get(k, 0) + size
+        self.objects[k] = self.objects.get(k, 0) + 1
+
+
+class TransportTap:
+    """Delegates everything to the wrapped ``ObjectStore``; counts what ``transport`` carried.
+
+    ``finish_put`` / ``read`` are the frame transport's own puts and gets; ``seal`` (a non-aborted shm
+    reservation) and ``locate`` are the shm path. Internal calls of the store (``seal`` -> ``finish_put``)
+    reach the real store, so nothing is counted twice.
+    """
+
+    def __init__(self, store, transport: str, counts: TransportBytes) -> None:  # type: ignore[no-untyped-def]
+        self._store = store
+        self._transport = transport
+        self._counts = counts
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._store, name)
+
+    def finish_put(self, pending) -> None:  # type: ignore[no-untyped-def]
+        before = self._store.counters.get("puts", 0)
+        self._store.finish_put(pending)
+        if self._store.counters.get("puts", 0) > before:  # landed (not a duplicate)
+            self._counts.add(self._transport, "in", pending.meta.size)
+
+    async def read(self, obj, verify: bool = True):  # type: ignore[no-untyped-def]
+        data = await self._store.read(obj, verify)
+        self._counts.add(self._transport, "out", obj.meta.size)
+        return data
+
+    def seal(self, put_id: str, abort: bool, checksum: int = 0) -> None:
+        pending = self._store.pending.get(put_id)
+        before = self._store.counters.get("puts", 0)
+        self._store.seal(put_id, abort, checksum)
+        if pending is not None and not abort and self._store.counters.get("puts", 0) > before:
+            self._counts.add("shm", "in", pending.meta.size)
+
+    async def locate(self, key: bytes):  # type: ignore[no-untyped-def]
+        extent = await self._store.locate(key)
+        self._counts.add("shm", "out", extent.size)
+        return extent
+
+
+class NodeCollector(Collector):
+    """Reads the node's ``ObjectStore`` at scrape time (on the node's loop)."""
+
+    def __init__(self, store, counts: TransportBytes, node_id: Callable[[], str]) -> None:  # type: ignore[no-untyped-def]
+        self.store = store
+        self.counts = counts
+        self.node_id = node_id
+
+    def describe(self) -> Iterator:  # no up-front describe: the collector is only ever scraped live
+        return iter(())
+
+    def collect(self) -> Iterator:
+        s = self.store
+        alloc = s.pool.allocator
+        counters = dict(s.counters)
+        n = "kvpool_node_"
+
+        def gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(n + name, help_, value=value)
+
+        def counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(n + name, help_, value=value)
+
+        yield gauge("dram_used_bytes", "DRAM pool bytes allocated", alloc.used_bytes)
+        yield gauge("dram_capacity_bytes", "DRAM pool size", alloc.capacity)
+        yield gauge("ssd_used_bytes", "SSD tier bytes used (writes in flight included)", s.ssd_used)
+        yield gauge("ssd_capacity_bytes", "SSD tier size (0 = no SSD tier)", s.ssd_capacity)
+        yield gauge(
+            "fragmentation", "DRAM free-space fragmentation (0 = one free extent)", alloc.fragmentation
+        )
+        objects = GaugeMetricFamily(n + "objects", "objects held, by tier", labels=["tier"])
+        dram = sum(1 for o in list(s.objects.values()) if o.extent is not None)
+        objects.add_metric(["dram"], dram)
+        objects.add_metric(["ssd"], len(s.objects) - dram)
+        yield objects
+        yield gauge("pending_puts", "shm put reservations not yet sealed", len(s.pending))
+        moved = CounterMetricFamily(
+            n + "transport_bytes",
+            "object bytes moved, by transport and direction",
+            labels=["transport", "direction"],
+        )
+        ops = CounterMetricFamily(
+            n + "transport_objects",
+            "objects moved, by transport and direction",
+            labels=["transport", "direction"],
+        )
+        for (transport, direction), v in sorted(dict(self.counts.bytes).items()):
+            moved.add_metric([transport, direction], v)
+        for (transport, direction), v in sorted(dict(self.counts.objects).items()):
+            ops.add_metric([transport, direction], v)
+        yield moved
+        yield ops
+        yield counter("bytes_in", "object bytes landed (every transport)", counters.get("bytes_in", 0))
+        yield counter("bytes_out", "object bytes served by tcp/ucx reads", counters.get("bytes_out", 0))
+        failures = CounterMetricFamily(
+            n + "checksum_failures", "payloads that failed their checksum on the node", labels=["where"]
+        )
+        failures.add_metric(["put"], counters.get("puts_checksum_rejected", 0))
+        failures.add_metric(["read"], counters.get("reads_corrupt", 0))
+        yield failures
+        yield counter("demotions", "objects moved DRAM -> SSD", counters.get("demotes", 0))
+        yield counter("promotions", "objects moved SSD -> DRAM", counters.get("promotes", 0))
+        events = CounterMetricFamily(n + "events", "the node's own event counters", labels=["event"])
+        for name, v in sorted(counters.items()):
+            events.add_metric([name], v)
+        yield events
+        info = GaugeMetricFamily(n + "info", "node identity", labels=["node_id"])
+        info.add_metric([self.node_id()], 1)
+        yield info
+
+
+def node_registry(store, counts: TransportBytes, node_id: Callable[[], str]) -> CollectorRegistry:  # type: ignore[no-untyped-def]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(store, counts, node_id))
+    return registry
+
+
+# -- the node ---------------------------------------------------------------------------------------------
 class StorageNode:
     """Owns every component of one node; ``start`` binds everything, ``stop`` tears it down."""
 
