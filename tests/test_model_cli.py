@@ -1,5 +1,6 @@
 """`kvpool generate --json` as a user runs it: a real subprocess, on the tiny model and on a checkpoint
-directory written by transformers' `save_pretrained` (greedy output must equal transformers' own)."""
+directory written by transformers' `save_pretrained` (greedy output must equal transformers' own). Refused
+input is checked in this process (``main(argv)``): an exit status and a message need no fresh interpreter."""
 
 from __future__ import annotations
 
@@ -39,13 +40,25 @@ def test_generate_tiny_json():
     assert p.returncode == 0 and json.loads(p.stdout)["prompt_ids"] == [1, *(b + 3 for b in b"hello")]
 
 
-def test_generate_bad_input_exits_2():
-    p = _run("--prompt-ids", "1,2,99999", "--json")
-    assert p.returncode == 2 and "outside the vocabulary" in p.stderr and "Traceback" not in p.stderr
-    p = _run("--prompt-ids", "1,x")
-    assert p.returncode == 2 and "comma-separated" in p.stderr
-    p = _run("--model", "/nonexistent/dir", "--prompt", "hi")
-    assert p.returncode == 2 and "error:" in p.stderr
+def _exit_status(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """(exit status, stderr) of ``kvpool generate ARGS`` run in this process; any exception it lets out
+    fails the test, as a traceback on a user's terminal would."""
+    from kvpool.commands.main import main
+
+    try:
+        status = main(["generate", *args])
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    return status, capsys.readouterr().err
+
+
+def test_generate_bad_input_exits_2(capsys: pytest.CaptureFixture[str]):
+    status, err = _exit_status(capsys, "--prompt-ids", "1,2,99999", "--json")
+    assert status == 2 and "outside the vocabulary" in err and "Traceback" not in err
+    status, err = _exit_status(capsys, "--prompt-ids", "1,x")
+    assert status == 2 and "comma-separated" in err
+    status, err = _exit_status(capsys, "--model", "/nonexistent/dir", "--prompt", "hi")
+    assert status == 2 and "error:" in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="transformers would use Triton")
