@@ -56,11 +56,14 @@ def auto() -> bool:
     port = DEFAULT_PORTS[role]
     if "--port" in argv:
         port = int(argv[argv.index("--port") + 1])
+    # a service bound to one address (a storage node binds the name it advertises) is not on loopback
+    host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+    host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     if role == "gateway":
-        return http_ok(f"http://127.0.0.1:{port}/health")
+        return http_ok(f"http://{host}:{port}/health")
     if role == "master":
-        return master_ok(f"127.0.0.1:{port}")
-    return grpc_ok(f"127.0.0.1:{port}")
+        return master_ok(f"{host}:{port}")
+    return grpc_ok(f"{host}:{port}")
 
 
 def main(argv: list[str]) -> int:
