@@ -249,9 +249,11 @@ def test_a_peer_without_the_cluster_secret_is_rejected_on_every_listener_and_wri
         env={k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_CLUSTER_SECRET")},
     )  # fmt: skip
     try:
-        time.sleep(3.0)
+        refused_by = time.monotonic() + 15.0
+        while "RegisterNode at" not in (tmp_path / "stranger.log").read_text():  # refused, retrying
+            assert stranger.poll() is None and time.monotonic() < refused_by, "never refused"
+            time.sleep(0.05)
         assert cluster.master_call(leader["address"], "Stats", master_pb2.StatsRequest()).nodes == 1
-        assert "RegisterNode at" in (tmp_path / "stranger.log").read_text()  # refused, retrying
     finally:
         stranger.kill()
         stranger.wait(10)
