@@ -65,7 +65,7 @@ def section_store(plan: Plan) -> dict[str, Any]:
         with children() as procs:  # every server stopped on the way out, whatever happened
             hosts = {name: topo.add_host(name) for name in ("master", "node", "client")}
             logs = Path(tempfile.mkdtemp(prefix="multihost-bench-"))
-            master_argv = ["kvpool.kvstore.master.cli", "--host", hosts["master"].ip, "--port", "0"]
+            master_argv = ["kvpool.kvstore.cli", "master", "--host", hosts["master"].ip, "--port", "0"]
             master = start("master", master_argv, logs / "master.log", prefix=hosts["master"].exec_prefix())
             procs.append(master.popen)
             wait_ready(master, 60)

@@ -1,34 +1,242 @@
-"""``kvpool store ...``: the store's command group (``node`` here, ``master`` from the master's module)."""
+"""``kvpool store ...``: the store's command group, ``master`` and ``node``, each run until SIGTERM/SIGINT.
+
+Each prints exactly one JSON line ``{"ready": true, ...}`` on stdout once it serves (``--port 0`` picks a
+free port), so launchers and tests read the ports instead of guessing; logs go to stderr. The master's
+``--port`` is the master wire, its one listener: ``HOST:PORT`` is what workers, nodes and the gateway pass as
+``--master``.
+
+``python -m kvpool.kvstore.cli master|node [flags]`` is the same command without loading the other command
+groups (the model's imports take seconds), which is what launchers, tests and benchmarks spawn. The node's
+modules are imported only when ``node`` runs, so a master never loads them (the master's parser needs its
+core's defaults, so those are loaded for either command).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import re
+import sys
 from pathlib import Path
 
-from kvpool.kvstore.node.process import TRANSPORTS, NodeConfig, parse_size
+from kvpool.kvstore.index.admission import AdmissionConfig
+from kvpool.kvstore.index.eviction import POLICIES
+from kvpool.kvstore.master.core import MasterConfig
+from kvpool.kvstore.master.state import StateFileError
+from kvpool.runtime.lifecycle import serve_until_signal
+from kvpool.runtime.metrics_http import MetricsHttpServer
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:  # argparse shows ArgumentTypeError messages verbatim
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    """``"1GiB"``, ``"512MiB"``, ``"64MB"``, ``"4096"`` → bytes (an ArgumentTypeError, which argparse shows
+    verbatim, for anything else)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 1GiB, 512MiB, 4096)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``store`` with its subcommands to the top-level ``kvpool`` parser."""
     store = subparsers.add_parser("store", help="shared KV store: master and storage nodes")
     store_sub = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND")
+    _add_master_parser(store_sub)
     _add_node_parser(store_sub)
+
+
+# -- master ----------------------------------------------------------------------------------------------
+def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
+    p = store_sub.add_parser("master", help="run the store master (metadata, prefix index, eviction)")
+    d = MasterConfig()
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument(
+        "--port", type=int, default=0, help="master wire port, the address clients use (0 = any free port)"
+    )
+    p.add_argument(
+        "--policy",
+        default=d.policy,
+        choices=sorted(POLICIES),
+        help="eviction policy (hybrid: dead blocks first, depth-weighted recency, admission control)",
+    )
+    a = d.admission
+    p.add_argument(
+        "--depth-weight",
+        type=float,
+        default=d.depth_weight,
+        help="hybrid: weight of log2(depth) vs log2(age)",
+    )
+    p.add_argument(
+        "--admission-continuation",
+        type=float,
+        default=a.continuation_fraction,
+        help="hybrid: a lookup whose cached + ghost run covers this share of it is a continuation (admitted)",
+    )
+    p.add_argument(
+        "--admission-step", type=float, default=a.step, help="hybrid: learning rate of the sampling rate"
+    )
+    p.add_argument(
+        "--admission-min-rate",
+        type=float,
+        default=a.min_rate,
+        help="hybrid: lowest sampling rate of new chains (1 = admit everything)",
+    )
+    p.add_argument(
+        "--admission-ghosts", type=int, default=a.ghost_entries, help="hybrid: block hashes kept as ghosts"
+    )
+    p.add_argument("--high-watermark", type=float, default=d.high_watermark, help="evict above this fill")
+    p.add_argument("--low-watermark", type=float, default=d.low_watermark, help="evict down to this fill")
+    p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms, help="node heartbeat interval")
+    p.add_argument(
+        "--node-timeout-ms",
+        type=int,
+        default=d.node_timeout_ms,
+        help="a node silent this long is dropped with its objects",
+    )
+    p.add_argument("--lease-ms", type=int, default=d.lease_ms, help="default read-pin lease")
+    p.add_argument("--max-lease-ms", type=int, default=d.max_lease_ms, help="longest lease a client may ask")
+    p.add_argument(
+        "--put-deadline-ms",
+        type=int,
+        default=d.put_deadline_ms,
+        help="a started put not committed in time is aborted",
+    )
+    p.add_argument(
+        "--node-call-timeout-ms",
+        type=int,
+        default=d.node_call_timeout_ms,
+        help="deadline of Delete/Demote/Promote calls to nodes",
+    )
+    p.add_argument(
+        "--sweep-ms", type=int, default=d.sweep_ms, help="period of dead-node / abandoned-put / expiry sweeps"
+    )
+    p.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        help="persist tenant quotas and soft pins here (JSON) so they survive a restart",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=-1,
+        help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, -1 = off)",
+    )
+    ha = p.add_argument_group("high availability (etcd)")
+    ha.add_argument(
+        "--etcd",
+        metavar="HOST:PORT[,HOST:PORT]",
+        default=None,
+        help="campaign for leadership of --ha-group in this etcd cluster; quotas and pins live there",
+    )
+    ha.add_argument("--ha-group", default="kvpool", help="masters with the same group elect one leader")
+    ha.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        default=None,
+        help="where clients reach this master (default: --host and the bound port)",
+    )
+    ha.add_argument("--lease-ttl", type=int, default=2, help="leader lease in seconds (etcd minimum 2)")
+    p.add_argument("--log-level", default="INFO", help="stderr log level")
+    p.set_defaults(func=_run_master)
+
+
+def _master_config(args: argparse.Namespace) -> MasterConfig:
+    return MasterConfig(
+        policy=args.policy,
+        depth_weight=args.depth_weight,
+        admission=AdmissionConfig(
+            continuation_fraction=args.admission_continuation,
+            step=args.admission_step,
+            min_rate=args.admission_min_rate,
+            ghost_entries=args.admission_ghosts,
+        ),
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        heartbeat_ms=args.heartbeat_ms,
+        node_timeout_ms=args.node_timeout_ms,
+        lease_ms=args.lease_ms,
+        max_lease_ms=args.max_lease_ms,
+        put_deadline_ms=args.put_deadline_ms,
+        node_call_timeout_ms=args.node_call_timeout_ms,
+        sweep_ms=args.sweep_ms,
+        state_path=args.state_file,
+    )
+
+
+def _run_master(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s master %(levelname)s %(message)s"
+    )
     try:
-        from kvpool.kvstore.master.cli import add_master_parser
-    except ModuleNotFoundError as exc:  # master not in this tree yet; its own import errors still surface
-        if exc.name != "kvpool.kvstore.master.cli":
-            raise
-    else:
-        add_master_parser(store_sub)
+        config = _master_config(args)
+        config.validate()
+        if args.etcd and args.state_file:
+            raise ValueError(
+                "--state-file and --etcd exclude each other: with HA, quotas and pins live in etcd"
+            )
+        if args.etcd and args.lease_ttl < 2:
+            raise ValueError("--lease-ttl must be at least 2 s (etcd's minimum lease)")
+    except ValueError as exc:
+        print(f"kvpool store master: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(config, args.host, args.port, args.metrics_port, args))
+    except StateFileError as exc:
+        print(f"kvpool store master: {exc}", file=sys.stderr)
+        return 2
 
 
+async def _serve(
+    config: MasterConfig, host: str, port: int, metrics_port: int, args: argparse.Namespace
+) -> int:
+    from kvpool.kvstore.master.server import MasterServer
+
+    server = MasterServer(config, host, port)
+    ha = None
+    if args.etcd:  # gated before the first call can arrive: a standby must never serve as a leader
+        from kvpool.kvstore.master.ha import HaConfig, HaMaster
+
+        ha = HaMaster(server, HaConfig(args.etcd, args.ha_group, args.advertise or "", args.lease_ttl))
+    metrics = MetricsHttpServer(server.metrics_text, host, metrics_port) if metrics_port >= 0 else None
+
+    async def start() -> dict:
+        bound = await server.start()
+        bound_metrics = await metrics.start() if metrics is not None else None
+        ready = {"port": bound, "host": host, "policy": config.policy}
+        if ha is not None:
+            await ha.start(f"{host}:{bound}")
+            ready["ha"] = {"group": args.ha_group, "advertise": ha.advertise, "etcd": args.etcd}
+        return {**ready, "metrics_port": bound_metrics}
+
+    async def stop() -> None:
+        if ha is not None:
+            await ha.stop()
+        if metrics is not None:
+            await metrics.stop()
+        await server.stop()
+
+    return await serve_until_signal("store master", start, stop)
+
+
+# -- node ------------------------------------------------------------------------------------------------
 def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
     p = store_sub.add_parser("node", help="run a storage node (shm pool, tcp/shm/ucx data planes, gRPC)")
     where = p.add_mutually_exclusive_group(required=True)
@@ -40,7 +248,7 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--transport",
         default="auto",
-        help=f"comma list of data planes among {','.join(TRANSPORTS)} (tcp is always on); 'auto' = tcp,shm "
+        help="comma list of data planes among tcp,shm,ucx (tcp is always on); 'auto' = tcp,shm "
         "plus ucx when ucxx works here (an explicit ucx that cannot start fails the node)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
@@ -86,7 +294,7 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
 
 
 def _run_node(args: argparse.Namespace) -> int:
-    from kvpool.kvstore.node.process import run
+    from kvpool.kvstore.node.process import NodeConfig, run
 
     if args.transport.strip() == "auto":
         from kvpool.kvstore.transport.ucx import ucx_available
@@ -118,10 +326,8 @@ def _run_node(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvpool.kvstore.cli node|master ...``: the store commands without loading every feature
+    """``python -m kvpool.kvstore.cli master|node ...``: the store commands without loading every feature
     (the full ``kvpool`` CLI imports torch for the model commands; launchers and tests skip that second)."""
-    import sys
-
     parser = argparse.ArgumentParser(prog="kvpool")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["store", *(sys.argv[1:] if argv is None else argv)])

@@ -10,8 +10,7 @@ import os
 import pytest
 import xxhash
 from kvpool.kvstore.errors import BadRequestError
-from kvpool.kvstore.master.config import MasterConfig
-from kvpool.kvstore.master.core import MasterCore
+from kvpool.kvstore.master.core import MasterConfig, MasterCore
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.transport.base import copy_hashing

@@ -10,8 +10,7 @@ from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import NotAdmittedError, ObjectKind
 from kvpool.kvstore.keys import kda_key, mla_key
-from kvpool.kvstore.master.config import MasterConfig
-from kvpool.kvstore.master.core import MasterCore
+from kvpool.kvstore.master.core import MasterConfig, MasterCore
 from kvpool.proto import common_pb2, master_pb2
 
 from tests.harness.chains import chain

@@ -1,5 +1,5 @@
 """Bulk adoption (a node's inventory in one RegisterNode): the index it builds equals the put path's, it is
-sized once, and the memory the load freed goes back to the OS (kvstore/master/malloc_ctl.py)."""
+sized once, and the memory the load freed goes back to the OS (kvstore/master/core.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ import sys
 
 import pytest
 from kvpool.kvstore.keys import kda_key, mla_key
-from kvpool.kvstore.master.config import BULK_ADOPTION_OBJECTS, TRIM_SWEEPS_AFTER_BULK, MasterConfig
-from kvpool.kvstore.master.core import MasterCore
+from kvpool.kvstore.master.core import (
+    BULK_ADOPTION_OBJECTS,
+    TRIM_SWEEPS_AFTER_BULK,
+    MasterConfig,
+    MasterCore,
+)
 from kvpool.proto import common_pb2, master_pb2
 
 from tests.harness.clock import Clock
@@ -159,7 +163,7 @@ def test_sweeps_after_a_bulk_adoption_trim_the_heap_and_small_ones_do_not() -> N
 # such blocks from the heap); prints RSS with the blocks held, after free, after release_free_heap.
 _HEAP_SCRIPT = r"""
 import ctypes, sys
-from kvpool.kvstore.master.malloc_ctl import fix_mmap_threshold, release_free_heap
+from kvpool.kvstore.master.core import fix_mmap_threshold, release_free_heap
 
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 from kvpool.kvstore.errors import CapacityExceededError, ObjectNotFoundError
 from kvpool.kvstore.keys import kda_key, mla_key
-from kvpool.kvstore.master.config import MasterConfig
-from kvpool.kvstore.master.core import MasterCore, NodeAction
+from kvpool.kvstore.master.core import MasterConfig, MasterCore, NodeAction
 from kvpool.proto import common_pb2, master_pb2
 
 from tests.harness.chains import chain

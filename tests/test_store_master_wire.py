@@ -27,8 +27,7 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportTimeoutError,
 )
-from kvpool.kvstore.master.config import MasterConfig
-from kvpool.kvstore.master.core import MasterCore
+from kvpool.kvstore.master.core import MasterConfig, MasterCore
 from kvpool.kvstore.master.node_notifier import NodeNotifier
 from kvpool.kvstore.master.server import MasterServer
 from kvpool.kvstore.master.wire_server import MasterWireServer

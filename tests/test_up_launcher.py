@@ -52,7 +52,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
 
 def test_a_child_that_exits_early_fails_fast_with_its_log(tmp_path: Path) -> None:
     c = Cluster({"cluster": {}}, tmp_path)
-    child = c.start_service("broken", "test", ["kvpool.kvstore.master.cli", "--no-such-flag"])
+    child = c.start_service("broken", "test", ["kvpool.kvstore.cli", "master", "--no-such-flag"])
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match="no-such-flag"):
         wait_ready(child, 30)

@@ -2,7 +2,7 @@
 which ``kvpool up``, ``kvpool verify``, the tests and the benchmarks all use.
 
 Each returns the ``python -m`` module and its flags. Store services use the store-only entry points
-(``kvpool.kvstore.cli`` / ``kvpool.kvstore.master.cli``): no torch import, so they start in a fraction of the
+(``kvpool.kvstore.cli master|node``): no torch import, so they start in a fraction of the
 time the full ``kvpool`` CLI needs.
 """
 
@@ -25,7 +25,8 @@ def master_argv(
     """``kvpool store master``; a setting left at None keeps the master's own default."""
     tuned = {"--policy": policy, "--heartbeat-ms": heartbeat_ms, "--node-timeout-ms": node_timeout_ms}
     return [
-        "kvpool.kvstore.master.cli",
+        "kvpool.kvstore.cli",
+        "master",
         "--host",
         host,
         "--port",

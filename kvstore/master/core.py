@@ -14,17 +14,22 @@ that still has a delete of the same key to receive (removed, evicted or corrupt 
 once that delete was sent, so the old order can neither refuse nor erase the new bytes (the wire server does
 this; see ``NodeNotifier.delete_pending``).
 
-Tunables and request limits are in ``config``, the durable quotas and pins in ``state``.
+Its tunables (:class:`MasterConfig`) and the limits on requests are defined here; the durable quotas and
+pins live in ``state``. After a bulk adoption it hands freed C-heap pages back to the OS (the end of this
+module says why).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import TypeVar
 
 from kvpool.kvstore.errors import (
@@ -34,6 +39,7 @@ from kvpool.kvstore.errors import (
     ObjectNotFoundError,
     StoreError,
 )
+from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import make_policy
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import (
@@ -52,17 +58,6 @@ from kvpool.kvstore.index.records import (
     UnknownKeyError,
     UnknownNodeError,
 )
-from kvpool.kvstore.master.config import (
-    BULK_ADOPTION_OBJECTS,
-    BULK_MMAP_THRESHOLD,
-    MAX_BLOCKS_PER_MATCH,
-    MAX_KEYS_PER_CALL,
-    MAX_PIN_MS,
-    MAX_TENANT_CHARS,
-    TRIM_SWEEPS_AFTER_BULK,
-    MasterConfig,
-)
-from kvpool.kvstore.master.malloc_ctl import fix_mmap_threshold, release_free_heap
 from kvpool.kvstore.master.state import StateStore
 from kvpool.proto import common_pb2, master_pb2
 from kvpool.runtime import cluster_auth
@@ -72,6 +67,54 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 Q = TypeVar("Q")
 _KINDS = frozenset(ObjectKind)
+
+MAX_KEYS_PER_CALL = 100_000
+MAX_BLOCKS_PER_MATCH = 1 << 16  # 65,536 blocks x 512 tokens: far beyond any context
+MAX_TENANT_CHARS = 256
+MAX_PIN_MS = 24 * 3600 * 1000
+# An inventory this large is a bulk load: the index is sized for it up front and the freed request memory
+# is returned to the OS afterwards (smaller ones grow the index as puts do; their garbage is noise).
+BULK_ADOPTION_OBJECTS = 4096
+# From the first bulk load on, blocks this big are their own mappings (fix_mmap_threshold):
+# above every per-call message of the hot paths (a 2,000-block MatchPrefix reply is ~0.2 MB), below the
+# index's columns, slot lists and dict tables at scale and below a large inventory message.
+BULK_MMAP_THRESHOLD = 1 << 20
+# Sweeps that trim after a bulk load: the request is freed only after its reply went out, which a sweep
+# can precede; a trim with nothing to release is cheap.
+TRIM_SWEEPS_AFTER_BULK = 3
+
+
+@dataclass(frozen=True, slots=True)
+class MasterConfig:
+    """Tunables; the CLI flags map one to one."""
+
+    policy: str = "hybrid"
+    depth_weight: float = 0.5  # hybrid: how much a deeper checkpoint outweighs age (eviction.HybridPolicy)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # hybrid's admission control
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    heartbeat_ms: int = 1000
+    node_timeout_ms: int = 5000
+    lease_ms: int = 5000
+    max_lease_ms: int = 60_000
+    put_deadline_ms: int = 30_000
+    node_call_timeout_ms: int = 2000
+    sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
+    state_path: Path | None = None  # quotas and pins persisted here (JSON), None = not persisted
+
+    def validate(self) -> None:
+        self.admission.check()
+        if not (0.0 <= self.depth_weight < float("inf")):
+            raise ValueError("depth_weight must be finite and >= 0")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
+        for name in ("heartbeat_ms", "node_timeout_ms", "lease_ms", "max_lease_ms", "put_deadline_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.node_timeout_ms <= self.heartbeat_ms:
+            raise ValueError("node_timeout_ms must exceed heartbeat_ms")
+        if not 0 < self.sweep_ms * 2 <= self.node_timeout_ms:
+            raise ValueError("sweep_ms must be at most half of node_timeout_ms")
 
 
 class NodeAction(StrEnum):
@@ -225,7 +268,7 @@ class MasterCore:
 
     def _release_adoption_garbage(self) -> None:
         """Run by the sweep for a few rounds after a bulk adoption, by when its request has been freed: hand
-        the pages it occupied back to the OS (``kvstore/master/malloc_ctl.py``). Never on a put/get path."""
+        the pages it occupied back to the OS (:func:`release_free_heap`). Never on a put/get path."""
         if not self._trim_sweeps_left:
             return
         self._trim_sweeps_left -= 1
@@ -683,3 +726,52 @@ def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
 def _check_tenant(tenant: str) -> None:
     if len(tenant) > MAX_TENANT_CHARS:
         raise BadRequestError(f"tenant name longer than {MAX_TENANT_CHARS} characters")
+
+
+# -- the C heap after a bulk adoption ----------------------------------------------------------------------
+# Keep a bulk load's freed memory from staying resident (glibc ``mallopt`` / ``malloc_trim``). Why the
+# master needs it: adopting node inventories (a restarted master re-indexing a million objects)
+# parses large ``RegisterNodeRequest`` messages (gRPC receive buffer, protobuf arena, one wrapper per
+# object) and grows the index (numpy columns, slot lists, the key dict). Two glibc behaviours then keep
+# that freed memory resident (docs/design/store_master.md §7 has the measured cost and the ablation):
+#
+# * the *dynamic* mmap threshold: freeing one big mmapped block (a 4 MB request, an old dict table) raises
+#   the threshold to that size, so later big blocks (columns, lists, the next request) come from the heap,
+#   where a freed block returns nothing to the OS and leaves holes. :func:`fix_mmap_threshold` pins the
+#   threshold, so blocks above it are always their own mappings, unmapped on free (realloc = mremap);
+# * freed blocks inside the heap keep their pages until ``malloc_trim`` (only the heap's top is returned
+#   on ``free``). :func:`release_free_heap` returns every whole free page of every arena.
+#
+# Both are safe for a long-lived server: the threshold only decides where big blocks live (the master's
+# per-call messages are far below it), and trimmed pages fault back in only if the heap grows there again.
+# Each is a no-op returning False where the C library lacks it (musl, macOS).
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+    """Serve every allocation of at least ``nbytes`` from its own mapping from now on (process-wide;
+    turns off glibc's dynamic threshold). True if the C library took it."""
+    libc = _libc()
+    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, nbytes) == 1
+
+
+def release_free_heap() -> bool:
+    """Give the OS back every whole free page of the C heap. True if the C library can (glibc)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True

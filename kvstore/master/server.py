@@ -4,7 +4,8 @@ sweep loop.
 A background task runs :meth:`MasterCore.sweep` (dead nodes, abandoned puts, lease/pin/TTL expiry) every
 ``sweep_interval_s``; with HA only while this master may act (``may_sweep``). The one listener is the master
 wire (``wire_server``): its address is what everyone passes as ``--master``, and its ``Describe`` call is what
-health probes ask.
+health probes ask. ``--metrics-port`` serves :meth:`MasterServer.metrics_text` (Prometheus text of the core's
+Stats, rendered on the master's event loop, so the numbers are a consistent snapshot of the index).
 """
 
 from __future__ import annotations
@@ -13,12 +14,27 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvpool.kvstore.master.config import MasterConfig
-from kvpool.kvstore.master.core import MasterCore, NodeAction
+from kvpool.kvstore.master.core import MasterConfig, MasterCore, NodeAction
 from kvpool.kvstore.master.node_notifier import NodeNotifier
 from kvpool.kvstore.master.wire_server import MasterWireServer
+from kvpool.proto import master_pb2
 
 log = logging.getLogger(__name__)
+
+_GAUGES = (
+    ("objects", "objects indexed (committed)"),
+    ("bytes", "bytes indexed, pending puts included"),
+    ("capacity_bytes", "capacity of all registered nodes and tiers"),
+    ("nodes", "registered storage nodes"),
+    ("active_leases", "read-pin leases held"),
+    ("pending_puts", "two-phase puts started, not yet committed"),
+)
+_COUNTERS = (
+    ("evictions", "objects dropped by pressure"),
+    ("evicted_bytes", "bytes dropped by pressure"),
+    ("demotions", "objects moved DRAM -> SSD"),
+    ("expired", "objects dropped by TTL"),
+)
 
 
 class MasterServer:
@@ -62,6 +78,10 @@ class MasterServer:
         await self.notifier.idle(timeout_s=grace_s)
         await self.notifier.close()
 
+    def metrics_text(self) -> bytes:
+        """The core's Stats as Prometheus text (format 0.0.4)."""
+        return _prometheus_text(self.core.stats()).encode()
+
     def _on_missing(self, node_id: str, action: NodeAction, keys: list[bytes]) -> None:
         self.core.node_could_not(node_id, action, keys)
         self.wire.flush()
@@ -77,3 +97,39 @@ class MasterServer:
             except Exception:  # keep sweeping: one bad pass must not stop dead-node detection
                 log.exception("master sweep failed")
                 self.core.count("sweep_errors")
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _family(name: str, kind: str, help_: str, samples: list[tuple[str, int]]) -> list[str]:
+    """One metric family; ``samples`` are (label text without braces, value)."""
+    out = [f"# HELP kvpool_master_{name} {help_}", f"# TYPE kvpool_master_{name} {kind}"]
+    for labels, v in samples:
+        out.append(f"kvpool_master_{name}{{{labels}}} {v}" if labels else f"kvpool_master_{name} {v}")
+    return out
+
+
+def _prometheus_text(stats: master_pb2.StatsReply) -> str:
+    """Prometheus text format 0.0.4."""
+    lines: list[str] = []
+    for name, help_ in _GAUGES:
+        lines += _family(name, "gauge", help_, [("", getattr(stats, name))])
+    for name, help_ in _COUNTERS:
+        lines += _family(f"{name}_total", "counter", help_, [("", getattr(stats, name))])
+    by_tier = [(f'tier="{_label(t)}"', b) for t, b in sorted(stats.bytes_per_tier.items())]
+    lines += _family("tier_bytes", "gauge", "bytes indexed per tier", by_tier)
+    by_tenant = [(f'tenant="{_label(t)}"', b) for t, b in sorted(stats.bytes_per_tenant.items())]
+    lines += _family("tenant_bytes", "gauge", "bytes indexed per tenant", by_tenant)
+    events = [(f'event="{_label(e)}"', n) for e, n in sorted(stats.counters.items())]
+    lines += _family("events_total", "counter", "master event counters", events)
+    if stats.HasField("admission_rate"):
+        lines += _family(
+            "admission_rate",
+            "gauge",
+            "policy hybrid: share of new chains admitted (1 = all)",
+            [("", stats.admission_rate)],  # type: ignore[list-item]
+        )
+    lines += _family("info", "gauge", "configuration", [(f'policy="{_label(stats.policy)}"', 1)])
+    return "\n".join(lines) + "\n"

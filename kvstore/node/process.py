@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -72,32 +71,6 @@ RESERVATION_REAP_S = 5.0
 SERVICE_NAME = "kvpool.v1.StorageNode"
 MAX_KEYS_PER_CALL = 100_000
 MASTER_CALL_TIMEOUT_S = 5.0
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 1 << 30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 1 << 40,
-}
-
-
-def parse_size(text: str | int) -> int:
-    """``"1GiB"``, ``"512MiB"``, ``"64MB"``, ``"4096"`` → bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 1GiB, 512MiB, 4096)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass

@@ -33,7 +33,7 @@ class MasterProcess:
 
     def __init__(self, log_dir: Path, *flags: str, via_kvpool_cli: bool = False) -> None:
         # the full `kvpool` CLI also imports the model (torch): seconds per start; same code path otherwise
-        entry = ["kvpool", "store", "master"] if via_kvpool_cli else ["kvpool.kvstore.master.cli"]
+        entry = ["kvpool", "store", "master"] if via_kvpool_cli else ["kvpool.kvstore.cli", "master"]
         self.child = spawn("master", [*entry, "--port", "0", *flags], log_dir, timeout_s=30.0)
         self.proc = self.child.popen
         self.log_path = self.child.log_path
