@@ -17,7 +17,7 @@ from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 
 from tests.vllm_connector.conftest import PROMPTS
-from tests.vllm_connector.engines import Engine, kvpool_spec, prompts_of
+from tests.vllm_connector.engines import Engine, close_all, kvpool_spec, prompts_of
 
 pytestmark = pytest.mark.slow
 CHUNK = 64
@@ -46,17 +46,15 @@ def engine_b(model_dir: Path, vllm_dir: Path, store, request: pytest.FixtureRequ
     a = Engine(kvpool_spec(model_dir, master.address, "kv_both"), vllm_dir / "engine-a.log")
     b = Engine(kvpool_spec(model_dir, master.address, "kv_both", deadline_s=2.0), vllm_dir / "engine-b.log")
     try:
-        try:
-            baseline = request.getfixturevalue("baseline")
-            first = a.run(PROMPTS, salt="tenant-1")
-        finally:
-            a.close()
+        baseline = request.getfixturevalue("baseline")
+        first = a.run(PROMPTS, salt="tenant-1")
+        a.request_exit()  # A's part is done; it shuts down while B works
         assert [o["tokens"] for o in first["outputs"]] == baseline["prompts"]  # saving never changes answers
         assert all(o["cached"] == 0 for o in first["outputs"])  # a cold store
         b.wait_ready()
         yield b
     finally:
-        b.close()
+        close_all(a, b)
 
 
 def test_a_fresh_engine_gets_the_prefix_from_kvpool_and_answers_identically(engine_b, baseline) -> None:
