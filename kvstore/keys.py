@@ -44,10 +44,3 @@ def block_tag(key: bytes) -> bytes | None:
     is an object's kind: the index refuses an object whose declared kind disagrees with it."""
     tag = key[:1]
     return tag if len(key) == 1 + HASH_BYTES and tag in (MLA_TAG, KDA_TAG) else None
-
-
-def block_hash_of(key: bytes) -> bytes:
-    """The block hash inside an MLA or KDA key."""
-    if block_tag(key) is None:
-        raise BadKeyError(f"not a block key: {key[:8].hex()}…")
-    return key[1:]

@@ -20,7 +20,7 @@ from kvpool.cache.hashing import (
     root_hash,
     usable_tokens,
 )
-from kvpool.kvstore.keys import block_hash_of, kda_key, mla_key
+from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.model.cache_schema import FORMAT_VERSION
 
 FP = bytes(range(32))
@@ -162,7 +162,6 @@ def test_object_keyed_by_hash_closing_it() -> None:
         # the checkpoint after block i sits at (i + 1) * B and is stored under the hash that closes block i
         assert usable_tokens(i + 1, 64) == (i + 1) * 64
         assert kda_key(h) == b"K" + h and mla_key(h) == b"M" + h
-        assert block_hash_of(kda_key(h)) == h
         assert hash_blocks(TOKENS[: usable_tokens(i + 1, 64)], 64, root)[-1] == h
     assert usable_tokens(0, 64) == 0
 

@@ -79,9 +79,8 @@ class ReadHint:
 class ShmTransport(Transport):
     """Maps each node's segment once; control frames ride ``control``'s pooled tcp connections.
 
-    Counters (plain ints, for metrics): ``fast_hits`` (served by ``read_cached``), ``fast_misses`` (no hint),
-    ``fast_stale`` (hint dropped: stamp changed, node gone, checksum/size mismatch), ``locates`` (LOCATE
-    frames sent).
+    Counters (plain ints): ``fast_hits`` (served by ``read_cached``), ``fast_stale`` (hint dropped: stamp
+    changed, node gone, checksum/size mismatch), ``locates`` (LOCATE frames sent).
     """
 
     name = "shm"
@@ -101,7 +100,6 @@ class ShmTransport(Transport):
         self.hints: OrderedDict[tuple[str, bytes], ReadHint] = OrderedDict()  # (node_id, key) -> hint
         self._hint_capacity = hint_capacity
         self.fast_hits = 0
-        self.fast_misses = 0
         self.fast_stale = 0
         self.locates = 0
 
@@ -192,7 +190,6 @@ class ShmTransport(Transport):
         hint_key = (node.node_id, key)
         hint = self.hints.get(hint_key)
         if hint is None:
-            self.fast_misses += 1
             return None
         moved = bool(node.shm_name) and node.shm_name != hint.mapping.name  # a restarted node's new segment
         if hint.checksum != checksum or hint.size != size or moved:
