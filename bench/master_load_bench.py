@@ -60,8 +60,8 @@ def items(hs):
     return out
 
 async def put_chain(c, hs, payload):
-    from kvpool.kvstore.client import records
-    puts = [records.PutItem(key=k, data=payload, kind=kind, parent=p) for k, kind, p in items(hs)]
+    from kvpool.kvstore.client.async_client import PutItem
+    puts = [PutItem(key=k, data=payload, kind=kind, parent=p) for k, kind, p in items(hs)]
     res = await c.batch_put(puts)
     bad = [r for r in res if r is not None and type(r).__name__ not in ("ObjectNotAdmittedError",)]
     if bad:
