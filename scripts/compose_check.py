@@ -221,11 +221,14 @@ def check_prometheus(timeout_s: float) -> dict:
     """Every scrape target up, and every series the dashboard and rules use present in Prometheus."""
     series, recorded = queried_series()
     t0 = time.monotonic()
+    targets, down, missing = [], ["(not answering)"], sorted(series | recorded)
     while True:
-        targets = prom("/api/v1/targets")["activeTargets"]
-        down = sorted(t["scrapeUrl"] for t in targets if t["health"] != "up")
-        names = set(prom("/api/v1/label/__name__/values"))
-        missing = sorted((series | recorded) - names)
+        try:
+            targets = prom("/api/v1/targets")["activeTargets"]
+            down = sorted(t["scrapeUrl"] for t in targets if t["health"] != "up")
+            missing = sorted((series | recorded) - set(prom("/api/v1/label/__name__/values")))
+        except httpx.TransportError:
+            pass  # still starting (or restarting after a crash: the failure below says so)
         if targets and not down and not missing:
             return {"targets_up": len(targets), "series_checked": len(series | recorded)}
         if time.monotonic() - t0 > timeout_s:
