@@ -79,11 +79,18 @@ def test_a_corrupted_object_is_recomputed_not_served(engine_b, store) -> None:
     new = sorted(mla_keys(node) - before)
     assert len(new) == len(prompt[0]) // CHUNK  # one object per full chunk
     with StoreClient(master.address, "tcp", deadline_s=10) as c:
+        flipped = {}
         for key in new:  # same key, same size, one bit flipped in the payload: only kvpool's codec can tell
             data = bytearray(c.get(key))
             data[-1] ^= 0x01
-            c.remove([key])
-            assert c.put(key, bytes(data), kind=common_pb2.MLA_BLOCK)
+            flipped[key] = bytes(data)
+        c.remove(new)
+        gone_by = time.monotonic() + 10.0  # the node deletes after the master has forgotten: await both
+        while set(new) & mla_keys(node):
+            assert time.monotonic() < gone_by, "the node kept removed objects"
+            time.sleep(0.05)
+        for key, data in flipped.items():
+            assert c.put(key, data, kind=common_pb2.MLA_BLOCK)
     again = engine_b.run(prompt, salt="tenant-3")["outputs"][0]
     assert again["tokens"] == cold["tokens"]
     # vLLM's num_cached_tokens keeps what was scheduled; the connector's log says what happened instead
