@@ -4,7 +4,8 @@ the delay relays); the gateway stays on 127.0.0.1. Faults are ``kvpool chaos`` a
 
 What every case asserts: the answer is token-for-token the cold answer (greedy), the request finishes
 within the deadlines that bound it (docs/design/multihost.md), and once the fault heals, cache hits
-return within ``HEAL_S``. The module runs twice: workers on the tcp data plane, then on ucx.
+return within ``HEAL_S``. The module runs twice: workers on the tcp data plane, then on ucx (the cases that
+involve no worker's data plane run on the tcp cluster only).
 
 This box must be able to build namespaces (root, ``ip``, ``iptables``); if it cannot, the cases fail with
 the reason rather than skip.
@@ -170,6 +171,7 @@ def test_every_service_has_its_own_namespace_and_ip_and_no_shm_crosses_them(clus
     assert served[cluster.transport] > 0 and served["shm"] == 0, served
 
 
+@pytest.mark.parametrize("cluster", ["tcp"], indirect=True)  # its own client: the workers' plane is moot
 def test_auto_picks_the_network_not_shm_for_a_node_in_another_namespace(cluster: NetnsCluster) -> None:
     """The nodes export shared memory, but a client in the root namespace is another host to them."""
     import asyncio
@@ -377,6 +379,7 @@ def test_a_frozen_node_with_its_link_up_costs_a_deadline_not_a_hang(cluster: Net
     cluster.wait_for_hits(prompt, cold)
 
 
+@pytest.mark.parametrize("cluster", ["tcp"], indirect=True)  # the command's checks: no data plane involved
 def test_chaos_refuses_unknown_services_and_a_loopback_cluster(cluster: NetnsCluster, tmp_path: Path) -> None:
     r = subprocess.run(
         [
