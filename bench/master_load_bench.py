@@ -60,7 +60,10 @@ def items(hs):
     return out
 
 async def put_chain(c, hs, payload):
-    from kvpool.kvstore.client.async_client import PutItem
+    try:  # where PutItem lives differs between trees
+        from kvpool.kvstore.client.async_client import PutItem
+    except ImportError:
+        from kvpool.kvstore.client.records import PutItem
     puts = [PutItem(key=k, data=payload, kind=kind, parent=p) for k, kind, p in items(hs)]
     res = await c.batch_put(puts)
     bad = [r for r in res if r is not None and type(r).__name__ not in ("ObjectNotAdmittedError",)]
