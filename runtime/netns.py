@@ -85,6 +85,10 @@ def sweep_stale() -> list[str]:
         if not pid_alive(int(m.group(2))):
             run(["ip", "link", "del", m.group(1)], check=False)
             removed.append(m.group(1))
+    rules = run(["iptables", "-S", "FORWARD"], check=False).stdout
+    for m in re.finditer(rf"^-A FORWARD -i ({BRIDGE_PREFIX}(\d+)) -o \1 -j ACCEPT$", rules, re.M):
+        if not pid_alive(int(m.group(2))):
+            run(["iptables", "-D", "FORWARD", *_bridge_rule(m.group(1))], check=False)
     return removed
 
 
@@ -178,6 +182,7 @@ class Topology:
         run(["ip", "link", "add", topo.bridge, "type", "bridge"])
         run(["ip", "addr", "add", f"{topo.gateway_ip}/24", "dev", topo.bridge])
         run(["ip", "link", "set", topo.bridge, "up"])
+        run(["iptables", "-I", "FORWARD", *_bridge_rule(topo.bridge)])
         return topo
 
     def add_host(self, name: str) -> Host:
@@ -215,6 +220,7 @@ class Topology:
             run(["ip", "link", "del", host.veth], check=False)
         if self.bridge:
             run(["ip", "link", "del", self.bridge], check=False)
+            run(["iptables", "-D", "FORWARD", *_bridge_rule(self.bridge)], check=False)
 
     def to_dict(self) -> dict:
         return {
@@ -229,6 +235,13 @@ class Topology:
     def from_dict(data: dict) -> Topology:
         hosts = {name: Host(**h) for name, h in data.get("hosts", {}).items()}
         return Topology(data["tag"], data["subnet"], data["bridge"], data["gateway_ip"], hosts)
+
+
+def _bridge_rule(bridge: str) -> list[str]:
+    """Traffic between two of our hosts crosses the root namespace's FORWARD chain whenever br_netfilter is
+    loaded, and Docker loads it and sets that chain's policy to DROP: without this rule, namespaces on a host
+    that also runs Docker cannot reach each other."""
+    return ["-i", bridge, "-o", bridge, "-j", "ACCEPT"]
 
 
 def _free_subnet(tag: int) -> str:
