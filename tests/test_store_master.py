@@ -367,9 +367,14 @@ def test_failed_demotion_drops_the_object_and_orders_delete(master: MasterProces
     try:
         for i in range(12):
             put(master, meta(f"o{i}".encode(), 100))
-        wait_until(lambda: master.stats().counters.get("demotions_failed", 0) > 0, timeout_s=3.0)
+
+        def settled() -> bool:  # every demotion ordered so far has failed back and been deleted
+            demoted = n.orders("demote")
+            failed = master.stats().counters.get("demotions_failed", 0)
+            return bool(demoted) and failed == len(demoted) and set(demoted) <= set(n.orders("delete"))
+
+        wait_until(settled, timeout_s=3.0)
         demoted = n.orders("demote")
-        wait_until(lambda: set(demoted) <= set(n.orders("delete")), timeout_s=3.0)
         st = master.stats()
         assert st.bytes_per_tier["SSD"] == 0 and st.objects == 12 - len(demoted)
     finally:
