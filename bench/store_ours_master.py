@@ -177,7 +177,7 @@ def _measure_master_memory(objects: int, master: str, pid: int) -> dict[str, Any
         "rss_before_mb": round(before / MB, 1),
         "rss_after_mb": round(after / MB, 1),
         "bytes_per_object": round((after - before) / objects, 1),
-        "heap_trims": trims,  # the master returned a bulk load's freed memory to the OS (master/core.py: release_free_heap)
+        "heap_trims": trims,  # a bulk load's freed memory went back to the OS (release_free_heap)
     }
 
 

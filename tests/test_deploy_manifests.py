@@ -133,7 +133,8 @@ def test_compose_file_structure_and_commands() -> None:
 
 def test_dockerfile_installs_cpu_torch_and_every_package() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    assert re.search(r"^ARG BASE=python:3\.1[1-9]", text, re.M) and re.search(r"^FROM \$\{BASE\}$", text, re.M)
+    assert re.search(r"^ARG BASE=python:3\.1[1-9]", text, re.M)
+    assert re.search(r"^FROM \$\{BASE\}$", text, re.M)
     assert "torch==2.13.0+cpu" in text and "download.pytorch.org/whl/cpu" in text
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     for src in set(pyproject["tool"]["setuptools"]["package-dir"].values()):

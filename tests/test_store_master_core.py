@@ -80,9 +80,9 @@ def test_adoption_defers_eviction_until_the_forest_is_complete() -> None:
 
 
 def test_a_reput_on_the_same_node_keeps_the_queued_delete() -> None:
-    """The old bytes must go before the new ones arrive (else the node refuses them as a duplicate): the delete
-    stays queued, and the wire server answers the put only once it was sent (test_store_perf_semantics proves
-    the whole remove -> re-put with other bytes against a real node)."""
+    """The old bytes must go before the new ones arrive (else the node refuses them as a duplicate): the
+    delete stays queued, and the wire server answers the put only once it was sent (test_store_perf_semantics
+    proves the whole remove -> re-put with other bytes against a real node)."""
     core = MasterCore(MasterConfig(high_watermark=0.9, low_watermark=0.5), clock=Clock(50.0))
     register(core, "a", 100)
     put(core, b"victim", 30)
