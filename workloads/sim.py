@@ -70,6 +70,7 @@ class _Store:
     run: int
     usable: int
     owners: tuple[Counters, Counters]  # its workload's and tenant's counters
+    shard: int  # the master shard its chain routes to (always 0 with one master)
 
 
 class _Replay:
@@ -89,16 +90,25 @@ class _Replay:
             self.capacity_bytes = config.capacity
         self.in_blocks = config.capacity_unit == "blocks"
         self.clock = _Clock()
-        self.idx = PrefixIndex(
-            config.policy,
-            high_watermark=config.high_watermark,
-            low_watermark=config.low_watermark,
-            clock=self.clock,
-            keep_events=True,
-            admission=config.admission if config.policy == "hybrid" else None,
-        )
-        dram = config.capacity if config.capacity is not None else INFINITE
-        self.idx.add_node(NODE, dram, config.ssd_capacity)
+        # One index per master shard, each holding its slice of the capacity (a node's pool is split evenly
+        # between the shards that place objects on it); one shard is the plain single master.
+        shards = config.shards
+        dram = config.capacity // shards.count if config.capacity is not None else INFINITE
+        self.shard_indexes = [
+            PrefixIndex(
+                config.policy,
+                high_watermark=config.high_watermark,
+                low_watermark=config.low_watermark,
+                clock=self.clock,
+                keep_events=True,
+                admission=config.admission if config.policy == "hybrid" else None,
+            )
+            for _ in range(shards.count)
+        ]
+        for idx in self.shard_indexes:
+            idx.add_node(NODE, dram, config.ssd_capacity // shards.count)
+        self.shard_lookups = [0] * shards.count
+        self.shard_bytes_written = [0] * shards.count
         self.builder = ChainBuilder(spec.name, self.block_size)
         self.per_workload: dict[str, Counters] = {}
         self.per_tenant: dict[str, Counters] = {}
@@ -120,7 +130,7 @@ class _Replay:
 
     def lookup(self, req: Request) -> _Store:
         """Match the prompt (as prefill would, at the index's current time) and count the hit."""
-        idx, bs = self.idx, self.block_size
+        bs = self.block_size
         if req.tokens is None and req.block_size != bs:
             raise ReplayError(
                 f"request {req.request_id}: its blocks are {req.block_size} tokens, the run's are {bs}; "
@@ -128,6 +138,10 @@ class _Replay:
             )
         chain = self.builder.chain(req, with_output=self.config.store_output)
         prompt = chain.hashes[: chain.prompt_blocks]
+        # the whole prompt's chain names the shard (the lookup below sees fewer blocks): its push goes there
+        shard = self.config.shards.shard_of_chain(prompt)
+        idx = self.shard_indexes[shard]
+        self.shard_lookups[shard] += 1
         # prefill looks up only blocks ending before the last prompt token (it must compute at least one
         # token for the logits): blocks [0, cap). The block after them is probed without a touch, only
         # to report the Mooncake-style prefix hit over all prompt blocks.
@@ -142,7 +156,7 @@ class _Replay:
                 full_run += 1
         cnt = Counters.of_lookup(req, chain, full_run, run, usable)
         if self.config.ssd_capacity:
-            cnt.ssd_cached_tokens, cnt.ssd_bytes_read = self._read_tiers(m, chain.block_tokens)
+            cnt.ssd_cached_tokens, cnt.ssd_bytes_read = self._read_tiers(idx, m, chain.block_tokens)
         usable_tokens = cnt.cached_tokens
         loaded = usable_tokens * self.spec.mla_bytes_per_token
         if usable and self.spec.hybrid:
@@ -160,27 +174,27 @@ class _Replay:
             ("ssd_bytes", cnt.ssd_bytes_read),
         ):
             self.per_req[key].append(value)
-        return _Store(req, chain, run, usable, owners)
+        return _Store(req, chain, run, usable, owners, shard)
 
-    def _read_tiers(self, m: Any, sizes: list[int]) -> tuple[int, int]:
+    def _read_tiers(self, idx: PrefixIndex, m: Any, sizes: list[int]) -> tuple[int, int]:
         """Tokens and bytes of the usable prefix that come off SSD; each such object is promoted to DRAM,
         as the store does on a real hit."""
         tokens = read = 0
         keys = [*m.mla_keys, *([m.checkpoint_key] if m.checkpoint_key else [])]
         for j, key in enumerate(keys):
-            info = self.idx.get(key)
+            info = idx.get(key)
             if info is None or info.tier != Tier.SSD:
                 continue
             read += self.real_size.get(key, info.size)
             if j < len(m.mla_keys):
                 tokens += sizes[j]
-            self.idx.promote(key)
+            idx.promote(key)
         return tokens, read
 
     def store(self, st: _Store) -> None:
         """Write the request's objects: the whole prompt (and the reply's blocks), then checkpoints; what
         exists stays as it is (the master answers EXISTS without a touch)."""
-        idx, spec, req, chain = self.idx, self.spec, st.req, st.chain
+        idx, spec, req, chain = self.shard_indexes[st.shard], self.spec, st.req, st.chain
         keys = [b"M" + h for h in chain.hashes]
         written: list[tuple[bytes, int, bool]] = []  # key, real bytes, is checkpoint
         try:
@@ -189,7 +203,7 @@ class _Replay:
                     continue
                 real = chain.block_tokens[j] * spec.mla_bytes_per_token
                 parent = keys[j - 1] if j else b""
-                if self._insert(key, ObjectKind.MLA, 1 if self.in_blocks else real, req.tenant, parent):
+                if self._insert(idx, key, ObjectKind.MLA, 1 if self.in_blocks else real, req.tenant, parent):
                     written.append((key, real, False))
             if spec.hybrid:
                 ck = self.config.checkpoints
@@ -204,13 +218,16 @@ class _Replay:
                     st.usable,
                 ):
                     key = b"K" + chain.hashes[c - 1]
-                    if key not in idx and self._insert(key, ObjectKind.KDA, self.kda_size, req.tenant, b""):
+                    if key not in idx and self._insert(
+                        idx, key, ObjectKind.KDA, self.kda_size, req.tenant, b""
+                    ):
                         written.append((key, spec.kda_bytes_per_checkpoint, True))
         except StoreIndexError as e:
             raise ReplayError(f"request {req.request_id}: the index refused an object ({e})") from e
         for key, real, is_ck in written:
             self.real_size[key] = real
             self.owner[key] = st.owners
+            self.shard_bytes_written[st.shard] += real
             for into in st.owners:
                 if is_ck:
                     into.kda_bytes_written += real
@@ -227,11 +244,13 @@ class _Replay:
             for into in self.owner.pop(ev.key, ()):
                 into.bytes_evicted += size
 
-    def _insert(self, key: bytes, kind: ObjectKind, size: int, tenant: str, parent: bytes) -> bool:
+    def _insert(
+        self, idx: PrefixIndex, key: bytes, kind: ObjectKind, size: int, tenant: str, parent: bytes
+    ) -> bool:
         """Insert, or count a refusal when the index cannot hold the object (as a master's put would fail:
         the request still runs, the object is simply not cached)."""
         try:
-            self.idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent)
+            idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent)
         except NotAdmittedError:
             self.not_admitted += 1
             return False
@@ -297,6 +316,8 @@ def simulate(
         capacity_bytes=r.capacity_bytes,
         duration_s=(hi - lo) / 1000.0 if lo is not None and hi is not None else 0.0,
         per_request=r.per_req,
+        shard_lookups=r.shard_lookups,
+        shard_bytes_written=r.shard_bytes_written,
     )
 
 

@@ -1,6 +1,6 @@
 """``SimConfig``: what one simulated replay is asked to model (spec, eviction policy, DRAM and SSD
-capacity, watermarks, checkpoint policy, admission, the TTFT model), checked before anything runs so a bad
-flag is a ``ReplayError`` naming it, not a wrong figure."""
+capacity, watermarks, checkpoint policy, admission, the TTFT model, master shards), checked before
+anything runs so a bad flag is a ``ReplayError`` naming it, not a wrong figure."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
+from kvpool.kvstore.shards import ShardSet
 from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.specs import ModelSpec
@@ -30,6 +31,7 @@ class SimConfig:
     ssd_capacity: int = 0  # bytes of SSD tier under the DRAM capacity: demote on eviction, promote on hit
     admission: AdmissionConfig | None = None  # policy hybrid's admission tunables; None: the defaults
     ttft: TtftModel = field(default_factory=TtftModel)  # tier bandwidths and compute rate of the estimate
+    shards: ShardSet = field(default_factory=ShardSet)  # master shards, each with its slice of the capacity
 
     def check(self) -> None:
         if self.policy not in POLICIES:
@@ -50,3 +52,5 @@ class SimConfig:
         if bs <= 0 or bs % 64:
             raise ReplayError(f"block size must be a positive multiple of 64, got {bs}")
         self.ttft.check()
+        if self.capacity is not None and self.capacity < self.shards.count:
+            raise ReplayError(f"capacity {self.capacity} cannot be split between {self.shards.count} shards")

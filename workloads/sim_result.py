@@ -86,6 +86,19 @@ class SimResult:
     capacity_bytes: int | None
     duration_s: float  # trace time spanned (first to last arrival)
     per_request: dict[str, list[Any]]  # workload, arrival_ms, input, cached, output, dram/ssd bytes read
+    shard_lookups: list[int]  # per master shard: prompts routed to it
+    shard_bytes_written: list[int]  # per master shard: bytes its chains wrote
+
+    def shards(self) -> dict[str, Any]:
+        """Per-shard load and its spread (coefficient of variation = population stdev / mean; 0 = even)."""
+        return {
+            "count": self.config.shards.count,
+            "depth": self.config.shards.depth,
+            "lookups": self.shard_lookups,
+            "bytes_written": self.shard_bytes_written,
+            "lookup_cv": _cv(self.shard_lookups),
+            "bytes_cv": _cv(self.shard_bytes_written),
+        }
 
     def to_dict(self, per_request: bool = False) -> dict[str, Any]:
         c = self.config
@@ -118,6 +131,7 @@ class SimResult:
                 for w, s in sorted(self.per_workload.items())
             },
             "tenants": {t: s.to_dict() for t, s in sorted(self.per_tenant.items())},
+            "shards": self.shards(),
             "ttft_model": ttft["model"],
             **ttft["summary"],
         }
@@ -128,3 +142,10 @@ class SimResult:
                 "ttft_nocache_ms": [round(x, 3) for x in ttft["ttft_nocache_ms"]],
             }
         return out
+
+
+def _cv(values: list[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    if not mean:
+        return 0.0
+    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 / mean

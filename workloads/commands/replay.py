@@ -5,11 +5,13 @@ hit rates per workload and tenant as tables or JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 from pathlib import Path
 from typing import Any
 
+from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, ShardSetError
 from kvpool.workloads.commands.common import (
     STREAM_ABOVE_BYTES,
     add_progress_flags,
@@ -126,7 +128,15 @@ def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int 
         visibility_delay_ms=args.visibility_delay_ms,
         ssd_capacity=parse_size(args.ssd_bytes) if args.ssd_bytes else 0,
         ttft=ttft_model(args),
+        shards=_shards(args),
     )
+
+
+def _shards(args: argparse.Namespace) -> ShardSet:
+    try:
+        return ShardSet(args.shards, args.shard_depth)
+    except ShardSetError as exc:
+        raise ReplayError(str(exc)) from None
 
 
 def _replay_stream(args: argparse.Namespace) -> int:
@@ -140,22 +150,35 @@ def _replay_stream(args: argparse.Namespace) -> int:
     spec = get_spec(args.spec, pure_mla=args.pure_mla)
     cap = parse_size(args.capacity_bytes) if args.capacity_bytes else None
     cfg = _sim_config(args, spec, args.policy.strip(), cap, "bytes", args.block_size)
-    stream = arrival_ordered(stream_requests(args.trace))
-    if args.limit is not None:
-        stream = itertools.islice(stream, args.limit)
-    result = simulate(stream, cfg, progress_factory(args)(f"replay {args.trace} (streamed)"))
+
+    def run(config: Any) -> Any:
+        stream = arrival_ordered(stream_requests(args.trace))
+        if args.limit is not None:
+            stream = itertools.islice(stream, args.limit)
+        return simulate(stream, config, progress_factory(args)(f"replay {args.trace} (streamed)"))
+
+    result = run(cfg)
     if result.total.requests == 0:
         raise ReplayError(f"{args.trace}: no requests")
-    return _emit(args, result)
+    one_master = run(dataclasses.replace(cfg, shards=ShardSet())) if cfg.shards.sharded else None
+    return _emit(args, result, one_master)
 
 
-def _emit(args: argparse.Namespace, result: Any) -> int:
+def _emit(args: argparse.Namespace, result: Any, one_master: Any = None) -> int:
+    """Print (and with ``--out`` write) a simulation's result; a sharded one is compared with
+    ``one_master``, the same replay through a single master."""
+    d = result.to_dict()
+    if one_master is not None:
+        hit = one_master.total.to_dict()["token_hit_rate"]
+        d["shards"].update(one_master_token_hit_rate=hit, token_hit_loss=hit - d["token_hit_rate"])
     if args.out:
-        Path(args.out).write_text(json.dumps(result.to_dict(per_request=True)) + "\n", encoding="utf-8")
+        full = result.to_dict(per_request=True)
+        full["shards"] = d["shards"]
+        Path(args.out).write_text(json.dumps(full) + "\n", encoding="utf-8")
     if args.json:
-        print_json(result.to_dict())
+        print_json(d)
     else:
-        print_sim_table(result.to_dict())
+        print_sim_table(d)
     return 0
 
 
@@ -180,6 +203,8 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
     progress = progress_factory(args)
     sweep = args.checkpoint_sweep is not None or len(policies) > 1 or (caps is not None and len(caps) > 1)
     if sweep:
+        if _shards(args).sharded:
+            raise ReplayError("--shards runs one simulation (and its one-master twin), not a sweep")
         if caps is None:
             raise ReplayError(
                 "a sweep needs capacities: --capacity-blocks or --capacity-bytes (a list or 'auto')"
@@ -219,7 +244,11 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         print_json(res.to_dict()) if args.json else print_sim_table(res.to_dict())
         return 0
     cfg = _sim_config(args, spec, policies[0], caps[0] if caps else None, unit, bs)
-    return _emit(args, simulate(reqs, cfg, progress(f"replay {args.trace}")))
+    result = simulate(reqs, cfg, progress(f"replay {args.trace}"))
+    one_master = None
+    if cfg.shards.sharded:
+        one_master = simulate(reqs, dataclasses.replace(cfg, shards=ShardSet()), progress("one master"))
+    return _emit(args, result, one_master)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -276,6 +305,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="read the trace as it is replayed (one online policy, one capacity); automatic for a trace "
         "too large to load",
+    )
+    r.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="master shards, each with its slice of the capacity; the result compares them with one master",
+    )
+    r.add_argument(
+        "--shard-depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help=f"blocks of a chain that choose its shard (default {DEFAULT_DEPTH})",
     )
     add_tier_flags(r, with_compute=True)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

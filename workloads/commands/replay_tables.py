@@ -45,6 +45,18 @@ def print_sim_table(d: dict[str, Any]) -> None:
             f"p50 {d['ttft_nocache_ms_p50']:.1f} p90 {d['ttft_nocache_ms_p90']:.1f} "
             f"mean {d['ttft_nocache_ms_mean']:.1f}"
         )
+    shards = d.get("shards")
+    if shards and shards["count"] > 1:
+        print(
+            f"{shards['count']} master shards (depth {shards['depth']}): lookups {shards['lookups']} "
+            f"(CV {shards['lookup_cv']:.3f}), bytes written CV {shards['bytes_cv']:.3f}"
+            + (
+                f"; token hit {d['token_hit_rate']:.2%} vs {shards['one_master_token_hit_rate']:.2%} on one "
+                f"master ({shards['token_hit_loss']:+.2%} lost)"
+                if "one_master_token_hit_rate" in shards
+                else ""
+            )
+        )
     if "objects_evicted" in d:  # offline schedules report hits only
         print(
             f"evicted {d['objects_evicted']} objects / {fmt_bytes(d['bytes_evicted'])}; "
