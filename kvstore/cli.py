@@ -24,6 +24,7 @@ from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.master.core import MasterConfig
 from kvpool.kvstore.master.state import StateFileError
+from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet
 from kvpool.runtime.lifecycle import serve_until_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
 
@@ -139,6 +140,15 @@ def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
         default=-1,
         help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, -1 = off)",
     )
+    sh = p.add_argument_group("master shards (docs/design/sharding.md)")
+    sh.add_argument("--shards", type=int, default=1, help="how many master shards the fleet has (default 1)")
+    sh.add_argument("--shard", type=int, default=0, help="the shard this master serves, 0..SHARDS-1")
+    sh.add_argument(
+        "--shard-depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help=f"blocks of a chain that choose its shard (default {DEFAULT_DEPTH}); the same on every party",
+    )
     ha = p.add_argument_group("high availability (etcd)")
     ha.add_argument(
         "--etcd",
@@ -178,6 +188,8 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
         node_call_timeout_ms=args.node_call_timeout_ms,
         sweep_ms=args.sweep_ms,
         state_path=args.state_file,
+        shards=ShardSet(args.shards, args.shard_depth),
+        shard=args.shard,
     )
 
 
@@ -240,9 +252,20 @@ async def _serve(
 def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
     p = store_sub.add_parser("node", help="run a storage node (shm pool, tcp/shm/ucx data planes, gRPC)")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--master", metavar="HOST:PORT", help="master to register with")
+    where.add_argument(
+        "--master",
+        metavar="HOST:PORT",
+        help="master to register with; an HA group as A,B; master shards as SHARD0;SHARD1;... (each "
+        "registered with, each offered an equal slice of the capacity)",
+    )
     where.add_argument(
         "--no-master", action="store_true", help="standalone node (transport tests, benchmarks)"
+    )
+    p.add_argument(
+        "--shard-depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help=f"with master shards: blocks of a chain that choose its shard (default {DEFAULT_DEPTH})",
     )
     p.add_argument("--capacity", default="1GiB", type=_size, help="DRAM pool size (default 1GiB)")
     p.add_argument(
@@ -307,6 +330,7 @@ def _run_node(args: argparse.Namespace) -> int:
     config = NodeConfig(
         capacity=args.capacity,
         master=None if args.no_master else args.master,
+        shard_depth=args.shard_depth,
         host=args.host,
         grpc_port=args.port,
         tcp_port=args.tcp_port,

@@ -136,6 +136,21 @@ class ObjectExistsError(StoreError):
     grpc_status = "ALREADY_EXISTS"
 
 
+class ShardSetError(BadRequestError):
+    """Master shards (``kvstore/shards.py``): shard parameters out of range, or two parties (a master and
+    the shard set in etcd, a client or node and its master) that disagree on them; names both values."""
+
+    code = 16
+
+
+class WrongShardError(StoreError):
+    """Master shards: this master does not own the chain's route (the caller's shard set is stale, or it
+    routed by hand). Nothing was done; the caller treats it as a miss and refreshes its shard set."""
+
+    code = 17
+    grpc_status = "FAILED_PRECONDITION"
+
+
 _BY_CODE: dict[int, type[StoreError]] = {
     cls.code: cls
     for cls in (
@@ -153,6 +168,8 @@ _BY_CODE: dict[int, type[StoreError]] = {
         MasterSilentError,
         NotLeaderError,
         StaleEpochError,
+        ShardSetError,
+        WrongShardError,
     )
 }
 

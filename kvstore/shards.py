@@ -24,16 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
-from kvpool.kvstore.errors import BadRequestError
+from kvpool.kvstore.errors import ShardSetError, WrongShardError
 
 DEFAULT_DEPTH = 2
 MAX_SHARDS = 64
 MAX_DEPTH = 64
-
-
-class ShardSetError(BadRequestError):
-    """Shard parameters out of range, or two parties (a master and its flags' shard set in etcd, a client
-    and a master) that disagree on them; the message names both values."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +71,15 @@ class ShardSet:
     def describe(self) -> str:
         return f"{self.count} shard{'s' if self.count != 1 else ''} at depth {self.depth}"
 
+    def require_owner(self, route: bytes, shard: int) -> None:
+        """Raise :class:`WrongShardError` unless ``route`` belongs to ``shard``."""
+        owner = self.shard_of_route(route)
+        if owner != shard:
+            raise WrongShardError(
+                f"route {route[:8].hex()}… belongs to shard {owner} of {self.describe()}, "
+                f"not to shard {shard}"
+            )
+
     def require_same(self, other: ShardSet, mine: str, theirs: str) -> None:
         """Raise :class:`ShardSetError` naming both sets unless ``other`` equals this one."""
         if other != self:
@@ -92,3 +96,13 @@ class ShardSet:
 
     def __str__(self) -> str:
         return f"{self.count}x{self.depth}"
+
+
+def master_groups(spec: str) -> list[str]:
+    """``"A;B,B2;C"`` -> ``["A", "B,B2", "C"]``: the master address every party is given lists the shards
+    in order, separated by ``;`` (each one master or an HA group ``a,b``). One group = no shards."""
+    groups = [g.strip() for g in spec.split(";")]
+    if not all(groups):
+        raise ShardSetError(f"an empty shard in the master address {spec!r} (shards are separated by ';')")
+    ShardSet(len(groups))  # the count's range
+    return groups

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\tkvpool.v1\"\xbc\x01\n\nObjectMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.kvpool.v1.ObjectKind\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0e\n\x06parent\x18\x06 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x07 \x01(\r\x12\x1d\n\x04tier\x18\x08 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\r\n\x05\x65poch\x18\t \x01(\x04\"\x87\x01\n\x0cNodeEndpoint\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x11\n\tgrpc_port\x18\x03 \x01(\r\x12\x10\n\x08tcp_port\x18\x04 \x01(\r\x12\x10\n\x08ucx_port\x18\x05 \x01(\r\x12\x10\n\x08shm_name\x18\x06 \x01(\t\x12\x0f\n\x07host_id\x18\x07 \x01(\t\"\\\n\x0eObjectLocation\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta\x12%\n\x04node\x18\x02 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint*h\n\nObjectKind\x12\x1b\n\x17OBJECT_KIND_UNSPECIFIED\x10\x00\x12\r\n\tMLA_BLOCK\x10\x01\x12\x12\n\x0eKDA_CHECKPOINT\x10\x02\x12\x10\n\x0cREQUEST_TAIL\x10\x03\x12\x08\n\x04\x42LOB\x10\x04*/\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44RAM\x10\x01\x12\x07\n\x03SSD\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\tkvpool.v1\"\xcb\x01\n\nObjectMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.kvpool.v1.ObjectKind\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0e\n\x06parent\x18\x06 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x07 \x01(\r\x12\x1d\n\x04tier\x18\x08 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\r\n\x05shard\x18\n \x01(\r\"\x87\x01\n\x0cNodeEndpoint\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x11\n\tgrpc_port\x18\x03 \x01(\r\x12\x10\n\x08tcp_port\x18\x04 \x01(\r\x12\x10\n\x08ucx_port\x18\x05 \x01(\r\x12\x10\n\x08shm_name\x18\x06 \x01(\t\x12\x0f\n\x07host_id\x18\x07 \x01(\t\"\\\n\x0eObjectLocation\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta\x12%\n\x04node\x18\x02 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint*h\n\nObjectKind\x12\x1b\n\x17OBJECT_KIND_UNSPECIFIED\x10\x00\x12\r\n\tMLA_BLOCK\x10\x01\x12\x12\n\x0eKDA_CHECKPOINT\x10\x02\x12\x10\n\x0cREQUEST_TAIL\x10\x03\x12\x08\n\x04\x42LOB\x10\x04*/\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44RAM\x10\x01\x12\x07\n\x03SSD\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OBJECTKIND']._serialized_start=456
-  _globals['_OBJECTKIND']._serialized_end=560
-  _globals['_TIER']._serialized_start=562
-  _globals['_TIER']._serialized_end=609
+  _globals['_OBJECTKIND']._serialized_start=471
+  _globals['_OBJECTKIND']._serialized_end=575
+  _globals['_TIER']._serialized_start=577
+  _globals['_TIER']._serialized_end=624
   _globals['_OBJECTMETA']._serialized_start=34
-  _globals['_OBJECTMETA']._serialized_end=222
-  _globals['_NODEENDPOINT']._serialized_start=225
-  _globals['_NODEENDPOINT']._serialized_end=360
-  _globals['_OBJECTLOCATION']._serialized_start=362
-  _globals['_OBJECTLOCATION']._serialized_end=454
+  _globals['_OBJECTMETA']._serialized_end=237
+  _globals['_NODEENDPOINT']._serialized_start=240
+  _globals['_NODEENDPOINT']._serialized_end=375
+  _globals['_OBJECTLOCATION']._serialized_start=377
+  _globals['_OBJECTLOCATION']._serialized_end=469
 # @@protoc_insertion_point(module_scope)

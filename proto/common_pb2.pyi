@@ -29,7 +29,7 @@ DRAM: Tier
 SSD: Tier
 
 class ObjectMeta(_message.Message):
-    __slots__ = ("key", "kind", "size", "checksum", "tenant", "parent", "ttl_ms", "tier", "epoch")
+    __slots__ = ("key", "kind", "size", "checksum", "tenant", "parent", "ttl_ms", "tier", "epoch", "shard")
     KEY_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class ObjectMeta(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     kind: ObjectKind
     size: int
@@ -48,7 +49,8 @@ class ObjectMeta(_message.Message):
     ttl_ms: int
     tier: Tier
     epoch: int
-    def __init__(self, key: _Optional[bytes] = ..., kind: _Optional[_Union[ObjectKind, str]] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., tenant: _Optional[str] = ..., parent: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    shard: int
+    def __init__(self, key: _Optional[bytes] = ..., kind: _Optional[_Union[ObjectKind, str]] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., tenant: _Optional[str] = ..., parent: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., epoch: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class NodeEndpoint(_message.Message):
     __slots__ = ("node_id", "host", "grpc_port", "tcp_port", "ucx_port", "shm_name", "host_id")

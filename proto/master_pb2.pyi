@@ -13,28 +13,34 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("instance", "epoch", "leader", "leader_address")
+    __slots__ = ("instance", "epoch", "leader", "leader_address", "shard_set", "shard")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SET_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     instance: str
     epoch: int
     leader: bool
     leader_address: str
-    def __init__(self, instance: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[bool] = ..., leader_address: _Optional[str] = ...) -> None: ...
+    shard_set: str
+    shard: int
+    def __init__(self, instance: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[bool] = ..., leader_address: _Optional[str] = ..., shard_set: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node", "dram_capacity_bytes", "ssd_capacity_bytes", "inventory")
+    __slots__ = ("node", "dram_capacity_bytes", "ssd_capacity_bytes", "inventory", "shard_set")
     NODE_FIELD_NUMBER: _ClassVar[int]
     DRAM_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SSD_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SET_FIELD_NUMBER: _ClassVar[int]
     node: _common_pb2.NodeEndpoint
     dram_capacity_bytes: int
     ssd_capacity_bytes: int
     inventory: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectMeta]
-    def __init__(self, node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.ObjectMeta, _Mapping]]] = ...) -> None: ...
+    shard_set: str
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.ObjectMeta, _Mapping]]] = ..., shard_set: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeReply(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "node_timeout_ms", "adopted_objects", "epoch")
@@ -69,17 +75,19 @@ class HeartbeatReply(_message.Message):
     def __init__(self, reregister: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("meta", "replace_if_corrupt", "checksum_at_commit")
+    __slots__ = ("meta", "replace_if_corrupt", "checksum_at_commit", "route")
     META_FIELD_NUMBER: _ClassVar[int]
     REPLACE_IF_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_AT_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.ObjectMeta
     replace_if_corrupt: bool
     checksum_at_commit: bool
-    def __init__(self, meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., replace_if_corrupt: _Optional[bool] = ..., checksum_at_commit: _Optional[bool] = ...) -> None: ...
+    route: bytes
+    def __init__(self, meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., replace_if_corrupt: _Optional[bool] = ..., checksum_at_commit: _Optional[bool] = ..., route: _Optional[bytes] = ...) -> None: ...
 
 class PutStartReply(_message.Message):
-    __slots__ = ("status", "put_id", "node", "deadline_ms", "epoch")
+    __slots__ = ("status", "put_id", "node", "deadline_ms", "epoch", "shard")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[PutStartReply.Status]
@@ -97,12 +105,14 @@ class PutStartReply(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     status: PutStartReply.Status
     put_id: str
     node: _common_pb2.NodeEndpoint
     deadline_ms: int
     epoch: int
-    def __init__(self, status: _Optional[_Union[PutStartReply.Status, str]] = ..., put_id: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    shard: int
+    def __init__(self, status: _Optional[_Union[PutStartReply.Status, str]] = ..., put_id: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeEndpoint, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class PutCommitRequest(_message.Message):
     __slots__ = ("put_id", "checksum")
@@ -137,10 +147,12 @@ class ItemError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PutStartBatchRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "shard_set")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SET_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
-    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
+    shard_set: str
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ..., shard_set: _Optional[str] = ...) -> None: ...
 
 class PutStartBatchReply(_message.Message):
     __slots__ = ("items", "errors")
@@ -165,20 +177,24 @@ class PutCommitBatchReply(_message.Message):
     def __init__(self, errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms", "counts_only")
+    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms", "counts_only", "route", "shard_set")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SET_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tenant: str
     require_checkpoint: bool
     acquire: bool
     lease_ms: int
     counts_only: bool
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., counts_only: _Optional[bool] = ...) -> None: ...
+    route: bytes
+    shard_set: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., counts_only: _Optional[bool] = ..., route: _Optional[bytes] = ..., shard_set: _Optional[str] = ...) -> None: ...
 
 class MatchPrefixReply(_message.Message):
     __slots__ = ("usable_blocks", "mla_run_blocks", "mla", "checkpoint", "lease_id", "checkpoint_blocks", "usable_blocks_on_ssd")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/node.proto\x12\tkvpool.v1\x1a\x12proto/common.proto\"\x11\n\x0fNodeInfoRequest\"\xb3\x02\n\rNodeInfoReply\x12%\n\x04node\x18\x01 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x64ram_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ssd_capacity_bytes\x18\x04 \x01(\x04\x12\x16\n\x0essd_used_bytes\x18\x05 \x01(\x04\x12\x15\n\rfragmentation\x18\x06 \x01(\x01\x12\x0f\n\x07objects\x18\x07 \x01(\x04\x12\x38\n\x08\x63ounters\x18\x08 \x03(\x0b\x32&.kvpool.v1.NodeInfoReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x12\n\x10InventoryRequest\"*\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"*\n\tKeysReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\"@\n\tPutHeader\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta2\xb7\x02\n\x0bStorageNode\x12<\n\x04Info\x12\x1a.kvpool.v1.NodeInfoRequest\x1a\x18.kvpool.v1.NodeInfoReply\x12\x41\n\tInventory\x12\x1b.kvpool.v1.InventoryRequest\x1a\x15.kvpool.v1.ObjectMeta0\x01\x12\x36\n\x06\x44\x65lete\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x36\n\x06\x44\x65mote\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x37\n\x07Promote\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/node.proto\x12\tkvpool.v1\x1a\x12proto/common.proto\"\x11\n\x0fNodeInfoRequest\"\xb3\x02\n\rNodeInfoReply\x12%\n\x04node\x18\x01 \x01(\x0b\x32\x17.kvpool.v1.NodeEndpoint\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x64ram_used_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ssd_capacity_bytes\x18\x04 \x01(\x04\x12\x16\n\x0essd_used_bytes\x18\x05 \x01(\x04\x12\x15\n\rfragmentation\x18\x06 \x01(\x01\x12\x0f\n\x07objects\x18\x07 \x01(\x04\x12\x38\n\x08\x63ounters\x18\x08 \x03(\x0b\x32&.kvpool.v1.NodeInfoReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x12\n\x10InventoryRequest\"9\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05shard\x18\x03 \x01(\r\"*\n\tKeysReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\"@\n\tPutHeader\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvpool.v1.ObjectMeta2\xb7\x02\n\x0bStorageNode\x12<\n\x04Info\x12\x1a.kvpool.v1.NodeInfoRequest\x1a\x18.kvpool.v1.NodeInfoReply\x12\x41\n\tInventory\x12\x1b.kvpool.v1.InventoryRequest\x1a\x15.kvpool.v1.ObjectMeta0\x01\x12\x36\n\x06\x44\x65lete\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x36\n\x06\x44\x65mote\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReply\x12\x37\n\x07Promote\x12\x16.kvpool.v1.KeysRequest\x1a\x14.kvpool.v1.KeysReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,11 +43,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INVENTORYREQUEST']._serialized_start=380
   _globals['_INVENTORYREQUEST']._serialized_end=398
   _globals['_KEYSREQUEST']._serialized_start=400
-  _globals['_KEYSREQUEST']._serialized_end=442
-  _globals['_KEYSREPLY']._serialized_start=444
-  _globals['_KEYSREPLY']._serialized_end=486
-  _globals['_PUTHEADER']._serialized_start=488
-  _globals['_PUTHEADER']._serialized_end=552
-  _globals['_STORAGENODE']._serialized_start=555
-  _globals['_STORAGENODE']._serialized_end=866
+  _globals['_KEYSREQUEST']._serialized_end=457
+  _globals['_KEYSREPLY']._serialized_start=459
+  _globals['_KEYSREPLY']._serialized_end=501
+  _globals['_PUTHEADER']._serialized_start=503
+  _globals['_PUTHEADER']._serialized_end=567
+  _globals['_STORAGENODE']._serialized_start=570
+  _globals['_STORAGENODE']._serialized_end=881
 # @@protoc_insertion_point(module_scope)

@@ -43,12 +43,14 @@ class InventoryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys", "epoch")
+    __slots__ = ("keys", "epoch", "shard")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     epoch: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    shard: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., epoch: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class KeysReply(_message.Message):
     __slots__ = ("done", "missing")

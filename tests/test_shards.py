@@ -8,11 +8,12 @@ import json
 import os
 
 import pytest
-from kvpool.commands.main import main
 from kvpool.kvstore.shards import DEFAULT_DEPTH, MAX_SHARDS, ShardSet, ShardSetError
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import bundled_trace, read_mooncake
+
+from kvpool.commands.main import main
 
 ROUTES = [os.urandom(32) for _ in range(4000)]
 

@@ -54,6 +54,7 @@ from kvpool.kvstore.errors import (
 )
 from kvpool.kvstore.protocol.master_link import MasterLink
 from kvpool.kvstore.protocol.shm_segment import host_id
+from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, master_groups
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
     Buffer,
@@ -89,6 +90,7 @@ class PutItem:
     tenant: str | None = None
     parent: bytes = b""
     ttl_ms: int = 0
+    route: bytes = b""  # master shards: the chain's route (ShardSet.route_of_chain); b"" = by the key
 
     @property
     def nbytes(self) -> int:
@@ -196,9 +198,15 @@ class TransportSelector:
 
 
 class AsyncStoreClient:
-    """Talks to one master; picks a transport per storage node (``auto`` | ``tcp`` | ``shm`` | ``ucx``).
+    """Talks to the master (or its shards); picks a transport per storage node (``auto`` | ``tcp`` | ``shm``
+    | ``ucx``).
 
-    Must be used from one event loop (the master link and pooled sockets belong to it).
+    ``master`` is one address, an HA group ``a,b``, or master shards ``G0;G1;...`` (docs/design/sharding.md):
+    then every call goes to the shard that owns its chain (``route``: the caller's chain route, by default
+    the one of ``match_prefix``'s hashes; an object outside a chain by its own key), with the same pure
+    function the masters check it with (``kvstore/shards.py``).
+
+    Must be used from one event loop (the master links and pooled sockets belong to it).
     """
 
     def __init__(
@@ -210,30 +218,58 @@ class AsyncStoreClient:
         lease_ms: int = 10_000,
         rpc_timeout_s: float = 5.0,
         deadlines: Deadlines = DEFAULT_DEADLINES,
+        shard_depth: int = DEFAULT_DEPTH,
     ) -> None:
         self.master_address = master
+        self._groups = master_groups(master)
+        self.shards = ShardSet(len(self._groups), shard_depth)
+        self._shard_set = str(self.shards) if self.shards.sharded else ""  # what routed calls declare
         self.tenant = tenant
         self.lease_ms = lease_ms
         self.rpc_timeout_s = rpc_timeout_s
         self.transports = TransportSelector(transport, deadlines)
-        self._link: MasterLink | None = None
+        self._links: list[MasterLink | None] = [None] * self.shards.count
+        self._lease_shard: dict[str, int] = {}  # lease id -> the shard that granted it (sharded only)
         self._counters: dict[str, float] = {}
         self._pending_releases: set[asyncio.Task] = set()
 
     @property
     def master(self) -> MasterLink:
-        """The link to the master (made on first use: it belongs to the running loop)."""
-        if self._link is None:
-            self._link = MasterLink(self.master_address, self.rpc_timeout_s)
-        return self._link
+        """The link to the master (shard 0 with shards; made on first use: it belongs to the running loop)."""
+        return self.link(0)
+
+    def link(self, shard: int) -> MasterLink:
+        """The link to master shard ``shard``."""
+        link = self._links[shard]
+        if link is None:
+            link = self._links[shard] = MasterLink(self._groups[shard], self.rpc_timeout_s)
+        return link
+
+    def _shard_of(self, route: bytes) -> int:
+        return self.shards.shard_of_route(route) if self.shards.sharded else 0
+
+    def _by_shard(self, keys: Sequence[bytes], route: bytes | None) -> dict[int, list[int]]:
+        """Indexes of ``keys`` per owning shard: all to ``route``'s shard when given, else each by its key."""
+        if route is not None or not self.shards.sharded:
+            return {self._shard_of(route or b""): list(range(len(keys)))}
+        groups: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(self._shard_of(bytes(key)), []).append(i)
+        return groups
+
+    def _leased(self, shard: int, lease_id: str) -> str:
+        if lease_id and self.shards.sharded:
+            self._lease_shard[lease_id] = shard
+        return lease_id
 
     async def close(self) -> None:
         if self._pending_releases:
             await asyncio.wait(self._pending_releases, timeout=self.rpc_timeout_s)
         await self.transports.close()
-        if self._link is not None:
-            await self._link.close()
-            self._link = None
+        for i, link in enumerate(self._links):
+            if link is not None:
+                await link.close()
+                self._links[i] = None
 
     async def __aenter__(self) -> AsyncStoreClient:
         return self
@@ -244,7 +280,10 @@ class AsyncStoreClient:
     def metrics(self) -> dict[str, float]:
         """Counters: ops.*, failures.*, latency_s.* (sums), retries.node_full, put.not_admitted,
         bytes_in.<transport>, bytes_out.<transport>, shm.fast_hits, master.* (the master link's)."""
-        link = {f"master.{k}": float(v) for k, v in self._link.counters.items()} if self._link else {}
+        link: dict[str, float] = {}
+        for one in self._links:
+            for k, v in (one.counters if one is not None else {}).items():
+                link[f"master.{k}"] = link.get(f"master.{k}", 0.0) + v
         return {**self._counters, **self.transports.metrics(), **link}
 
     def _count(self, name: str, n: float = 1) -> None:
@@ -297,9 +336,10 @@ class AsyncStoreClient:
     async def _put(self, item: PutItem, replace_if_corrupt: bool) -> bool:
         view = Payload.of(item.data)  # one buffer or a cache unit's parts: never joined on the way
         meta = self._meta(item, view.nbytes)
-        start = await self.master.put_start(
+        master = self.link(self._shard_of(item.route or item.key))
+        start = await master.put_start(
             master_pb2.PutStartRequest(
-                meta=meta, replace_if_corrupt=replace_if_corrupt, checksum_at_commit=True
+                meta=meta, replace_if_corrupt=replace_if_corrupt, checksum_at_commit=True, route=item.route
             )
         )
         if start.status != master_pb2.PutStartReply.STARTED:
@@ -307,12 +347,13 @@ class AsyncStoreClient:
                 self._count("put.not_admitted")
             return False  # EXISTS / IN_PROGRESS / NOT_ADMITTED: nothing to write
         meta.epoch = start.epoch  # HA fencing: nodes refuse puts placed by a deposed leader
+        meta.shard = start.shard  # nodes keep each shard's objects apart
         try:
             await self._transfer(self.transports.for_node(start.node), start, meta, view)
         except BaseException as exc:
-            await self._abort(start.put_id, exc)
+            await self._abort(master, start.put_id, exc)
             raise
-        await self.master.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id, checksum=meta.checksum))
+        await master.put_commit(master_pb2.PutCommitRequest(put_id=start.put_id, checksum=meta.checksum))
         return True
 
     async def _transfer(
@@ -334,9 +375,9 @@ class AsyncStoreClient:
                 await asyncio.sleep(delay)
                 delay *= 2
 
-    async def _abort(self, put_id: str, exc: BaseException) -> None:
+    async def _abort(self, master: MasterLink, put_id: str, exc: BaseException) -> None:
         with contextlib.suppress(StoreError):  # the master aborts it at its deadline anyway
-            await self.master.put_abort(master_pb2.PutAbortRequest(put_id=put_id, reason=repr(exc)[:500]))
+            await master.put_abort(master_pb2.PutAbortRequest(put_id=put_id, reason=repr(exc)[:500]))
 
     async def batch_put(self, items: Sequence[PutItem | tuple[bytes, Buffer]]) -> list[StoreError | None]:
         """Per item: None on success (duplicates included), ``ObjectNotAdmittedError`` when admission turned
@@ -346,15 +387,36 @@ class AsyncStoreClient:
         )
 
     async def _batch_put(self, items: list[PutItem]) -> list[StoreError | None]:
+        """Per master shard (all of one chain go to one): :meth:`_batch_put_at`."""
+        if not self.shards.sharded:
+            return await self._batch_put_at(self.master, items)
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            groups.setdefault(self._shard_of(item.route or item.key), []).append(i)
+        results: list[StoreError | None] = [None] * len(items)
+
+        async def run(shard: int, idx: list[int]) -> None:
+            got = await self._batch_put_at(self.link(shard), [items[i] for i in idx])
+            for i, r in zip(idx, got, strict=True):
+                results[i] = r
+
+        await asyncio.gather(*(run(shard, idx) for shard, idx in groups.items()))
+        return results
+
+    async def _batch_put_at(self, master: MasterLink, items: list[PutItem]) -> list[StoreError | None]:
         """One PutStartBatch for all items, one pipelined transfer per node, one PutCommitBatch per node:
         three control round trips for a whole push instead of two per object."""
         results: list[StoreError | None] = [None] * len(items)
         views = [Payload.of(i.data) for i in items]
         metas = [self._meta(i, v.nbytes) for i, v in zip(items, views, strict=True)]
         try:
-            batch = await self.master.put_start_batch(
+            batch = await master.put_start_batch(
                 master_pb2.PutStartBatchRequest(
-                    items=[master_pb2.PutStartRequest(meta=m, checksum_at_commit=True) for m in metas]
+                    items=[
+                        master_pb2.PutStartRequest(meta=m, checksum_at_commit=True, route=i.route)
+                        for m, i in zip(metas, items, strict=True)
+                    ],
+                    shard_set=self._shard_set,
                 )
             )
         except Exception as exc:
@@ -372,11 +434,12 @@ class AsyncStoreClient:
             if start.status != master_pb2.PutStartReply.STARTED:
                 continue
             metas[i].epoch = start.epoch  # HA fencing: a node refuses puts placed by a deposed leader
+            metas[i].shard = start.shard  # nodes keep each shard's objects apart
             try:
                 transport = self.transports.for_node(start.node)
             except StoreError as exc:
                 results[i] = exc
-                await self._abort(start.put_id, exc)
+                await self._abort(master, start.put_id, exc)
                 continue
             key = (id(transport), start.node.node_id)
             groups.setdefault(key, (transport, start.node, []))[2].append(i)
@@ -392,13 +455,13 @@ class AsyncStoreClient:
                         got[j] = exc
             sent = [i for i, err in zip(idx, got, strict=True) if err is None]
             failed = [(i, err) for i, err in zip(idx, got, strict=True) if err is not None]
-            await asyncio.gather(*(self._abort(starts[i].put_id, err) for i, err in failed))
+            await asyncio.gather(*(self._abort(master, starts[i].put_id, err) for i, err in failed))
             for i, err in failed:
                 results[i] = err
             if not sent:
                 return
             try:
-                commits = await self.master.put_commit_batch(
+                commits = await master.put_commit_batch(
                     master_pb2.PutCommitBatchRequest(
                         put_ids=[starts[i].put_id for i in sent], checksums=[metas[i].checksum for i in sent]
                     )
@@ -414,15 +477,40 @@ class AsyncStoreClient:
         return results
 
     # --- reads -------------------------------------------------------------------------------------------
-    async def _lookup(self, keys: Sequence[bytes], acquire: bool) -> master_pb2.LookupReply:
-        return await self.master.lookup(
-            master_pb2.LookupRequest(keys=[bytes(k) for k in keys], acquire=acquire, lease_ms=self.lease_ms),
+    async def _lookup(
+        self, keys: Sequence[bytes], acquire: bool, route: bytes | None = None
+    ) -> master_pb2.LookupReply:
+        groups = self._by_shard(keys, route)
+        replies = await asyncio.gather(
+            *(
+                self.link(shard).lookup(
+                    master_pb2.LookupRequest(
+                        keys=[bytes(keys[i]) for i in idx], acquire=acquire, lease_ms=self.lease_ms
+                    )
+                )
+                for shard, idx in groups.items()
+            )
         )
+        if len(replies) == 1:
+            self._leased(next(iter(groups)), replies[0].lease_id)
+            return replies[0]
+        # keys of several shards: one reply in request order, whose lease id lists each shard's (by spaces)
+        found = {loc.meta.key: loc for reply in replies for loc in reply.found}
+        out = master_pb2.LookupReply()
+        out.found.extend(found[bytes(k)] for k in keys if bytes(k) in found)
+        out.missing.extend(k for reply in replies for k in reply.missing)
+        out.lease_id = " ".join(
+            self._leased(shard, r.lease_id) for shard, r in zip(groups, replies, strict=True) if r.lease_id
+        )
+        return out
 
-    async def lookup(self, keys: Sequence[bytes], acquire: bool = False) -> master_pb2.LookupReply:
+    async def lookup(
+        self, keys: Sequence[bytes], acquire: bool = False, route: bytes | None = None
+    ) -> master_pb2.LookupReply:
         """Locations of ``keys`` (found in request order, plus missing). ``acquire`` read-pins the found ones
-        under a lease: ``fetch_into`` them, then ``release(reply.lease_id)``."""
-        return await self._timed("lookup", self._lookup(keys, acquire))
+        under a lease: ``fetch_into`` them, then ``release(reply.lease_id)``. ``route``: the keys' chain
+        (master shards)."""
+        return await self._timed("lookup", self._lookup(keys, acquire, route))
 
     def _release_soon(self, lease_id: str) -> None:
         """Release off the critical path: the bytes are already here, so the caller need not wait for the
@@ -434,9 +522,11 @@ class AsyncStoreClient:
 
     async def release(self, lease_id: str) -> None:
         """Drop a read-pin lease (e.g. from ``match_prefix(acquire=True)``); failures are only counted."""
-        if lease_id:
+        for one in lease_id.split():  # a lookup across shards holds one lease per shard
             try:
-                await self.master.release(master_pb2.ReleaseRequest(lease_id=lease_id))
+                await self.link(self._lease_shard.pop(one, 0)).release(
+                    master_pb2.ReleaseRequest(lease_id=one)
+                )
             except StoreError:
                 self._count("failures.release")
 
@@ -495,12 +585,13 @@ class AsyncStoreClient:
         await asyncio.gather(*(run(t, idx) for t, idx in groups.values()))
         return results
 
-    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
-        """Per key: its bytes or the typed error (``ObjectNotFoundError`` for missing keys)."""
-        return await self._timed("batch_get", self._batch_get(keys))
+    async def batch_get(self, keys: Sequence[bytes], route: bytes | None = None) -> list[bytes | StoreError]:
+        """Per key: its bytes or the typed error (``ObjectNotFoundError`` for missing keys). ``route``: the
+        keys' chain (master shards; default each key by itself)."""
+        return await self._timed("batch_get", self._batch_get(keys, route))
 
-    async def _batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
-        reply = await self._lookup(keys, acquire=True)
+    async def _batch_get(self, keys: Sequence[bytes], route: bytes | None) -> list[bytes | StoreError]:
+        reply = await self._lookup(keys, acquire=True, route=route)
         try:
             by_key = {loc.meta.key: loc for loc in reply.found}
             locs = [by_key[k] for k in keys if k in by_key]
@@ -535,22 +626,42 @@ class AsyncStoreClient:
         require_checkpoint: bool = True,
         acquire: bool = False,
         lease_ms: int | None = None,
+        route: bytes | None = None,
     ) -> master_pb2.MatchPrefixReply:
-        """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``."""
+        """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``.
+        ``route``: with master shards, the route of the request's whole chain when ``block_hashes`` is only
+        its head (default: the route of ``block_hashes``)."""
+        if route is None:
+            route = self.shards.route_of_chain(block_hashes)
+        shard = self._shard_of(route)
         req = master_pb2.MatchPrefixRequest(
             block_hashes=list(block_hashes),
             tenant=self.tenant if tenant is None else tenant,
             require_checkpoint=require_checkpoint,
             acquire=acquire,
             lease_ms=lease_ms or self.lease_ms,
+            route=route if self.shards.sharded else b"",
+            shard_set=self._shard_set,
         )
-        return await self._timed("match_prefix", self.master.match_prefix(req))
+        reply = await self._timed("match_prefix", self.link(shard).match_prefix(req))
+        self._leased(shard, reply.lease_id)
+        return reply
 
     # --- management --------------------------------------------------------------------------------------
-    async def remove(self, keys: bytes | Sequence[bytes]) -> int:
+    async def remove(self, keys: bytes | Sequence[bytes], route: bytes | None = None) -> int:
+        """Remove objects; how many were there. ``route``: the keys' chain (master shards)."""
         keys = [keys] if isinstance(keys, bytes | bytearray) else list(keys)
-        reply = await self._timed("remove", self.master.remove(master_pb2.RemoveRequest(keys=keys)))
-        return reply.removed
+        groups = self._by_shard(keys, route)
+        replies = await self._timed(
+            "remove",
+            asyncio.gather(
+                *(
+                    self.link(shard).remove(master_pb2.RemoveRequest(keys=[keys[i] for i in idx]))
+                    for shard, idx in groups.items()
+                )
+            ),
+        )
+        return sum(r.removed for r in replies)
 
     async def pin(self, keys: Sequence[bytes], ttl_ms: int) -> int:
         """Soft-pin ``keys`` for ``ttl_ms`` (0 removes the pin); returns how many were pinned."""
@@ -559,8 +670,8 @@ class AsyncStoreClient:
         )
         return reply.pinned
 
-    async def stats(self) -> master_pb2.StatsReply:
-        return await self.master.stats(master_pb2.StatsRequest())
+    async def stats(self, shard: int = 0) -> master_pb2.StatsReply:
+        return await self.link(shard).stats(master_pb2.StatsRequest())
 
 
 def _item_error(err: master_pb2.ItemError) -> StoreError:

@@ -59,6 +59,7 @@ from kvpool.kvstore.index.records import (
     UnknownNodeError,
 )
 from kvpool.kvstore.master.state import StateStore
+from kvpool.kvstore.shards import ShardSet
 from kvpool.proto import common_pb2, master_pb2
 from kvpool.runtime import cluster_auth
 
@@ -101,6 +102,8 @@ class MasterConfig:
     node_call_timeout_ms: int = 2000
     sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
     state_path: Path | None = None  # quotas and pins persisted here (JSON), None = not persisted
+    shards: ShardSet = field(default_factory=ShardSet)  # the fleet's master shards (kvstore/shards.py)
+    shard: int = 0  # the one this master serves
 
     def validate(self) -> None:
         self.admission.check()
@@ -115,6 +118,10 @@ class MasterConfig:
             raise ValueError("node_timeout_ms must exceed heartbeat_ms")
         if not 0 < self.sweep_ms * 2 <= self.node_timeout_ms:
             raise ValueError("sweep_ms must be at most half of node_timeout_ms")
+        if not 0 <= self.shard < self.shards.count:
+            raise ValueError(
+                f"shard {self.shard} is not one of {self.shards.describe()} (0..{self.shards.count - 1})"
+            )
 
 
 class NodeAction(StrEnum):
@@ -205,6 +212,7 @@ class MasterCore:
             raise BadRequestError("node needs node_id, host and a grpc_port in 1..65535")
         if req.dram_capacity_bytes == 0 and req.ssd_capacity_bytes == 0:
             raise BadRequestError("node must offer DRAM or SSD capacity")
+        self._check_shard_set(req.shard_set, f"node {ep.node_id}")
         if ep.node_id in self._nodes:
             self._forget_node(ep.node_id, reason="reregistered")
         self.index.add_node(ep.node_id, req.dram_capacity_bytes, req.ssd_capacity_bytes)
@@ -282,6 +290,12 @@ class MasterCore:
             self.index.pin([key], remaining)
             self.count("pins_restored")
 
+    def _check_shard_set(self, claimed: str, who: str) -> None:
+        """A caller that names its shard set ("COUNTxDEPTH") must agree with this master's; empty = unchecked
+        (a caller that routes nothing by chain, e.g. a probe)."""
+        if claimed:
+            self.config.shards.require_same(ShardSet.parse(claimed), f"master shard {self.config.shard}", who)
+
     def heartbeat(self, req: master_pb2.HeartbeatRequest) -> master_pb2.HeartbeatReply:
         if not req.node_id:
             raise BadRequestError("heartbeat without node_id")
@@ -316,6 +330,8 @@ class MasterCore:
         if req.checksum_at_commit and meta.checksum:
             raise BadRequestError("checksum_at_commit: the checksum comes with PutCommit, not PutStart")
         _check_tenant(meta.tenant)
+        if self.config.shards.sharded:  # a chain's objects by its route, anything else by its key
+            self.config.shards.require_owner(req.route or meta.key, self.config.shard)
         Reply = master_pb2.PutStartReply
         existing = self.index.get(meta.key)
         replacing: str | None = None
@@ -368,6 +384,7 @@ class MasterCore:
             node=self._endpoint(node_id),
             deadline_ms=self.config.put_deadline_ms,
             epoch=self.epoch,
+            shard=self.config.shard,
         )
 
     def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
@@ -390,6 +407,7 @@ class MasterCore:
         item (too big, a tenant over quota, a kind that disagrees with its key) never fails the others. A
         key that appears twice is refused on its second appearance (``ObjectExistsError``), so the writer
         learns that one of its own items was dropped instead of taking it for another writer's put."""
+        self._check_shard_set(req.shard_set, "the writer")
         out = master_pb2.PutStartBatchReply()
         seen: set[bytes] = set()
         for item in req.items:
@@ -444,6 +462,11 @@ class MasterCore:
         if len(hashes) > MAX_BLOCKS_PER_MATCH:
             raise BadRequestError(f"more than {MAX_BLOCKS_PER_MATCH} block hashes")
         _check_tenant(req.tenant)
+        self._check_shard_set(req.shard_set, "the caller")
+        if self.config.shards.sharded:
+            self.config.shards.require_owner(
+                req.route or self.config.shards.route_of_chain(hashes), self.config.shard
+            )
         lease_ms = self._lease_ms(req.lease_ms)
         try:
             m = self.index.match_prefix(hashes, require_checkpoint=req.require_checkpoint, touch=req.acquire)

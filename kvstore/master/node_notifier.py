@@ -43,8 +43,10 @@ class NodeNotifier:
         timeout_s: float,
         count: Callable[[str, int], None],
         on_missing: Callable[[str, NodeAction, list[bytes]], None] | None = None,
+        shard: int = 0,
     ) -> None:
         self.timeout_s = timeout_s
+        self.shard = shard  # master shards: nodes act only on objects this shard placed
         self._count = count
         self._on_missing = on_missing
         self._workers: dict[str, _NodeWorker] = {}
@@ -124,7 +126,8 @@ class NodeNotifier:
                 NodeAction.PROMOTE: worker.stub.Promote,
             }[action]
             try:
-                reply = await method(node_pb2.KeysRequest(keys=chunk, epoch=epoch), timeout=self.timeout_s)
+                order = node_pb2.KeysRequest(keys=chunk, epoch=epoch, shard=self.shard)
+                reply = await method(order, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 self._count(f"node_{action.value}_failed", len(chunk))
                 log.warning(

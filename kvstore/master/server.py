@@ -45,7 +45,9 @@ class MasterServer:
         self.host = host
         self.requested_port = port
         timeout_s = self.config.node_call_timeout_ms / 1000.0
-        self.notifier = NodeNotifier(timeout_s, lambda name, n: self.core.count(name, n), self._on_missing)
+        self.notifier = NodeNotifier(
+            timeout_s, lambda name, n: self.core.count(name, n), self._on_missing, shard=self.config.shard
+        )
         self.wire = MasterWireServer(MasterCore(self.config), self.notifier)
         # HA (``ha.HaMaster``): whether sweeps may act now
         self.may_sweep: Callable[[], bool] = lambda: True

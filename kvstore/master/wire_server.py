@@ -262,7 +262,12 @@ class MasterWireServer:
     def describe(self) -> master_pb2.DescribeReply:
         epoch, leader, leader_address = self.leadership()
         return master_pb2.DescribeReply(
-            instance=self.core.instance, epoch=epoch, leader=leader, leader_address=leader_address
+            instance=self.core.instance,
+            epoch=epoch,
+            leader=leader,
+            leader_address=leader_address,
+            shard_set=str(self.core.config.shards),
+            shard=self.core.config.shard,
         )
 
     def flush(self) -> None:

@@ -106,16 +106,30 @@ class ObjectStore:
         # acquire and orders Promote; a node promoting on its own would use DRAM the master does not count.
         self.auto_promote = True
         self._stale_deletes: dict[bytes, float] = {}  # key -> until when a Delete targets a replaced copy
-        self.fence = EpochFence()  # HA: puts and orders of deposed master leaders are refused
+        # HA: puts and orders of deposed master leaders are refused; one fence per master shard (each shard
+        # is its own HA group, and etcd revisions of different groups are not comparable)
+        self.fences: dict[int, EpochFence] = {0: EpochFence()}
         if ssd_path is not None:
             ssd_path.mkdir(parents=True, exist_ok=True)
             self._load_ssd()
 
     # --- bookkeeping -------------------------------------------------------------------------------------
-    def fenced(self, epoch: int, what: str) -> None:
-        """Pass ``epoch`` through the HA fence (counted and raised as ``StaleEpochError`` when stale)."""
+    @property
+    def fence(self) -> EpochFence:
+        """The fence of master shard 0 (the only one without shards)."""
+        return self.fences[0]
+
+    def fence_of(self, shard: int) -> EpochFence:
+        fence = self.fences.get(shard)
+        if fence is None:
+            fence = self.fences[shard] = EpochFence()
+        return fence
+
+    def fenced(self, epoch: int, what: str, shard: int = 0) -> None:
+        """Pass ``epoch`` through shard ``shard``'s HA fence (counted and raised as ``StaleEpochError`` when
+        stale)."""
         try:
-            self.fence.check(epoch, what)
+            self.fence_of(shard).check(epoch, what)
         except StaleEpochError:
             self.count("stale_epoch_refused")
             raise
@@ -141,8 +155,24 @@ class ObjectStore:
     def dram_used(self) -> int:
         return self.pool.allocator.used_bytes
 
-    def inventory(self) -> list[common_pb2.ObjectMeta]:
-        return [obj.meta for obj in self.objects.values() if not obj.doomed]
+    def inventory(self, shard: int | None = None) -> list[common_pb2.ObjectMeta]:
+        """What this node holds; with ``shard``, only what that master shard placed (what it may adopt)."""
+        return [
+            obj.meta
+            for obj in self.objects.values()
+            if not obj.doomed and (shard is None or obj.meta.shard == shard)
+        ]
+
+    def placed_by(self, shard: int, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """``keys`` split into those master shard ``shard`` placed (or absent) and those another shard
+        placed: a shard's orders act only on its own objects (docs/design/sharding.md)."""
+        own, foreign = [], []
+        for key in keys:
+            obj = self.objects.get(key)
+            (foreign if obj is not None and obj.meta.shard != shard else own).append(key)
+        if foreign:
+            self.count("orders_for_other_shards", len(foreign))
+        return own, foreign
 
     # --- puts --------------------------------------------------------------------------------------------
     def begin_put(self, put_id: str, meta: common_pb2.ObjectMeta) -> PendingPut | None:
@@ -159,12 +189,19 @@ class ObjectStore:
         """Checks every put passes before it may take space; False for a duplicate (a no-op success)."""
         if not meta.key or len(meta.key) > MAX_KEY:
             raise BadRequestError(f"key must be 1..{MAX_KEY} bytes, got {len(meta.key)}")
-        self.fenced(meta.epoch, "put")
+        self.fenced(meta.epoch, "put", meta.shard)
         if meta.size > self.max_object:
             raise ObjectTooLargeError(
                 f"object of {meta.size} B exceeds the node's limit of {self.max_object} B"
             )
         existing = self.objects.get(meta.key)
+        if existing is not None and not existing.doomed and existing.meta.shard != meta.shard:
+            # another master shard placed it (the shard set changed since): its bytes stay its own
+            self.count("puts_refused_other_shard")
+            raise ObjectExistsError(
+                f"key {meta.key[:8].hex()}… is held for master shard {existing.meta.shard}, "
+                f"not shard {meta.shard}"
+            )
         if existing is not None and not existing.doomed:
             # checksum 0: declared at SEAL (a same-host writer hashes while copying); same key, same size
             differs = meta.checksum and existing.meta.checksum != meta.checksum

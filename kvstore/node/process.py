@@ -56,6 +56,7 @@ from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.node.tcp_server import TcpDataServer
 from kvpool.kvstore.protocol.master_link import MasterLink
 from kvpool.kvstore.protocol.shm_segment import host_id
+from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, master_groups
 from kvpool.proto import common_pb2, master_pb2, node_pb2, node_pb2_grpc
 from kvpool.runtime import cluster_auth
 from kvpool.runtime.grpc_server import GrpcServer
@@ -78,7 +79,8 @@ class NodeConfig:
     """Everything ``kvpool store node`` accepts."""
 
     capacity: int = 1 << 30
-    master: str | None = None  # HOST:PORT; None = standalone (transport tests, benchmarks)
+    master: str | None = None  # HOST:PORT (A,B: an HA group; G0;G1: shards); None = standalone
+    shard_depth: int = DEFAULT_DEPTH  # with master shards: blocks of a chain that choose its shard
     host: str = "127.0.0.1"
     grpc_port: int = 0
     tcp_port: int = 0
@@ -137,37 +139,49 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
     ) -> None:
         await self._check_keys(request, context)
         try:
-            self.store.fenced(request.epoch, what)
+            self.store.fenced(request.epoch, what, request.shard)
         except StoreError as exc:
             await self._fail(context, exc)
 
     async def Delete(self, request, context):
         await self._check_order(request, context, "Delete")
-        done, missing = self.store.delete(list(request.keys))
-        return node_pb2.KeysReply(done=done, missing=missing)
+        own, foreign = self.store.placed_by(request.shard, list(request.keys))
+        done, missing = self.store.delete(own)
+        return node_pb2.KeysReply(done=done, missing=[*missing, *foreign])
 
     async def Demote(self, request, context):
         await self._check_order(request, context, "Demote")
-        done, missing = await self.store.demote(list(request.keys))
-        return node_pb2.KeysReply(done=done, missing=missing)
+        own, foreign = self.store.placed_by(request.shard, list(request.keys))
+        done, missing = await self.store.demote(own)
+        return node_pb2.KeysReply(done=done, missing=[*missing, *foreign])
 
     async def Promote(self, request, context):
         await self._check_order(request, context, "Promote")
+        own, foreign = self.store.placed_by(request.shard, list(request.keys))
         try:
-            done, missing = await self.store.promote(list(request.keys))
+            done, missing = await self.store.promote(own)
         except StoreError as exc:
             await self._fail(context, exc)
-        return node_pb2.KeysReply(done=done, missing=missing)
+        return node_pb2.KeysReply(done=done, missing=[*missing, *foreign])
 
 
 # -- the link to the master -----------------------------------------------------------------------------
 class MasterRegistration:
     """Registers ``endpoint`` with the master at ``address`` and keeps it alive."""
 
-    def __init__(self, address: str, store: ObjectStore, endpoint: common_pb2.NodeEndpoint) -> None:
+    def __init__(
+        self,
+        address: str,
+        store: ObjectStore,
+        endpoint: common_pb2.NodeEndpoint,
+        shards: ShardSet | None = None,
+        shard: int = 0,
+    ) -> None:
         self.link = MasterLink(address, MASTER_CALL_TIMEOUT_S)
         self.store = store
         self.endpoint = endpoint
+        self.shards = shards or ShardSet()
+        self.shard = shard  # master shards: this link's shard gets 1/count of the pool and its own objects
         self.heartbeat_interval_s = 1.0
         self._registered_at = ""  # the master the last registration went to
         self._task: asyncio.Task | None = None
@@ -181,13 +195,14 @@ class MasterRegistration:
         reply = await self.link.register_node(
             master_pb2.RegisterNodeRequest(
                 node=self.endpoint,
-                dram_capacity_bytes=self.store.pool.capacity,
-                ssd_capacity_bytes=self.store.ssd_capacity,
-                inventory=self.store.inventory(),
+                dram_capacity_bytes=self.store.pool.capacity // self.shards.count,
+                ssd_capacity_bytes=self.store.ssd_capacity // self.shards.count,
+                inventory=self.store.inventory(self.shard if self.shards.sharded else None),
+                shard_set=str(self.shards) if self.shards.sharded else "",
             )
         )
         self._registered_at = self.address
-        self.store.fence.observe(reply.epoch)
+        self.store.fence_of(self.shard).observe(reply.epoch)
         if reply.heartbeat_interval_ms:
             self.heartbeat_interval_s = reply.heartbeat_interval_ms / 1000
         self.store.count("registrations")
@@ -224,7 +239,7 @@ class MasterRegistration:
                     ),
                     self.heartbeat_timeout_s,
                 )
-                self.store.fence.observe(reply.epoch)
+                self.store.fence_of(self.shard).observe(reply.epoch)
                 if reply.reregister:
                     await self.register()
             except StoreError as exc:
@@ -393,7 +408,7 @@ class StorageNode:
         self.tcp: TcpDataServer | None = None
         self.ucx = None
         self.grpc_server: GrpcServer | None = None
-        self.master: MasterRegistration | None = None
+        self.masters: list[MasterRegistration] = []  # one per master shard
         self._reaper: asyncio.Task | None = None
         self.transport_bytes = TransportBytes()
         self.metrics: MetricsHttpServer | None = None
@@ -440,9 +455,15 @@ class StorageNode:
             await self.metrics.start()
         self._reaper = asyncio.get_running_loop().create_task(self._reap_reservations())
         if cfg.master:
-            self.master = MasterRegistration(cfg.master, self.store, self.endpoint)
-            await self.master.register_until_done()
-            self.master.start_heartbeats()
+            groups = master_groups(cfg.master)
+            shards = ShardSet(len(groups), cfg.shard_depth)
+            self.masters = [
+                MasterRegistration(group, self.store, self.endpoint, shards, shard)
+                for shard, group in enumerate(groups)
+            ]
+            await asyncio.gather(*(m.register_until_done() for m in self.masters))
+            for m in self.masters:
+                m.start_heartbeats()
 
     async def _reap_reservations(self) -> None:
         """Free shm put reservations whose writer vanished before sealing (their extents would leak)."""
@@ -468,8 +489,8 @@ class StorageNode:
     async def stop(self) -> None:
         if self._reaper:
             self._reaper.cancel()
-        if self.master:
-            await self.master.close()
+        for m in self.masters:
+            await m.close()
         if self.metrics:
             await self.metrics.stop()
         if self.grpc_server:

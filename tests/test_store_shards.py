@@ -1,0 +1,229 @@
+"""Master shards through real processes (docs/design/sharding.md): three master shards, two storage nodes
+registered with all of them, clients routing with the same function the masters check.
+
+What is proven: every chain lives whole on the shard its route names (and only there); a node keeps each
+shard's objects apart (inventories, orders, puts); parties with different shard parameters get one clear
+error naming both; SIGKILL of one shard's master costs only that shard's chains (a fast typed error, i.e. a
+miss), the others keep hitting."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness.chains import chain
+from harness.store_procs import READY_TIMEOUT_S, start_master, start_node
+from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
+from kvpool.kvstore.errors import (
+    ObjectExistsError,
+    ShardSetError,
+    StoreUnavailableError,
+    WrongShardError,
+)
+from kvpool.kvstore.keys import kda_key, mla_key
+from kvpool.kvstore.node.object_store import ObjectStore, checksum_of
+from kvpool.kvstore.node.pool import SharedPool
+from kvpool.kvstore.shards import ShardSet
+from kvpool.proto import common_pb2, master_pb2, node_pb2, node_pb2_grpc
+from kvpool.runtime import cluster_auth
+from kvpool.runtime.spawn import LaunchError, spawn
+
+from kvpool.launch.service_argv import master_argv
+
+SHARDS = ShardSet(3)
+BLOCKS = 4
+CHAINS = 24
+
+
+class Fleet:
+    def __init__(self, base: Path) -> None:
+        self.masters = [
+            start_master(base / f"m{i}", "--shards", "3", "--shard", str(i), "--heartbeat-ms", "200")
+            for i in range(SHARDS.count)
+        ]
+        self.spec = ";".join(m.address for m in self.masters)
+        self.nodes = [
+            start_node(base / f"n{i}", self.spec, "64MiB", "tcp,shm", prefault=False) for i in range(2)
+        ]
+
+    def stop(self) -> None:
+        for proc in [*self.nodes, *self.masters]:
+            if proc.alive():
+                proc.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("shards"))
+    yield f
+    f.stop()
+
+
+def _items(hashes: list[bytes]) -> list[PutItem]:
+    route = SHARDS.route_of_chain(hashes)
+    items = [
+        PutItem(
+            mla_key(h),
+            bytes([i]) * 1024,
+            common_pb2.MLA_BLOCK,
+            parent=mla_key(hashes[i - 1]) if i else b"",
+            route=route,
+        )
+        for i, h in enumerate(hashes)
+    ]
+    items.append(PutItem(kda_key(hashes[-1]), b"k" * 512, common_pb2.KDA_CHECKPOINT, route=route))
+    return items
+
+
+def _chains(seed: str) -> list[list[bytes]]:
+    return [chain(BLOCKS, f"{seed}-{i}") for i in range(CHAINS)]
+
+
+async def _put_all(client: AsyncStoreClient, chains: list[list[bytes]]) -> None:
+    for hashes in chains:
+        assert await client.batch_put(_items(hashes)) == [None] * (BLOCKS + 1)
+
+
+def test_every_chain_lives_whole_on_its_shard(fleet: Fleet) -> None:
+    chains = _chains("whole")
+
+    async def run() -> list[master_pb2.StatsReply]:
+        async with AsyncStoreClient(fleet.spec, "tcp") as c:
+            await _put_all(c, chains)
+            for hashes in chains:
+                m = await c.match_prefix(hashes, acquire=True)
+                assert m.usable_blocks == BLOCKS and m.checkpoint.meta.key == kda_key(hashes[-1])
+                # its lease is released at the shard that granted it
+                await c.release(m.lease_id)
+                # the head of a chain routed by the whole chain's route finds the same objects
+                head = await c.match_prefix(
+                    hashes[:1], route=SHARDS.route_of_chain(hashes), require_checkpoint=False
+                )
+                assert head.mla_run_blocks == 1
+            return [await c.stats(shard) for shard in range(SHARDS.count)]
+
+    stats = asyncio.run(run())
+    expected = [0] * SHARDS.count
+    for hashes in chains:
+        expected[SHARDS.shard_of_chain(hashes)] += BLOCKS + 1
+    assert [s.objects for s in stats] == expected and all(expected), expected
+    assert all(s.active_leases == 0 for s in stats)
+    # each node offered every shard an equal slice of its pool
+    assert {s.capacity_bytes for s in stats} == {2 * (64 << 20) // 3}
+
+
+def test_nodes_keep_each_shards_objects_apart(fleet: Fleet) -> None:
+    chains = _chains("apart")
+    asyncio.run(_put_all_with(fleet.spec, chains))
+    owner = {mla_key(h): SHARDS.shard_of_chain(hs) for hs in chains for h in hs}
+
+    async def inventory(target: str) -> list[common_pb2.ObjectMeta]:
+        async with cluster_auth.aio_channel(target) as ch:
+            stub = node_pb2_grpc.StorageNodeStub(ch)
+            return [m async for m in stub.Inventory(node_pb2.InventoryRequest())]
+
+    async def order_other_shard(target: str, key: bytes, shard: int) -> node_pb2.KeysReply:
+        async with cluster_auth.aio_channel(target) as ch:
+            return await node_pb2_grpc.StorageNodeStub(ch).Delete(
+                node_pb2.KeysRequest(keys=[key], shard=shard)
+            )
+
+    seen = 0
+    for node in fleet.nodes:
+        for meta in asyncio.run(inventory(node.grpc_target)):
+            if meta.key in owner:
+                assert meta.shard == owner[meta.key]
+                seen += 1
+    assert seen == len(owner)
+    # a Delete from a shard that did not place the object leaves it alone (reported missing)
+    key = next(iter(owner))
+    other = (owner[key] + 1) % SHARDS.count
+    for node in fleet.nodes:
+        reply = asyncio.run(order_other_shard(node.grpc_target, key, other))
+        assert reply.done == 0
+    m = asyncio.run(_match(fleet.spec, next(hs for hs in chains if mla_key(hs[0]) == key)))
+    assert m.usable_blocks == BLOCKS
+
+
+async def _put_all_with(spec: str, chains: list[list[bytes]]) -> None:
+    async with AsyncStoreClient(spec, "tcp") as c:
+        await _put_all(c, chains)
+
+
+async def _match(spec: str, hashes: list[bytes], **kw: object) -> master_pb2.MatchPrefixReply:
+    async with AsyncStoreClient(spec, "tcp", **kw) as c:  # type: ignore[arg-type]
+        return await c.match_prefix(hashes)
+
+
+def test_a_node_refuses_another_shards_key() -> None:
+    store = ObjectStore(SharedPool(1 << 20, stamp_slots=16))
+    try:
+        meta = common_pb2.ObjectMeta(key=b"Bx", size=4, checksum=0, shard=1)
+        pending = store.begin_put("p1", meta)
+        assert pending is not None
+        store.pool.view(pending.extent)[:4] = b"abcd"
+        pending.meta.checksum = checksum_of(b"abcd")
+        store.finish_put(pending)
+        with pytest.raises(ObjectExistsError, match="held for master shard 1, not shard 2"):
+            store.begin_put("p2", common_pb2.ObjectMeta(key=b"Bx", size=4, shard=2))
+        assert [m.key for m in store.inventory(1)] == [b"Bx"] and store.inventory(2) == []
+        assert store.placed_by(2, [b"Bx", b"By"]) == ([b"By"], [b"Bx"])
+    finally:
+        store.pool.close()
+
+
+def test_parties_with_other_shard_parameters_get_one_clear_error(fleet: Fleet, tmp_path: Path) -> None:
+    hashes = chain(BLOCKS, "params")
+    with pytest.raises(ShardSetError, match="has 3 shards at depth 2, the caller has 3 shards at depth 1"):
+        asyncio.run(_match(fleet.spec, hashes, shard_depth=1))
+    # a client that knows only two of the three shards: named by the master it reaches
+    stale = ";".join(m.address for m in fleet.masters[:2])
+    with pytest.raises(ShardSetError, match="has 3 shards at depth 2, the caller has 2 shards at depth 2"):
+        asyncio.run(_match(stale, hashes))
+    # a master asked for a route it does not own (a caller routing by hand) refuses it
+    wrong = (SHARDS.shard_of_chain(hashes) + 1) % SHARDS.count
+
+    async def misrouted() -> None:
+        async with AsyncStoreClient(fleet.spec, "tcp") as c:
+            await c.link(wrong).match_prefix(master_pb2.MatchPrefixRequest(block_hashes=hashes))
+
+    with pytest.raises(
+        WrongShardError, match=f"belongs to shard {SHARDS.shard_of_chain(hashes)} of 3 shards"
+    ):
+        asyncio.run(misrouted())
+    # a master whose shard is out of range never starts
+    with pytest.raises(LaunchError, match="shard 3 is not one of 3 shards at depth 2"):
+        spawn("master", master_argv(extra=("--shards", "3", "--shard", "3")), tmp_path, READY_TIMEOUT_S)
+
+
+def test_a_dead_shard_costs_only_its_chains(fleet: Fleet) -> None:
+    """Last in the module: SIGKILL of shard 1's master. Its chains fail fast with a typed error (the worker's
+    miss); the other shards' chains still hit; nothing waits past its deadline."""
+    chains = _chains("dead")
+    asyncio.run(_put_all_with(fleet.spec, chains))
+    fleet.masters[1].kill()
+
+    async def run() -> tuple[int, int, float]:
+        hits = misses = 0
+        slowest = 0.0
+        async with AsyncStoreClient(fleet.spec, "tcp", rpc_timeout_s=2.0) as c:
+            for hashes in chains:
+                t0 = time.monotonic()
+                try:
+                    m = await c.match_prefix(hashes)
+                except StoreUnavailableError:
+                    assert SHARDS.shard_of_chain(hashes) == 1
+                    misses += 1
+                else:
+                    assert SHARDS.shard_of_chain(hashes) != 1 and m.usable_blocks == BLOCKS
+                    hits += 1
+                slowest = max(slowest, time.monotonic() - t0)
+        return hits, misses, slowest
+
+    hits, misses, slowest = asyncio.run(run())
+    assert misses == sum(SHARDS.shard_of_chain(h) == 1 for h in chains) > 0 and hits == CHAINS - misses > 0
+    assert slowest < 2.5
+    assert all(n.alive() for n in fleet.nodes)
