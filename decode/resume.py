@@ -52,7 +52,13 @@ async def resume(
     if store is not None:
         cap = (L - 1) // B
         prefix, stats = await fetch_prefix(
-            store, schema, handoff.block_hashes[:cap], handoff.tenant, deferred, timeout_s=timeout_s
+            store,
+            schema,
+            handoff.block_hashes[:cap],
+            handoff.tenant,
+            deferred,
+            timeout_s=timeout_s,
+            route=store.route_of(handoff.block_hashes),
         )
         error = stats.error
     start = prefix.n_tokens if prefix is not None else 0
@@ -86,6 +92,7 @@ async def _from_tail(
         deferred,
         require_checkpoint=False,
         timeout_s=timeout_s,
+        route=store.route_of(handoff.block_hashes),
     )
     (tail, why), (prefix, stats) = await asyncio.gather(tail_fetch, blocks_fetch)
     if tail is None:

@@ -17,6 +17,7 @@ import sys
 
 from kvpool.gateway.router import POLICIES
 from kvpool.gateway.settings import GatewaySettings
+from kvpool.kvstore.shards import DEFAULT_DEPTH
 
 READY_POLL_S = 0.02
 
@@ -29,7 +30,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode", action="append", required=True, metavar="HOST:PORT", help="decode worker (repeat)"
     )
-    p.add_argument("--master", metavar="HOST:PORT", help="store master (cache-aware routing, store metrics)")
+    p.add_argument(
+        "--master",
+        metavar="HOST:PORT",
+        help="store master (cache-aware routing, store metrics); master shards as SHARD0;SHARD1;...",
+    )
+    p.add_argument(
+        "--shard-depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help=f"with master shards: blocks of a chain that choose its shard (default {DEFAULT_DEPTH})",
+    )
     p.add_argument("--model", default=d.model, help="'tiny' or a checkpoint directory (tokenizer, config)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--fingerprint", default=None, help="model fingerprint hex (a worker's readiness line)")
@@ -102,6 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         prefill=args.prefill,
         decode=args.decode,
         master=args.master,
+        shard_depth=args.shard_depth,
         model=args.model,
         served_model_name=args.served_model_name,
         fingerprint_hex=args.fingerprint,

@@ -45,7 +45,9 @@ class Gateway:
         self.inflight = 0
         self.created = int(time.time())
         self.pool = WorkerPool(list(settings.prefill), list(settings.decode))
-        self.probe = PrefixProbe(settings.master, info.fingerprint, settings.block_size)
+        self.probe = PrefixProbe(
+            settings.master, info.fingerprint, settings.block_size, shard_depth=settings.shard_depth
+        )
         self.router = Router(self.pool, self.probe, settings.routing, settings.ttft_slo_s)
         self.dispatcher = Dispatcher(self.router, self.metrics, settings.request_timeout_s)
         self._stats_task: asyncio.Task | None = None

@@ -29,6 +29,7 @@ from kvpool.gateway.errors import BackendUnavailable, Overloaded
 from kvpool.gateway.workers import Worker, WorkerPool
 from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.protocol.master_link import MasterLink
+from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, master_groups
 from kvpool.proto import master_pb2
 
 log = logging.getLogger("kvpool.gateway")
@@ -77,35 +78,53 @@ class PrefixProbe:
     """``MatchPrefix(counts_only=true)`` against the master under a short deadline.
 
     Goes through ``MasterLink`` (the master wire, under this probe's short deadline): the gateway pays it
-    once per request before routing.
+    once per request before routing. With master shards it asks the shard that owns the prompt's chain,
+    routed by the same function as the workers (``kvstore/shards.py``); the store figures are shard 0's.
     """
 
     def __init__(
-        self, master: str | None, fingerprint: bytes, block_size: int, timeout_s: float = 0.5
+        self,
+        master: str | None,
+        fingerprint: bytes,
+        block_size: int,
+        timeout_s: float = 0.5,
+        shard_depth: int = DEFAULT_DEPTH,
     ) -> None:
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.master = master
-        self.link: MasterLink | None = None
+        self.groups = master_groups(master) if master else []
+        self.shards = ShardSet(max(len(self.groups), 1), shard_depth)
+        self.links: list[MasterLink] = []
+
+    @property
+    def link(self) -> MasterLink | None:
+        return self.links[0] if self.links else None
 
     def connect(self) -> PrefixProbe:
-        """Make the link (inside the serving event loop: its connections are bound to their loop)."""
-        if self.master:
-            self.link = MasterLink(self.master, self.timeout_s)
+        """Make the links (inside the serving event loop: their connections are bound to their loop)."""
+        self.links = [MasterLink(group, self.timeout_s) for group in self.groups]
         return self
 
     async def lookup(self, prompt: list[int], tenant: str) -> Lookup:
         B = self.block_size
         n = (len(prompt) - 1) // B  # prefill always computes the last token: at most (L-1)//B blocks reused
-        if self.link is None or n <= 0:
-            return Lookup(ok=self.link is not None)
-        hashes = hash_blocks(prompt[: n * B], B, root_hash(self.fingerprint, tenant))
+        if not self.links or n <= 0:
+            return Lookup(ok=bool(self.links))
+        chain = hash_blocks(prompt[: len(prompt) // B * B], B, root_hash(self.fingerprint, tenant))
+        route = self.shards.route_of_chain(chain)  # the whole prompt's, as prefill routes it
+        sharded = self.shards.sharded
         try:
-            r = await self.link.call(
+            r = await self.links[self.shards.shard_of_route(route)].call(
                 "MatchPrefix",
                 master_pb2.MatchPrefixRequest(
-                    block_hashes=hashes, tenant=tenant, require_checkpoint=True, counts_only=True
+                    block_hashes=chain[:n],
+                    tenant=tenant,
+                    require_checkpoint=True,
+                    counts_only=True,
+                    route=route if sharded else b"",
+                    shard_set=str(self.shards) if sharded else "",
                 ),
             )
         except StoreError as exc:
@@ -126,8 +145,8 @@ class PrefixProbe:
             return None
 
     async def close(self) -> None:
-        if self.link is not None:
-            await self.link.close()
+        for link in self.links:
+            await link.close()
 
 
 class Router:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpool.kvstore.shards import DEFAULT_DEPTH
+
 
 @dataclass
 class GatewaySettings:
     prefill: list[str]
     decode: list[str]
-    master: str | None = None
+    master: str | None = None  # one master, an HA group "a,b", or master shards "g0;g1;..."
+    shard_depth: int = DEFAULT_DEPTH  # with master shards: blocks of a chain that choose its shard
     model: str = "tiny"  # "tiny" | "tiny8" | a checkpoint directory (tokenizer + config come from it)
     served_model_name: str | None = None  # the id clients put in "model"; default: the model name
     fingerprint_hex: str | None = None  # model fingerprint (hash root); computed from the model when absent

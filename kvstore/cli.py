@@ -24,7 +24,7 @@ from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.master.core import MasterConfig
 from kvpool.kvstore.master.state import StateFileError
-from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet
+from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, ShardSetError
 from kvpool.runtime.lifecycle import serve_until_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
 
@@ -211,7 +211,7 @@ def _run_master(args: argparse.Namespace) -> int:
         return 2
     try:
         return asyncio.run(_serve(config, args.host, args.port, args.metrics_port, args))
-    except StateFileError as exc:
+    except (StateFileError, ShardSetError) as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         return 2
 
@@ -233,9 +233,11 @@ async def _serve(
         bound = await server.start()
         bound_metrics = await metrics.start() if metrics is not None else None
         ready = {"port": bound, "host": host, "policy": config.policy}
+        if config.shards.sharded:
+            ready["shard"] = {"index": config.shard, "set": str(config.shards)}
         if ha is not None:
             await ha.start(f"{host}:{bound}")
-            ready["ha"] = {"group": args.ha_group, "advertise": ha.advertise, "etcd": args.etcd}
+            ready["ha"] = {"group": ha.group, "advertise": ha.advertise, "etcd": args.etcd}
         return {**ready, "metrics_port": bound_metrics}
 
     async def stop() -> None:

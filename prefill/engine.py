@@ -117,7 +117,8 @@ class PrefillEngine:
         B, prompt, L = self.block_size, request.prompt_ids, len(request.prompt_ids)
         hashes = self.hashes(prompt, request.tenant)
         use_store = self.store is not None and request.use_cache
-        prefix, fetch = await self._fetch(hashes[: (L - 1) // B], request.tenant, use_store)
+        route = self.store.route_of(hashes) if self.store is not None else b""
+        prefix, fetch = await self._fetch(hashes[: (L - 1) // B], request.tenant, use_store, route)
         start = prefix.n_tokens if prefix is not None else 0
         clean = not (fetch.missing or fetch.corrupt or fetch.late)
         stored_run = fetch.mla_run_blocks if clean else start // B  # blocks we may skip pushing
@@ -176,13 +177,13 @@ class PrefillEngine:
         )
 
     async def _fetch(
-        self, hashes: list[bytes], tenant: str, use_store: bool
+        self, hashes: list[bytes], tenant: str, use_store: bool, route: bytes
     ) -> tuple[PrefixState | None, FetchStats]:
         if not use_store or not hashes:
             return None, FetchStats(asked_blocks=len(hashes))
         assert self.store is not None
         prefix, stats = await fetch_prefix(
-            self.store, self.schema, hashes, tenant, self.deferred, timeout_s=self.timeout_s
+            self.store, self.schema, hashes, tenant, self.deferred, timeout_s=self.timeout_s, route=route
         )
         if self.on_cache_error == "fail" and (stats.used_blocks < stats.matched_blocks or stats.error):
             raise CacheFetchError(
@@ -190,7 +191,7 @@ class PrefillEngine:
                 f"(missing {stats.missing}, corrupt {stats.corrupt}, late {stats.late}, error {stats.error})"
             )
         if stats.bad_keys:
-            await drop_bad(self.store, stats.bad_keys, self.timeout_s)
+            await drop_bad(self.store, stats.bad_keys, self.timeout_s, route)
         return prefix, stats
 
     async def _push(
@@ -232,7 +233,7 @@ class PrefillEngine:
             ckpts = [result.checkpoints[b] for b in boundaries]
             groups[2] = checkpoint_items(self.schema, hashes, ckpts, request.tenant)
         t0 = time.perf_counter()
-        results = await push_groups(self.store, groups, self.timeout_s)
+        results = await push_groups(self.store, groups, self.timeout_s, self.store.route_of(hashes))
         handoff.tail_stored = with_tail and results[0].failed == 0
         total = PushStats()
         for r in results:

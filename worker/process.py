@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient
+from kvpool.kvstore.shards import DEFAULT_DEPTH
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import load_tokenizer
@@ -41,13 +42,23 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--master", metavar="HOST:PORT", help="store master (shared KV cache)")
+    where.add_argument(
+        "--master",
+        metavar="HOST:PORT",
+        help="store master (shared KV cache); an HA group as A,B; master shards as SHARD0;SHARD1;...",
+    )
     where.add_argument("--no-store", action="store_true", help="serve without the shared cache")
     p.add_argument("--model", default="tiny", help="'tiny' or a Kimi-Linear checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any; see the readiness line)")
     p.add_argument("--block-size", type=int, default=64, help="hash block size (multiple of 64)")
     p.add_argument("--transport", default="auto", help="store data plane: auto|tcp|shm|ucx")
+    p.add_argument(
+        "--shard-depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help=f"with master shards: blocks of a chain that choose its shard (default {DEFAULT_DEPTH})",
+    )
     p.add_argument(
         "--on-cache-error",
         choices=ON_CACHE_ERROR,
@@ -94,7 +105,10 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
         None
         if args.no_store
         else AsyncStoreClient(
-            args.master, args.transport, rpc_timeout_s=RPC_SHARE_OF_BUDGET * args.store_timeout
+            args.master,
+            args.transport,
+            rpc_timeout_s=RPC_SHARE_OF_BUDGET * args.store_timeout,
+            shard_depth=args.shard_depth,
         )
     )
     return Runtime(model, store, tokenizer)

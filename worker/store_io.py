@@ -56,8 +56,15 @@ class CacheStore(Protocol):
         require_checkpoint: bool = True,
         acquire: bool = False,
         lease_ms: int | None = None,
+        route: bytes | None = None,
     ) -> master_pb2.MatchPrefixReply:
-        """Joint-rule prefix match (overview §3); ``acquire`` read-pins the usable objects under a lease."""
+        """Joint-rule prefix match (overview §3); ``acquire`` read-pins the usable objects under a lease.
+        ``route``: the request's chain route (``route_of``), with master shards."""
+        ...
+
+    def route_of(self, block_hashes: Sequence[bytes]) -> bytes:
+        """The route of a request's chain (its prompt's full blocks): every object of the request and every
+        lookup for it goes to the master shard this names (docs/design/sharding.md)."""
         ...
 
     async def release(self, lease_id: str) -> None:
@@ -78,7 +85,7 @@ class CacheStore(Protocol):
         """Two-phase put of each object; a duplicate of a committed key is a success (None)."""
         ...
 
-    async def remove(self, keys: Sequence[bytes]) -> int:
+    async def remove(self, keys: Sequence[bytes], route: bytes | None = None) -> int:
         """Remove objects (used to drop a unit found corrupt so a good copy can be written)."""
         ...
 
@@ -243,6 +250,7 @@ async def fetch_prefix(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     lease_ms: int = DEFAULT_LEASE_MS,
     require_checkpoint: bool | None = None,
+    route: bytes | None = None,
 ) -> tuple[PrefixState | None, FetchStats]:
     """Resume point for a prompt whose full-block hashes are ``hashes`` (pass only blocks you may skip).
 
@@ -253,6 +261,8 @@ async def fetch_prefix(
     bytes are verified and in hand by then, so the request does not wait for the master's answer.
     ``require_checkpoint=False`` fetches the plain MLA run (a decode node that holds the KDA state at the
     prompt end in the request tail); the default follows the model (joint rule iff it has KDA layers).
+    ``route``: the request's chain route (``CacheStore.route_of`` of the whole prompt), since ``hashes`` may
+    be only its head.
     """
     t0 = time.perf_counter()
     stats = FetchStats(asked_blocks=len(hashes))
@@ -264,7 +274,12 @@ async def fetch_prefix(
     try:
         async with asyncio.timeout(timeout_s):
             match = await store.match_prefix(
-                list(hashes), tenant=tenant, require_checkpoint=require, acquire=True, lease_ms=lease_ms
+                list(hashes),
+                tenant=tenant,
+                require_checkpoint=require,
+                acquire=True,
+                lease_ms=lease_ms,
+                route=route,
             )
     except Exception as exc:
         stats.error = f"match_prefix: {type(exc).__name__}: {exc}"
@@ -378,13 +393,15 @@ def _assemble(
     return PrefixState(n_blocks * schema.block_size, ckpt, mla)
 
 
-async def drop_bad(store: CacheStore, keys: Sequence[bytes], timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+async def drop_bad(
+    store: CacheStore, keys: Sequence[bytes], timeout_s: float = DEFAULT_TIMEOUT_S, route: bytes | None = None
+) -> int:
     """Remove units found corrupt so the recomputed copy can be stored (objects are immutable otherwise)."""
     if not keys:
         return 0
     try:
         async with asyncio.timeout(timeout_s):
-            return int(await store.remove(list(keys)))
+            return int(await store.remove(list(keys), route=route))
     except Exception:
         return 0
 

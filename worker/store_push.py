@@ -88,14 +88,21 @@ def tail_item(
 
 
 async def push_groups(
-    store: CacheStore, groups: Sequence[Sequence[PutItem]], timeout_s: float = DEFAULT_TIMEOUT_S
+    store: CacheStore,
+    groups: Sequence[Sequence[PutItem]],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    route: bytes = b"",
 ) -> list[PushStats]:
     """Every group's items in one ``batch_put``; one ``PushStats`` per group, each with the batch's wall
-    time (the groups went out together)."""
+    time (the groups went out together). ``route``: the request's chain route, given to every block and
+    checkpoint (a tail is request-scoped: it routes by its own key, as its reader looks it up)."""
     stats = [PushStats() for _ in groups]
     items = [item for group in groups for item in group]
     if not items:
         return stats
+    for item in items:
+        if item.kind != common_pb2.REQUEST_TAIL:
+            item.route = route
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):

@@ -82,19 +82,34 @@ def run_status(args: argparse.Namespace) -> int:
             "health": service_health(s, key),
             "netns": s.get("netns"),
             "log": s["log"],
+            **({"shard": s["ready"]["shard"]["index"]} if s.get("ready", {}).get("shard") else {}),
         }
         for s in state["services"]
     ]
-    masters = [r for r in rows if r["role"] == "master"]
-    if len(masters) > 1:  # an HA group: say which one leads
-        from kvpool.launch.ha_cluster import leader_of
+    shards: dict[int, list[dict]] = {}  # master shards (one, unsharded): their masters
+    for r in rows:
+        if r["role"] == "master":
+            shards.setdefault(r.get("shard", 0), []).append(r)
+    summary = []
+    for shard, masters in sorted(shards.items()):
+        leader = masters[0]["address"] if masters[0]["health"] == "up" else None
+        if len(masters) > 1:  # an HA group: say which one leads
+            from kvpool.launch.ha_cluster import leader_of
 
-        leader = leader_of([r["address"] for r in masters if r["health"] == "up"], key=key)
-        for r in masters:
-            r["leader"] = r["address"] == leader
+            leader = leader_of([r["address"] for r in masters if r["health"] == "up"], key=key)
+            for r in masters:
+                r["leader"] = r["address"] == leader
+        summary.append({"shard": shard, "masters": [r["address"] for r in masters], "leader": leader})
     if args.json:
         print(
-            json.dumps({"run_dir": state["run_dir"], "gateway_url": state["gateway_url"], "services": rows})
+            json.dumps(
+                {
+                    "run_dir": state["run_dir"],
+                    "gateway_url": state["gateway_url"],
+                    "services": rows,
+                    "shards": summary,
+                }
+            )
         )
     else:
         print(f"run dir {state['run_dir']}   gateway {state['gateway_url']}   routing {state.get('routing')}")
@@ -104,5 +119,9 @@ def run_status(args: argparse.Namespace) -> int:
                 f"{r['metrics'] or '-'}"
                 + (f"  netns {r['netns']}" if r["netns"] else "")
                 + ({True: "  leader", False: "  standby"}.get(r.get("leader"), ""))
+                + (f"  shard {r['shard']}" if "shard" in r else "")
             )
+        if len(summary) > 1:
+            for s in summary:
+                print(f"  shard {s['shard']}: leader {s['leader'] or 'none (its chains miss)'}")
     return 0 if all(r["health"] == "up" for r in rows) else 3

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvpool.kvstore.shards import ShardSetError
 from kvpool.launch.cluster import Cluster
 from kvpool.launch.config import DEFAULT_CONFIG, load_config
 from kvpool.runtime.spawn import LaunchError
@@ -52,11 +53,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--etcd-members", type=int, default=1, help="with --ha: etcd cluster size (1 or 3; tests use 3)"
     )
+    up.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        help="master shards (each chain's index lives on one; with --ha each shard is its own HA group)",
+    )
+    up.add_argument(
+        "--shard-depth", type=int, default=None, help="blocks of a chain that choose its shard (default 2)"
+    )
     up.set_defaults(func=run_up)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
-    o: dict[str, dict] = {"gateway": {}, "prefill": {}, "decode": {}}
+    o: dict[str, dict] = {"gateway": {}, "prefill": {}, "decode": {}, "master": {}}
+    if args.shards is not None:
+        o["master"]["shards"] = args.shards
+    if args.shard_depth is not None:
+        o["master"]["shard_depth"] = args.shard_depth
     if args.port is not None:
         o["gateway"]["port"] = args.port
     if args.routing:
@@ -96,9 +110,13 @@ def run_up(args: argparse.Namespace) -> int:
     if args.etcd_members not in (1, 3, 5):
         print("kvpool up: --etcd-members must be 1, 3 or 5 (an odd quorum)", file=sys.stderr)
         return 2
-    cluster = Cluster(
-        config, args.run_dir, netns=args.netns, link=args.link, ha=args.ha, etcd_members=args.etcd_members
-    )
+    try:
+        cluster = Cluster(
+            config, args.run_dir, netns=args.netns, link=args.link, ha=args.ha, etcd_members=args.etcd_members
+        )
+    except ShardSetError as exc:  # before anything starts
+        print(f"kvpool up: {exc}", file=sys.stderr)
+        return 2
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.kvstore.shards import ShardSet
 from kvpool.launch import ha_cluster
 from kvpool.launch.config import load_config, runs_root
 from kvpool.launch.placement import LoopbackPlacement, NetnsPlacement, Placed, make_placement
@@ -39,6 +40,12 @@ from kvpool.runtime.spawn import Child, LaunchError, wait_ready
 from kvpool.runtime.spawn import start as spawn_start
 
 STOP_TIMEOUT_S = 10.0
+
+
+def _master_name(shard: int, i: int, sharded: bool, ha: bool) -> str:
+    """``master`` alone; ``master-I`` of an HA group; ``master-sS`` / ``master-sS-I`` with shards."""
+    base = f"master-s{shard}" if sharded else "master"
+    return f"{base}-{i}" if ha else base
 
 
 def _metrics_args(section: dict, i: int) -> list[str]:
@@ -101,7 +108,9 @@ class Cluster:
     their own process and hold no secret (tests, ``kvpool verify``, benchmarks). ``publish=False`` leaves
     ``<runs root>/current.json`` alone, so a ``kvpool up`` already running stays the one ``kvpool status``
     shows. ``netns``/``link``: every service in its own network namespace (``placement``); ``ha``: two
-    masters elected through ``etcd_members`` etcd members (``ha_cluster``).
+    masters elected through ``etcd_members`` etcd members (``ha_cluster``). ``shards``: that many master
+    shards (``[master] shards`` otherwise), each one master or, with ``ha``, its own HA group of two; every
+    client is given them all as ``G0;G1;...`` (docs/design/sharding.md).
     """
 
     def __init__(
@@ -116,8 +125,13 @@ class Cluster:
         gateway: bool = True,
         auth: bool = True,
         publish: bool = True,
+        shards: int | None = None,
     ) -> None:
         self.config = config or load_config()
+        m = self.config["master"]
+        self.shards = ShardSet(
+            int(m.get("shards", 1)) if shards is None else shards, int(m.get("shard_depth", 2))
+        )
         self.run_dir = run_dir or runs_root() / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.services: dict[str, ServiceProcess] = {}
         self.fingerprint: str | None = None
@@ -166,6 +180,7 @@ class Cluster:
         try:
             self.secret_file = self._write_secret() if self._auth else None
             self.placement = make_placement(self.run_dir, self._netns, self._link)
+            ha_flags: list[str] = []
             if self._ha:
                 # etcd members get their namespaces first: each one's peers must be named at its start
                 hosts = [self.placement.place(f"etcd-{i}") for i in range(self._etcd_members)]
@@ -176,21 +191,28 @@ class Cluster:
                     [h.host for h in hosts],
                     timeout,
                 )
-                flags = ha_cluster.master_flags(etcd)
-                masters = [
+                ha_flags = ha_cluster.master_flags(etcd)
+            per_group = ha_cluster.MASTERS if self._ha else 1
+            groups = [  # one group of masters per shard: all start at once
+                [
                     self.start_service(
-                        f"master-{i}", "master", [*self._master_argv(m, i), *flags], isolated=True
+                        _master_name(shard, i, self.shards.sharded, self._ha),
+                        "master",
+                        [*self._master_argv(m, shard * per_group + i), *self._shard_flags(shard), *ha_flags],
+                        isolated=True,
                     )
-                    for i in range(ha_cluster.MASTERS)
+                    for i in range(per_group)
                 ]
-                for master in masters:
+                for shard in range(self.shards.count)
+            ]
+            for group in groups:
+                for master in group:
                     wait_ready(master, timeout)
+            if self._ha:
                 key = cluster_auth.read_secret_file(str(self.secret_file)) if self.secret_file else None
-                ha_cluster.wait_for_leader([s.address for s in masters], timeout, key=key)
-            else:
-                masters = [self.start_service("master", "master", self._master_argv(m, 0), isolated=True)]
-                wait_ready(masters[0], timeout)
-            master = self.master_address = ",".join(s.address for s in masters)
+                for group in groups:
+                    ha_cluster.wait_for_leader([s.address for s in group], timeout, key=key)
+            master = self.master_address = ";".join(",".join(s.address for s in g) for g in groups)
             nodes = [
                 self.start_service(
                     f"node-{i}",
@@ -199,7 +221,7 @@ class Cluster:
                         master,
                         st["capacity"],
                         st.get("transport", "tcp,shm"),
-                        [*self._ssd_args(i), *_metrics_args(st, i)],
+                        [*self._ssd_args(i), *_metrics_args(st, i), *self._shard_flags(None)],
                     ),
                     isolated=True,
                 )
@@ -221,6 +243,7 @@ class Cluster:
                 argv = gateway_argv(
                     self.config, master, [(w.role, w.address) for w in workers], self.fingerprint
                 )
+                argv += self._shard_flags(None)
                 wait_ready(self.start_service("gateway", "gateway", argv), timeout)
                 self._wait_healthy(timeout)
             self.write_state()
@@ -249,6 +272,14 @@ class Cluster:
             node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
         )
 
+    def _shard_flags(self, shard: int | None) -> list[str]:
+        """Master shard ``shard``'s flags (``None``: a client's, which learns the count from ``G0;G1;...``);
+        nothing without shards."""
+        if not self.shards.sharded:
+            return []
+        depth = ["--shard-depth", str(self.shards.depth)]
+        return depth if shard is None else ["--shards", str(self.shards.count), "--shard", str(shard), *depth]
+
     def _spawn_workers(
         self, role: str, master: str, section: dict, role_flags: list[str]
     ) -> list[ServiceProcess]:
@@ -265,7 +296,12 @@ class Cluster:
                     block_size=int(cl["block_size"]),
                     threads=int(cl.get("threads", 1)),
                     transport=section.get("transport", "auto"),
-                    extra=[*role_flags, *_metrics_args(section, i), *section.get("args", [])],
+                    extra=[
+                        *role_flags,
+                        *_metrics_args(section, i),
+                        *self._shard_flags(None),
+                        *section.get("args", []),
+                    ],
                 ),
                 isolated=True,
             )

@@ -245,6 +245,10 @@ class AsyncStoreClient:
             link = self._links[shard] = MasterLink(self._groups[shard], self.rpc_timeout_s)
         return link
 
+    def route_of(self, block_hashes: Sequence[bytes]) -> bytes:
+        """The route of a request's chain (``ShardSet.route_of_chain``; b"" without shards)."""
+        return self.shards.route_of_chain(block_hashes) if self.shards.sharded else b""
+
     def _shard_of(self, route: bytes) -> int:
         return self.shards.shard_of_route(route) if self.shards.sharded else 0
 

@@ -55,6 +55,7 @@ from kvpool.kvstore.errors import StoreUnavailableError
 from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.master.server import MasterServer
 from kvpool.kvstore.master.state import StateStore
+from kvpool.kvstore.shards import ShardSet
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -294,10 +295,15 @@ class HaMaster:
         self.ha = ha
         self.advertise = ha.advertise
         self.session = EtcdSession(ha.etcd, ha.etcd_timeout_s)
+        # master shards: each shard is its own HA group under the fleet's group; the fleet's shard set is
+        # one key of the fleet's group, which every master of every shard must agree with
+        shards = server.config.shards
+        self.group = f"{ha.group}-shard{server.config.shard}" if shards.sharded else ha.group
+        self._shard_set_key = f"/kvpool/{ha.group}/shard-set".encode()
         self.leadership = Leadership(
-            self.session, ha.group, ha.advertise, ha.lease_ttl_s, self._elected, self._deposed
+            self.session, self.group, ha.advertise, ha.lease_ttl_s, self._elected, self._deposed
         )
-        self._state_key = f"/kvpool/{ha.group}/state".encode()
+        self._state_key = f"/kvpool/{self.group}/state".encode()
         self._config = dataclasses.replace(server.config, state_path=None)
         self._state_body: str | None = None
         self._state_writer: asyncio.Task[None] | None = None
@@ -308,8 +314,27 @@ class HaMaster:
         server.may_sweep = self.leadership.may_write
 
     async def start(self, bound_address: str) -> None:
+        """Check the fleet's shard set in etcd (``ShardSetError`` naming both when it disagrees with this
+        master's flags: nothing is started or written), then campaign."""
+        await self._agree_on_shard_set()
         self.advertise = self.leadership.address = self.advertise or bound_address
         self._task = asyncio.get_running_loop().create_task(self.leadership.run())
+
+    async def _agree_on_shard_set(self) -> None:
+        """The first master of a fleet records its shard set (``COUNTxDEPTH``); every later one must match."""
+        mine = self.server.config.shards
+        key, value = self._shard_set_key, str(mine).encode()
+
+        async def txn(c):
+            tx = c.transactions
+            return await c.transaction(
+                compare=[tx.create(key) == 0], success=[tx.put(key, value)], failure=[tx.get(key)]
+            )
+
+        created, responses = await self.session.run(txn)
+        if not created:
+            recorded = ShardSet.parse(bytes(responses[0][0][0]).decode())
+            recorded.require_same(mine, f"etcd's {key.decode()}", "this master's flags")
 
     async def stop(self) -> None:
         for task in (self._task, self._state_writer):

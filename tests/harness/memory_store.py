@@ -68,6 +68,7 @@ class MemoryStore:
         require_checkpoint: bool = True,
         acquire: bool = False,
         lease_ms: int | None = None,
+        route: bytes | None = None,
     ) -> master_pb2.MatchPrefixReply:
         await self._wait()
         run, checkpoints = 0, []
@@ -137,7 +138,10 @@ class MemoryStore:
                 self.objects[bytes(item.key)] = bytes(Payload.of(item.data).joined())
         return out
 
-    async def remove(self, keys: Sequence[bytes]) -> int:
+    def route_of(self, block_hashes: Sequence[bytes]) -> bytes:
+        return b""  # one index: nothing to route
+
+    async def remove(self, keys: Sequence[bytes], route: bytes | None = None) -> int:
         self._check()
         n = 0
         for key in keys:
