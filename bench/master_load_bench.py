@@ -15,6 +15,11 @@ same driver runs against any tree.
 
     .venv/bin/python bench/master_load_bench.py                                   # this tree
     .venv/bin/python bench/master_load_bench.py --baseline /tmp/kvpool-before      # side by side
+    .venv/bin/python bench/master_load_bench.py --shards 2     # + this tree with 2 master shards
+
+With ``--shards N`` this tree also runs as N master shards (``--shards N --shard i``, one node registered with
+all, clients given ``G0;...``): the denominator is the CPU time of all N masters together, so the ratio
+sharded/unsharded says what sharding adds per call (1.0 = nothing); the preloaded chains spread by route.
 
 Output: a table (tree x workload: calls, calls per master CPU-second, p50/p99 ms) and one JSON line with every
 cell and, with a baseline, the ratios after/before.
@@ -64,7 +69,8 @@ async def put_chain(c, hs, payload):
         from kvpool.kvstore.client.async_client import PutItem
     except ImportError:
         from kvpool.kvstore.client.records import PutItem
-    puts = [PutItem(key=k, data=payload, kind=kind, parent=p) for k, kind, p in items(hs)]
+    kw = {"route": c.route_of(hs)} if hasattr(c, "route_of") else {}  # trees with master shards
+    puts = [PutItem(key=k, data=payload, kind=kind, parent=p, **kw) for k, kind, p in items(hs)]
     res = await c.batch_put(puts)
     bad = [r for r in res if r is not None and type(r).__name__ not in ("ObjectNotAdmittedError",)]
     if bad:
@@ -116,11 +122,11 @@ def cpu_s(pid: int) -> float:
 class Store:
     """One tree's master + storage node, started with the tree's own ``kvpool`` command."""
 
-    def __init__(self, name: str, root: Path) -> None:
-        self.name, self.root = name, root
+    def __init__(self, name: str, root: Path, shards: int = 1) -> None:
+        self.name, self.root, self.shards = name, root, shards
         self.python = root / ".venv" / "bin" / "python"
-        self.port = free_port()
-        self.master = f"127.0.0.1:{self.port}"
+        self.ports = [free_port() for _ in range(shards)]
+        self.master = ";".join(f"127.0.0.1:{port}" for port in self.ports)
         self.dir = Path(tempfile.mkdtemp(prefix=f"master-load-{name}-"))
         self.procs: list[subprocess.Popen] = []
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_CLUSTER_SECRET")}
@@ -140,7 +146,10 @@ class Store:
         raise SystemExit(f"{self.name}: `kvpool store {what}` did not become ready; see {self.dir}")
 
     def start(self) -> None:
-        self.master_proc = self._spawn("master", "--port", str(self.port))
+        sharding = lambda i: ["--shards", str(self.shards), "--shard", str(i)] if self.shards > 1 else []  # noqa: E731
+        self.master_procs = [
+            self._spawn("master", "--port", str(port), *sharding(i)) for i, port in enumerate(self.ports)
+        ]
         self._spawn(
             "node", "--master", self.master, "--capacity", "1GiB", "--transport", "tcp", "--no-prefault"
         )
@@ -173,9 +182,9 @@ class Store:
 
 
 def measure(store: Store, mode: str, args: argparse.Namespace) -> dict:
-    t0 = cpu_s(store.master_proc.pid)
+    t0 = sum(cpu_s(p.pid) for p in store.master_procs)
     runs = store.clients("drive", mode, args.clients, args.seconds, args.in_flight, args.chains)
-    cpu = cpu_s(store.master_proc.pid) - t0
+    cpu = sum(cpu_s(p.pid) for p in store.master_procs) - t0
     calls = sum(r["calls"] for r in runs)
     lat = sorted(x for r in runs for x in r["lat"])
     return {
@@ -195,8 +204,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--chains", type=int, default=400, help="preloaded chains of 25 objects")
     ap.add_argument("--rounds", type=int, default=2, help="each workload per tree, interleaved")
+    ap.add_argument("--shards", type=int, default=1, help="also run this tree as N master shards")
     args = ap.parse_args()
-    stores = [Store("after", Path(__file__).resolve().parent.parent)]
+    here = Path(__file__).resolve().parent.parent
+    stores = [Store("after", here)]
+    if args.shards > 1:
+        stores.append(Store(f"after-{args.shards}sh", here, args.shards))
     if args.baseline is not None:
         stores.insert(0, Store("before", args.baseline.resolve()))
     cells: dict[str, dict[str, dict]] = {s.name: {} for s in stores}
@@ -214,14 +227,19 @@ def main() -> None:
     finally:
         for s in stores:
             s.stop()
-    print(f"{'tree':<8} {'workload':<14} {'calls':>8} {'/master cpu-s':>14} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'tree':<10} {'workload':<14} {'calls':>8} {'/master cpu-s':>14} {'p50 ms':>8} {'p99 ms':>8}")
     for name, by_mode in cells.items():
         for mode, c in by_mode.items():
-            print(f"{name:<8} {mode:<14} {c['calls']:>8} {c['per_master_cpu_s']:>14} {c['p50_ms']:>8} "
+            print(f"{name:<10} {mode:<14} {c['calls']:>8} {c['per_master_cpu_s']:>14} {c['p50_ms']:>8} "
                   f"{c['p99_ms']:>8}")  # fmt: skip
-    result: dict = {"cells": cells, "clients": args.clients, "in_flight": args.in_flight}
+    result: dict = {"cells": cells, "clients": args.clients, "in_flight": args.in_flight, "ratios": {}}
+    if args.shards > 1:
+        sharded = cells[f"after-{args.shards}sh"]
+        for mode in ("match_prefix", "write_cycle"):
+            ratio = sharded[mode]["per_master_cpu_s"] / cells["after"][mode]["per_master_cpu_s"]
+            result["ratios"][f"{mode}_per_master_cpu_s_{args.shards}_shards_over_1"] = round(ratio, 3)
     if args.baseline is not None:
-        result["ratios"] = {
+        result["ratios"] |= {
             f"{mode}_per_master_cpu_s_after_over_before": round(
                 cells["after"][mode]["per_master_cpu_s"] / cells["before"][mode]["per_master_cpu_s"], 3
             )

@@ -47,7 +47,9 @@ from kvpool.proto import (
     prefill_pb2_grpc,
 )
 from kvpool.runtime import cluster_auth
+from kvpool.runtime.spawn import LaunchError, spawn
 
+from kvpool.launch.service_argv import master_argv
 from tests.harness.clusters import start_up
 
 pytestmark = pytest.mark.slow
@@ -176,6 +178,23 @@ def test_status_names_one_leader_and_every_master_pid(cluster: HaCluster) -> Non
     _, cached, _ = cluster.chat(prompt)
     _, cached2, _ = cluster.chat(prompt)
     assert cached == 0 and cached2 > 0
+
+
+def test_a_master_whose_shard_flags_disagree_with_the_fleets_in_etcd_never_serves(
+    cluster: HaCluster, tmp_path: Path
+) -> None:
+    """The fleet's shard set is one etcd key, written by its first master ("1x2" here): a master started
+    into the same group with ``--shards 2`` exits with both values named, and writes nothing."""
+    ha = cluster.leader()["ready"]["ha"]
+    flags = ("--etcd", ha["etcd"], "--ha-group", ha["group"], "--shards", "2", "--shard", "0")
+    argv = master_argv(extra=flags)
+    env = {cluster_auth.ENV_FILE: cluster.state["secret_file"]}
+    with pytest.raises(LaunchError) as failed:
+        spawn("master", argv, tmp_path, 30.0, env=env)
+    message = str(failed.value)
+    assert f"etcd's /kvpool/{ha['group']}/shard-set has 1 shard at depth 2" in message
+    assert "this master's flags has 2 shards at depth 2" in message
+    assert cluster.leader()["pid"] in {m["pid"] for m in cluster.masters()}  # the fleet is untouched
 
 
 def _closed_without_answer(address: tuple[str, int], payload: bytes) -> bool:

@@ -199,6 +199,24 @@ def test_parties_with_other_shard_parameters_get_one_clear_error(fleet: Fleet, t
         spawn("master", master_argv(extra=("--shards", "3", "--shard", "3")), tmp_path, READY_TIMEOUT_S)
 
 
+def test_a_node_joining_late_is_used_by_every_shard(fleet: Fleet, tmp_path: Path) -> None:
+    late = start_node(tmp_path, fleet.spec, "64MiB", "tcp,shm", prefault=False)
+    fleet.nodes.append(late)
+
+    async def run() -> set[int]:
+        async with AsyncStoreClient(fleet.spec, "tcp") as c:
+            deadline = time.monotonic() + 10
+            while any((await c.stats(s)).nodes != 3 for s in range(SHARDS.count)):
+                assert time.monotonic() < deadline, "a shard never saw the late node"
+                await asyncio.sleep(0.05)
+            await _put_all(c, _chains("late"))  # the emptiest node takes new objects first
+        async with cluster_auth.aio_channel(late.grpc_target) as ch:
+            stub = node_pb2_grpc.StorageNodeStub(ch)
+            return {m.shard async for m in stub.Inventory(node_pb2.InventoryRequest())}
+
+    assert asyncio.run(run()) == set(range(SHARDS.count))
+
+
 def test_a_dead_shard_costs_only_its_chains(fleet: Fleet) -> None:
     """Last in the module: SIGKILL of shard 1's master. Its chains fail fast with a typed error (the worker's
     miss); the other shards' chains still hit; nothing waits past its deadline."""
