@@ -206,7 +206,7 @@ def test_a_node_joining_late_is_used_by_every_shard(fleet: Fleet, tmp_path: Path
     async def run() -> set[int]:
         async with AsyncStoreClient(fleet.spec, "tcp") as c:
             deadline = time.monotonic() + 10
-            while any((await c.stats(s)).nodes != 3 for s in range(SHARDS.count)):
+            while [(await c.stats(s)).nodes for s in range(SHARDS.count)] != [3] * SHARDS.count:
                 assert time.monotonic() < deadline, "a shard never saw the late node"
                 await asyncio.sleep(0.05)
             await _put_all(c, _chains("late"))  # the emptiest node takes new objects first
