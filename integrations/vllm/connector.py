@@ -30,6 +30,7 @@ from kvpool.integrations.vllm.paged import PagedKV
 from kvpool.integrations.vllm.plan import Planner, RequestTracker, StepPlan
 from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import StoreError
+from kvpool.kvstore.shards import DEFAULT_DEPTH
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -122,8 +123,11 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         model = vllm_config.model_config
         self.fp = fingerprint(str(model.model), str(model.dtype), self.groups, rank, tp_size)
         _warn_cpu_amx(vllm_config)
-        self.store = StoreClient(
-            master, cfg.get_from_extra_config("transport", "auto"), deadline_s=self.deadline_s
+        self.store = StoreClient(  # master: one, an HA group "a,b", or master shards "g0;g1;..."
+            master,
+            cfg.get_from_extra_config("transport", "auto"),
+            deadline_s=self.deadline_s,
+            shard_depth=int(cfg.get_from_extra_config("shard_depth", DEFAULT_DEPTH)),
         )
         self.stats = ConnectorStats()
         # scheduler side
@@ -155,7 +159,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         self.stats.add("lookups")
         try:
-            reply = self.store.match_prefix(hashes[:n], require_checkpoint=self.planner.hybrid)
+            reply = self.store.match_prefix(
+                hashes[:n], require_checkpoint=self.planner.hybrid, route=self.store.route_of(hashes)
+            )
         except StoreError as exc:
             self.stats.add("lookup_errors")
             log.warning("kvpool lookup failed (%s): treated as a miss", exc)
@@ -181,6 +187,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             if hashes is None:  # never looked up (its salt is unknown here): never keyed, never saved
                 continue
             t = RequestTracker(new.req_id, len(prompt), hashes, [list(b) for b in new.block_ids])
+            t.route = self.store.route_of(hashes)
             t.saved_chunks = self._matched.get(new.req_id, 0)  # already in the store
             self._trackers[new.req_id] = t
             self._plan_load(t, plan)

@@ -46,7 +46,7 @@ class BlockMover:
         keys = [tr.key for tr in load.transfers]
         t0 = time.perf_counter()
         try:
-            got: list[bytes | StoreError] = self.store.batch_get(keys)
+            got: list[bytes | StoreError] = self.store.batch_get(keys, route=load.route or None)
         except StoreError as exc:
             got = [exc] * len(keys)
         for i, (tr, data) in enumerate(zip(load.transfers, got, strict=True)):
@@ -82,7 +82,7 @@ class BlockMover:
             layers = self._layers(tr)
             parts = self.paged.parts(layers, tr.blocks)
             data = encode(self.fp, tr.kind, parts, self.paged.gather(layers, tr.blocks))
-            items.append(PutItem(tr.key, data, kind=tr.kind, parent=tr.parent))
+            items.append(PutItem(tr.key, data, kind=tr.kind, parent=tr.parent, route=tr.route))
         try:
             results = self.store.batch_put(items)
         except StoreError as exc:

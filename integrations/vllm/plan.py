@@ -38,6 +38,7 @@ class Transfer:
     groups: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
     skip: tuple[int, ...] = ()  # loads: leading blocks per group left alone (the engine computed them)
+    route: bytes = b""  # master shards: the request's chain route (every object of a request goes there)
 
     @property
     def skips(self) -> tuple[int, ...]:
@@ -57,6 +58,7 @@ class LoadPlan:
     req_id: str
     transfers: tuple[Transfer, ...]
     write_from: int
+    route: bytes = b""  # master shards: the request's chain route
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class RequestTracker:
     block_ids: list[list[int]]  # per group, as vLLM allocated them so far
     saved_chunks: int = 0  # chunks [0, saved_chunks) are in the store or already planned for a save
     saved_states: set[int] = field(default_factory=set)
+    route: bytes = b""  # master shards: the route of the prompt's chunk chain (kvstore/shards.py)
 
     def add_blocks(self, new_block_ids: Sequence[Sequence[int]] | None, replace: bool = False) -> None:
         if new_block_ids is None:
@@ -115,7 +118,8 @@ class Planner:
                 return None
             blocks.append(tuple(ids))
         parent = mla_key(t.hashes[k - 1]) if k > 0 else b""
-        return Transfer(mla_key(t.hashes[k]), common_pb2.MLA_BLOCK, parent, k, self.attention, tuple(blocks))
+        key = mla_key(t.hashes[k])
+        return Transfer(key, common_pb2.MLA_BLOCK, parent, k, self.attention, tuple(blocks), route=t.route)
 
     def state_transfer(self, t: RequestTracker, n: int) -> Transfer | None:
         """The state object after n chunks, or None where vLLM keeps no state block for that position."""
@@ -129,7 +133,7 @@ class Planner:
                 return None
             blocks.append((ids[index],))
         key = kda_key(t.hashes[n - 1])
-        return Transfer(key, common_pb2.KDA_CHECKPOINT, b"", n - 1, self.states, tuple(blocks))
+        return Transfer(key, common_pb2.KDA_CHECKPOINT, b"", n - 1, self.states, tuple(blocks), route=t.route)
 
     def load(self, t: RequestTracker, start: int, end: int) -> LoadPlan | None:
         """Load tokens [start, end) (end on a chunk boundary): the chunks that overlap them, then the state
@@ -147,7 +151,7 @@ class Planner:
             if st is None:
                 return None
             transfers.append(st)
-        return LoadPlan(t.req_id, tuple(transfers), start)
+        return LoadPlan(t.req_id, tuple(transfers), start, route=t.route)
 
     def saves_after(self, t: RequestTracker, computed: int) -> list[Transfer]:
         """Objects that become complete once ``computed`` tokens of the request are in vLLM's cache: full

@@ -101,8 +101,8 @@ class StoreClient:
     def get_into(self, key: bytes, out: Buffer) -> int:
         return self._call(self._async.get_into(key, out))
 
-    def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
-        return self._call(self._async.batch_get(keys))
+    def batch_get(self, keys: Sequence[bytes], route: bytes | None = None) -> list[bytes | StoreError]:
+        return self._call(self._async.batch_get(keys, route))
 
     def fetch_into(
         self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
@@ -115,8 +115,10 @@ class StoreClient:
     def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self._call(self._async.batch_exists(keys))
 
-    def lookup(self, keys: Sequence[bytes], acquire: bool = False) -> master_pb2.LookupReply:
-        return self._call(self._async.lookup(keys, acquire))
+    def lookup(
+        self, keys: Sequence[bytes], acquire: bool = False, route: bytes | None = None
+    ) -> master_pb2.LookupReply:
+        return self._call(self._async.lookup(keys, acquire, route))
 
     def match_prefix(
         self,
@@ -125,22 +127,27 @@ class StoreClient:
         require_checkpoint: bool = True,
         acquire: bool = False,
         lease_ms: int | None = None,
+        route: bytes | None = None,
     ) -> master_pb2.MatchPrefixReply:
         return self._call(
-            self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms)
+            self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms, route)
         )
+
+    def route_of(self, block_hashes: Sequence[bytes]) -> bytes:
+        """The route of a request's chain with master shards (pure: no call)."""
+        return self._async.route_of(block_hashes)
 
     def release(self, lease_id: str) -> None:
         self._call(self._async.release(lease_id))
 
-    def remove(self, keys: bytes | Sequence[bytes]) -> int:
-        return self._call(self._async.remove(keys))
+    def remove(self, keys: bytes | Sequence[bytes], route: bytes | None = None) -> int:
+        return self._call(self._async.remove(keys, route))
 
     def pin(self, keys: Sequence[bytes], ttl_ms: int) -> int:
         return self._call(self._async.pin(keys, ttl_ms))
 
-    def stats(self) -> master_pb2.StatsReply:
-        return self._call(self._async.stats())
+    def stats(self, shard: int = 0) -> master_pb2.StatsReply:
+        return self._call(self._async.stats(shard))
 
     def metrics(self) -> dict[str, float]:
         return self._call(_metrics(self._async))  # read on the loop, which writes the counters
