@@ -140,6 +140,12 @@ def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
         default=-1,
         help="serve Prometheus text on http://HOST:PORT/metrics (0 = any free port, -1 = off)",
     )
+    p.add_argument(
+        "--max-objects",
+        type=int,
+        default=d.max_objects,
+        help="object cap of the index (0 = none): eviction keeps the count under it, bounding memory",
+    )
     sh = p.add_argument_group("master shards (docs/design/sharding.md)")
     sh.add_argument("--shards", type=int, default=1, help="how many master shards the fleet has (default 1)")
     sh.add_argument("--shard", type=int, default=0, help="the shard this master serves, 0..SHARDS-1")
@@ -188,6 +194,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
         node_call_timeout_ms=args.node_call_timeout_ms,
         sweep_ms=args.sweep_ms,
         state_path=args.state_file,
+        max_objects=args.max_objects,
         shards=ShardSet(args.shards, args.shard_depth),
         shard=args.shard,
     )

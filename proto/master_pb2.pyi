@@ -287,7 +287,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired", "admission_rate")
+    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired", "admission_rate", "rss_bytes", "index_slots", "max_objects")
     class BytesPerTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +324,9 @@ class StatsReply(_message.Message):
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_RATE_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     objects: int
     bytes: int
     capacity_bytes: int
@@ -339,4 +342,7 @@ class StatsReply(_message.Message):
     demotions: int
     expired: int
     admission_rate: float
-    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ..., admission_rate: _Optional[float] = ...) -> None: ...
+    rss_bytes: int
+    index_slots: int
+    max_objects: int
+    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ..., admission_rate: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., index_slots: _Optional[int] = ..., max_objects: _Optional[int] = ...) -> None: ...

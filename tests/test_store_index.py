@@ -397,3 +397,37 @@ def test_randomized_operations_keep_bookkeeping_exact() -> None:
         assert idx.verify() == []  # every incrementally kept count equals a recount
     st = idx.stats()
     assert st.evictions > 50 and st.demotions > 10 and st.expired > 10
+
+
+def test_object_cap_evicts_leaves_ahead_of_it_in_policy_order() -> None:
+    """The index's memory is per object: with ``max_objects`` the count never passes the cap, eviction
+    starts at the high watermark and drains to the low one, leaf-first and oldest first (LRU here); pinned
+    and leased objects stay; with nothing evictable an insert is refused instead of passing the cap."""
+    clock = Clock()
+    idx = PrefixIndex("lru", clock=clock, max_objects=100, high_watermark=0.9, low_watermark=0.5)
+    idx.add_node("n0", 1 << 40)
+    chains = [chain(5, f"cap-{i}") for i in range(60)]
+    for hs in chains:
+        clock.advance(1.0)
+        put_chain(idx, hs)
+        assert len(idx) <= 90
+    assert 50 <= len(idx) <= 90 and idx.stats().evictions == 300 - len(idx)
+    newest = chains[-1]
+    assert idx.match_prefix(newest, require_checkpoint=False).mla_run_blocks == 5  # the newest stays whole
+    assert idx.match_prefix(chains[0], require_checkpoint=False).mla_run_blocks == 0  # the oldest went
+    for i in range(len(newest) - 1):  # every surviving object still has its whole prefix (leaf-first)
+        if mla_key(newest[i + 1]) in idx:
+            assert mla_key(newest[i]) in idx
+    # everything pinned: an insert that would pass the cap is refused, the count stays at the cap
+    idx.pin([k for hs in chains for k in map(mla_key, hs) if k in idx], 60_000)
+    with pytest.raises(CapacityError, match="its cap"):
+        for i in range(200):
+            key = mla_key(chain(1, f"over-{i}")[0])
+            idx.insert(key, MLA, 10, node_id="n0")
+            idx.pin([key], 60_000)
+    assert len(idx) == 100
+
+
+def test_object_cap_out_of_range() -> None:
+    with pytest.raises(ValueError, match="max_objects"):
+        PrefixIndex("lru", max_objects=-1)

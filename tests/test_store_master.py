@@ -345,12 +345,16 @@ def test_ssd_tier_demotes_and_promotes_on_fetch(master: MasterProcess) -> None:
 
 
 def test_kvpool_cli_health_metrics_and_clean_sigterm(tmp_path: Path) -> None:
-    master = MasterProcess(tmp_path, "--policy", "cost", "--metrics-port", "0", via_kvpool_cli=True)
-    assert master.stats().policy == "cost"
+    master = MasterProcess(
+        tmp_path, "--policy", "cost", "--metrics-port", "0", "--max-objects", "5000", via_kvpool_cli=True
+    )
+    st = master.stats()
+    assert st.policy == "cost" and st.max_objects == 5000 and st.rss_bytes > 10 << 20 and st.index_slots > 0
     assert master.metrics_port
     with urllib.request.urlopen(f"http://127.0.0.1:{master.metrics_port}/metrics", timeout=T) as resp:
         text = resp.read().decode()
     assert "kvpool_master_objects 0" in text and 'kvpool_master_info{policy="cost"} 1' in text
+    assert "kvpool_master_max_objects 5000" in text and "\nkvpool_master_rss_bytes " in text
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(f"http://127.0.0.1:{master.metrics_port}/nope", timeout=T)
     described = master.call("Describe", master_pb2.DescribeRequest())  # what health probes ask

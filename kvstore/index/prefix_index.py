@@ -49,6 +49,9 @@ Rules:
   demotes instead (the object stays indexed with tier SSD, the SSD pool has its own watermark and drops
   leaves). Leased, soft-pinned and pending objects are never candidates. Admission (``admission``, policy
   ``hybrid``) may refuse a new chain's blocks up front.
+- **Object cap** (``max_objects``, 0 = none): the index's memory is per object, so past ``high_watermark`` x
+  the cap, leaves of any pool are dropped in policy order down to ``low_watermark`` x the cap; an insert
+  that would pass the cap with nothing evictable raises :class:`CapacityError`.
 - **Quotas**: a tenant whose bytes would exceed its quota drops its own evictable objects first; if that
   is not enough the insert raises :class:`QuotaExceededError`.
 
@@ -114,7 +117,10 @@ class PrefixIndex:
         clock: Callable[[], float] = time.monotonic,
         keep_events: bool = True,
         admission: AdmissionConfig | None = None,
+        max_objects: int = 0,
     ) -> None:
+        if max_objects < 0:
+            raise ValueError("max_objects must be >= 0 (0 = no cap)")
         if not 0.0 < low_watermark <= high_watermark <= 1.0:
             raise ValueError(
                 f"need 0 < low_watermark <= high_watermark <= 1, got {low_watermark}, {high_watermark}"
@@ -128,6 +134,9 @@ class PrefixIndex:
         self.admission = None if admission is None else Admission(admission, clock)
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
+        # Object cap (0 = none): the index's own memory is per object, whatever the objects' bytes, so a
+        # master bounds it by count too; the watermarks apply as for bytes (evict ahead of the cap)
+        self.max_objects = max_objects
         self.lease_ms = lease_ms
         self._clock = clock
         self._keep_events = keep_events
@@ -314,6 +323,14 @@ class PrefixIndex:
         nid = self._node_ids[node_id]
         if size > node.capacity[tier]:
             raise CapacityError(f"object of {size} bytes exceeds {tier.name} capacity of node {node_id!r}")
+        if self.max_objects and len(self._slot) + len(self._pending) >= self.max_objects:
+            if evict:
+                self._evict_objects(int(self.low_watermark * self.max_objects), now)
+            if len(self._slot) + len(self._pending) >= self.max_objects:
+                raise CapacityError(
+                    f"the index holds {self.max_objects} objects (its cap), all pinned, leased, pending or "
+                    "anchoring others"
+                )
         cap = node.capacity[tier]
         if not (self._make_room(nid, tier, size, now) if evict else node.used[tier] + size <= cap):
             raise CapacityError(
@@ -344,6 +361,11 @@ class PrefixIndex:
             self._set_ttl(slot, key, now + ttl_ms / 1000.0)
         if evict:
             self._evict_pool(nid, tier, now, protect=slot)
+            if (
+                self.max_objects
+                and len(self._slot) + len(self._pending) > self.high_watermark * self.max_objects
+            ):
+                self._evict_objects(int(self.low_watermark * self.max_objects), now, protect=slot)
         return node_id
 
     def _admit(self, key: bytes, kind: ObjectKind, size: int, parent: bytes) -> None:
@@ -703,6 +725,11 @@ class PrefixIndex:
                 for tier in Tier:
                     if node.capacity[tier]:
                         self._evict_pool(nid, tier, now)
+            if (
+                self.max_objects
+                and len(self._slot) + len(self._pending) > self.high_watermark * self.max_objects
+            ):
+                self._evict_objects(int(self.low_watermark * self.max_objects), now)
             out = self._events[start:]
         finally:
             self._keep_events = keep
@@ -838,6 +865,31 @@ class PrefixIndex:
             return not demote and int(c.node[slot]) == nid and int(c.tier[slot]) == tier and slot != protect
 
         self._drain(candidates, lambda: node.used[tier] > target, act, exposable, now)
+
+    def _evict_objects(self, target: int, now: float, protect: int = -1) -> None:
+        """Bring the object count down to ``target`` (the object cap): leaves of every pool, in policy
+        order, as pressure on bytes would drop them (never an object with dependents, a pin or a lease)."""
+        c, n = self._cols, self._n
+        mask = c.deps[:n] == 0
+        if 0 <= protect < n:
+            mask[protect] = False
+        candidates = self._candidates(mask, now)
+
+        def act(slot: int) -> bool:
+            size = int(c.size[slot])
+            self._evictions += 1
+            self._evicted_bytes += size
+            self._learn_eviction(slot, size)
+            self._drop(slot, "evicted", emit=True)
+            return True
+
+        self._drain(
+            candidates,
+            lambda: len(self._slot) + len(self._pending) > target,
+            act,
+            lambda slot: slot != protect,
+            now,
+        )
 
     def _learn_eviction(self, slot: int, size: int) -> None:
         """Tell admission an MLA block or checkpoint left by pressure (and whether it was ever read)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -102,6 +103,7 @@ class MasterConfig:
     node_call_timeout_ms: int = 2000
     sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
     state_path: Path | None = None  # quotas and pins persisted here (JSON), None = not persisted
+    max_objects: int = 0  # object cap of the index (0 = none): bounds the master's memory under churn
     shards: ShardSet = field(default_factory=ShardSet)  # the fleet's master shards (kvstore/shards.py)
     shard: int = 0  # the one this master serves
 
@@ -118,6 +120,8 @@ class MasterConfig:
             raise ValueError("node_timeout_ms must exceed heartbeat_ms")
         if not 0 < self.sweep_ms * 2 <= self.node_timeout_ms:
             raise ValueError("sweep_ms must be at most half of node_timeout_ms")
+        if self.max_objects < 0:
+            raise ValueError("max_objects must be >= 0 (0 = no cap)")
         if not 0 <= self.shard < self.shards.count:
             raise ValueError(
                 f"shard {self.shard} is not one of {self.shards.describe()} (0..{self.shards.count - 1})"
@@ -181,6 +185,7 @@ class MasterCore:
             low_watermark=self.config.low_watermark,
             lease_ms=self.config.lease_ms,
             clock=clock,
+            max_objects=self.config.max_objects,
         )
         self.instance = secrets.token_hex(4)  # lease/put ids of an earlier master life never match
         self._nodes: dict[str, NodeRecord] = {}
@@ -597,6 +602,9 @@ class MasterCore:
             demotions=st.demotions,
             expired=st.expired,
             admission_rate=None if self.index.admission is None else self.index.admission.rate,
+            rss_bytes=process_rss_bytes(),
+            index_slots=self.index.allocated_slots,
+            max_objects=self.config.max_objects,
         )
 
     def sweep(self) -> None:
@@ -798,3 +806,16 @@ def release_free_heap() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def process_rss_bytes() -> int:
+    """This process's resident set (``/proc/self/statm``; 0 where there is none): the master's memory
+    figure, exported so an operator sees it next to the object count it follows."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -28,6 +28,9 @@ _GAUGES = (
     ("nodes", "registered storage nodes"),
     ("active_leases", "read-pin leases held"),
     ("pending_puts", "two-phase puts started, not yet committed"),
+    ("rss_bytes", "resident memory of the master process"),
+    ("index_slots", "object slots the index has allocated"),
+    ("max_objects", "the index's object cap (0 = none)"),
 )
 _COUNTERS = (
     ("evictions", "objects dropped by pressure"),
