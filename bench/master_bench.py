@@ -4,6 +4,7 @@ Goals from the master issue: <= 256 bytes of master memory per indexed object wi
 master OOMs at tens of millions, #3452), and match_prefix p50 <= 1 ms for a 2,000-block chain.
 
     .venv/bin/python bench/master_bench.py [--objects 1000000] [--chain 2000] [--reps 300] [--no-wire]
+    .venv/bin/python bench/master_bench.py --churn 5000000 --cap 1000000     # + RSS under an object cap
 
 Memory is the RSS growth of a fresh child process while it indexes N MLA blocks (keys created inside the
 measured region, as a master receiving them over its wire would hold them), divided by N. Prints one JSON
@@ -122,6 +123,70 @@ def bench_memory(n: int, chain: int, reps: int) -> dict:
         child.join(timeout=60)
 
 
+def _churn_child(total: int, cap: int, queue: mp.Queue) -> None:
+    """Fresh process: ``total`` inserts (chains of 24 MLA blocks and a checkpoint) through an index capped
+    at ``cap`` objects; RSS sampled every ``cap // 5`` inserts; then every object removed and the freed heap
+    handed back (what the master's sweep does after a bulk load)."""
+    from kvpool.kvstore.master.core import release_free_heap
+
+    proc = psutil.Process()
+    idx = PrefixIndex("lru", clock=time.monotonic, max_objects=cap)
+    idx.add_node("n0", 1 << 62)
+    rss0 = proc.memory_info().rss
+    samples: list[tuple[int, int]] = []
+    steady: int | None = None
+    h = hashlib.sha256(b"churn").digest()
+    count = 0
+    step = max(cap // 5, 1)
+    t0 = time.perf_counter()
+    while count < total:
+        parent = b""
+        for _ in range(24):
+            h = hashlib.sha256(h).digest()
+            idx.insert(mla_key(h), ObjectKind.MLA, MLA_BYTES, parent=parent, node_id="n0")
+            parent = mla_key(h)
+        idx.insert(kda_key(h), ObjectKind.KDA, KDA_BYTES, node_id="n0")
+        idx.drain_events()
+        before, count = count, count + 25
+        if count // step != before // step:
+            rss = proc.memory_info().rss
+            samples.append((count, rss))
+            if steady is None and idx.stats().evictions:  # full: from here on every insert evicts one
+                steady = rss
+    insert_s = time.perf_counter() - t0
+    peak_after = max((rss for _, rss in samples), default=0)
+    held = len(idx)
+    idx.remove_node("n0")
+    idx.drain_events()
+    gc.collect()
+    release_free_heap()
+    queue.put(
+        {
+            "inserts": count,
+            "cap": cap,
+            "held_at_end": held,
+            "insert_us_per_object": round(insert_s / count * 1e6, 2),
+            "rss_start_mb": round(rss0 / 2**20, 1),
+            "rss_steady_mb": round((steady or 0) / 2**20, 1),
+            "rss_peak_mb": round(peak_after / 2**20, 1),
+            "rss_peak_over_steady": round(peak_after / steady, 3) if steady else None,
+            "rss_after_removal_mb": round(proc.memory_info().rss / 2**20, 1),
+            "rss_samples_mb": [(n, round(r / 2**20, 1)) for n, r in samples],
+        }
+    )
+
+
+def bench_churn(total: int, cap: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    child = ctx.Process(target=_churn_child, args=(total, cap, queue))
+    child.start()
+    try:
+        return queue.get(timeout=7200)
+    finally:
+        child.join(timeout=60)
+
+
 def bench_core(chain: int, reps: int) -> dict:
     """MasterCore.match_prefix: index work plus building the reply protos (what the RPC handler runs)."""
     from kvpool.kvstore.master.core import MasterCore
@@ -224,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chain", type=int, default=CHAIN_BLOCKS)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--no-wire", action="store_true")
+    ap.add_argument("--churn", type=int, default=0, help="inserts through the object cap (0 = skip)")
+    ap.add_argument("--cap", type=int, default=1_000_000, help="the object cap of the churn section")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     result = {
@@ -233,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.no_wire:
         result["wire"] = bench_wire(args.chain, args.reps)
+    if args.churn:
+        result["churn"] = bench_churn(args.churn, args.cap)
     result["goals"] = {
         "bytes_per_object_le_256": result["memory"]["rss_bytes_per_object"] <= 256,
         "match_p50_le_1ms_in_process": result["memory"]["match_prefix_in_process_probe"]["p50_ms"] <= 1.0,
