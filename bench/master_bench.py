@@ -152,9 +152,11 @@ def _churn_child(total: int, cap: int, queue: mp.Queue) -> None:
             rss = proc.memory_info().rss
             samples.append((count, rss))
             if steady is None and idx.stats().evictions:  # full: from here on every insert evicts one
-                steady = rss
+                steady = rss  # (replaced below by the figure after one turnover, when there is one)
     insert_s = time.perf_counter() - t0
-    peak_after = max((rss for _, rss in samples), default=0)
+    # steady state: after one whole turnover of the cap (every slot, dict entry and arena reused once)
+    steady = next((rss for n, rss in samples if n >= 2 * cap), steady)
+    peak_after = max((rss for n, rss in samples if n >= 2 * cap), default=0)
     held = len(idx)
     idx.remove_node("n0")
     idx.drain_events()

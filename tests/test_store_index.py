@@ -431,3 +431,18 @@ def test_object_cap_evicts_leaves_ahead_of_it_in_policy_order() -> None:
 def test_object_cap_out_of_range() -> None:
     with pytest.raises(ValueError, match="max_objects"):
         PrefixIndex("lru", max_objects=-1)
+
+
+def test_an_emptied_index_gives_its_storage_back() -> None:
+    """After its last object goes (here: its node lost), the columns, slot lists and dicts start afresh
+    instead of keeping the size of their largest moment (the master then trims the freed heap)."""
+    idx = PrefixIndex("lru")
+    idx.add_node("n0", 1 << 40)
+    for i in range(30):
+        put_chain(idx, chain(200, f"big-{i}"))
+    assert idx.allocated_slots >= 6000
+    assert len(idx.remove_node("n0")) == 6000
+    assert len(idx) == 0 and idx.allocated_slots == 1024
+    idx.add_node("n0", 1 << 40)
+    put_chain(idx, chain(3, "again"))  # and works as before
+    assert idx.match_prefix(chain(3, "again"), require_checkpoint=False).mla_run_blocks == 3

@@ -104,6 +104,9 @@ from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, block_tag
 _TAG_OF_KIND = {ObjectKind.MLA: MLA_TAG, ObjectKind.KDA: KDA_TAG}
 
 
+INITIAL_SLOTS = 1024
+
+
 class PrefixIndex:
     """Object index + prefix matcher + pins + eviction. See the module docstring for the rules."""
 
@@ -140,7 +143,7 @@ class PrefixIndex:
         self.lease_ms = lease_ms
         self._clock = clock
         self._keep_events = keep_events
-        self._cols = Columns(1024)
+        self._cols = Columns(INITIAL_SLOTS)
         self._n = 0  # slots ever used; [0, _n) are addressable
         self._free: list[int] = []
         self._keys: list[bytes | None] = []
@@ -200,7 +203,21 @@ class PrefixIndex:
         slots = np.flatnonzero((c.node[:n] == nid) & ((c.flags[:n] & SLOT_LIVE) != 0))
         dropped = [self._drop(int(s), "node_lost", emit=False) for s in slots]
         del self._nodes[nid]
+        self._release_storage_if_empty()
         return dropped
+
+    def _release_storage_if_empty(self) -> None:
+        """Once the last object is gone (its node lost, everything removed), start the per-object storage
+        afresh: columns, slot lists and dicts keep the size of their largest moment otherwise, so a master
+        that held 10 M objects would hold their memory forever (freed here, handed back to the OS by the
+        master's heap trim)."""
+        if self._slot or self._pending or self._leases or self._n <= INITIAL_SLOTS:
+            return
+        self._cols = Columns(INITIAL_SLOTS)
+        self._n = 0
+        self._free, self._keys, self._anchors = [], [], []
+        self._slot, self._pending, self._orphans = {}, {}, {}
+        self._pins, self._ttl, self._ttl_heap = {}, {}, []
 
     def _place(self, size: int, tier: Tier = Tier.DRAM, avoid: str | None = None) -> str:
         """The node with the most free bytes in ``tier`` whose capacity can hold ``size``; ``avoid`` is
@@ -410,6 +427,8 @@ class PrefixIndex:
         if slot is None:
             return False
         self._drop(slot, reason, emit=False)
+        if not self._slot:
+            self._release_storage_if_empty()
         return True
 
     def set_quota(self, tenant: str, max_bytes: int) -> None:

@@ -324,6 +324,8 @@ class MasterCore:
         except UnknownNodeError:
             return 0
         self.count(f"objects_dropped_{reason}", len(dropped))
+        if len(dropped) >= BULK_ADOPTION_OBJECTS:  # their memory goes back to the OS over the next sweeps
+            self._trim_sweeps_left = TRIM_SWEEPS_AFTER_BULK
         return len(dropped)
 
     def put_start(self, req: master_pb2.PutStartRequest) -> master_pb2.PutStartReply:
