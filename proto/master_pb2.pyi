@@ -13,20 +13,22 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("instance", "epoch", "leader", "leader_address", "shard_set", "shard")
+    __slots__ = ("instance", "epoch", "leader", "leader_address", "shard_set", "shard", "shard_masters")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_SET_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MASTERS_FIELD_NUMBER: _ClassVar[int]
     instance: str
     epoch: int
     leader: bool
     leader_address: str
     shard_set: str
     shard: int
-    def __init__(self, instance: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[bool] = ..., leader_address: _Optional[str] = ..., shard_set: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
+    shard_masters: str
+    def __init__(self, instance: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[bool] = ..., leader_address: _Optional[str] = ..., shard_set: _Optional[str] = ..., shard: _Optional[int] = ..., shard_masters: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "dram_capacity_bytes", "ssd_capacity_bytes", "inventory", "shard_set")

@@ -47,9 +47,11 @@ from kvpool.kvstore.errors import (
     ObjectNotAdmittedError,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    ShardSetError,
     StoreError,
     StoreUnavailableError,
     TransportUnavailableError,
+    WrongShardError,
     error_for_code,
 )
 from kvpool.kvstore.protocol.master_link import MasterLink
@@ -261,6 +263,33 @@ class AsyncStoreClient:
             groups.setdefault(self._shard_of(bytes(key)), []).append(i)
         return groups
 
+    async def _follow(self) -> bool:
+        """A master said this client's shard set is stale (``ShardSetError`` / ``WrongShardError``): ask the
+        masters (Describe) for the fleet's set and its shard leaders, and take them when one names them all
+        (masters with HA know them from etcd; without it the caller only gets the error). True on a change."""
+        for shard in range(self.shards.count):
+            try:
+                d = await self.link(shard).describe()
+            except StoreError:
+                continue
+            if not d.shard_masters:
+                continue
+            fleet, groups = ShardSet.parse(d.shard_set), master_groups(d.shard_masters)
+            if len(groups) != fleet.count or (fleet == self.shards and groups == self._groups):
+                return False
+            old = [link for link in self._links if link is not None]
+            self._groups, self.shards = groups, fleet
+            self._shard_set = str(fleet) if fleet.sharded else ""
+            self._links = [None] * fleet.count
+            for link in old:
+                task = asyncio.get_running_loop().create_task(link.close())
+                self._pending_releases.add(task)
+                task.add_done_callback(self._pending_releases.discard)
+            self._count("shard_set_followed")
+            log.info("store client: following the fleet's shard set %s (%s)", fleet, d.shard_masters)
+            return True
+        return False
+
     def _leased(self, shard: int, lease_id: str) -> str:
         if lease_id and self.shards.sharded:
             self._lease_shard[lease_id] = shard
@@ -391,6 +420,17 @@ class AsyncStoreClient:
         )
 
     async def _batch_put(self, items: list[PutItem]) -> list[StoreError | None]:
+        """:meth:`_batch_put_routed`; items a master refused for a stale shard set are sent once more after
+        following the fleet's (:meth:`_follow`)."""
+        results = await self._batch_put_routed(items)
+        stale = [i for i, r in enumerate(results) if isinstance(r, ShardSetError | WrongShardError)]
+        if stale and await self._follow():
+            again = await self._batch_put_routed([items[i] for i in stale])
+            for i, r in zip(stale, again, strict=True):
+                results[i] = r
+        return results
+
+    async def _batch_put_routed(self, items: list[PutItem]) -> list[StoreError | None]:
         """Per master shard (all of one chain go to one): :meth:`_batch_put_at`."""
         if not self.shards.sharded:
             return await self._batch_put_at(self.master, items)
@@ -635,6 +675,23 @@ class AsyncStoreClient:
         """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``.
         ``route``: with master shards, the route of the request's whole chain when ``block_hashes`` is only
         its head (default: the route of ``block_hashes``)."""
+        ask = (block_hashes, tenant, require_checkpoint, acquire, lease_ms)
+        try:
+            return await self._match_prefix(*ask, route)
+        except (ShardSetError, WrongShardError):
+            if not await self._follow():
+                raise
+        return await self._match_prefix(*ask, None)  # the caller's route was computed with the old set
+
+    async def _match_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        tenant: str | None,
+        require_checkpoint: bool,
+        acquire: bool,
+        lease_ms: int | None,
+        route: bytes | None,
+    ) -> master_pb2.MatchPrefixReply:
         if route is None:
             route = self.shards.route_of_chain(block_hashes)
         shard = self._shard_of(route)

@@ -268,9 +268,16 @@ class Leadership:
 def _address_in(responses: list) -> str | None:
     """The leader address in a failed campaign's ``get`` of the leader key (None if unreadable)."""
     try:
-        value = responses[0][0][0]
+        return _leader_address(responses[0][0][0])
+    except (IndexError, TypeError):
+        return None
+
+
+def _leader_address(value: bytes) -> str | None:
+    """The address in a leader key's value (None if unreadable)."""
+    try:
         return str(json.loads(value)["address"])
-    except (IndexError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -308,6 +315,10 @@ class HaMaster:
         self._state_body: str | None = None
         self._state_writer: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._map_task: asyncio.Task[None] | None = None
+        self.fleet_group = ha.group
+        server.wire.shard_map = lambda: self.shard_map
+        self.shard_map = ""  # master shards: the fleet's shard leaders "a;b;c" as etcd last said (Describe)
         server.replace_core(self._core(StateStore(None), epoch=0))
         server.wire.gate = self
         server.wire.leadership = self.describe
@@ -319,6 +330,23 @@ class HaMaster:
         await self._agree_on_shard_set()
         self.advertise = self.leadership.address = self.advertise or bound_address
         self._task = asyncio.get_running_loop().create_task(self.leadership.run())
+        if self.server.config.shards.sharded:
+            self._map_task = asyncio.get_running_loop().create_task(self._follow_shard_leaders())
+
+    async def _follow_shard_leaders(self) -> None:
+        """Keep ``shard_map``: every shard's leader address from its leader key, refreshed each lease
+        period. A client whose shard set is stale asks Describe for it and follows (client side)."""
+        count = self.server.config.shards.count
+        keys = [leader_key(f"{self.fleet_group}-shard{i}") for i in range(count)]
+        while True:
+            try:
+                got = [await self.session.run(lambda c, k=k: c.get(k)) for k in keys]
+                addresses = [_leader_address(g.value) if g is not None else None for g in got]
+                if all(addresses):
+                    self.shard_map = ";".join(a for a in addresses if a)
+            except EtcdUnavailableError:
+                pass
+            await asyncio.sleep(self.leadership.period_s)
 
     async def _agree_on_shard_set(self) -> None:
         """The first master of a fleet records its shard set (``COUNTxDEPTH``); every later one must match."""
@@ -337,7 +365,7 @@ class HaMaster:
             recorded.require_same(mine, f"etcd's {key.decode()}", "this master's flags")
 
     async def stop(self) -> None:
-        for task in (self._task, self._state_writer):
+        for task in (self._task, self._state_writer, self._map_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -198,6 +198,7 @@ class MasterWireServer:
         self.notifier = notifier
         self.gate = gate
         self.leadership = leadership
+        self.shard_map: Callable[[], str] = lambda: ""  # HA with shards: the fleet's shard leaders
         self.auth = cluster_auth.server_hello_check("master wire")
         self.frame_timeout_s = frame_timeout_s
         self.max_body = max_body
@@ -268,6 +269,7 @@ class MasterWireServer:
             leader_address=leader_address,
             shard_set=str(self.core.config.shards),
             shard=self.core.config.shard,
+            shard_masters=self.shard_map(),
         )
 
     def flush(self) -> None:
