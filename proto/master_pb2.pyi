@@ -199,22 +199,28 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., counts_only: _Optional[bool] = ..., route: _Optional[bytes] = ..., shard_set: _Optional[str] = ...) -> None: ...
 
 class MatchPrefixReply(_message.Message):
-    __slots__ = ("usable_blocks", "mla_run_blocks", "mla", "checkpoint", "lease_id", "checkpoint_blocks", "usable_blocks_on_ssd")
+    __slots__ = ("usable_blocks", "mla_run_blocks", "lease_id", "checkpoint_blocks", "usable_blocks_on_ssd", "nodes", "node", "size", "checksum", "tier")
     USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MLA_RUN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    MLA_FIELD_NUMBER: _ClassVar[int]
-    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USABLE_BLOCKS_ON_SSD_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     usable_blocks: int
     mla_run_blocks: int
-    mla: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectLocation]
-    checkpoint: _common_pb2.ObjectLocation
     lease_id: str
     checkpoint_blocks: _containers.RepeatedScalarFieldContainer[int]
     usable_blocks_on_ssd: int
-    def __init__(self, usable_blocks: _Optional[int] = ..., mla_run_blocks: _Optional[int] = ..., mla: _Optional[_Iterable[_Union[_common_pb2.ObjectLocation, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.ObjectLocation, _Mapping]] = ..., lease_id: _Optional[str] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., usable_blocks_on_ssd: _Optional[int] = ...) -> None: ...
+    nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]
+    node: _containers.RepeatedScalarFieldContainer[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    checksum: _containers.RepeatedScalarFieldContainer[int]
+    tier: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
+    def __init__(self, usable_blocks: _Optional[int] = ..., mla_run_blocks: _Optional[int] = ..., lease_id: _Optional[str] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., usable_blocks_on_ssd: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeEndpoint, _Mapping]]] = ..., node: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ..., checksum: _Optional[_Iterable[int]] = ..., tier: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("keys", "acquire", "lease_ms")

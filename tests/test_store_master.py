@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvpool.kvstore.client.async_client import LocatedPrefix
 from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, ObjectNotFoundError, StoreError
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.protocol.master_link import MasterLink
@@ -65,10 +66,11 @@ def put_chain(
     return placed
 
 
-def match(m: MasterProcess, hs: list[bytes], **kw: object) -> master_pb2.MatchPrefixReply:
+def match(m: MasterProcess, hs: list[bytes], **kw: object) -> LocatedPrefix:
+    """MatchPrefix over the wire, its column-wise reply located as the store client does."""
     kw.setdefault("require_checkpoint", True)
     req = master_pb2.MatchPrefixRequest(block_hashes=hs, **kw)  # type: ignore[arg-type]
-    return m.call("MatchPrefix", req)
+    return LocatedPrefix.of(m.call("MatchPrefix", req), hs, bool(kw["require_checkpoint"]))
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kvpool.kvstore.client.async_client import LocatedPrefix
 from kvpool.kvstore.errors import CapacityExceededError, ObjectNotFoundError
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.master.core import MasterConfig, MasterCore, NodeAction
@@ -184,8 +185,10 @@ def test_counts_only_match_for_routers() -> None:
     )
     assert (fast.usable_blocks, fast.mla_run_blocks, list(fast.checkpoint_blocks)) == (20, 20, [10, 20])
     assert (full.usable_blocks, full.mla_run_blocks) == (20, 20)
-    assert len(full.mla) == 20 and not fast.mla and not fast.HasField("checkpoint")
-    on_ssd = sum(loc.meta.tier == common_pb2.SSD for loc in full.mla)
+    located = LocatedPrefix.of(full, hs, True)
+    assert len(located.mla) == 20 and located.checkpoint is not None
+    assert not fast.size and not fast.nodes  # counts only: no locations
+    on_ssd = sum(loc.meta.tier == common_pb2.SSD for loc in located.mla)
     assert fast.usable_blocks_on_ssd == full.usable_blocks_on_ssd == on_ssd > 0
 
 

@@ -32,12 +32,12 @@ from kvpool.cache.units import (
     decode_mla_block,
     decode_tail,
 )
-from kvpool.kvstore.client.async_client import PutItem
+from kvpool.kvstore.client.async_client import LocatedPrefix, PutItem
 from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
 from kvpool.model.cache_schema import CacheSchema
 from kvpool.model.state import KDACheckpoint, PrefixState
-from kvpool.proto import common_pb2, master_pb2
+from kvpool.proto import common_pb2
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_LEASE_MS = 10_000
@@ -57,7 +57,7 @@ class CacheStore(Protocol):
         acquire: bool = False,
         lease_ms: int | None = None,
         route: bytes | None = None,
-    ) -> master_pb2.MatchPrefixReply:
+    ) -> LocatedPrefix:
         """Joint-rule prefix match (overview §3); ``acquire`` read-pins the usable objects under a lease.
         ``route``: the request's chain route (``route_of``), with master shards."""
         ...
@@ -293,7 +293,7 @@ async def fetch_prefix(
         stats.mla_run_blocks = min(int(match.mla_run_blocks), len(hashes))
         checkpoints = [c for c in match.checkpoint_blocks if 0 < c <= len(hashes)]
         stats.checkpoint_blocks = checkpoints
-        located = [*match.mla[:p], *([match.checkpoint] if require and p else [])]
+        located = [*match.mla[:p], *([match.checkpoint] if require and p and match.checkpoint else [])]
         prefix = await _fetch_verified(
             store, schema, hashes, p, checkpoints, located, require, deadline, stats
         )

@@ -54,6 +54,7 @@ from kvpool.kvstore.errors import (
     WrongShardError,
     error_for_code,
 )
+from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
 from kvpool.kvstore.protocol.master_link import MasterLink
 from kvpool.kvstore.protocol.shm_segment import host_id
 from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, master_groups
@@ -97,6 +98,51 @@ class PutItem:
     @property
     def nbytes(self) -> int:
         return payload_size(self.data)
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedPrefix:
+    """``match_prefix``'s answer with its usable objects located: the master's column-wise reply
+    (``MatchPrefixReply``) turned into one ``ObjectLocation`` per object, keyed by the caller's hashes, which
+    is what ``fetch_into`` and the transports take."""
+
+    usable_blocks: int
+    mla_run_blocks: int
+    checkpoint_blocks: list[int]
+    lease_id: str
+    usable_blocks_on_ssd: int
+    mla: list[common_pb2.ObjectLocation]  # MLA blocks [0, usable_blocks)
+    checkpoint: common_pb2.ObjectLocation | None  # closing block usable_blocks-1, when one was required
+
+    @classmethod
+    def of(
+        cls, reply: master_pb2.MatchPrefixReply, block_hashes: Sequence[bytes], require_checkpoint: bool
+    ) -> LocatedPrefix:
+        p = reply.usable_blocks
+        keys = [MLA_TAG + bytes(h) for h in block_hashes[:p]]
+        if require_checkpoint and p:
+            keys.append(KDA_TAG + bytes(block_hashes[p - 1]))
+        located = []
+        if len(reply.size) == len(keys):  # absent with counts_only
+            nodes = list(reply.nodes)
+            for key, node, size, checksum, tier in zip(
+                keys, reply.node, reply.size, reply.checksum, reply.tier, strict=True
+            ):
+                loc = common_pb2.ObjectLocation(
+                    meta=common_pb2.ObjectMeta(key=key, size=size, checksum=checksum, tier=tier)
+                )
+                loc.node.CopyFrom(nodes[node])
+                located.append(loc)
+        with_ck = bool(located) and require_checkpoint and p > 0
+        return cls(
+            usable_blocks=p,
+            mla_run_blocks=reply.mla_run_blocks,
+            checkpoint_blocks=list(reply.checkpoint_blocks),
+            lease_id=reply.lease_id,
+            usable_blocks_on_ssd=reply.usable_blocks_on_ssd,
+            mla=located[:p],
+            checkpoint=located[p] if with_ck else None,
+        )
 
 
 def has_rdma_device(sysfs: Path = RDMA_SYSFS) -> bool:
@@ -671,7 +717,7 @@ class AsyncStoreClient:
         acquire: bool = False,
         lease_ms: int | None = None,
         route: bytes | None = None,
-    ) -> master_pb2.MatchPrefixReply:
+    ) -> LocatedPrefix:
         """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``.
         ``route``: with master shards, the route of the request's whole chain when ``block_hashes`` is only
         its head (default: the route of ``block_hashes``)."""
@@ -691,7 +737,7 @@ class AsyncStoreClient:
         acquire: bool,
         lease_ms: int | None,
         route: bytes | None,
-    ) -> master_pb2.MatchPrefixReply:
+    ) -> LocatedPrefix:
         if route is None:
             route = self.shards.route_of_chain(block_hashes)
         shard = self._shard_of(route)
@@ -706,7 +752,7 @@ class AsyncStoreClient:
         )
         reply = await self._timed("match_prefix", self.link(shard).match_prefix(req))
         self._leased(shard, reply.lease_id)
-        return reply
+        return LocatedPrefix.of(reply, block_hashes, require_checkpoint)
 
     # --- management --------------------------------------------------------------------------------------
     async def remove(self, keys: bytes | Sequence[bytes], route: bytes | None = None) -> int:

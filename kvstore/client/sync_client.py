@@ -14,7 +14,7 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient, PutItem
+from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient, LocatedPrefix, PutItem
 from kvpool.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
@@ -128,7 +128,7 @@ class StoreClient:
         acquire: bool = False,
         lease_ms: int | None = None,
         route: bytes | None = None,
-    ) -> master_pb2.MatchPrefixReply:
+    ) -> LocatedPrefix:
         return self._call(
             self._async.match_prefix(block_hashes, tenant, require_checkpoint, acquire, lease_ms, route)
         )

@@ -522,14 +522,27 @@ class PrefixIndex:
         else:
             usable, ck = run, None
         used = tuple(keys[:usable])
+        slots = found[:usable]
+        if ck is not None:
+            slots.append(self._slot[ck])
         if touch and self.admission is not None:  # the writer's fetch: it will put what it missed
             self.admission.on_lookup(block_hashes, run, self._capacity_of())
         if touch and usable:
-            idx = mla[:usable]
-            if ck is not None:
-                idx = np.append(idx, self._slot[ck])
-            self.policy.touch(self._cols, idx, self._clock())
-        return PrefixMatch(usable, run, tuple(checkpoints), used, ck)
+            self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())
+        return PrefixMatch(usable, run, tuple(checkpoints), used, ck, tuple(slots))
+
+    def columns(self, slots: Sequence[int]) -> tuple[list[int], list[int], list[int], list[str]]:
+        """``(sizes, checksums, tiers, node ids)`` of live slots (a match's ``slots``), in order: what a
+        MatchPrefix reply carries, read column-wise in a few vector operations. Never changes recency."""
+        c = self._cols
+        idx = np.array(slots, dtype=np.int64)
+        names = self._node_names
+        return (
+            c.size[idx].tolist(),
+            c.checksum[idx].tolist(),
+            c.tier[idx].tolist(),
+            [names[n] for n in c.node[idx].tolist()],
+        )
 
     def get(self, key: bytes) -> ObjectInfo | None:
         """Info on a committed or pending object, None if absent. Never changes recency."""

@@ -491,25 +491,29 @@ class MasterCore:
         keys = list(m.mla_keys)
         if m.checkpoint_key is not None:
             keys.append(m.checkpoint_key)
-        if req.acquire and keys:
+        if not keys:
+            return reply
+        sizes, sums, tiers, node_ids = self.index.columns(m.slots)
+        reply.usable_blocks_on_ssd = tiers[: m.usable_blocks].count(Tier.SSD)
+        if req.acquire:
             # pin first: making DRAM room for promotions must not evict what this fetch is about to read
             lease = self.index.acquire(keys, lease_ms)
             if lease is not None:
                 reply.lease_id = f"{self.instance}:{lease.lease_id}"
-            self._promote_on_hit([r for r in self.index.rows(keys) if r.tier == Tier.SSD])
-        if req.counts_only and not req.acquire:
-            reply.usable_blocks_on_ssd = self.index.count_on_tier(m.mla_keys, Tier.SSD)
+            if Tier.SSD in tiers:
+                self._promote_on_hit([r for r in self.index.rows(keys) if r.tier == Tier.SSD])
+                sizes, sums, tiers, node_ids = self.index.columns(m.slots)  # promoted: DRAM now
+        elif req.counts_only:
             return reply
-        rows = self.index.rows(keys)  # all present: the index was not changed since the match
-        endpoints: dict[str, common_pb2.NodeEndpoint] = {}
-        on_ssd = 0
-        for row in rows[: m.usable_blocks]:
-            _fill_row(reply.mla.add(), row, self._endpoint_cached(row.node_id, endpoints))
-            on_ssd += row.tier == Tier.SSD
-        reply.usable_blocks_on_ssd = on_ssd
-        if m.checkpoint_key is not None:
-            row = rows[m.usable_blocks]
-            _fill_row(reply.checkpoint, row, self._endpoint_cached(row.node_id, endpoints))
+        at: dict[str, int] = {}
+        for node_id in node_ids:
+            if node_id not in at:
+                at[node_id] = len(at)
+                reply.nodes.append(self._endpoint(node_id))
+        reply.node.extend([at[n] for n in node_ids])
+        reply.size.extend(sizes)
+        reply.checksum.extend(sums)
+        reply.tier.extend(tiers)
         return reply
 
     def lookup(self, req: master_pb2.LookupRequest) -> master_pb2.LookupReply:
@@ -723,22 +727,6 @@ def _fill_location(loc: common_pb2.ObjectLocation, info: ObjectInfo, ep: common_
     m.parent = info.parent
     m.ttl_ms = info.ttl_ms
     m.tier = int(info.tier)
-    loc.node.CopyFrom(ep)
-
-
-def _fill_row(loc: common_pb2.ObjectLocation, row: LocationRow, ep: common_pb2.NodeEndpoint) -> None:
-    """Like _fill_location for MatchPrefix's rows; ``meta.parent`` is left out (the previous entry of the
-    reply is the parent)."""
-    m = loc.meta
-    m.key = row.key
-    m.kind = row.kind
-    m.size = row.size
-    m.checksum = row.checksum
-    m.tier = row.tier
-    if row.tenant:
-        m.tenant = row.tenant
-    if row.ttl_ms:
-        m.ttl_ms = row.ttl_ms
     loc.node.CopyFrom(ep)
 
 

@@ -12,7 +12,7 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 
-from kvpool.kvstore.client.async_client import PutItem
+from kvpool.kvstore.client.async_client import LocatedPrefix, PutItem
 from kvpool.kvstore.errors import (
     ObjectNotAdmittedError,
     ObjectNotFoundError,
@@ -21,7 +21,7 @@ from kvpool.kvstore.errors import (
 )
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
 from kvpool.kvstore.transport.base import Payload
-from kvpool.proto import common_pb2, master_pb2
+from kvpool.proto import common_pb2
 
 
 class MemoryStore:
@@ -69,7 +69,7 @@ class MemoryStore:
         acquire: bool = False,
         lease_ms: int | None = None,
         route: bytes | None = None,
-    ) -> master_pb2.MatchPrefixReply:
+    ) -> LocatedPrefix:
         await self._wait()
         run, checkpoints = 0, []
         for h in block_hashes:
@@ -79,17 +79,15 @@ class MemoryStore:
             if KDA_TAG + bytes(h) in self.meta:
                 checkpoints.append(run)
         usable = (checkpoints[-1] if checkpoints else 0) if require_checkpoint else run
-        reply = master_pb2.MatchPrefixReply(
-            usable_blocks=usable, mla_run_blocks=run, checkpoint_blocks=checkpoints
-        )
-        for h in block_hashes[:usable]:
-            reply.mla.add(meta=self.meta[MLA_TAG + bytes(h)])
+        mla = [common_pb2.ObjectLocation(meta=self.meta[MLA_TAG + bytes(h)]) for h in block_hashes[:usable]]
+        checkpoint = None
         if require_checkpoint and usable:
-            reply.checkpoint.meta.CopyFrom(self.meta[KDA_TAG + bytes(block_hashes[usable - 1])])
+            checkpoint = common_pb2.ObjectLocation(meta=self.meta[KDA_TAG + bytes(block_hashes[usable - 1])])
+        lease_id = ""
         if acquire and usable:
-            reply.lease_id = f"mem:{next(self._ids)}"
-            self.leases[reply.lease_id] = [MLA_TAG + bytes(h) for h in block_hashes[:usable]]
-        return reply
+            lease_id = f"mem:{next(self._ids)}"
+            self.leases[lease_id] = [MLA_TAG + bytes(h) for h in block_hashes[:usable]]
+        return LocatedPrefix(usable, run, checkpoints, lease_id, 0, mla, checkpoint)
 
     async def release(self, lease_id: str) -> None:
         self._check()
