@@ -1,12 +1,17 @@
 """deploy/: Kubernetes manifests against the official OpenAPI schemas (kubernetes-validate, offline, strict),
-docker-compose.yml and the Dockerfile structurally, and every container command against kvpool's own CLI
-parser — so a renamed flag breaks this test instead of a deployment. No docker daemon or cluster needed."""
+docker-compose.yml (alone and with the docker-compose.shards.yml override) and the Dockerfile structurally,
+and every container command against kvpool's own CLI parser — so a renamed flag breaks this test instead of
+a deployment; the master shard settings (KVPOOL_SHARDS, the pod ordinal's shard, the ';' master address) for
+agreement. No docker daemon or cluster needed."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -14,6 +19,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from kvpool.kvstore.master.core import MasterConfig
+from kvpool.kvstore.shards import ShardSet, master_groups
 
 from kvpool.commands.main import build_parser
 
@@ -31,11 +38,53 @@ def k8s_docs() -> list[dict]:
     return docs
 
 
-def parse_cli(argv: list[str]) -> None:
+def parse_cli(argv: list[str]) -> argparse.Namespace:
     try:
-        build_parser().parse_args(argv)
+        return build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits on a bad flag
         raise AssertionError(f"kvpool rejects {argv}") from exc
+
+
+def k8s_expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion of command and args: a defined $(NAME) is replaced, an undefined one
+    (or anything else in $(...), such as a shell's $((a / 2))) is left as written, $$ is a literal $."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "$" and i + 1 < len(text):
+            if text[i + 1] == "$":
+                out.append("$")
+                i += 2
+                continue
+            if text[i + 1] == "(" and (end := text.find(")", i + 2)) >= 0:
+                name = text[i + 2 : end]
+                out.append(env.get(name, f"$({name})"))
+                i = end + 1
+                continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+def container_argv(container: dict, env: dict[str, str]) -> list[str]:
+    """The kvpool argv a container runs: its args expanded as the kubelet does; a `sh -c` script is run by
+    a real sh with its environment and a stub `kvpool` on PATH that prints the argv it was exec'd with."""
+    args = [k8s_expand(a, env) for a in container["args"]]
+    if container.get("command") is None:
+        return args
+    assert container["command"] == ["sh", "-c"] and len(args) == 1, container["name"]
+    assert re.search(r"^\s*exec kvpool ", args[0], re.M), "kvpool must replace sh (signals reach it)"
+    with tempfile.TemporaryDirectory() as stub:
+        kvpool = Path(stub) / "kvpool"
+        kvpool.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
+        kvpool.chmod(0o755)
+        run_env = dict(env, PATH=f"{stub}{os.pathsep}/usr/bin{os.pathsep}/bin")
+        r = subprocess.run(["sh", "-c", args[0]], env=run_env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split("\0")[:-1]
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
 
 
 @pytest.mark.parametrize("doc", k8s_docs(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
@@ -76,10 +125,72 @@ def test_k8s_layout_probes_services_and_commands() -> None:
             mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
             assert config["KVPOOL_CLUSTER_SECRET_FILE"].rsplit("/", 1)[0] in mounts, c["name"]
             env = dict(config, POD_NAME=f"{d['metadata']['name']}-0")
-            argv = [re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a) for a in c["args"]]
+            argv = container_argv(c, env)
+            assert "$(" not in " ".join(argv), argv  # every $(VAR) is one the ConfigMap or the pod defines
             parse_cli(argv)
             if "--port" in argv:
                 assert int(argv[argv.index("--port") + 1]) in ports, c["name"]
+
+
+def k8s_master_address(shards: int) -> str:
+    """KVPOOL_MASTER for `shards` HA pairs: shard I is pods 2I and 2I+1, shards separated by ';'."""
+    return ";".join(
+        ",".join(f"kvpool-master-{2 * i + j}.kvpool-master:50051" for j in (0, 1)) for i in range(shards)
+    )
+
+
+def test_k8s_configmap_sets_the_shard_count_and_depth() -> None:
+    docs = k8s_docs()
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    # the default is today's fleet: one shard (one HA pair), depth 2
+    assert config["KVPOOL_SHARDS"] == "1" and config["KVPOOL_SHARD_DEPTH"] == "2"
+    shards = ShardSet(int(config["KVPOOL_SHARDS"]), int(config["KVPOOL_SHARD_DEPTH"]))
+    assert shards == ShardSet()
+    assert config["KVPOOL_MASTER"] == k8s_master_address(shards.count)
+    assert len(master_groups(config["KVPOOL_MASTER"])) == shards.count
+    master = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kvpool-master")
+    assert master["spec"]["replicas"] == 2 * shards.count
+    # the comment's 2-shard example is the address the masters' ordinals give
+    text = (DEPLOY / "k8s" / "configmap.yaml").read_text()
+    assert f'KVPOOL_MASTER: "{k8s_master_address(2)}"' in text
+    clients = STATELESS | {"kvpool-node"}
+    for d in docs:  # every client holds the master list and the fleet's depth
+        if d["kind"] not in ("Deployment", "StatefulSet") or d["metadata"]["name"] not in clients:
+            continue
+        args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert flag(args, "--master") == "$(KVPOOL_MASTER)", d["metadata"]["name"]
+        assert flag(args, "--shard-depth") == "$(KVPOOL_SHARD_DEPTH)", d["metadata"]["name"]
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_k8s_master_pod_ordinal_chooses_its_shard(shards: int) -> None:
+    docs = k8s_docs()
+    config = dict(next(d for d in docs if d["kind"] == "ConfigMap")["data"])
+    config.update(KVPOOL_SHARDS=str(shards), KVPOOL_MASTER=k8s_master_address(shards))
+    sts = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kvpool-master")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    groups = master_groups(config["KVPOOL_MASTER"])
+    for ordinal in range(2 * shards + 1):
+        argv = container_argv(container, dict(config, POD_NAME=f"kvpool-master-{ordinal}"))
+        args = parse_cli(argv)
+        assert argv[:2] == ["store", "master"] and args.etcd == config["KVPOOL_ETCD"]
+        assert (args.shards, args.shard, args.shard_depth) == (shards, ordinal // 2, 2), argv
+        assert args.ha_group == "kvpool" and args.port == 50051
+        config_ok = MasterConfig(shards=ShardSet(args.shards, args.shard_depth), shard=args.shard)
+        if ordinal == 2 * shards:  # one replica too many: its shard is out of range and the master refuses
+            with pytest.raises(ValueError, match="is not one of"):
+                config_ok.validate()
+            continue
+        config_ok.validate()
+        assert args.advertise in groups[ordinal // 2].split(","), (args.advertise, groups)
+    # an older ConfigMap without the shard settings still runs one shard at depth 2
+    old = {k: v for k, v in config.items() if not k.startswith("KVPOOL_SHARD")}
+    args = parse_cli(container_argv(container, dict(old, POD_NAME="kvpool-master-1")))
+    assert (args.shards, args.shard, args.shard_depth) == (1, 0, 2)
+    # the probes still ask this pod's own master wire
+    probe = ["python", "/app/deploy/healthcheck.py", "master", "127.0.0.1:50051"]
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert container[kind]["exec"]["command"] == probe, kind
 
 
 def test_gateway_discovers_workers_through_headless_services() -> None:
@@ -129,6 +240,73 @@ def test_compose_file_structure_and_commands() -> None:
                 assert ports_of[host] == int(port), (arg, gw[i + 1])
                 assert host in services["gateway"]["depends_on"] or arg == "--master"
     assert (ROOT / services["gateway"]["healthcheck"]["test"][2].removeprefix("/app/")).exists()
+
+
+def compose_merge(base: dict, override: dict) -> dict:
+    """`docker compose -f base -f override`'s merge, as far as these files use it: mappings merge key by key,
+    `command` (like any scalar) is replaced, other sequences are appended (without repeats)."""
+    merged = dict(base)
+    for key, value in override.items():
+        old = merged.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            merged[key] = compose_merge(old, value)
+        elif isinstance(old, list) and isinstance(value, list) and key != "command":
+            merged[key] = old + [v for v in value if v not in old]
+        else:
+            merged[key] = value
+    return merged
+
+
+def test_compose_shards_override_runs_two_shards() -> None:
+    base_text = (DEPLOY / "docker-compose.yml").read_text()
+    base = yaml.safe_load(base_text)
+    override = yaml.safe_load((DEPLOY / "docker-compose.shards.yml").read_text())
+    assert "-f deploy/docker-compose.yml -f deploy/docker-compose.shards.yml up" in base_text
+    assert set(override) <= {"services"} | {k for k in override if k.startswith("x-")}
+    assert set(override["services"]) - set(base["services"]) == {"master-2", "master-3"}
+    services = compose_merge(base, override)["services"]
+    masters, clients = {}, {}
+    for name, svc in services.items():
+        if svc.get("image") != "kvpool:0.1.0":
+            continue
+        argv = svc["command"]
+        assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), name
+        (masters if argv[:2] == ["store", "master"] else clients)[name] = parse_cli(argv)
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, (name, dep)
+    # the masters: two HA pairs, one per shard, each campaigning in its shard's etcd group
+    assert set(masters) == {"master-0", "master-1", "master-2", "master-3"}
+    shard_of = {}
+    for name, args in masters.items():
+        assert (args.shards, args.shard_depth, args.ha_group) == (2, 2, "kvpool"), name
+        assert args.advertise == f"{name}:{args.port}" and args.etcd == "etcd:2379"
+        MasterConfig(shards=ShardSet(args.shards, args.shard_depth), shard=args.shard).validate()
+        shard_of[args.advertise] = args.shard
+    assert sorted(shard_of.values()) == [0, 0, 1, 1]
+    # the added masters are the base file's masters but for their command (no host port: master-0 has 9100)
+    for name in ("master-2", "master-3"):
+        for key in ("image", "restart", "environment", "secrets", "healthcheck", "expose", "depends_on"):
+            assert services[name][key] == services["master-1"][key], (name, key)
+        assert not services[name].get("ports")
+    # every client: the same ';' address, shard I's group = exactly the masters serving shard I; same depth
+    addresses = {args.master for args in clients.values()}
+    assert set(clients) == {"node", "prefill-0", "prefill-1", "decode-0", "gateway"} and len(addresses) == 1
+    groups = master_groups(addresses.pop())
+    assert len(groups) == 2
+    for shard, group in enumerate(groups):
+        assert {a for a, s in shard_of.items() if s == shard} == set(group.split(",")), (shard, group)
+    assert {args.shard_depth for args in clients.values()} == {2}
+    node_deps = services["node"]["depends_on"]
+    assert all(node_deps[m] == {"condition": "service_healthy"} for m in masters)
+    # the base file alone is unchanged: one shard, every client one HA pair
+    for name, svc in base["services"].items():
+        if svc.get("image") != "kvpool:0.1.0":
+            continue
+        args = parse_cli(svc["command"])
+        if svc["command"][:2] == ["store", "master"]:
+            assert (args.shards, args.shard, args.shard_depth) == (1, 0, 2), name
+        else:
+            assert master_groups(args.master) == ["master-0:50051,master-1:50051"], name
 
 
 def test_dockerfile_installs_cpu_torch_and_every_package() -> None:
