@@ -161,19 +161,34 @@ async def _match(spec: str, hashes: list[bytes], **kw: object) -> master_pb2.Mat
         return await c.match_prefix(hashes)
 
 
-def test_a_node_refuses_another_shards_key() -> None:
+def test_two_shards_holding_one_key_share_its_bytes() -> None:
+    """Keys are content hashes: a block put by two shards (a short chain routed by its own last block, then
+    extended and routed by its second) is one copy owned by both. Each shard's orders act on its ownership
+    only; the bytes go with the last owner; a different object under the key is still refused."""
     store = ObjectStore(SharedPool(1 << 20, stamp_slots=16))
     try:
-        meta = common_pb2.ObjectMeta(key=b"Bx", size=4, checksum=0, shard=1)
-        pending = store.begin_put("p1", meta)
-        assert pending is not None
-        store.pool.view(pending.extent)[:4] = b"abcd"
-        pending.meta.checksum = checksum_of(b"abcd")
-        store.finish_put(pending)
-        with pytest.raises(ObjectExistsError, match="held for master shard 1, not shard 2"):
-            store.begin_put("p2", common_pb2.ObjectMeta(key=b"Bx", size=4, shard=2))
-        assert [m.key for m in store.inventory(1)] == [b"Bx"] and store.inventory(2) == []
-        assert store.placed_by(2, [b"Bx", b"By"]) == ([b"By"], [b"Bx"])
+
+        def put(shard: int, data: bytes = b"abcd") -> None:
+            pending = store.begin_put(
+                f"p{shard}", common_pb2.ObjectMeta(key=b"Bx", size=len(data), shard=shard)
+            )
+            if pending is None:
+                return  # the bytes are here already: now held for this shard too
+            store.pool.view(pending.extent)[: len(data)] = data
+            pending.meta.checksum = checksum_of(data)
+            store.finish_put(pending)
+
+        put(1)
+        put(2)
+        assert store.objects[b"Bx"].owners == {1, 2} and store.counters["puts_shared_between_shards"] == 1
+        assert [m.key for m in store.inventory(1)] == [m.key for m in store.inventory(2)] == [b"Bx"]
+        assert store.inventory(0) == []
+        assert store.delete([b"Bx"], shard=0) == (0, [b"Bx"])  # not shard 0's: nothing happens
+        assert store.delete([b"Bx"], shard=1) == (1, [])
+        assert b"Bx" in store.objects and store.inventory(1) == []  # shard 2 still holds it
+        with pytest.raises(ObjectExistsError, match="different object"):
+            store.begin_put("p3", common_pb2.ObjectMeta(key=b"Bx", size=5, shard=3))
+        assert store.delete([b"Bx"], shard=2) == (1, []) and b"Bx" not in store.objects
     finally:
         store.pool.close()
 
@@ -218,6 +233,31 @@ def test_a_node_joining_late_is_used_by_every_shard(fleet: Fleet, tmp_path: Path
             return {m.shard async for m in stub.Inventory(node_pb2.InventoryRequest())}
 
     assert asyncio.run(run()) == set(range(SHARDS.count))
+
+
+def test_a_node_starts_while_a_shard_is_down_and_one_with_other_parameters_does_not(tmp_path: Path) -> None:
+    """A dead shard never keeps a node from the others: it is ready within SHARD_REGISTER_WAIT_S and the
+    live shard uses it. A node whose shard parameters differ from the masters' exits with both named."""
+    live = start_master(tmp_path / "live", "--shards", "2", "--shard", "0")
+    dead_port = ha_cluster.free_port()  # nobody listens there
+    node = None
+    try:
+        spec = f"{live.address};127.0.0.1:{dead_port}"
+        node = start_node(tmp_path / "n", spec, "16MiB", "tcp", prefault=False)
+
+        async def nodes() -> int:
+            async with AsyncStoreClient(spec, "tcp") as c:
+                return (await c.stats(0)).nodes
+
+        assert asyncio.run(nodes()) == 1
+        with pytest.raises(
+            LaunchError, match=r"master shard 0 has 2 shards at depth 2, node .* has 2 shards at depth 3"
+        ):
+            start_node(tmp_path / "n2", spec, "16MiB", "tcp", "--shard-depth", "3", prefault=False)
+    finally:
+        if node is not None:
+            node.stop()
+        live.stop()
 
 
 def test_a_dead_shard_costs_only_its_chains(fleet: Fleet) -> None:

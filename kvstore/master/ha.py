@@ -55,7 +55,7 @@ from kvpool.kvstore.errors import StoreUnavailableError
 from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.master.server import MasterServer
 from kvpool.kvstore.master.state import StateStore
-from kvpool.kvstore.shards import ShardSet
+from kvpool.kvstore.shards import ShardSet, ShardSetError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -316,7 +316,6 @@ class HaMaster:
         self._state_writer: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._map_task: asyncio.Task[None] | None = None
-        self.fleet_group = ha.group
         server.wire.shard_map = lambda: self.shard_map
         self.shard_map = ""  # master shards: the fleet's shard leaders "a;b;c" as etcd last said (Describe)
         server.replace_core(self._core(StateStore(None), epoch=0))
@@ -326,10 +325,29 @@ class HaMaster:
 
     async def start(self, bound_address: str) -> None:
         """Check the fleet's shard set in etcd (``ShardSetError`` naming both when it disagrees with this
-        master's flags: nothing is started or written), then campaign."""
-        await self._agree_on_shard_set()
+        master's flags: nothing is started or written), then campaign. With etcd not answering yet, the check
+        is retried in the background before the first campaign (a standby meanwhile, as before)."""
+        try:
+            await self._agree_on_shard_set()
+            agreed = True
+        except EtcdUnavailableError as exc:
+            log.warning("etcd does not answer yet (%s): the shard set is checked before campaigning", exc)
+            agreed = False
         self.advertise = self.leadership.address = self.advertise or bound_address
-        self._task = asyncio.get_running_loop().create_task(self.leadership.run())
+        self._task = asyncio.get_running_loop().create_task(self._lead(agreed))
+
+    async def _lead(self, agreed: bool) -> None:
+        while not agreed:
+            await asyncio.sleep(self.leadership.period_s)
+            try:
+                await self._agree_on_shard_set()
+                agreed = True
+            except EtcdUnavailableError:
+                continue
+            except ShardSetError as exc:
+                log.error("%s: this master stays a standby and never campaigns", exc)
+                return
+        await self.leadership.run()
         if self.server.config.shards.sharded:
             self._map_task = asyncio.get_running_loop().create_task(self._follow_shard_leaders())
 
@@ -337,7 +355,7 @@ class HaMaster:
         """Keep ``shard_map``: every shard's leader address from its leader key, refreshed each lease
         period. A client whose shard set is stale asks Describe for it and follows (client side)."""
         count = self.server.config.shards.count
-        keys = [leader_key(f"{self.fleet_group}-shard{i}") for i in range(count)]
+        keys = [leader_key(f"{self.ha.group}-shard{i}") for i in range(count)]
         while True:
             try:
                 got = [await self.session.run(lambda c, k=k: c.get(k)) for k in keys]
@@ -412,7 +430,7 @@ class HaMaster:
 
     async def _write_state(self) -> None:
         epoch = self.leadership.epoch
-        key = leader_key(self.ha.group)
+        key = self.leadership.key  # this shard's group (the fleet's own without shards)
         while self._state_body is not None and self.leadership.epoch == epoch:
             body = self._state_body
 

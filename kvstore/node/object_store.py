@@ -69,6 +69,14 @@ class StoredObject:
     busy: bool = False  # an SSD write or read of it is running in a worker thread
     slot: int = 0  # stamp slot in the pool segment; meaningful only while generation != 0
     generation: int = 0  # 0 = no stamp (not in DRAM, retired, or no free slot): shm readers LOCATE
+    # master shards that hold this object (docs/design/sharding.md §2): keys are content hashes, so when a
+    # chain's blocks are put by two shards (a short chain routed by its own last block, extended later) the
+    # bytes are one copy owned by both; each shard's orders act on its ownership, the bytes go with the last
+    owners: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not self.owners:
+            self.owners.add(self.meta.shard)
 
 
 @dataclass
@@ -156,23 +164,22 @@ class ObjectStore:
         return self.pool.allocator.used_bytes
 
     def inventory(self, shard: int | None = None) -> list[common_pb2.ObjectMeta]:
-        """What this node holds; with ``shard``, only what that master shard placed (what it may adopt)."""
+        """What this node holds; with ``shard``, only what that master shard owns (what it may adopt)."""
         return [
             obj.meta
             for obj in self.objects.values()
-            if not obj.doomed and (shard is None or obj.meta.shard == shard)
+            if not obj.doomed and (shard is None or shard in obj.owners)
         ]
 
-    def placed_by(self, shard: int, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
-        """``keys`` split into those master shard ``shard`` placed (or absent) and those another shard
-        placed: a shard's orders act only on its own objects (docs/design/sharding.md)."""
-        own, foreign = [], []
-        for key in keys:
-            obj = self.objects.get(key)
-            (foreign if obj is not None and obj.meta.shard != shard else own).append(key)
-        if foreign:
-            self.count("orders_for_other_shards", len(foreign))
-        return own, foreign
+    def _owned(self, key: bytes, shard: int) -> StoredObject | None:
+        """The live object ``key`` if master shard ``shard`` owns it (else counted and None)."""
+        obj = self.objects.get(key)
+        if obj is None or obj.doomed:
+            return None
+        if shard not in obj.owners:
+            self.count("orders_for_other_shards")
+            return None
+        return obj
 
     # --- puts --------------------------------------------------------------------------------------------
     def begin_put(self, put_id: str, meta: common_pb2.ObjectMeta) -> PendingPut | None:
@@ -195,13 +202,6 @@ class ObjectStore:
                 f"object of {meta.size} B exceeds the node's limit of {self.max_object} B"
             )
         existing = self.objects.get(meta.key)
-        if existing is not None and not existing.doomed and existing.meta.shard != meta.shard:
-            # another master shard placed it (the shard set changed since): its bytes stay its own
-            self.count("puts_refused_other_shard")
-            raise ObjectExistsError(
-                f"key {meta.key[:8].hex()}… is held for master shard {existing.meta.shard}, "
-                f"not shard {meta.shard}"
-            )
         if existing is not None and not existing.doomed:
             # checksum 0: declared at SEAL (a same-host writer hashes while copying); same key, same size
             differs = meta.checksum and existing.meta.checksum != meta.checksum
@@ -209,9 +209,12 @@ class ObjectStore:
                 raise ObjectExistsError(f"key {meta.key[:8].hex()}… already holds a different object")
             if self._intact(existing):
                 self.count("puts_duplicate")
+                if meta.shard not in existing.owners:  # the same bytes, now held for this shard too
+                    existing.owners.add(meta.shard)
+                    self.count("puts_shared_between_shards")
                 return False
             self.count("puts_replacing_corrupt")  # damaged copy (a reader re-puts it): take the new one
-            self.delete([meta.key])
+            self._remove(existing)
             # the master's Delete of the damaged copy may still be in flight: it must not hit the new copy
             self._stale_deletes[meta.key] = time.monotonic() + STALE_DELETE_WINDOW_S
         return True
@@ -237,6 +240,7 @@ class ObjectStore:
         if existing is not None and not existing.doomed:  # a concurrent duplicate won the race
             self.pool.allocator.free(pending.extent)
             self.count("puts_duplicate")
+            existing.owners.add(pending.meta.shard)
             return
         obj = StoredObject(pending.meta, pending.extent)
         self.objects[pending.meta.key] = obj
@@ -309,7 +313,8 @@ class ObjectStore:
         return data
 
     # --- lifecycle (master-driven) -----------------------------------------------------------------------
-    def delete(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+    def delete(self, keys: list[bytes], shard: int = 0) -> tuple[int, list[bytes]]:
+        """Master shard ``shard`` lets go of ``keys``; an object goes when no shard holds it any more."""
         done, missing = 0, []
         now = time.monotonic()
         for key in keys:
@@ -317,18 +322,24 @@ class ObjectStore:
                 self.count("deletes_of_replaced_copy")
                 done += 1
                 continue
-            obj = self.objects.get(key)
-            if obj is None or obj.doomed:
+            obj = self._owned(key, shard)
+            if obj is None:
                 missing.append(key)
                 continue
             done += 1
-            self._retire(obj)  # shm readers stop at once, even while tcp/ucx readers defer the free
-            if obj.readers:
-                obj.doomed = True
-            else:
-                self._drop(obj)
+            obj.owners.discard(shard)
+            if not obj.owners:  # else another shard still holds these bytes
+                self._remove(obj)
         self.count("deletes", done)
         return done, missing
+
+    def _remove(self, obj: StoredObject) -> None:
+        """Take the object away now for every reader that comes (its bytes go when the last one leaves)."""
+        self._retire(obj)  # shm readers stop at once, even while tcp/ucx readers defer the free
+        if obj.readers:
+            obj.doomed = True
+        else:
+            self._drop(obj)
 
     def _drop(self, obj: StoredObject) -> None:
         self._retire(obj)
@@ -340,16 +351,17 @@ class ObjectStore:
         if obj.ssd_file is not None:
             self._remove_ssd_file(obj)
 
-    async def demote(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+    async def demote(self, keys: list[bytes], shard: int = 0) -> tuple[int, list[bytes]]:
         """Move DRAM objects to the SSD tier and free their extents; keys not moved are reported missing.
 
         File writes run in a worker thread so the data plane keeps serving during a large demotion; the
-        object keeps a reader reference meanwhile, so its extent cannot be freed under the writer.
+        object keeps a reader reference meanwhile, so its extent cannot be freed under the writer. An
+        object two shards hold is not moved for one of them (reported missing: that shard drops it).
         """
         done, missing = 0, []
         for key in keys:
-            obj = self.objects.get(key)
-            if obj is None or obj.doomed or self.ssd_path is None or obj.busy:
+            obj = self._owned(key, shard)
+            if obj is None or len(obj.owners) > 1 or self.ssd_path is None or obj.busy:
                 missing.append(key)
                 continue
             if obj.ssd_file is None:
@@ -371,11 +383,11 @@ class ObjectStore:
         self.count("demotes", done)
         return done, missing
 
-    async def promote(self, keys: list[bytes]) -> tuple[int, list[bytes]]:
+    async def promote(self, keys: list[bytes], shard: int = 0) -> tuple[int, list[bytes]]:
         done, missing = 0, []
         for key in keys:
-            obj = self.objects.get(key)
-            if obj is None or obj.doomed:
+            obj = self._owned(key, shard)
+            if obj is None:
                 missing.append(key)
                 continue
             obj.readers += 1

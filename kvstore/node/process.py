@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from kvpool.kvstore.errors import StoreError
+from kvpool.kvstore.errors import BadRequestError, StoreError
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.node.tcp_server import TcpDataServer
@@ -72,6 +72,7 @@ RESERVATION_REAP_S = 5.0
 SERVICE_NAME = "kvpool.v1.StorageNode"
 MAX_KEYS_PER_CALL = 100_000
 MASTER_CALL_TIMEOUT_S = 5.0
+SHARD_REGISTER_WAIT_S = 10.0  # with master shards: how long start() waits for every shard to have the node
 
 
 @dataclass
@@ -145,24 +146,21 @@ class StorageNodeService(node_pb2_grpc.StorageNodeServicer):
 
     async def Delete(self, request, context):
         await self._check_order(request, context, "Delete")
-        own, foreign = self.store.placed_by(request.shard, list(request.keys))
-        done, missing = self.store.delete(own)
-        return node_pb2.KeysReply(done=done, missing=[*missing, *foreign])
+        done, missing = self.store.delete(list(request.keys), request.shard)
+        return node_pb2.KeysReply(done=done, missing=missing)
 
     async def Demote(self, request, context):
         await self._check_order(request, context, "Demote")
-        own, foreign = self.store.placed_by(request.shard, list(request.keys))
-        done, missing = await self.store.demote(own)
-        return node_pb2.KeysReply(done=done, missing=[*missing, *foreign])
+        done, missing = await self.store.demote(list(request.keys), request.shard)
+        return node_pb2.KeysReply(done=done, missing=missing)
 
     async def Promote(self, request, context):
         await self._check_order(request, context, "Promote")
-        own, foreign = self.store.placed_by(request.shard, list(request.keys))
         try:
-            done, missing = await self.store.promote(own)
+            done, missing = await self.store.promote(list(request.keys), request.shard)
         except StoreError as exc:
             await self._fail(context, exc)
-        return node_pb2.KeysReply(done=done, missing=[*missing, *foreign])
+        return node_pb2.KeysReply(done=done, missing=missing)
 
 
 # -- the link to the master -----------------------------------------------------------------------------
@@ -213,8 +211,13 @@ class MasterRegistration:
         while True:
             try:
                 return await self.register()
+            except BadRequestError as exc:  # e.g. ShardSetError: retrying cannot help, the operator must
+                log.error("RegisterNode at %s refused: %s", self.address, exc)
+                raise
             except StoreError as exc:
-                log.warning("RegisterNode at %s failed (%s); retrying", self.address, type(exc).__name__)
+                log.warning(
+                    "RegisterNode at %s failed (%s: %s); retrying", self.address, type(exc).__name__, exc
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, backoff_max_s)
 
@@ -409,6 +412,7 @@ class StorageNode:
         self.ucx = None
         self.grpc_server: GrpcServer | None = None
         self.masters: list[MasterRegistration] = []  # one per master shard
+        self._registrations: list[asyncio.Task] = []  # each shard's first registration
         self._reaper: asyncio.Task | None = None
         self.transport_bytes = TransportBytes()
         self.metrics: MetricsHttpServer | None = None
@@ -461,9 +465,22 @@ class StorageNode:
                 MasterRegistration(group, self.store, self.endpoint, shards, shard)
                 for shard, group in enumerate(groups)
             ]
-            await asyncio.gather(*(m.register_until_done() for m in self.masters))
+            # each shard on its own: heartbeats start as soon as that shard has the node. One master: ready
+            # once it has the node (as always). Shards: ready once each has it or after SHARD_REGISTER_WAIT_S,
+            # the rest keep trying in the background, so a dead shard never keeps the node from the others
+            first = []
             for m in self.masters:
-                m.start_heartbeats()
+                task = asyncio.get_running_loop().create_task(m.register_until_done())
+                task.add_done_callback(
+                    lambda t, m=m: None if t.cancelled() or t.exception() else m.start_heartbeats()
+                )
+                first.append(task)
+            self._registrations = first
+            timeout = None if len(first) == 1 else SHARD_REGISTER_WAIT_S
+            await asyncio.wait(first, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            for task in first:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]  # refused: the node does not start
 
     async def _reap_reservations(self) -> None:
         """Free shm put reservations whose writer vanished before sealing (their extents would leak)."""
@@ -489,6 +506,8 @@ class StorageNode:
     async def stop(self) -> None:
         if self._reaper:
             self._reaper.cancel()
+        for task in self._registrations:
+            task.cancel()
         for m in self.masters:
             await m.close()
         if self.metrics:
@@ -521,5 +540,9 @@ def run(config: NodeConfig) -> int:
         stream=sys.stderr,
         format="%(asctime)s node %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except BadRequestError as exc:  # a master refused this node (e.g. another shard set): said once, exit 2
+        print(f"kvpool store node: {exc}", file=sys.stderr)
+        return 2
     return 0
