@@ -70,7 +70,8 @@ def match(m: MasterProcess, hs: list[bytes], **kw: object) -> LocatedPrefix:
     """MatchPrefix over the wire, its column-wise reply located as the store client does."""
     kw.setdefault("require_checkpoint", True)
     req = master_pb2.MatchPrefixRequest(block_hashes=hs, **kw)  # type: ignore[arg-type]
-    return LocatedPrefix.of(m.call("MatchPrefix", req), hs, bool(kw["require_checkpoint"]))
+    reply = m.call("MatchPrefix", req)
+    return LocatedPrefix.of(reply, hs, bool(kw["require_checkpoint"]), bool(kw.get("counts_only")))
 
 
 @pytest.fixture

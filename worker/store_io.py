@@ -77,7 +77,7 @@ class CacheStore(Protocol):
         """Move located (already pinned) objects into ``outs``: per-item size or typed error."""
         ...
 
-    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+    async def batch_get(self, keys: Sequence[bytes], route: bytes | None = None) -> list[bytes | StoreError]:
         """Per-key result: the object's bytes, or the typed error for that key (missing, corrupt, ...)."""
         ...
 
@@ -186,14 +186,15 @@ def per_item_results(results: object, n: int) -> list:
 
 
 async def _get(
-    store: CacheStore, keys: list[bytes], timeout_s: float, stats: FetchStats
+    store: CacheStore, keys: list[bytes], timeout_s: float, stats: FetchStats, route: bytes | None = None
 ) -> dict[bytes, bytes | Exception]:
-    """Batch get under a deadline; a whole-call failure becomes the same error for every key."""
+    """Batch get under a deadline; a whole-call failure becomes the same error for every key. ``route``: the
+    keys' chain (master shards; None = each key by itself, as a request's tail)."""
     if not keys:
         return {}
     try:
         async with asyncio.timeout(timeout_s):
-            results = per_item_results(await store.batch_get(keys), len(keys))
+            results = per_item_results(await store.batch_get(keys, route=route), len(keys))
     except Exception as exc:  # unreachable / timed out: every key is a miss
         results = [exc] * len(keys)
     out: dict[bytes, bytes | Exception] = {}
@@ -295,7 +296,7 @@ async def fetch_prefix(
         stats.checkpoint_blocks = checkpoints
         located = [*match.mla[:p], *([match.checkpoint] if require and p and match.checkpoint else [])]
         prefix = await _fetch_verified(
-            store, schema, hashes, p, checkpoints, located, require, deadline, stats
+            store, schema, hashes, p, checkpoints, located, require, deadline, stats, route
         )
     finally:
         if lease_id:
@@ -315,6 +316,7 @@ async def _fetch_verified(
     require: bool,
     deadline: float,
     stats: FetchStats,
+    route: bytes | None,
 ) -> PrefixState | None:
     if p == 0:
         return None
@@ -342,7 +344,7 @@ async def _fetch_verified(
         if key not in got and _left(deadline) <= 0.001:
             stats.late += 1  # out of time for more fallbacks: compute from scratch
             break
-        raw = got[key] if key in got else (await _get(store, [key], _left(deadline), stats))[key]
+        raw = got[key] if key in got else (await _get(store, [key], _left(deadline), stats, route))[key]
         ckpt = _decode_kda(raw, schema, target, hashes[target - 1], stats)
         if ckpt is not None:
             return _assemble(schema, target, ckpt, blocks)

@@ -116,15 +116,21 @@ class LocatedPrefix:
 
     @classmethod
     def of(
-        cls, reply: master_pb2.MatchPrefixReply, block_hashes: Sequence[bytes], require_checkpoint: bool
+        cls,
+        reply: master_pb2.MatchPrefixReply,
+        block_hashes: Sequence[bytes],
+        require_checkpoint: bool,
+        counts_only: bool = False,
     ) -> LocatedPrefix:
         p = reply.usable_blocks
         keys = [MLA_TAG + bytes(h) for h in block_hashes[:p]]
         if require_checkpoint and p:
             keys.append(KDA_TAG + bytes(block_hashes[p - 1]))
-        located = []
-        if len(reply.size) == len(keys):  # absent with counts_only
-            nodes = list(reply.nodes)
+        located: list[common_pb2.ObjectLocation] = []
+        nodes = list(reply.nodes)
+        if counts_only:  # the numbers alone were asked for
+            keys = []
+        try:
             for key, node, size, checksum, tier in zip(
                 keys, reply.node, reply.size, reply.checksum, reply.tier, strict=True
             ):
@@ -133,7 +139,11 @@ class LocatedPrefix:
                 )
                 loc.node.CopyFrom(nodes[node])
                 located.append(loc)
-        with_ck = bool(located) and require_checkpoint and p > 0
+        except (ValueError, IndexError):  # a master of another version, or a broken reply: a store problem
+            raise StoreError(
+                f"MatchPrefix located {len(reply.size)} objects of {len(keys)} over {len(nodes)} nodes"
+            ) from None
+        with_ck = require_checkpoint and p > 0 and not counts_only
         return cls(
             usable_blocks=p,
             mla_run_blocks=reply.mla_run_blocks,
@@ -277,7 +287,8 @@ class AsyncStoreClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.transports = TransportSelector(transport, deadlines)
         self._links: list[MasterLink | None] = [None] * self.shards.count
-        self._lease_shard: dict[str, int] = {}  # lease id -> the shard that granted it (sharded only)
+        self._retiring: dict[asyncio.Task[None], MasterLink] = {}  # links of a shard set left behind
+        self._lease_link: dict[str, MasterLink] = {}  # lease id -> the master that granted it (sharded only)
         self._counters: dict[str, float] = {}
         self._pending_releases: set[asyncio.Task] = set()
 
@@ -302,7 +313,7 @@ class AsyncStoreClient:
 
     def _by_shard(self, keys: Sequence[bytes], route: bytes | None) -> dict[int, list[int]]:
         """Indexes of ``keys`` per owning shard: all to ``route``'s shard when given, else each by its key."""
-        if route is not None or not self.shards.sharded:
+        if route or not self.shards.sharded:
             return {self._shard_of(route or b""): list(range(len(keys)))}
         groups: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
@@ -323,28 +334,35 @@ class AsyncStoreClient:
             fleet, groups = ShardSet.parse(d.shard_set), master_groups(d.shard_masters)
             if len(groups) != fleet.count or (fleet == self.shards and groups == self._groups):
                 return False
-            old = [link for link in self._links if link is not None]
+            kept = {g: link for g, link in zip(self._groups, self._links, strict=True) if link is not None}
+            self._links = [kept.pop(g, None) for g in groups]  # a group that did not change keeps its link
             self._groups, self.shards = groups, fleet
             self._shard_set = str(fleet) if fleet.sharded else ""
-            self._links = [None] * fleet.count
-            for link in old:
-                task = asyncio.get_running_loop().create_task(link.close())
-                self._pending_releases.add(task)
-                task.add_done_callback(self._pending_releases.discard)
+            for link in kept.values():  # the others are closed once calls in flight on them had their time
+                self._retiring[asyncio.get_running_loop().create_task(self._retire(link))] = link
             self._count("shard_set_followed")
             log.info("store client: following the fleet's shard set %s (%s)", fleet, d.shard_masters)
             return True
         return False
 
+    async def _retire(self, link: MasterLink) -> None:
+        await asyncio.sleep(self.rpc_timeout_s)
+        await link.close()
+        self._retiring = {t: lk for t, lk in self._retiring.items() if lk is not link}
+
     def _leased(self, shard: int, lease_id: str) -> str:
         if lease_id and self.shards.sharded:
-            self._lease_shard[lease_id] = shard
+            self._lease_link[lease_id] = self.link(shard)
         return lease_id
 
     async def close(self) -> None:
         if self._pending_releases:
             await asyncio.wait(self._pending_releases, timeout=self.rpc_timeout_s)
         await self.transports.close()
+        for task, retired in list(self._retiring.items()):
+            task.cancel()
+            await retired.close()
+        self._retiring.clear()
         for i, link in enumerate(self._links):
             if link is not None:
                 await link.close()
@@ -571,7 +589,7 @@ class AsyncStoreClient:
         self, keys: Sequence[bytes], acquire: bool, route: bytes | None = None
     ) -> master_pb2.LookupReply:
         groups = self._by_shard(keys, route)
-        replies = await asyncio.gather(
+        answers = await asyncio.gather(
             *(
                 self.link(shard).lookup(
                     master_pb2.LookupRequest(
@@ -579,8 +597,16 @@ class AsyncStoreClient:
                     )
                 )
                 for shard, idx in groups.items()
-            )
+            ),
+            return_exceptions=True,
         )
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed:  # release what the other shards granted, then fail as one call would
+            for shard, a in zip(groups, answers, strict=True):
+                if isinstance(a, master_pb2.LookupReply) and a.lease_id:
+                    self._release_soon(self._leased(shard, a.lease_id))
+            raise failed[0]
+        replies = [a for a in answers if isinstance(a, master_pb2.LookupReply)]
         if len(replies) == 1:
             self._leased(next(iter(groups)), replies[0].lease_id)
             return replies[0]
@@ -614,9 +640,8 @@ class AsyncStoreClient:
         """Drop a read-pin lease (e.g. from ``match_prefix(acquire=True)``); failures are only counted."""
         for one in lease_id.split():  # a lookup across shards holds one lease per shard
             try:
-                await self.link(self._lease_shard.pop(one, 0)).release(
-                    master_pb2.ReleaseRequest(lease_id=one)
-                )
+                link = self._lease_link.pop(one, None) or self.master
+                await link.release(master_pb2.ReleaseRequest(lease_id=one))
             except StoreError:
                 self._count("failures.release")
 
@@ -738,7 +763,7 @@ class AsyncStoreClient:
         lease_ms: int | None,
         route: bytes | None,
     ) -> LocatedPrefix:
-        if route is None:
+        if not route:  # None or b"": the route of the hashes themselves
             route = self.shards.route_of_chain(block_hashes)
         shard = self._shard_of(route)
         req = master_pb2.MatchPrefixRequest(

@@ -335,6 +335,8 @@ class HaMaster:
             agreed = False
         self.advertise = self.leadership.address = self.advertise or bound_address
         self._task = asyncio.get_running_loop().create_task(self._lead(agreed))
+        if self.server.config.shards.sharded:
+            self._map_task = asyncio.get_running_loop().create_task(self._follow_shard_leaders())
 
     async def _lead(self, agreed: bool) -> None:
         while not agreed:
@@ -348,8 +350,6 @@ class HaMaster:
                 log.error("%s: this master stays a standby and never campaigns", exc)
                 return
         await self.leadership.run()
-        if self.server.config.shards.sharded:
-            self._map_task = asyncio.get_running_loop().create_task(self._follow_shard_leaders())
 
     async def _follow_shard_leaders(self) -> None:
         """Keep ``shard_map``: every shard's leader address from its leader key, refreshed each lease

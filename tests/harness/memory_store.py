@@ -93,7 +93,7 @@ class MemoryStore:
         self._check()
         self.leases.pop(lease_id, None)
 
-    async def batch_get(self, keys: Sequence[bytes]) -> list[bytes | StoreError]:
+    async def batch_get(self, keys: Sequence[bytes], route: bytes | None = None) -> list[bytes | StoreError]:
         await self._wait()
         out: list[bytes | StoreError] = []
         for key in keys:
