@@ -13,6 +13,7 @@ Store errors never raise out of here: they are counted in ``PushStats`` (see ``s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -100,9 +101,7 @@ async def push_groups(
     items = [item for group in groups for item in group]
     if not items:
         return stats
-    for item in items:
-        if item.kind != common_pb2.REQUEST_TAIL:
-            item.route = route
+    items = [i if i.kind == common_pb2.REQUEST_TAIL else dataclasses.replace(i, route=route) for i in items]
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):

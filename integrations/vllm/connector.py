@@ -186,8 +186,8 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             hashes = self._hashes.get(new.req_id)
             if hashes is None:  # never looked up (its salt is unknown here): never keyed, never saved
                 continue
-            t = RequestTracker(new.req_id, len(prompt), hashes, [list(b) for b in new.block_ids])
-            t.route = self.store.route_of(hashes)
+            blocks = [list(b) for b in new.block_ids]
+            t = RequestTracker(new.req_id, len(prompt), hashes, blocks, route=self.store.route_of(hashes))
             t.saved_chunks = self._matched.get(new.req_id, 0)  # already in the store
             self._trackers[new.req_id] = t
             self._plan_load(t, plan)

@@ -260,9 +260,10 @@ class AsyncStoreClient:
     | ``ucx``).
 
     ``master`` is one address, an HA group ``a,b``, or master shards ``G0;G1;...`` (docs/design/sharding.md):
-    then every call goes to the shard that owns its chain (``route``: the caller's chain route, by default
-    the one of ``match_prefix``'s hashes; an object outside a chain by its own key), with the same pure
-    function the masters check it with (``kvstore/shards.py``).
+    then a call goes to the shard that owns its chain: ``match_prefix`` by the route of its hashes (or the
+    caller's ``route``), ``batch_put`` by each item's ``route``, ``batch_get`` / ``lookup`` / ``remove`` /
+    ``pin`` by the ``route`` given; without one (a single ``put``, ``get``, ``exists``, objects outside a
+    chain) by the key itself. The function is the one the masters check it with (``kvstore/shards.py``).
 
     Must be used from one event loop (the master links and pooled sockets belong to it).
     """
@@ -795,12 +796,21 @@ class AsyncStoreClient:
         )
         return sum(r.removed for r in replies)
 
-    async def pin(self, keys: Sequence[bytes], ttl_ms: int) -> int:
-        """Soft-pin ``keys`` for ``ttl_ms`` (0 removes the pin); returns how many were pinned."""
-        reply = await self._timed(
-            "pin", self.master.pin(master_pb2.PinRequest(keys=list(keys), ttl_ms=ttl_ms))
+    async def pin(self, keys: Sequence[bytes], ttl_ms: int, route: bytes | None = None) -> int:
+        """Soft-pin ``keys`` for ``ttl_ms`` (0 removes the pin); returns how many were pinned. ``route``:
+        the keys' chain (master shards; default each key by itself)."""
+        keys = list(keys)
+        groups = self._by_shard(keys, route)
+        replies = await self._timed(
+            "pin",
+            asyncio.gather(
+                *(
+                    self.link(shard).pin(master_pb2.PinRequest(keys=[keys[i] for i in idx], ttl_ms=ttl_ms))
+                    for shard, idx in groups.items()
+                )
+            ),
         )
-        return reply.pinned
+        return sum(r.pinned for r in replies)
 
     async def stats(self, shard: int = 0) -> master_pb2.StatsReply:
         return await self.link(shard).stats(master_pb2.StatsRequest())

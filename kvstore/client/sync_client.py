@@ -143,8 +143,8 @@ class StoreClient:
     def remove(self, keys: bytes | Sequence[bytes], route: bytes | None = None) -> int:
         return self._call(self._async.remove(keys, route))
 
-    def pin(self, keys: Sequence[bytes], ttl_ms: int) -> int:
-        return self._call(self._async.pin(keys, ttl_ms))
+    def pin(self, keys: Sequence[bytes], ttl_ms: int, route: bytes | None = None) -> int:
+        return self._call(self._async.pin(keys, ttl_ms, route))
 
     def stats(self, shard: int = 0) -> master_pb2.StatsReply:
         return self._call(self._async.stats(shard))

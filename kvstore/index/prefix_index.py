@@ -17,7 +17,8 @@ API (all sizes in bytes, all durations in ms, ``now`` always from ``clock()`` in
     idx.reserve(objects)                                # size once for a bulk load (a node's inventory)
     idx.match_prefix(block_hashes, require_checkpoint=True, touch=False) -> PrefixMatch
     idx.lookup(keys, touch=False) -> list[ObjectInfo | None]; idx.get(key) -> ObjectInfo | None
-    idx.rows(keys) -> list[LocationRow]; idx.count_on_tier(keys, tier) -> int; iter(idx); idx.pending_keys()
+    idx.rows(keys) -> list[LocationRow]; idx.columns(slots) -> (sizes, checksums, tiers, node ids)
+    iter(idx); idx.pending_keys()
     idx.acquire(keys, lease_ms=None) -> Lease | None; idx.release(lease_id) -> bool     # read pins
     idx.pin(keys, ttl_ms) -> int                        # soft pin; ttl_ms=0 unpins
     idx.set_quota(tenant, max_bytes)                    # 0 = unlimited
@@ -340,9 +341,10 @@ class PrefixIndex:
         nid = self._node_ids[node_id]
         if size > node.capacity[tier]:
             raise CapacityError(f"object of {size} bytes exceeds {tier.name} capacity of node {node_id!r}")
-        if self.max_objects and len(self._slot) + len(self._pending) >= self.max_objects:
-            if evict:
-                self._evict_objects(int(self.low_watermark * self.max_objects), now)
+        # the object cap; an adoption (evict=False) may pass it: evict() trims in policy order once all is in
+        if evict and self.max_objects and len(self._slot) + len(self._pending) >= self.max_objects:
+            parent_slot = self._slot.get(parent, -1) if parent else -1  # the new object's own anchor stays
+            self._evict_objects(int(self.low_watermark * self.max_objects), now, protect=parent_slot)
             if len(self._slot) + len(self._pending) >= self.max_objects:
                 raise CapacityError(
                     f"the index holds {self.max_objects} objects (its cap), all pinned, leased, pending or "
@@ -427,8 +429,7 @@ class PrefixIndex:
         if slot is None:
             return False
         self._drop(slot, reason, emit=False)
-        if not self._slot:
-            self._release_storage_if_empty()
+        self._release_storage_if_empty()
         return True
 
     def set_quota(self, tenant: str, max_bytes: int) -> None:
@@ -550,8 +551,8 @@ class PrefixIndex:
         return None if slot is None else self._info(slot)
 
     def rows(self, keys: Sequence[bytes]) -> list[LocationRow]:
-        """Compact location rows of committed keys (absent keys skipped), built column-wise: the fast
-        path for replies listing thousands of blocks. Never changes recency."""
+        """Location rows of committed keys (absent keys skipped), built column-wise (the master's
+        promotions on a hit read them). Never changes recency."""
         found = [(k, s) for k, s in ((k, self._slot.get(k)) for k in keys) if s is not None]
         if not found:
             return []
@@ -574,13 +575,6 @@ class PrefixIndex:
             )
             for i, (key, slot) in enumerate(found)
         ]
-
-    def count_on_tier(self, keys: Sequence[bytes], tier: Tier) -> int:
-        """How many of the committed ``keys`` sit on ``tier`` (routers credit SSD hits less)."""
-        slots = [s for s in map(self._slot.get, keys) if s is not None]
-        if not slots:
-            return 0
-        return int(np.count_nonzero(self._cols.tier[np.array(slots, dtype=np.int64)] == tier))
 
     def lookup(self, keys: Iterable[bytes], *, touch: bool = False) -> list[ObjectInfo | None]:
         """Info on committed objects in order (None where absent); ``touch`` as in match_prefix."""
@@ -622,6 +616,7 @@ class PrefixIndex:
         # slots whose object was dropped while leased are reusable only once the last lease lets go
         for s in slots[(c.leases[slots] == 0) & ((c.flags[slots] & SLOT_LIVE) == 0)]:
             self._free.append(int(s))
+        self._release_storage_if_empty()  # the index emptied while this lease held some of its slots
         return True
 
     def pin(self, keys: Iterable[bytes], ttl_ms: int) -> int:

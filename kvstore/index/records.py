@@ -89,7 +89,9 @@ class PrefixMatch:
     checkpoint_blocks: tuple[int, ...]  # every c <= mla_run_blocks with a checkpoint keyed by h_{c-1}
     mla_keys: tuple[bytes, ...]  # MLA keys of blocks [0, usable_blocks)
     checkpoint_key: bytes | None  # checkpoint closing block usable_blocks-1 (None if p = 0 or not required)
-    slots: tuple[int, ...] = ()  # the index slots of mla_keys, then of checkpoint_key (PrefixIndex.columns)
+    # the index slots of mla_keys, then of checkpoint_key (for PrefixIndex.columns): where the index keeps
+    # them, not what matched, so two equal matches may differ here
+    slots: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def blocks_lost_to_checkpoint(self) -> int:

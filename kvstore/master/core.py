@@ -798,6 +798,9 @@ def release_free_heap() -> bool:
     return True
 
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
 def process_rss_bytes() -> int:
     """This process's resident set (``/proc/self/statm``; 0 where there is none): the master's memory
     figure, exported so an operator sees it next to the object count it follows."""
@@ -807,5 +810,3 @@ def process_rss_bytes() -> int:
     except (OSError, IndexError, ValueError):
         return 0
 
-
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
