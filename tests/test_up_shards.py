@@ -146,6 +146,27 @@ def test_chains_are_cached_on_the_shard_their_route_names(up: ShardedUp) -> None
         assert text == COLD[i] and cached == 4 * BLOCK
 
 
+def test_a_chain_that_outgrows_the_depth_hits_on_its_new_shard(up: ShardedUp) -> None:
+    """A one-block prompt routes by its own block, the same prompt grown to four blocks by its second: on
+    another shard, whose put of the first block finds the bytes on the node already (held for the first
+    shard). The node shares them, so the grown chain is whole on its shard and hits from its second time."""
+    rng = random.Random(11)
+    while True:
+        short = [rng.randrange(3, 1000) for _ in range(BLOCK + 5)]
+        grown = short[:BLOCK] + [rng.randrange(3, 1000) for _ in range(3 * BLOCK + 9)]
+        if up.shard_of(short) != up.shard_of(grown):
+            break
+    cold_short, cached, _ = up.complete(short)
+    assert cached == 0
+    cold_grown, cached, _ = up.complete(grown)
+    assert cached == 0  # its shard has never seen block 0
+    for _ in range(2):
+        text, cached, _ = up.complete(grown)
+        assert text == cold_grown and cached == 4 * BLOCK
+    text, cached, _ = up.complete(short)  # and the short one still hits on its own shard
+    assert text == cold_short and cached == BLOCK
+
+
 def test_a_killed_shard_master_costs_only_its_chains(up: ShardedUp) -> None:
     """Last: SIGKILL shard 1's master. Its prompts are answered identically without cache, within the store
     deadline; every other prompt still hits."""
