@@ -9,11 +9,11 @@ import threading
 
 import numpy as np
 import pytest
-from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
+from kvpool.kvstore.client.async_client import AsyncStoreClient, LocatedPrefix, PutItem
 from kvpool.kvstore.client.sync_client import StoreClient
-from kvpool.kvstore.errors import CapacityExceededError, CorruptObjectError, ObjectNotFoundError
+from kvpool.kvstore.errors import CapacityExceededError, CorruptObjectError, ObjectNotFoundError, StoreError
 from kvpool.kvstore.keys import kda_key, mla_key
-from kvpool.proto import common_pb2
+from kvpool.proto import common_pb2, master_pb2
 from store_helpers import damage_pool_byte, start_master, start_node
 
 TRANSPORTS = ["tcp", "shm", "ucx"]
@@ -163,3 +163,31 @@ def test_remove_and_pin(client):
     assert not client.exists(key)
     with pytest.raises(ObjectNotFoundError):
         client.get(key)
+
+
+def test_a_located_prefix_with_missing_columns_is_a_store_error_not_a_crash() -> None:
+    """The master answers locations column-wise; a reply whose columns do not cover the usable objects
+    (another version, a broken peer) must surface as a StoreError (a miss), never an IndexError."""
+
+    hs = [bytes([i]) * 32 for i in range(3)]
+    ep = common_pb2.NodeEndpoint(node_id="n0", host="127.0.0.1", grpc_port=1)
+    good = master_pb2.MatchPrefixReply(
+        usable_blocks=2, mla_run_blocks=3, nodes=[ep], node=[0, 0, 0], size=[1, 2, 3], checksum=[7, 8, 9],
+        tier=[common_pb2.DRAM] * 3,
+    )  # fmt: skip
+    located = LocatedPrefix.of(good, hs, require_checkpoint=True)
+    assert [loc.meta.key for loc in located.mla] == [b"M" + hs[0], b"M" + hs[1]]
+    assert located.checkpoint is not None and located.checkpoint.meta.key == b"K" + hs[1]
+    assert [loc.meta.checksum for loc in located.mla] == [7, 8] and located.checkpoint.node.node_id == "n0"
+    short = master_pb2.MatchPrefixReply()
+    short.CopyFrom(good)
+    del short.size[-1]
+    with pytest.raises(StoreError, match="located"):
+        LocatedPrefix.of(short, hs, require_checkpoint=True)
+    bad_node = master_pb2.MatchPrefixReply()
+    bad_node.CopyFrom(good)
+    bad_node.node[0] = 5
+    with pytest.raises(StoreError):
+        LocatedPrefix.of(bad_node, hs, require_checkpoint=True)
+    none = LocatedPrefix.of(master_pb2.MatchPrefixReply(mla_run_blocks=1), hs, require_checkpoint=True)
+    assert none.usable_blocks == 0 and none.mla == [] and none.checkpoint is None

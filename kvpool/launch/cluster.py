@@ -270,6 +270,7 @@ class Cluster:
             policy=m.get("policy", "hybrid"),
             heartbeat_ms=int(m.get("heartbeat_ms", 500)),
             node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
+            extra=["--max-objects", str(int(m.get("max_objects", 0)))],
         )
 
     def _shard_flags(self, shard: int | None) -> list[str]:

@@ -76,6 +76,7 @@ CAPACITY_RETRIES = 4  # 50+100+200+400 ms: covers a master->node Delete in fligh
 # master link sees a silent master as a timeout and opens its breaker (master_link.py), instead of a
 # cancellation it cannot tell from a caller going away.
 RPC_SHARE_OF_BUDGET = 0.8
+NO_MAP_BACKOFF_S = 2.0  # masters without HA cannot name the fleet's shards: ask them again this much later
 TRANSPORT_CHOICES = ("auto", "tcp", "shm", "ucx")
 RDMA_SYSFS = Path("/sys/class/infiniband")
 log = logging.getLogger(__name__)
@@ -290,6 +291,8 @@ class AsyncStoreClient:
         self._links: list[MasterLink | None] = [None] * self.shards.count
         self._retiring: dict[asyncio.Task[None], MasterLink] = {}  # links of a shard set left behind
         self._lease_link: dict[str, MasterLink] = {}  # lease id -> the master that granted it (sharded only)
+        self._generation = 0  # bumped each time the shard set is followed (_follow)
+        self._no_map_until = 0.0  # no master named the fleet's shards: not asked again until then
         self._counters: dict[str, float] = {}
         self._pending_releases: set[asyncio.Task] = set()
 
@@ -321,10 +324,17 @@ class AsyncStoreClient:
             groups.setdefault(self._shard_of(bytes(key)), []).append(i)
         return groups
 
-    async def _follow(self) -> bool:
+    async def _follow(self, seen: int) -> bool:
         """A master said this client's shard set is stale (``ShardSetError`` / ``WrongShardError``): ask the
         masters (Describe) for the fleet's set and its shard leaders, and take them when one names them all
-        (masters with HA know them from etcd; without it the caller only gets the error). True on a change."""
+        (masters with HA know them from etcd; without it the caller only gets the error, and nobody is asked
+        again for ``NO_MAP_BACKOFF_S``). True when the set changed since generation ``seen`` (by this call
+        or a concurrent one): the caller sends its call once more."""
+        if self._generation != seen:
+            return True
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._no_map_until:
+            return False
         for shard in range(self.shards.count):
             try:
                 d = await self.link(shard).describe()
@@ -341,9 +351,11 @@ class AsyncStoreClient:
             self._shard_set = str(fleet) if fleet.sharded else ""
             for link in kept.values():  # the others are closed once calls in flight on them had their time
                 self._retiring[asyncio.get_running_loop().create_task(self._retire(link))] = link
+            self._generation += 1
             self._count("shard_set_followed")
             log.info("store client: following the fleet's shard set %s (%s)", fleet, d.shard_masters)
             return True
+        self._no_map_until = loop.time() + NO_MAP_BACKOFF_S
         return False
 
     async def _retire(self, link: MasterLink) -> None:
@@ -487,9 +499,10 @@ class AsyncStoreClient:
     async def _batch_put(self, items: list[PutItem]) -> list[StoreError | None]:
         """:meth:`_batch_put_routed`; items a master refused for a stale shard set are sent once more after
         following the fleet's (:meth:`_follow`)."""
+        seen = self._generation
         results = await self._batch_put_routed(items)
         stale = [i for i, r in enumerate(results) if isinstance(r, ShardSetError | WrongShardError)]
-        if stale and await self._follow():
+        if stale and await self._follow(seen):
             again = await self._batch_put_routed([items[i] for i in stale])
             for i, r in zip(stale, again, strict=True):
                 results[i] = r
@@ -748,10 +761,11 @@ class AsyncStoreClient:
         ``route``: with master shards, the route of the request's whole chain when ``block_hashes`` is only
         its head (default: the route of ``block_hashes``)."""
         ask = (block_hashes, tenant, require_checkpoint, acquire, lease_ms)
+        seen = self._generation
         try:
             return await self._match_prefix(*ask, route)
         except (ShardSetError, WrongShardError):
-            if not await self._follow():
+            if not await self._follow(seen):
                 raise
         return await self._match_prefix(*ask, None)  # the caller's route was computed with the old set
 
