@@ -128,7 +128,7 @@ class Cluster:
         shards: int | None = None,
     ) -> None:
         self.config = config or load_config()
-        m = self.config["master"]
+        m = self.config.get("master", {})
         self.shards = ShardSet(
             int(m.get("shards", 1)) if shards is None else shards, int(m.get("shard_depth", 2))
         )
