@@ -16,7 +16,7 @@ import httpx
 import pytest
 import xxhash
 import yaml
-from kvpool.kvstore.client.async_client import TransportSelector
+from kvpool.kvstore.transport.selector import TransportSelector
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from kvpool.worker.client import DisaggClient
 from kvpool.worker.handoff import PrefillRequest

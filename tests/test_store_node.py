@@ -12,8 +12,8 @@ import grpc
 import pytest
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvpool.kvstore.client.async_client import TransportSelector
 from kvpool.kvstore.errors import CapacityExceededError, ObjectNotFoundError
+from kvpool.kvstore.transport.selector import TransportSelector
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from store_helpers import location, start_node
 

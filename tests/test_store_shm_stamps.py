@@ -16,12 +16,12 @@ import grpc
 import numpy as np
 import pytest
 import xxhash
-from kvpool.kvstore.client.async_client import TransportSelector
 from kvpool.kvstore.errors import ObjectNotFoundError
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.protocol.data_frame import OP_GET, Frame, encode
 from kvpool.kvstore.protocol.shm_segment import StampReader, default_slots
 from kvpool.kvstore.transport.base import Deadlines
+from kvpool.kvstore.transport.selector import TransportSelector
 from kvpool.kvstore.transport.shm import ShmTransport
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 from store_helpers import location, start_node

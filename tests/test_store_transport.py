@@ -13,7 +13,6 @@ import uuid
 import numpy as np
 import pytest
 import xxhash
-from kvpool.kvstore.client.async_client import TransportSelector, has_rdma_device
 from kvpool.kvstore.errors import (
     BadRequestError,
     ChecksumMismatchError,
@@ -27,6 +26,7 @@ from kvpool.kvstore.errors import (
 )
 from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, decode_header
 from kvpool.kvstore.transport.base import Deadlines
+from kvpool.kvstore.transport.selector import TransportSelector, has_rdma_device
 from kvpool.proto import common_pb2, node_pb2
 from store_helpers import NodeProc, damage_pool_byte, location, start_node
 
