@@ -17,7 +17,7 @@ import sys
 
 from kvpool.gateway.router import POLICIES
 from kvpool.gateway.settings import GatewaySettings
-from kvpool.kvstore.shards import DEFAULT_DEPTH
+from kvpool.kvstore.shards import add_depth_flag
 
 READY_POLL_S = 0.02
 
@@ -35,12 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="store master (cache-aware routing, store metrics); master shards as SHARD0;SHARD1;...",
     )
-    p.add_argument(
-        "--shard-depth",
-        type=int,
-        default=DEFAULT_DEPTH,
-        help=f"with master shards: blocks of a chain that choose its shard (default {DEFAULT_DEPTH})",
-    )
+    add_depth_flag(p)
     p.add_argument("--model", default=d.model, help="'tiny' or a checkpoint directory (tokenizer, config)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--fingerprint", default=None, help="model fingerprint hex (a worker's readiness line)")

@@ -24,7 +24,7 @@ from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.master.core import MasterConfig
 from kvpool.kvstore.master.state import StateFileError
-from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, ShardSetError
+from kvpool.kvstore.shards import ShardSet, ShardSetError, add_depth_flag
 from kvpool.runtime.lifecycle import serve_until_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
 
@@ -149,12 +149,7 @@ def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
     sh = p.add_argument_group("master shards (docs/design/sharding.md)")
     sh.add_argument("--shards", type=int, default=1, help="how many master shards the fleet has (default 1)")
     sh.add_argument("--shard", type=int, default=0, help="the shard this master serves, 0..SHARDS-1")
-    sh.add_argument(
-        "--shard-depth",
-        type=int,
-        default=DEFAULT_DEPTH,
-        help=f"blocks of a chain that choose its shard (default {DEFAULT_DEPTH}); the same on every party",
-    )
+    add_depth_flag(sh)
     ha = p.add_argument_group("high availability (etcd)")
     ha.add_argument(
         "--etcd",
@@ -270,12 +265,7 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--no-master", action="store_true", help="standalone node (transport tests, benchmarks)"
     )
-    p.add_argument(
-        "--shard-depth",
-        type=int,
-        default=DEFAULT_DEPTH,
-        help=f"with master shards: blocks of a chain that choose its shard (default {DEFAULT_DEPTH})",
-    )
+    add_depth_flag(p)
     p.add_argument("--capacity", default="1GiB", type=_size, help="DRAM pool size (default 1GiB)")
     p.add_argument(
         "--transport",

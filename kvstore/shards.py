@@ -20,6 +20,7 @@ and when parameters disagree, :meth:`ShardSet.require_same` names both.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,6 +97,17 @@ class ShardSet:
 
     def __str__(self) -> str:
         return f"{self.count}x{self.depth}"
+
+
+def add_depth_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--shard-depth``, as every party (masters, nodes, workers, gateway) takes it: they must agree."""
+    parser.add_argument(
+        "--shard-depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help=f"with master shards: blocks of a chain that choose its shard (default {DEFAULT_DEPTH}; the "
+        "same on every party)",
+    )
 
 
 def master_groups(spec: str) -> list[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient
-from kvpool.kvstore.shards import DEFAULT_DEPTH
+from kvpool.kvstore.shards import add_depth_flag
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
 from kvpool.model.tokenizer import load_tokenizer
@@ -53,12 +53,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any; see the readiness line)")
     p.add_argument("--block-size", type=int, default=64, help="hash block size (multiple of 64)")
     p.add_argument("--transport", default="auto", help="store data plane: auto|tcp|shm|ucx")
-    p.add_argument(
-        "--shard-depth",
-        type=int,
-        default=DEFAULT_DEPTH,
-        help=f"with master shards: blocks of a chain that choose its shard (default {DEFAULT_DEPTH})",
-    )
+    add_depth_flag(p)
     p.add_argument(
         "--on-cache-error",
         choices=ON_CACHE_ERROR,
