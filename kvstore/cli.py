@@ -23,7 +23,9 @@ from pathlib import Path
 from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.master.core import MasterConfig
+from kvpool.kvstore.master.kv_events_config import KvEventsConfig, KvEventsConfigError
 from kvpool.kvstore.master.state import StateFileError
+from kvpool.kvstore.protocol.kv_events_wire import HashFormat
 from kvpool.kvstore.shards import ShardSet, ShardSetError, add_depth_flag
 from kvpool.runtime.lifecycle import serve_until_signal
 from kvpool.runtime.metrics_http import MetricsHttpServer
@@ -165,8 +167,74 @@ def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
         help="where clients reach this master (default: --host and the bound port)",
     )
     ha.add_argument("--lease-ttl", type=int, default=2, help="leader lease in seconds (etcd minimum 2)")
+    _add_kv_events_flags(p)
     p.add_argument("--log-level", default="INFO", help="stderr log level")
     p.set_defaults(func=_run_master)
+
+
+def _add_kv_events_flags(p: argparse.ArgumentParser) -> None:
+    ev = p.add_argument_group("KV events for external routers, vLLM's format (docs/design/kv_events.md)")
+    ev.add_argument(
+        "--kv-events",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="publish the index's block events on this ZMQ PUB address (port 0 = any; off by default)",
+    )
+    ev.add_argument(
+        "--kv-events-replay",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="ZMQ ROUTER address for replay requests and snapshots (port 0 = any)",
+    )
+    ev.add_argument("--kv-events-topic", default="kvpool", help="topic prefix: PREFIX/SHARD/INCARNATION")
+    ev.add_argument(
+        "--kv-events-block-size", type=int, default=64, help="tokens per block, as the workers hash them"
+    )
+    ev.add_argument(
+        "--kv-events-hashes",
+        choices=[f.value for f in HashFormat],
+        default=HashFormat.BYTES.value,
+        help="block hashes as the 32 bytes, or vLLM's int64 form (Dynamo takes only that)",
+    )
+    ev.add_argument(
+        "--kv-events-medium",
+        choices=["tier", "shared"],
+        default="tier",
+        help="tier: DRAM=CPU, SSD=STORAGE, tier moves are events; shared: everything EXTERNAL",
+    )
+    ev.add_argument("--kv-events-buffer", type=int, default=10_000, help="batches kept for replay")
+    ev.add_argument(
+        "--kv-events-queue", type=int, default=10_000, help="batches waiting to be sent before new ones drop"
+    )
+    ev.add_argument("--kv-events-hwm", type=int, default=100_000, help="ZMQ PUB high-water mark (messages)")
+    ev.add_argument(
+        "--kv-events-heartbeat-ms",
+        type=int,
+        default=1000,
+        help="an idle stream sends an empty batch this often, so consumers notice restarts (0 = never)",
+    )
+
+
+def _kv_events_config(args: argparse.Namespace) -> KvEventsConfig | None:
+    """The ``--kv-events*`` flags; None when events are off. KvEventsConfigError if unusable."""
+    if args.kv_events is None:
+        if args.kv_events_replay is not None:
+            raise KvEventsConfigError("--kv-events-replay needs --kv-events")
+        return None
+    config = KvEventsConfig(
+        endpoint=args.kv_events,
+        replay_endpoint=args.kv_events_replay,
+        topic_prefix=args.kv_events_topic,
+        block_size=args.kv_events_block_size,
+        hash_format=HashFormat(args.kv_events_hashes),
+        shared_medium=args.kv_events_medium == "shared",
+        buffer_batches=args.kv_events_buffer,
+        queue_batches=args.kv_events_queue,
+        hwm=args.kv_events_hwm,
+        heartbeat_ms=args.kv_events_heartbeat_ms,
+    )
+    config.validate()
+    return config
 
 
 def _master_config(args: argparse.Namespace) -> MasterConfig:
@@ -208,6 +276,7 @@ def _run_master(args: argparse.Namespace) -> int:
             )
         if args.etcd and args.lease_ttl < 2:
             raise ValueError("--lease-ttl must be at least 2 s (etcd's minimum lease)")
+        args.kv_events_config = _kv_events_config(args)
     except ValueError as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)
         return 2
@@ -223,7 +292,7 @@ async def _serve(
 ) -> int:
     from kvpool.kvstore.master.server import MasterServer
 
-    server = MasterServer(config, host, port)
+    server = MasterServer(config, host, port, kv_events=args.kv_events_config)
     ha = None
     if args.etcd:  # gated before the first call can arrive: a standby must never serve as a leader
         from kvpool.kvstore.master.ha import HaConfig, HaMaster
@@ -237,6 +306,9 @@ async def _serve(
         ready = {"port": bound, "host": host, "policy": config.policy}
         if config.shards.sharded:
             ready["shard"] = {"index": config.shard, "set": str(config.shards)}
+        if server.kv_events is not None:
+            ev = server.kv_events
+            ready["kv_events"] = {"endpoint": ev.endpoint, "replay": ev.replay_endpoint, "topic": ev.topic}
         if ha is not None:
             await ha.start(f"{host}:{bound}")
             ready["ha"] = {"group": ha.group, "advertise": ha.advertise, "etcd": args.etcd}

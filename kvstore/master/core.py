@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvpool.kvstore.errors import (
     BadRequestError,
@@ -63,6 +63,9 @@ from kvpool.kvstore.master.state import StateStore
 from kvpool.kvstore.shards import ShardSet
 from kvpool.proto import common_pb2, master_pb2
 from kvpool.runtime import cluster_auth
+
+if TYPE_CHECKING:
+    from kvpool.kvstore.master.kv_event_recorder import KvEventRecorder
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +156,7 @@ class OpenPut:
     node_id: str
     deadline: float
     checksum_at_commit: bool = False  # the writer declares the checksum in PutCommit (hashed while copying)
+    token_ids: list[int] | None = None  # KV events: the block's tokens, if the writer sent them
 
 
 @dataclass(slots=True)
@@ -200,6 +204,8 @@ class MasterCore:
         # StateFileError if unreadable: refuse to start. With HA the caller passes the state read from etcd.
         self.state = state if state is not None else StateStore(self.config.state_path)
         self.epoch = epoch  # HA leadership epoch (0 = no HA): on every put placement and node order
+        # KV events (--kv-events): told of every block stored, moved or dropped; None = not published
+        self.events: KvEventRecorder | None = None
         for tenant, max_bytes in self.state.state.quotas.items():
             self.index.set_quota(tenant, max_bytes)
 
@@ -270,6 +276,8 @@ class MasterCore:
             self._queue(node_id, NodeAction.DELETE, meta.key)
             return False
         self._restore_pin(meta.key)
+        if self.events is not None:
+            self.events.stored(meta.key)
         return True
 
     def _prepare_bulk_adoption(self, objects: int) -> None:
@@ -315,14 +323,20 @@ class MasterCore:
         """Drop a node and everything indexed on it (dead, or about to re-adopt its inventory)."""
         self._nodes.pop(node_id, None)
         self._outbox.pop(node_id, None)
+        pending: set[bytes] = set()
         for put_id in [p.put_id for p in self._puts.values() if p.node_id == node_id]:
             put = self._puts.pop(put_id)
             if self._put_of_key.get(put.key) == put_id:
                 del self._put_of_key[put.key]
+                pending.add(put.key)
         try:
             dropped = self.index.remove_node(node_id)
         except UnknownNodeError:
             return 0
+        if self.events is not None:
+            for gone in dropped:
+                if gone.key not in pending:
+                    self.events.removed(gone.key, gone.tier)
         self.count(f"objects_dropped_{reason}", len(dropped))
         if len(dropped) >= BULK_ADOPTION_OBJECTS:  # their memory goes back to the OS over the next sweeps
             self._trim_sweeps_left = TRIM_SWEEPS_AFTER_BULK
@@ -352,6 +366,8 @@ class MasterCore:
             # a reader found it corrupt: drop it and place the new copy elsewhere if any node can take it,
             # so the delete of the bad copy cannot race with the new bytes on the same node
             self.index.remove(meta.key)
+            if self.events is not None:
+                self.events.removed(meta.key, existing.tier)
             self._queue(existing.node_id, NodeAction.DELETE, meta.key)
             replacing = existing.node_id
             self.count("puts_replacing_corrupt")
@@ -382,7 +398,8 @@ class MasterCore:
         self._put_seq += 1
         put_id = f"{self.instance}-{self._put_seq}"
         deadline = self._clock() + self.config.put_deadline_ms / 1000.0
-        self._puts[put_id] = OpenPut(put_id, meta.key, node_id, deadline, req.checksum_at_commit)
+        tokens = list(req.token_ids) if self.events is not None and req.token_ids else None
+        self._puts[put_id] = OpenPut(put_id, meta.key, node_id, deadline, req.checksum_at_commit, tokens)
         self._put_of_key[meta.key] = put_id
         self.count("puts_started")
         return Reply(
@@ -403,6 +420,8 @@ class MasterCore:
         except UnknownKeyError:  # its TTL ran out before the commit (the node was told to delete it)
             raise ObjectNotFoundError(f"put {req.put_id!r} expired before its commit") from None
         self._restore_pin(put.key)
+        if self.events is not None:
+            self.events.stored(put.key, put.token_ids)
         self._absorb_index_events()
         self.count("puts_committed")
         return master_pb2.PutCommitReply()
@@ -555,6 +574,8 @@ class MasterCore:
         """A fetch is coming: bring SSD objects back to DRAM in the index and tell their nodes."""
         for obj in on_ssd:
             if self.index.promote(obj.key):
+                if self.events is not None:
+                    self.events.moved(obj.key, Tier.SSD)
                 self._queue(obj.node_id, NodeAction.PROMOTE, obj.key)
                 self.count("promotions")
         self._absorb_index_events()
@@ -569,6 +590,8 @@ class MasterCore:
             if put_id is not None:
                 self._puts.pop(put_id, None)
             self.index.remove(key)
+            if self.events is not None and info.committed:
+                self.events.removed(key, info.tier)
             self._queue(info.node_id, NodeAction.DELETE, key)
             removed += 1
         self.count("removed", removed)
@@ -604,7 +627,11 @@ class MasterCore:
             bytes_per_tier=st.bytes_per_tier,
             bytes_per_tenant=st.bytes_per_tenant,
             policy=st.policy,
-            counters={**self.counters, **cluster_auth.rejection_counters()},
+            counters={
+                **self.counters,
+                **cluster_auth.rejection_counters(),
+                **(self.events.counters() if self.events is not None else {}),
+            },
             demotions=st.demotions,
             expired=st.expired,
             admission_rate=None if self.index.admission is None else self.index.admission.rate,
@@ -665,6 +692,8 @@ class MasterCore:
             info = self.index.get(key)
             if info is not None and info.node_id == node_id and info.tier == Tier.SSD:
                 self.index.remove(key, reason="demote_failed")
+                if self.events is not None:
+                    self.events.removed(key, Tier.SSD)
                 self._queue(node_id, NodeAction.DELETE, key)
                 self.count("demotions_failed")
 
@@ -679,6 +708,11 @@ class MasterCore:
     def _on_removal(self, ev: Removal) -> None:
         if ev.reason == "node_lost":
             return
+        if self.events is not None and ev.key not in self._put_of_key:  # (a pending put was never stored)
+            if ev.demoted:
+                self.events.moved(ev.key, ev.tier)
+            else:
+                self.events.removed(ev.key, ev.tier)
         self._queue(ev.node_id, NodeAction.DEMOTE if ev.demoted else NodeAction.DELETE, ev.key)
 
     def _endpoint(self, node_id: str) -> common_pb2.NodeEndpoint:

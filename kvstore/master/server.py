@@ -15,6 +15,8 @@ import logging
 from collections.abc import Callable
 
 from kvpool.kvstore.master.core import MasterConfig, MasterCore, NodeAction
+from kvpool.kvstore.master.kv_event_publisher import KvEventPublisher
+from kvpool.kvstore.master.kv_events_config import KvEventsConfig
 from kvpool.kvstore.master.node_notifier import NodeNotifier
 from kvpool.kvstore.master.wire_server import MasterWireServer
 from kvpool.proto import master_pb2
@@ -43,7 +45,13 @@ _COUNTERS = (
 class MasterServer:
     """A running master: ``port = await server.start()`` ... ``await server.stop()``."""
 
-    def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        config: MasterConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        kv_events: KvEventsConfig | None = None,
+    ) -> None:
         self.config = config or MasterConfig()
         self.host = host
         self.requested_port = port
@@ -57,6 +65,8 @@ class MasterServer:
         self.sweep_interval_s = self.config.sweep_ms / 1000.0
         self.port = 0
         self._sweeper: asyncio.Task[None] | None = None
+        # --kv-events: the index's changes as vLLM KV events (docs/design/kv_events.md); None = off
+        self.kv_events = KvEventPublisher(kv_events, self.config.shard) if kv_events is not None else None
 
     @property
     def core(self) -> MasterCore:
@@ -67,9 +77,15 @@ class MasterServer:
         """HA: serve from ``core`` from now on; the old one's state (and unsent node orders) is dropped."""
         self.core.take_actions()
         self.wire.core = core
+        if self.kv_events is not None and self.kv_events.started:
+            self.kv_events.attach(core)  # a new incarnation: consumers start over
 
     async def start(self) -> int:
-        """Listen; returns the bound port (``port`` 0 picks a free one). Raises OSError."""
+        """Listen; returns the bound port (``port`` 0 picks a free one). Raises OSError (zmq.ZMQError for a
+        KV-events address that cannot be bound)."""
+        if self.kv_events is not None:
+            self.kv_events.start(asyncio.get_running_loop())
+            self.kv_events.attach(self.core)
         self.port = await self.wire.start(self.host, self.requested_port)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
         log.info("master serving on %s:%d (policy %s)", self.host, self.port, self.config.policy)
@@ -82,6 +98,8 @@ class MasterServer:
         await self.wire.close()
         await self.notifier.idle(timeout_s=grace_s)
         await self.notifier.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     def metrics_text(self) -> bytes:
         """The core's Stats as Prometheus text (format 0.0.4)."""

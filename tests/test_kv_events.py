@@ -1,0 +1,305 @@
+"""KV events (docs/design/kv_events.md): a real master process publishes, real ZMQ sockets consume.
+
+What is proven here: the vLLM mapping (stored on commit with tokens, salt and the hybrid group, removed
+on remove / node loss, cleared on a new life), that the reference subscriber's mirror answers match_prefix
+as the master does, recovery (replay, snapshot after a stale request, a new incarnation after a restart)
+and bad input (a subscriber that never reads does not slow the master; malformed replay requests are
+counted and ignored).
+The same stream decoded with vLLM's own classes: tests/vllm_connector/test_kv_events_vllm.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from kvpool.kvstore.client.kv_events import KvEventSubscriber
+from kvpool.kvstore.keys import kda_key, mla_key
+from kvpool.kvstore.protocol.kv_events_wire import GROUP_CHECKPOINT, GROUP_MLA, decode_seq, encode_seq
+from kvpool.proto import common_pb2, master_pb2
+
+from tests.harness.master_proc import MasterProcess, ProbeNode, wait_until
+
+BLOCK = 4  # tokens per block in these tests (the events' block_size)
+FAST = ("--heartbeat-ms", "50", "--node-timeout-ms", "400", "--sweep-ms", "50")
+
+
+def chain(n: int, seed: str) -> list[bytes]:
+    out, prev = [], seed.encode()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev)
+    return out
+
+
+def tokens_of(i: int) -> list[int]:
+    return list(range(i * BLOCK, (i + 1) * BLOCK))
+
+
+def put_chain(
+    m: MasterProcess,
+    hs: list[bytes],
+    checkpoints: tuple[int, ...] = (),
+    tenant: str = "",
+    tokens: bool = True,
+) -> list[common_pb2.ObjectMeta]:
+    """One PutStartBatch + PutCommitBatch for a chain's MLA blocks (with their tokens) and checkpoints
+    (``checkpoints``: usable block counts, i.e. a checkpoint closing block c-1)."""
+    metas, items, parent = [], [], b""
+    for i, h in enumerate(hs):
+        md = common_pb2.ObjectMeta(
+            key=mla_key(h), kind=common_pb2.MLA_BLOCK, size=100, checksum=7, tenant=tenant, parent=parent
+        )
+        items.append(master_pb2.PutStartRequest(meta=md, token_ids=tokens_of(i) if tokens else []))
+        metas.append(md)
+        parent = mla_key(h)
+        if i + 1 in checkpoints:
+            ck = common_pb2.ObjectMeta(
+                key=kda_key(h), kind=common_pb2.KDA_CHECKPOINT, size=400, checksum=7, tenant=tenant
+            )
+            items.append(master_pb2.PutStartRequest(meta=ck))
+            metas.append(ck)
+    started = m.call("PutStartBatch", master_pb2.PutStartBatchRequest(items=items))
+    put_ids = [s.put_id for s in started.items]
+    assert all(put_ids) and not any(e.code for e in started.errors)
+    committed = m.call("PutCommitBatch", master_pb2.PutCommitBatchRequest(put_ids=put_ids))
+    assert not any(e.code for e in committed.errors)
+    return metas
+
+
+def master_match(m: MasterProcess, hs: list[bytes], require_checkpoint: bool = True) -> tuple[int, int]:
+    reply = m.call(
+        "MatchPrefix",
+        master_pb2.MatchPrefixRequest(
+            block_hashes=hs, require_checkpoint=require_checkpoint, counts_only=True
+        ),
+    )
+    return reply.usable_blocks, reply.mla_run_blocks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_master(tmp_path: Path, *extra: str, pub: str = "tcp://127.0.0.1:0") -> MasterProcess:
+    return MasterProcess(
+        tmp_path,
+        *FAST,
+        "--kv-events",
+        pub,
+        "--kv-events-replay",
+        extra[extra.index("--replay") + 1] if "--replay" in extra else "tcp://127.0.0.1:0",
+        "--kv-events-block-size",
+        str(BLOCK),
+        *[a for i, a in enumerate(extra) if a != "--replay" and (i == 0 or extra[i - 1] != "--replay")],
+    )
+
+
+def endpoints(m: MasterProcess) -> tuple[str, str]:
+    ev = m.child.ready["kv_events"]
+    return ev["endpoint"], ev["replay"]
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MasterProcess]:
+    m = start_master(tmp_path, "--kv-events-buffer", "4")
+    yield m
+    m.kill()
+
+
+@pytest.fixture
+def node(master: MasterProcess) -> Iterator[ProbeNode]:
+    n = ProbeNode("n0", master, dram=10_000_000)
+    n.register()
+    n.start_heartbeats()
+    yield n
+    n.close()
+
+
+def subscriber(m: MasterProcess, **kw: object) -> KvEventSubscriber:
+    pub, replay = endpoints(m)
+    sub = KvEventSubscriber(pub, replay, **kw)  # type: ignore[arg-type]
+    time.sleep(0.2)  # ZMQ's slow joiner: a SUB sees messages only once its connection is up
+    return sub
+
+
+def settle(sub: KvEventSubscriber, until, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "the stream did not get there"
+        sub.poll(0.05)
+
+
+def test_stored_removed_and_the_hybrid_form_mirror_match_prefix(
+    master: MasterProcess, node: ProbeNode
+) -> None:
+    raw = zmq.Context.instance().socket(zmq.SUB)
+    raw.setsockopt(zmq.SUBSCRIBE, b"")
+    raw.connect(endpoints(master)[0])
+    sub = subscriber(master)
+    hs = chain(6, "a")
+    put_chain(master, hs, checkpoints=(2, 5), tenant="acme")
+    settle(sub, lambda: len(sub.blocks[GROUP_MLA]) == 6 and len(sub.blocks[GROUP_CHECKPOINT]) == 2)
+    # the raw events: one BlockStored for the whole run (tokens, salt, positions), one per checkpoint
+    stored = []
+    while raw.poll(1000):
+        tpc, _, payload = raw.recv_multipart()
+        ts, events, rank = msgpack.unpackb(payload)
+        assert tpc.startswith(b"kvpool/0/") and rank == 0 and abs(time.time() - ts) < 5
+        stored += [e for e in events if e["type"] == "BlockStored"]
+        if len(stored) >= 3:
+            break
+    runs = [e for e in stored if e["group_idx"] == GROUP_MLA]
+    assert len(runs) == 1 and runs[0]["block_hashes"] == hs and runs[0]["parent_block_hash"] is None
+    assert runs[0]["token_ids"] == [t for i in range(6) for t in tokens_of(i)]
+    assert runs[0]["block_size"] == BLOCK and runs[0]["medium"] == "CPU" and runs[0]["block_index"] == 0
+    assert runs[0]["extra_keys"] == [["acme"]] * 6 and runs[0]["kv_cache_spec_kind"] == "mla_attention"
+    ckpts = sorted((e for e in stored if e["group_idx"] == GROUP_CHECKPOINT), key=lambda e: e["block_index"])
+    assert [(e["block_hashes"], e["block_index"], e["kv_cache_spec_kind"]) for e in ckpts] == [
+        ([hs[1]], 1, "mamba"),
+        ([hs[4]], 4, "mamba"),
+    ]
+    assert ckpts[0]["parent_block_hash"] == hs[0], "a checkpoint names its block's parent"
+    assert sub.block_index[hs[5]] == 5 and sub.token_ids[hs[3]] == tokens_of(3)
+    # the joint rule from the mirror equals the master's
+    for probe in (hs, hs[:4], hs[:1]):
+        for rule in (True, False):
+            assert sub.match_prefix(probe, rule) == master_match(master, probe, rule)
+    assert sub.match_prefix(hs) == (5, 6)
+    # a removal (the checkpoint at 5): usable falls back to 2 on both sides
+    master.call("Remove", master_pb2.RemoveRequest(keys=[kda_key(hs[4])]))
+    settle(sub, lambda: len(sub.blocks[GROUP_CHECKPOINT]) == 1)
+    assert sub.match_prefix(hs) == master_match(master, hs) == (2, 6)
+    # node lost: everything it held is removed
+    node.stop_heartbeats()
+    settle(sub, lambda: not sub.blocks[GROUP_MLA] and not sub.blocks[GROUP_CHECKPOINT])
+    assert sub.match_prefix(hs) == master_match(master, hs) == (0, 0)
+    assert sub.stats.gaps == 1 and sub.stats.snapshots == 0, (
+        "joined after batch 0: one replay from the buffer"
+    )
+    sub.close()
+    raw.close(0)
+
+
+def test_stale_subscriber_converges_by_snapshot_and_never_slows_the_master(
+    master: MasterProcess, node: ProbeNode
+) -> None:
+    # a subscriber that never reads, with a tiny queue: ZMQ drops for it alone
+    ctx = zmq.Context.instance()
+    deaf = ctx.socket(zmq.SUB)
+    deaf.setsockopt(zmq.RCVHWM, 1)
+    deaf.setsockopt(zmq.SUBSCRIBE, b"")
+    deaf.connect(endpoints(master)[0])
+    put_chain(master, chain(2, "first"), checkpoints=(2,))
+    chains = [chain(8, f"c{i}") for i in range(40)]
+    slowest = 0.0
+    for hs in chains:
+        t = time.monotonic()
+        put_chain(master, hs, checkpoints=(4, 8))
+        slowest = max(slowest, time.monotonic() - t)
+    assert slowest < 1.0, f"a put batch took {slowest:.2f}s with a deaf subscriber"
+    late = subscriber(master)  # joins late: its first message is not seq 0 of this life -> replay(0)
+    master.call("Remove", master_pb2.RemoveRequest(keys=[kda_key(chains[0][7])]))  # one more batch
+    t = time.monotonic()
+    settle(late, lambda: late.stats.snapshots >= 1 and late.last_seq >= 0)
+    settle(late, lambda: len(late.blocks[GROUP_MLA]) == 2 + 40 * 8)
+    took = time.monotonic() - t
+    assert took < 3.0
+    assert late.stats.snapshots == 1, "replay from 0 with 4 batches buffered is the snapshot path"
+    for hs in [*chains[:5], chain(2, "first")]:
+        assert late.match_prefix(hs) == master_match(master, hs)
+    assert late.match_prefix(chains[0]) == (4, 8)
+    counters = master.stats().counters
+    assert counters["kv_events_snapshots"] == 1 and counters["kv_events_snapshot_blocks"] >= 2 + 40 * 10
+    assert counters["kv_events_published_blocks"] >= 2 + 40 * 10
+    late.close()
+    deaf.close(0)
+
+
+def test_replay_from_buffer_and_malformed_requests_are_counted(
+    master: MasterProcess, node: ProbeNode
+) -> None:
+    sub = subscriber(master)
+    for i in range(3):
+        put_chain(master, chain(3, f"r{i}"))
+    settle(sub, lambda: len(sub.blocks[GROUP_MLA]) == 9)
+    last = sub.last_seq
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoints(master)[1])
+    # malformed: wrong frame count, wrong length, a negative start
+    dealer.send_multipart([b"", b"abc"])
+    dealer.send_multipart([b"", encode_seq(1), b"extra"])
+    dealer.send_multipart([b"", encode_seq(-5)])
+    dealer.send_multipart([b"garbage"])
+    # a good one within the buffer (4 batches): the buffered batches, then -1
+    dealer.send_multipart([b"", encode_seq(last - 1)])
+    got = []
+    while True:
+        assert dealer.poll(3000), "no replay answer"
+        _, tpc, seq, _ = dealer.recv_multipart()
+        if decode_seq(seq) == -1:
+            break
+        assert not tpc.endswith(b"/snapshot")
+        got.append(decode_seq(seq))
+    assert got[:2] == [last - 1, last] and got == list(range(last - 1, last - 1 + len(got)))  # (+ heartbeats)
+    wait_until(lambda: master.stats().counters.get("kv_events_replay_malformed", 0) == 4, timeout_s=3.0)
+    assert master.stats().counters["kv_events_snapshots"] == 0
+    put_chain(master, chain(2, "after"))  # the master and the stream go on
+    settle(sub, lambda: len(sub.blocks[GROUP_MLA]) == 11)
+    dealer.close(0)
+    sub.close()
+
+
+def test_a_restarted_master_is_a_new_incarnation_and_adopted_blocks_are_stored(tmp_path: Path) -> None:
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    m1 = start_master(tmp_path, "--replay", replay, pub=pub)
+    node = ProbeNode("n0", m1, dram=10_000_000)
+    try:
+        node.register()
+        node.start_heartbeats()  # (to whichever master node.master names)
+        sub = subscriber(m1)
+        hs = chain(5, "life")
+        metas = put_chain(m1, hs, checkpoints=(3,))
+        settle(sub, lambda: len(sub.blocks[GROUP_MLA]) == 5)
+        first = sub.topic
+        m1.kill()
+        m2 = start_master(tmp_path, "--replay", replay, pub=pub)
+        try:
+            node.master = m2
+            # the new life's batch 0 (AllBlocksCleared) went out before the subscriber's SUB reconnected;
+            # the idle heartbeat batch (every 1 s) has the new topic and is not seq 0: replay from 0, cleared
+            settle(sub, lambda: sub.topic != first and not sub.blocks[GROUP_MLA], timeout_s=10.0)
+            assert sub.stats.incarnations == 2
+            # the node re-registers with part of what it held (children first on purpose)
+            kept = [
+                md
+                for md in metas
+                if md.key in (mla_key(hs[0]), mla_key(hs[1]), mla_key(hs[2]), kda_key(hs[2]))
+            ]
+            assert node.register(list(reversed(kept))).adopted_objects == 4
+            settle(sub, lambda: len(sub.blocks[GROUP_CHECKPOINT]) == 1)
+            assert sub.stats.incarnations == 2 and len(sub.blocks[GROUP_MLA]) == 3
+            assert sub.match_prefix(hs) == master_match(m2, hs) == (3, 3)
+        finally:
+            m2.kill()
+        sub.close()
+    finally:
+        node.close()
+
+
+def test_bad_kv_events_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.kvstore.cli import main
+
+    assert main(["master", "--kv-events", "localhost:5557"]) == 2
+    assert "--kv-events needs a ZMQ address" in capsys.readouterr().err
+    assert main(["master", "--kv-events-replay", "tcp://127.0.0.1:0"]) == 2
+    assert "--kv-events-replay needs --kv-events" in capsys.readouterr().err
