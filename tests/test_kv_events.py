@@ -10,8 +10,6 @@ The same stream decoded with vLLM's own classes: tests/vllm_connector/test_kv_ev
 
 from __future__ import annotations
 
-import hashlib
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,93 +17,23 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from kvpool.kvstore.client.kv_events import KvEventSubscriber
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.protocol.kv_events_wire import GROUP_CHECKPOINT, GROUP_MLA, decode_seq, encode_seq
-from kvpool.proto import common_pb2, master_pb2
+from kvpool.proto import master_pb2
 
+from tests.harness.kv_events import (
+    BLOCK,
+    chain,
+    endpoints,
+    free_port,
+    master_match,
+    put_chain,
+    settle,
+    start_master,
+    subscriber,
+    tokens_of,
+)
 from tests.harness.master_proc import MasterProcess, ProbeNode, wait_until
-
-BLOCK = 4  # tokens per block in these tests (the events' block_size)
-FAST = ("--heartbeat-ms", "50", "--node-timeout-ms", "400", "--sweep-ms", "50")
-
-
-def chain(n: int, seed: str) -> list[bytes]:
-    out, prev = [], seed.encode()
-    for i in range(n):
-        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
-        out.append(prev)
-    return out
-
-
-def tokens_of(i: int) -> list[int]:
-    return list(range(i * BLOCK, (i + 1) * BLOCK))
-
-
-def put_chain(
-    m: MasterProcess,
-    hs: list[bytes],
-    checkpoints: tuple[int, ...] = (),
-    tenant: str = "",
-    tokens: bool = True,
-) -> list[common_pb2.ObjectMeta]:
-    """One PutStartBatch + PutCommitBatch for a chain's MLA blocks (with their tokens) and checkpoints
-    (``checkpoints``: usable block counts, i.e. a checkpoint closing block c-1)."""
-    metas, items, parent = [], [], b""
-    for i, h in enumerate(hs):
-        md = common_pb2.ObjectMeta(
-            key=mla_key(h), kind=common_pb2.MLA_BLOCK, size=100, checksum=7, tenant=tenant, parent=parent
-        )
-        items.append(master_pb2.PutStartRequest(meta=md, token_ids=tokens_of(i) if tokens else []))
-        metas.append(md)
-        parent = mla_key(h)
-        if i + 1 in checkpoints:
-            ck = common_pb2.ObjectMeta(
-                key=kda_key(h), kind=common_pb2.KDA_CHECKPOINT, size=400, checksum=7, tenant=tenant
-            )
-            items.append(master_pb2.PutStartRequest(meta=ck))
-            metas.append(ck)
-    started = m.call("PutStartBatch", master_pb2.PutStartBatchRequest(items=items))
-    put_ids = [s.put_id for s in started.items]
-    assert all(put_ids) and not any(e.code for e in started.errors)
-    committed = m.call("PutCommitBatch", master_pb2.PutCommitBatchRequest(put_ids=put_ids))
-    assert not any(e.code for e in committed.errors)
-    return metas
-
-
-def master_match(m: MasterProcess, hs: list[bytes], require_checkpoint: bool = True) -> tuple[int, int]:
-    reply = m.call(
-        "MatchPrefix",
-        master_pb2.MatchPrefixRequest(
-            block_hashes=hs, require_checkpoint=require_checkpoint, counts_only=True
-        ),
-    )
-    return reply.usable_blocks, reply.mla_run_blocks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_master(tmp_path: Path, *extra: str, pub: str = "tcp://127.0.0.1:0") -> MasterProcess:
-    return MasterProcess(
-        tmp_path,
-        *FAST,
-        "--kv-events",
-        pub,
-        "--kv-events-replay",
-        extra[extra.index("--replay") + 1] if "--replay" in extra else "tcp://127.0.0.1:0",
-        "--kv-events-block-size",
-        str(BLOCK),
-        *[a for i, a in enumerate(extra) if a != "--replay" and (i == 0 or extra[i - 1] != "--replay")],
-    )
-
-
-def endpoints(m: MasterProcess) -> tuple[str, str]:
-    ev = m.child.ready["kv_events"]
-    return ev["endpoint"], ev["replay"]
 
 
 @pytest.fixture
@@ -122,20 +50,6 @@ def node(master: MasterProcess) -> Iterator[ProbeNode]:
     n.start_heartbeats()
     yield n
     n.close()
-
-
-def subscriber(m: MasterProcess, **kw: object) -> KvEventSubscriber:
-    pub, replay = endpoints(m)
-    sub = KvEventSubscriber(pub, replay, **kw)  # type: ignore[arg-type]
-    time.sleep(0.2)  # ZMQ's slow joiner: a SUB sees messages only once its connection is up
-    return sub
-
-
-def settle(sub: KvEventSubscriber, until, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not until():
-        assert time.monotonic() < deadline, "the stream did not get there"
-        sub.poll(0.05)
 
 
 def test_stored_removed_and_the_hybrid_form_mirror_match_prefix(
@@ -261,7 +175,7 @@ def test_replay_from_buffer_and_malformed_requests_are_counted(
 
 def test_a_restarted_master_is_a_new_incarnation_and_adopted_blocks_are_stored(tmp_path: Path) -> None:
     pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    m1 = start_master(tmp_path, "--replay", replay, pub=pub)
+    m1 = start_master(tmp_path, pub=pub, replay=replay)
     node = ProbeNode("n0", m1, dram=10_000_000)
     try:
         node.register()
@@ -272,7 +186,7 @@ def test_a_restarted_master_is_a_new_incarnation_and_adopted_blocks_are_stored(t
         settle(sub, lambda: len(sub.blocks[GROUP_MLA]) == 5)
         first = sub.topic
         m1.kill()
-        m2 = start_master(tmp_path, "--replay", replay, pub=pub)
+        m2 = start_master(tmp_path, pub=pub, replay=replay)
         try:
             node.master = m2
             # the new life's batch 0 (AllBlocksCleared) went out before the subscriber's SUB reconnected;
