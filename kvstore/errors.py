@@ -44,6 +44,14 @@ class ChecksumMismatchError(CorruptObjectError):
     code = 3
 
 
+class StaleReadError(CorruptObjectError):
+    """A read in place (``Transport.read_in_place``) saw the object's shm stamp change while it was being
+    read: it was deleted or moved meanwhile, so what the reader took may not be its bytes. A miss; local to
+    the reader, never on the wire."""
+
+    code = 18
+
+
 class CapacityExceededError(StoreError):
     """The node's pool (or SSD tier) has no extent large enough for the object."""
 
@@ -170,6 +178,7 @@ _BY_CODE: dict[int, type[StoreError]] = {
         StaleEpochError,
         ShardSetError,
         WrongShardError,
+        StaleReadError,
     )
 }
 

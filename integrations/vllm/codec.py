@@ -2,9 +2,10 @@
 
 ``b"KVPV" | u32 header length | msgpack header | payload``. The header names the fingerprint, the object's
 kind, and for every part (one layer's tensor, in a fixed order) its name and byte count, plus an xxh3-64
-of the payload. ``decode`` checks every field against what the reader expects; any mismatch raises
-``BadObjectError``, which the connector turns into a load error for vLLM to recompute: a bad object is a
-miss, never wrong KV.
+of the payload. ``open_object`` checks every header field against what the reader expects and hands back the
+payload with the digest it must hash to; the reader hashes the payload in the same pass as it scatters it
+(``PagedKV.scatter``). Any mismatch raises ``BadObjectError``, which the connector turns into a load error
+for vLLM to recompute: a bad object is a miss, never wrong KV.
 """
 
 from __future__ import annotations
@@ -31,27 +32,38 @@ class Part:
     nbytes: int
 
 
-def encode(fp: bytes, kind: int, parts: Sequence[Part], payload: Sequence[memoryview]) -> bytes:
-    """One object from its parts' bytes (``payload[i]`` holds ``parts[i].nbytes`` bytes)."""
-    if len(parts) != len(payload) or any(p.nbytes != len(b) for p, b in zip(parts, payload, strict=True)):
-        raise ValueError("every part needs exactly its stated bytes")
+def payload_digest(payload: Sequence[memoryview]) -> int:
+    """The xxh3-64 of the payload parts, concatenated (what the header's ``xxh`` holds)."""
     digest = xxhash.xxh3_64()
     for b in payload:
         digest.update(b)
+    return digest.intdigest()
+
+
+def encode(fp: bytes, kind: int, parts: Sequence[Part], payload: Sequence[memoryview]) -> list[memoryview]:
+    """One object from its parts' bytes (``payload[i]`` holds ``parts[i].nbytes`` bytes), as buffers in
+    order: the prefix and header, then the payload parts themselves (a put copies them straight into the
+    store, so they are never joined here)."""
+    if len(parts) != len(payload) or any(p.nbytes != len(b) for p, b in zip(parts, payload, strict=True)):
+        raise ValueError("every part needs exactly its stated bytes")
     header = msgpack.packb(
         {
             "v": VERSION,
             "fp": fp,
             "kind": kind,
             "parts": [[p.name, p.nbytes] for p in parts],
-            "xxh": digest.intdigest(),
+            "xxh": payload_digest(payload),
         }
     )
-    return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *payload])
+    return [memoryview(_PREFIX.pack(MAGIC, len(header)) + header), *payload]
 
 
-def decode(data: bytes | memoryview, fp: bytes, kind: int, parts: Sequence[Part]) -> memoryview:
-    """The payload of ``data`` after checking it is exactly the object the reader expects."""
+def open_object(
+    data: bytes | memoryview, fp: bytes, kind: int, parts: Sequence[Part]
+) -> tuple[memoryview, int]:
+    """The payload of ``data`` and the xxh3-64 it must hash to, after checking that its header is exactly
+    the object the reader expects. The payload itself is not read here: the caller hashes it as it moves it
+    and compares (``BadObjectError("payload checksum mismatch")`` on a difference)."""
     view = memoryview(data)
     if len(view) < _PREFIX.size:
         raise BadObjectError("object shorter than its prefix")
@@ -71,6 +83,7 @@ def decode(data: bytes | memoryview, fp: bytes, kind: int, parts: Sequence[Part]
     payload = view[_PREFIX.size + hlen :]
     if len(payload) != sum(p.nbytes for p in parts):
         raise BadObjectError("payload length differs from its header")
-    if xxhash.xxh3_64_intdigest(payload) != header.get("xxh"):
-        raise BadObjectError("payload checksum mismatch")
-    return payload
+    digest = header.get("xxh")
+    if not isinstance(digest, int):
+        raise BadObjectError("header without a payload checksum")
+    return payload, digest

@@ -1,17 +1,22 @@
 """``KvpoolConnector``: vLLM's KV connector v1 over kvpool's store.
 
 Scheduler side: one ``match_prefix`` per lookup over kvpool's chained chunk hashes (``chunks.py``), the
-joint rule for hybrid models, and a ``StepPlan`` of loads and saves per engine step (``plan.py``).
-Worker side: loads before the forward pass and saves after it, whole vLLM blocks moved through the store
-client (``mover.py`` over ``paged.py`` and ``codec.py``). Loads and saves are synchronous inside the step
-and every store call has a deadline, so a dead or slow store costs at most that deadline: the load becomes a
-load error, vLLM recomputes the blocks, and a failed save is a future miss.
+joint rule for hybrid models, and a ``StepPlan`` of loads and saves per engine step (``plan.py``); the
+lookup's answer also locates every object, and the plan carries those locations to the workers.
+Worker side (``docs/design/vllm_connector.md``): a load reads its objects in place out of the store and
+scatters them into vLLM's blocks in one pass (``loader.py``), asynchronously by default, so the scheduler
+steps other requests meanwhile; a save copies the step's new blocks out and a background thread puts them
+(``saver.py``), so no step waits for the store. Every store call has a deadline: a dead or slow store costs
+a load at most that deadline (vLLM then recomputes the blocks) and a save nothing but a future miss.
 
 Extra config keys (``kv_connector_extra_config``):
 
-* ``master`` (required): the kvpool master, ``HOST:PORT``;
+* ``master`` (required): the kvpool master, ``HOST:PORT`` (an HA group ``a,b``, master shards ``g0;g1``);
 * ``transport``: the data plane (``auto`` | ``tcp`` | ``shm`` | ``ucx``), default ``auto``;
 * ``deadline_s``: the bound on every store call, default 5;
+* ``load_async``: loads finish between engine steps (default true) or inside the step that needs them;
+* ``save_queue_mb``: the bound on saves copied out but not yet sent, default 1024 MiB;
+* ``shutdown_deadline_s``: how long shutdown waits for queued saves, default ``deadline_s``;
 * ``on_load_error``: ``recompute`` (default: the connector sets vLLM's ``kv_load_failure_policy``) or
   ``fail`` (vLLM fails the request instead).
 """
@@ -24,10 +29,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from kvpool.integrations.vllm.chunks import GroupLayout, chunk_hashes, chunk_tokens, fingerprint
 from kvpool.integrations.vllm.chunks import matchable_chunks as _matchable
+from kvpool.integrations.vllm.loader import Loader
 from kvpool.integrations.vllm.metrics import ConnectorStats
-from kvpool.integrations.vllm.mover import BlockMover
 from kvpool.integrations.vllm.paged import PagedKV
-from kvpool.integrations.vllm.plan import Planner, RequestTracker, StepPlan
+from kvpool.integrations.vllm.plan import LoadPlan, Planner, RequestTracker, StepPlan
+from kvpool.integrations.vllm.saver import Saver
+from kvpool.kvstore.client.async_client import LocatedPrefix
 from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.shards import DEFAULT_DEPTH
@@ -104,6 +111,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if cfg.get_from_extra_config("on_load_error", "recompute") == "recompute":
             cfg.kv_load_failure_policy = "recompute"  # read by the scheduler right after this constructor
         self.deadline_s = float(cfg.get_from_extra_config("deadline_s", 5.0))
+        self.load_async = _flag(cfg.get_from_extra_config("load_async", True))
+        self.save_queue_bytes = int(float(cfg.get_from_extra_config("save_queue_mb", 1024)) * (1 << 20))
+        self.shutdown_deadline_s = float(cfg.get_from_extra_config("shutdown_deadline_s", self.deadline_s))
         self.loads_enabled = cfg.kv_role in ("kv_both", "kv_consumer")
         self.saves_enabled = cfg.kv_role in ("kv_both", "kv_producer")
         self.groups = group_layouts(kv_cache_config)
@@ -132,11 +142,14 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats = ConnectorStats()
         # scheduler side
         self._hashes: dict[str, list] = {}
-        self._matched: dict[str, int] = {}  # chunks usable in the store at the request's lookup
+        self._located: dict[str, LocatedPrefix] = {}  # the request's lookup: usable chunks and locations
         self._pending_loads: dict[str, tuple[int, int]] = {}  # req id -> tokens [start, end) to load
+        self._async_loads: list[LoadPlan] = []  # planned at allocation, shipped with the next step
+        self._loaded: set[str] = set()  # requests that had their asynchronous load: one per request
         self._trackers: dict[str, RequestTracker] = {}
         # worker side
-        self._mover: BlockMover | None = None
+        self._loader: Loader | None = None
+        self._saver: Saver | None = None
         self._load_errors: set[int] = set()
 
     # ---------------------------------------------------------------- scheduler side
@@ -155,7 +168,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.loads_enabled:
             return 0, False
         n = _matchable(len(request.prompt_token_ids or []), self.chunk)
-        if n == 0:
+        if n == 0 or request.request_id in self._loaded:
+            # a request asks again after its asynchronous load failed (vLLM keeps what loaded and retries
+            # the lookup): offering the same objects again would fail again, forever; it computes the rest
             return 0, False
         self.stats.add("lookups")
         try:
@@ -166,20 +181,42 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats.add("lookup_errors")
             log.warning("kvpool lookup failed (%s): treated as a miss", exc)
             return 0, False
-        self._matched[request.request_id] = reply.usable_blocks
-        hit = reply.usable_blocks * self.chunk
-        return max(hit - num_computed_tokens, 0), False
+        self._located[request.request_id] = reply
+        new_tokens = max(reply.usable_blocks * self.chunk - num_computed_tokens, 0)
+        return new_tokens, self.load_async and new_tokens > 0
+
+    def _matched(self, req_id: str) -> int:
+        """Chunks usable in the store at the request's lookup."""
+        located = self._located.get(req_id)
+        return located.usable_blocks if located is not None else 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if num_external_tokens > 0:
-            end = self._matched.get(request.request_id, 0) * self.chunk
-            self._pending_loads[request.request_id] = (end - num_external_tokens, end)
-            self.stats.add("hit_tokens", num_external_tokens)
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        end = self._matched(rid) * self.chunk
+        self.stats.add("hit_tokens", num_external_tokens)
+        if not self.load_async:
+            self._pending_loads[rid] = (end - num_external_tokens, end)
+            return
+        # an asynchronous load is planned now, from the blocks vLLM just allocated: the request is not
+        # scheduled (so not in the next step's new requests) until its load has finished
+        hashes = self._hashes_of(request)
+        ids = [list(b) for b in blocks.get_block_ids()]
+        t = RequestTracker(
+            rid, len(request.prompt_token_ids or []), hashes, ids, route=self.store.route_of(hashes)
+        )
+        t.saved_chunks = self._matched(rid)
+        self._trackers[rid] = t
+        self._loaded.add(rid)
+        load = self._load_of(t, end - num_external_tokens, end, asynchronous=True)
+        self._async_loads.append(load or self.planner.unloadable(t, end - num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        plan = StepPlan()
+        plan = StepPlan(loads=self._async_loads)
+        self._async_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids or []
@@ -187,10 +224,14 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             if hashes is None:  # never looked up (its salt is unknown here): never keyed, never saved
                 continue
             blocks = [list(b) for b in new.block_ids]
-            t = RequestTracker(new.req_id, len(prompt), hashes, blocks, route=self.store.route_of(hashes))
-            t.saved_chunks = self._matched.get(new.req_id, 0)  # already in the store
-            self._trackers[new.req_id] = t
-            self._plan_load(t, plan)
+            t = self._trackers.get(new.req_id)
+            if t is not None:  # its asynchronous load has finished: now it runs, with these blocks
+                t.add_blocks(blocks, replace=True)
+            else:
+                t = RequestTracker(new.req_id, len(prompt), hashes, blocks, route=self.store.route_of(hashes))
+                t.saved_chunks = self._matched(new.req_id)  # already in the store
+                self._trackers[new.req_id] = t
+                self._plan_load(t, plan)
             if self.saves_enabled:
                 plan.saves += self.planner.saves_after(
                     t, new.num_computed_tokens + scheduled.get(new.req_id, 0)
@@ -214,15 +255,23 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if pending is None:
             return
         start, end = pending
-        load = self.planner.load(t, start, end)
+        load = self._load_of(t, start, end, asynchronous=False)
+        if load is not None:
+            plan.loads.append(load)
+
+    def _load_of(self, t: RequestTracker, start: int, end: int, asynchronous: bool) -> LoadPlan | None:
+        """Tokens [start, end) of the request's hit as a load, with the locations its lookup gave."""
+        located = self._located.get(t.req_id)
+        mla = located.mla if located is not None else []
+        state = located.checkpoint if located is not None else None
+        load = self.planner.load(t, start, end, mla, state, asynchronous)
         if load is None:  # vLLM did not allocate what it promised: load nothing, recompute it all
             log.warning("request %s: blocks for the external hit are not allocated; not loading", t.req_id)
-            return
-        plan.loads.append(load)
+        return load
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
-        return False, None  # saves finish inside the step: the blocks can be freed now
+        return False, None  # a save copies its blocks out within the step: they can be freed now
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -231,46 +280,68 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def _forget(self, req_id: str) -> None:
-        for d in (self._hashes, self._matched, self._pending_loads, self._trackers):
+        for d in (self._hashes, self._located, self._pending_loads, self._trackers):
             d.pop(req_id, None)
+        self._loaded.discard(req_id)
 
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         paged = PagedKV(kv_caches, self._kv_cache_config.num_blocks)
-        self._mover = BlockMover(self.store, paged, self.fp, self.groups, self.stats)
+        self._loader = Loader(self.store, paged, self.fp, self.groups, self.stats)
+        if self.saves_enabled:
+            self._saver = Saver(self.store, paged, self.fp, self.groups, self.stats, self.save_queue_bytes)
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KvpoolConnectorMetadata) and self._mover is not None
+        assert isinstance(meta, KvpoolConnectorMetadata) and self._loader is not None
         return meta.plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._mover is not None
+        assert self._loader is not None
         for load in self._plan().loads:
-            self._load_errors |= self._mover.load(load)
+            self._loader.start(load)
+            if not load.asynchronous:  # this step's forward reads it: wait here
+                self._load_errors |= self._loader.finish(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # a synchronous load completes in start_load_kv; an asynchronous one before its request runs
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # the whole step's objects go out together in wait_for_save
+        return  # the whole step's objects are copied out together in wait_for_save
 
     def wait_for_save(self) -> None:
         saves = self._plan().saves
-        if saves:
-            assert self._mover is not None
-            self._mover.save(saves)
+        if saves and self._saver is not None:
+            self._saver.submit(saves)  # copies the blocks out; the store sees them in the background
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves are synchronous: nothing finishes later
+        """Asynchronous loads that finished since the last step; their failed blocks go out in this same
+        step's ``get_block_ids_with_load_errors`` (vLLM reads it right after this)."""
+        if self._loader is None:
+            return None, None
+        done = self._loader.done()
+        for rid in done:
+            self._load_errors |= self._loader.finish(rid)
+        return None, set(done) or None
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+        if self._saver is not None:
+            self._saver.close(self.shutdown_deadline_s)
         log.info("kvpool connector (%s) stats: %s", self.role.name.lower(), self.stats.as_dict())
         self.store.close()
+
+
+def _flag(value: object) -> bool:
+    """A boolean extra-config value (JSON true/false, or a string such as "false")."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)

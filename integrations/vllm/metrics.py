@@ -18,6 +18,7 @@ _HELP = {
     "save_errors": "objects whose save failed (a future miss, never an error of the request)",
     "not_admitted": "objects the store declined to admit (its admission control)",
     "saved_bytes": "bytes saved to kvpool",
+    "saves_dropped": "objects not saved because the save queue was full or shut down (a future miss)",
 }
 
 
@@ -33,6 +34,7 @@ class ConnectorStats:
     save_errors: int = 0
     not_admitted: int = 0
     saved_bytes: int = 0
+    saves_dropped: int = 0
 
     def add(self, field: str, n: int = 1) -> None:
         setattr(self, field, getattr(self, field) + n)

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
+import xxhash
 from kvpool.integrations.vllm.codec import Part
 
 
@@ -70,22 +71,37 @@ class PagedKV:
         layer_groups: Sequence[Sequence[str]],
         blocks: Sequence[Sequence[int]],
         skip: Sequence[int],
-    ) -> None:
-        """Write an object's payload back into the blocks, leaving the first ``skip[i]`` of group i alone."""
+    ) -> int:
+        """Write an object's payload into the blocks, leaving the first ``skip[i]`` of group i alone; returns
+        the xxh3-64 of the whole payload, computed in the same pass.
+
+        Why fused: the payload is read once, part by part (one layer's blocks, ~100 KiB-1 MiB), hashed and
+        then copied while it is still in cache, so the check costs no second pass over memory. The blocks
+        are written before the digest is known: the caller compares it and, on a mismatch, reports these
+        blocks to vLLM, which recomputes them before anything reads them."""
+        digest = xxhash.xxh3_64()
         offset = 0
         for names, ids, s in zip(layer_groups, blocks, skip, strict=True):
+            first, n_ids = (ids[s] if s < len(ids) else 0), len(ids) - s
+            run = n_ids > 0 and list(ids[s:]) == list(range(first, first + n_ids))  # consecutive: a slice
             for name in names:
                 for t, d in self.tensors[name]:
+                    n = t.numel() // t.shape[d] * len(ids) * t.element_size()
+                    part = payload[offset : offset + n]
+                    offset += n
+                    digest.update(part)
+                    if n_ids <= 0:
+                        continue
                     shape = list(t.shape)
                     shape[d] = len(ids)
-                    n = t.numel() // t.shape[d] * len(ids) * t.element_size()
                     with warnings.catch_warnings():  # read-only source: only ever read from
                         warnings.simplefilter("ignore", UserWarning)
-                        raw = torch.frombuffer(payload[offset : offset + n], dtype=torch.uint8)
-                    src = raw.view(t.dtype).view(shape)
-                    offset += n
-                    if s >= len(ids):
-                        continue
-                    idx = torch.tensor(ids[s:], dtype=torch.long, device=t.device)
-                    part = src if s == 0 else src.narrow(d, s, len(ids) - s)  # a view: one copy, into t
-                    t.index_copy_(d, idx, part.to(t.device, non_blocking=False))
+                        src = torch.frombuffer(part, dtype=torch.uint8).view(t.dtype).view(shape)
+                    if s:
+                        src = src.narrow(d, s, n_ids)  # a view: one copy, into t
+                    if run:
+                        t.narrow(d, first, n_ids).copy_(src)
+                    else:
+                        idx = torch.tensor(ids[s:], dtype=torch.long, device=t.device)
+                        t.index_copy_(d, idx, src.to(t.device, non_blocking=False))
+        return digest.intdigest()

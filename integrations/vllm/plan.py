@@ -39,6 +39,9 @@ class Transfer:
     blocks: tuple[tuple[int, ...], ...]
     skip: tuple[int, ...] = ()  # loads: leading blocks per group left alone (the engine computed them)
     route: bytes = b""  # master shards: the request's chain route (every object of a request goes there)
+    # loads: where the scheduler's lookup found it, a serialized common_pb2.ObjectLocation (plans are
+    # pickled to the workers, and generated protobuf classes do not pickle under our package mapping)
+    location: bytes = b""
 
     @property
     def skips(self) -> tuple[int, ...]:
@@ -53,12 +56,18 @@ class Transfer:
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
     """A request's external hit: its transfers in chain order (a failure fails every later one too) and the
-    first token position to write (blocks before it are the engine's own, possibly shared: left alone)."""
+    first token position to write (blocks before it are the engine's own, possibly shared: left alone).
+
+    ``asynchronous``: vLLM was told the load finishes later (the request waits in WAITING_FOR_REMOTE_KVS
+    while the engine steps others); ``unloadable``: blocks vLLM allocated for a hit the planner could not
+    map to objects, reported as load errors so that vLLM recomputes them."""
 
     req_id: str
     transfers: tuple[Transfer, ...]
     write_from: int
     route: bytes = b""  # master shards: the request's chain route
+    asynchronous: bool = False
+    unloadable: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -135,9 +144,19 @@ class Planner:
         key = kda_key(t.hashes[n - 1])
         return Transfer(key, common_pb2.KDA_CHECKPOINT, b"", n - 1, self.states, tuple(blocks), route=t.route)
 
-    def load(self, t: RequestTracker, start: int, end: int) -> LoadPlan | None:
+    def load(
+        self,
+        t: RequestTracker,
+        start: int,
+        end: int,
+        located: Sequence[common_pb2.ObjectLocation] = (),
+        state_located: common_pb2.ObjectLocation | None = None,
+        asynchronous: bool = False,
+    ) -> LoadPlan | None:
         """Load tokens [start, end) (end on a chunk boundary): the chunks that overlap them, then the state
-        at ``end`` for a hybrid model. None if any block is missing (then nothing is loaded)."""
+        at ``end`` for a hybrid model, each with the location the scheduler's lookup gave for it
+        (``located[k]`` for chunk k, ``state_located`` for the state). None if any block is missing (then
+        nothing is loaded)."""
         transfers = []
         for k in range(start // self.chunk, end // self.chunk):
             tr = self.chunk_transfer(t, k)
@@ -145,13 +164,26 @@ class Planner:
                 return None
             before = max(start - k * self.chunk, 0)
             skip = tuple(before // self.groups[g].block_size for g in tr.groups)
-            transfers.append(replace(tr, skip=skip))
+            where = located[k].SerializeToString() if k < len(located) else b""
+            transfers.append(replace(tr, skip=skip, location=where))
         if self.hybrid:
             st = self.state_transfer(t, end // self.chunk)
             if st is None:
                 return None
-            transfers.append(st)
-        return LoadPlan(t.req_id, tuple(transfers), start, route=t.route)
+            where = state_located.SerializeToString() if state_located is not None else b""
+            transfers.append(replace(st, location=where))
+        return LoadPlan(t.req_id, tuple(transfers), start, route=t.route, asynchronous=asynchronous)
+
+    def unloadable(self, t: RequestTracker, start: int) -> LoadPlan:
+        """An asynchronous hit the planner cannot map (``load`` gave None): nothing is read, and every block
+        vLLM allocated from token ``start`` on is reported for it to recompute."""
+        ids = {
+            b
+            for g, layout in enumerate(self.groups)
+            for b in t.block_ids[g][start // layout.block_size :]
+            if b != NULL_BLOCK
+        }
+        return LoadPlan(t.req_id, (), start, route=t.route, asynchronous=True, unloadable=tuple(sorted(ids)))
 
     def saves_after(self, t: RequestTracker, computed: int) -> list[Transfer]:
         """Objects that become complete once ``computed`` tokens of the request are in vLLM's cache: full
@@ -175,4 +207,6 @@ class Planner:
 
 def blocks_of(plan: LoadPlan, from_transfer: int = 0) -> set[int]:
     """Every vLLM block id the plan writes from its ``from_transfer``-th transfer on (load errors)."""
-    return {b for tr in plan.transfers[from_transfer:] for ids in tr.written() for b in ids}
+    return {b for tr in plan.transfers[from_transfer:] for ids in tr.written() for b in ids} | set(
+        plan.unloadable
+    )

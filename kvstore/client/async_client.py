@@ -53,6 +53,7 @@ from kvpool.kvstore.transport.base import (
     Deadlines,
     Payload,
     Transport,
+    Visit,
     payload_size,
 )
 from kvpool.kvstore.transport.selector import TransportSelector
@@ -598,6 +599,30 @@ class AsyncStoreClient:
                 results[i] = r
 
         await asyncio.gather(*(run(t, idx) for t, idx in groups.values()))
+        return results
+
+    async def read_in_place(
+        self, locations: Sequence[common_pb2.ObjectLocation], visit: Visit
+    ) -> list[Exception | None]:
+        """Hand located objects' bytes to ``visit(i, view)`` without copying them where the transport allows
+        (shm: straight out of the node's pool); per item None, a ``StoreError`` or what ``visit`` raised. The
+        bytes are not verified here: ``visit`` checks them (``Transport.read_in_place``)."""
+        results: list[Exception | None] = [StoreError("not run")] * len(locations)
+        groups: dict[int, tuple[Transport, list[int]]] = {}
+        for i, loc in enumerate(locations):
+            try:
+                transport = self.transports.for_node(loc.node)
+            except StoreError as exc:
+                results[i] = exc
+                continue
+            groups.setdefault(id(transport), (transport, []))[1].append(i)
+
+        async def run(transport: Transport, idx: list[int]) -> None:
+            got = await transport.read_in_place([locations[i] for i in idx], lambda j, v: visit(idx[j], v))
+            for i, r in zip(idx, got, strict=True):
+                results[i] = r
+
+        await self._timed("read_in_place", asyncio.gather(*(run(t, idx) for t, idx in groups.values())))
         return results
 
     async def batch_get(self, keys: Sequence[bytes], route: bytes | None = None) -> list[bytes | StoreError]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient, LocatedPrefix, PutItem
@@ -20,7 +21,7 @@ from kvpool.kvstore.errors import (
     StoreUnavailableError,
     TransportTimeoutError,
 )
-from kvpool.kvstore.transport.base import Buffer
+from kvpool.kvstore.transport.base import Buffer, Visit
 from kvpool.proto import common_pb2, master_pb2
 
 T = TypeVar("T")
@@ -51,18 +52,22 @@ class StoreClient:
         self._thread.start()
         self._async: AsyncStoreClient = self._call(_make_async(master, transport, kwargs), bounded=False)
 
+    def _bounded(self, coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+        return coro if self.deadline_s is None else _within(coro, self.deadline_s)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start a call without waiting for it (bounded by ``deadline_s`` like every call): the vLLM
+        connector's asynchronous loads run on the client's loop while the engine steps."""
+        if not self._thread.is_alive():
+            coro.close()
+            raise StoreUnavailableError("client is closed")
+        return asyncio.run_coroutine_threadsafe(self._bounded(coro), self._loop)
+
     def _call(self, coro: Coroutine[Any, Any, T], bounded: bool = True) -> T:
         if not self._thread.is_alive():
             coro.close()
             raise StoreUnavailableError("client is closed")
-        if self.deadline_s is None or not bounded:
-            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-        try:
-            return asyncio.run_coroutine_threadsafe(
-                asyncio.wait_for(coro, self.deadline_s), self._loop
-            ).result()
-        except TimeoutError:
-            raise TransportTimeoutError(f"store call exceeded its {self.deadline_s} s deadline") from None
+        return asyncio.run_coroutine_threadsafe(self._bounded(coro) if bounded else coro, self._loop).result()
 
     @property
     def transport(self) -> str:
@@ -108,6 +113,19 @@ class StoreClient:
         self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
     ) -> list[int | StoreError]:
         return self._call(self._async.fetch_into(locations, outs))
+
+    def read_in_place(
+        self, locations: Sequence[common_pb2.ObjectLocation], visit: Visit
+    ) -> list[Exception | None]:
+        """See ``AsyncStoreClient.read_in_place``: ``visit`` runs on the client's loop thread."""
+        return self._call(self._async.read_in_place(locations, visit))
+
+    def read_in_place_soon(
+        self, locations: Sequence[common_pb2.ObjectLocation], visit: Visit
+    ) -> Future[list[Exception | None]]:
+        """``read_in_place`` started now and awaited later (``Future.result()``); bounded by ``deadline_s``,
+        and once the future is done no ``visit`` runs any more."""
+        return self.submit(self._async.read_in_place(locations, visit))
 
     def exists(self, key: bytes) -> bool:
         return self._call(self._async.exists(key))
@@ -168,6 +186,13 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _within(coro: Coroutine[Any, Any, T], deadline_s: float) -> T:
+    try:
+        return await asyncio.wait_for(coro, deadline_s)
+    except TimeoutError:
+        raise TransportTimeoutError(f"store call exceeded its {deadline_s} s deadline") from None
 
 
 async def _metrics(client: AsyncStoreClient) -> dict[str, float]:

@@ -32,6 +32,7 @@ import xxhash
 from kvpool.kvstore.errors import (
     BadRequestError,
     ProtocolError,
+    StaleReadError,
     StoreError,
     StoreUnavailableError,
     TransportUnavailableError,
@@ -54,8 +55,10 @@ from kvpool.kvstore.transport.base import (
     Deadlines,
     Payload,
     Transport,
+    Visit,
     as_bytes_view,
     verify_checksum,
+    visited,
 )
 from kvpool.kvstore.transport.tcp import TcpTransport
 from kvpool.proto import common_pb2, node_pb2
@@ -188,24 +191,13 @@ class ShmTransport(Transport):
         if not shm_segment.READS_TRUSTED:
             return None
         hint_key = (node.node_id, key)
-        hint = self.hints.get(hint_key)
+        hint = self._valid_hint(node, key, checksum, size)
         if hint is None:
-            return None
-        moved = bool(node.shm_name) and node.shm_name != hint.mapping.name  # a restarted node's new segment
-        if hint.checksum != checksum or hint.size != size or moved:
-            self._drop_hint(hint_key)
             return None
         view = as_bytes_view(out)
         if len(view) < size:
             return None  # the regular path reports the small buffer
         stamps, slot, generation = hint.stamps, hint.slot, hint.generation
-        if (
-            stamps.generation(slot) != generation
-            or stamps.fields(slot) != (hint.offset, size, checksum)
-            or hint.mapping.unlinked()
-        ):
-            self._drop_hint(hint_key)
-            return None
         dst = view[:size] if len(view) != size else view
         try:
             dst[:] = hint.mapping.buf[hint.offset : hint.offset + size]
@@ -220,6 +212,27 @@ class ShmTransport(Transport):
         self.fast_hits += 1
         self.bytes_in += size
         return size
+
+    def _valid_hint(
+        self, node: common_pb2.NodeEndpoint, key: bytes, checksum: int, size: int
+    ) -> ReadHint | None:
+        """The remembered extent of ``key`` if its stamp still names it now; a stale hint is dropped."""
+        hint_key = (node.node_id, key)
+        hint = self.hints.get(hint_key)
+        if hint is None:
+            return None
+        moved = bool(node.shm_name) and node.shm_name != hint.mapping.name  # a restarted node's new segment
+        if (
+            hint.checksum != checksum
+            or hint.size != size
+            or moved
+            or hint.stamps.generation(hint.slot) != hint.generation
+            or hint.stamps.fields(hint.slot) != (hint.offset, size, checksum)
+            or hint.mapping.unlinked()
+        ):
+            self._drop_hint(hint_key)
+            return None
+        return hint
 
     # --- puts ----------------------------------------------------------------------------------------------
     async def _one(self, node: common_pb2.NodeEndpoint, frame: Frame) -> Frame:
@@ -380,6 +393,69 @@ class ShmTransport(Transport):
                 except StoreError as exc:
                     results[i] = exc
         return results
+
+    async def read_in_place(
+        self, locations: Sequence[common_pb2.ObjectLocation], visit: Visit
+    ) -> list[Exception | None]:
+        """Visit each object where it lies in the node's pool: no copy at all (see ``Transport``).
+
+        Remembered objects are visited straight from their hint; the rest after one pipelined LOCATE per
+        node. A stamped object whose generation is not the same after the visit as before it (deleted,
+        demoted or replaced meanwhile) is a ``StaleReadError``; an unstamped one (the node had no free stamp
+        slot) is only as good as ``visit``'s own check, which is why ``visit`` must check."""
+        if not shm_segment.READS_TRUSTED:  # no stamp protocol on this CPU: the copying path
+            return await super().read_in_place(locations, visit)
+        results: list[Exception | None] = [None] * len(locations)
+        by_node: dict[tuple[str, int], list[int]] = {}
+        for i, loc in enumerate(locations):
+            hint = self._valid_hint(loc.node, loc.meta.key, loc.meta.checksum, loc.meta.size)
+            if hint is not None:
+                ext = ShmExtent(hint.mapping.name, hint.offset, hint.size, hint.slot, hint.generation)
+                results[i] = self._visit_extent(hint.mapping, ext, i, visit)
+                if not isinstance(results[i], StaleReadError):
+                    self.fast_hits += 1
+                    continue
+                self._drop_hint((loc.node.node_id, loc.meta.key))
+            by_node.setdefault((loc.node.host, loc.node.tcp_port), []).append(i)
+        for idx in by_node.values():
+            node = locations[idx[0]].node
+            try:
+                self._check(node)
+                self.locates += len(idx)
+                replies = await self._control.control(
+                    node, [Frame(OP_LOCATE, key=locations[i].meta.key) for i in idx]
+                )
+            except StoreError as exc:
+                for i in idx:
+                    results[i] = exc
+                continue
+            for i, reply in zip(idx, replies, strict=True):
+                try:
+                    if isinstance(reply, StoreError):
+                        raise reply
+                    ext = self._parse(reply)
+                    mapping = self._map(ext)
+                except StoreError as exc:
+                    results[i] = exc
+                    continue
+                results[i] = self._visit_extent(mapping, ext, i, visit)
+                self._remember(node, locations[i].meta.key, ext, reply.checksum)
+        return results
+
+    def _visit_extent(self, mapping: ReaderMapping, ext: ShmExtent, i: int, visit: Visit) -> Exception | None:
+        """``visit`` over the extent, then the stamp's second look (see ``read_cached``)."""
+        stamps = mapping.stamps
+        try:
+            view = mapping.buf[ext.offset : ext.offset + ext.size]
+        except ValueError:  # the mapping was closed under us (transport closing)
+            return StoreUnavailableError(f"shm segment {mapping.name} was closed")
+        result = visited(visit, i, view)
+        with contextlib.suppress(BufferError):  # the visitor still holds a view of it: let it go with that
+            view.release()
+        if ext.generation and stamps is not None and stamps.generation(ext.slot) != ext.generation:
+            return StaleReadError(f"shm object at {ext.offset} changed while it was read")
+        self.bytes_in += ext.size
+        return result
 
     async def close(self) -> None:
         if self._owns_control:

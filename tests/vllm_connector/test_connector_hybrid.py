@@ -14,9 +14,12 @@ from kvpool.integrations.vllm.chunks import chunk_hashes
 from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.proto import common_pb2
+from kvpool.proto.common_pb2 import ObjectLocation
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
@@ -108,7 +111,8 @@ def test_the_offered_prefix_ends_at_the_last_stored_state(connector, master, chu
     store_objects(connector, master, salt, chunks, states)
     got, is_async = connector.get_num_new_matched_tokens(request(salt), 0)
     matchable = (len(PROMPT) - 1) // connector.chunk
-    assert connector.chunk == 128 and connector.planner.hybrid and not is_async
+    assert connector.chunk == 128 and connector.planner.hybrid
+    assert is_async == (got > 0)  # a hit loads asynchronously (the default), a miss has nothing to load
     assert got == joint_rule(chunks, states, matchable) * connector.chunk
 
 
@@ -122,30 +126,37 @@ def test_another_salt_and_a_local_hit_are_respected(connector, master) -> None:
 
 
 def test_the_step_plan_moves_each_group_s_own_blocks(connector, master) -> None:
-    """Loads: chunks 0-3 (two attention blocks each) + the state after 4 chunks (state block 3); saves as
-    the prefill advances: new chunks, and the state whenever a step ends on a chunk boundary; a finished
-    request leaves nothing behind."""
+    """Loads: chunks 0-3 (two attention blocks each) + the state after 4 chunks (state block 3), planned
+    asynchronously at allocation with the locations of the one lookup; saves as the prefill advances: new
+    chunks, and the state whenever a step ends on a chunk boundary; a finished request leaves nothing
+    behind."""
     salt = "plan"
     store_objects(connector, master, salt, set(range(6)), {4})
     r = request(salt)
-    assert connector.get_num_new_matched_tokens(r, 0) == (512, False)
-    connector.update_state_after_alloc(r, None, 512)
+    assert connector.get_num_new_matched_tokens(r, 0) == (512, True)
     attn = list(range(10, 31))  # 21 blocks of 64 for 1300 tokens
     state = list(range(40, 51))  # 11 blocks of 128
-    out = SchedulerOutput.make_empty()
-    out.scheduled_new_reqs = [
-        NewRequestData(r.request_id, list(PROMPT), [], r.sampling_params, None, (attn, state), 512, None)
-    ]
-    out.num_scheduled_tokens = {r.request_id: 512}
-    plan = connector.build_connector_meta(out).plan
+    allocated = KVCacheBlocks(tuple([KVCacheBlock(i) for i in ids] for ids in (attn, state)))
+    connector.update_state_after_alloc(r, allocated, 512)
+    (load,) = connector.build_connector_meta(SchedulerOutput.make_empty()).plan.loads  # while r waits
     h = chunk_hashes(PROMPT, connector.chunk, connector.fp, salt)
-    (load,) = plan.loads
-    assert [t.key for t in load.transfers] == [mla_key(h[k]) for k in range(4)] + [kda_key(h[3])]
+    keys = [mla_key(h[k]) for k in range(4)] + [kda_key(h[3])]
+    assert load.asynchronous and [t.key for t in load.transfers] == keys
+    located = [ObjectLocation.FromString(t.location).meta.key for t in load.transfers]
+    assert located == keys  # located by the lookup: no second one
     assert [t.blocks for t in load.transfers] == [((attn[2 * k], attn[2 * k + 1]),) for k in range(4)] + [
         ((state[3],),)
     ]
     assert [t.groups for t in load.transfers] == [(0,)] * 4 + [(1,)]
     assert load.write_from == 0
+
+    out = SchedulerOutput.make_empty()  # the load finished: r runs from its 512 loaded tokens
+    out.scheduled_new_reqs = [
+        NewRequestData(r.request_id, list(PROMPT), [], r.sampling_params, None, (attn, state), 512, None)
+    ]
+    out.num_scheduled_tokens = {r.request_id: 512}
+    plan = connector.build_connector_meta(out).plan
+    assert plan.loads == []  # loaded once, not again
     assert [t.key for t in plan.saves] == [mla_key(h[k]) for k in range(4, 8)] + [kda_key(h[7])]
     assert plan.saves[-1].blocks == ((state[7],),) and plan.saves[0].parent == mla_key(h[3])
 
