@@ -1,18 +1,26 @@
-"""TTFT of a fresh vLLM engine: cold vs a kvpool hit vs vLLM's own disk ``ExampleConnector``, side by side.
+"""The vLLM connector side by side: TTFT of fresh engines (cold, kvpool, a baseline tree's kvpool, vLLM's disk
+``ExampleConnector``), load bandwidth inside the reader, and a throughput run with and without kvpool.
 
 Run with the vLLM venv (``make venv-vllm``)::
 
-    .venv-vllm/bin/python bench/vllm_connector_bench.py                 # 1k and 4k-token prompts
-    .venv-vllm/bin/python bench/vllm_connector_bench.py --lengths 1024 --prompts 2
+    .venv-vllm/bin/python bench/vllm_connector_bench.py                        # 1k, 2k, 4k tokens
+    .venv-vllm/bin/python bench/vllm_connector_bench.py --baseline /tmp/kvb    # + a git worktree's kvpool
+    .venv-vllm/bin/python bench/vllm_connector_bench.py --lengths 16384 --prompts 1 --no-throughput
 
-One real kvpool store (master + storage node on loopback) and five engine processes, one at a time: *cold*
-(no connector), *kvpool writer* (``kv_both``, cold, saves), *kvpool reader* (a fresh ``kv_both`` engine:
-every prompt is a hit), *disk writer* and *disk reader* (``ExampleConnector`` on a temp dir). Each engine
-first answers one short warm-up prompt; TTFT is the wall time of a one-token greedy generate of one prompt,
-median over ``--prompts`` different prompts per length. The model is a random Llama (``--hidden``,
-``--layers``) large enough that a prompt's compute is not trivial next to its KV bytes. Bytes per token are
-the bytes each connector stored divided by the prompt tokens it covers. Last line: one JSON object with the
-ratios (``cold / kvpool`` and ``disk / kvpool`` TTFT; goal: both > 1).
+One real kvpool store (master + storage node on loopback, ``auto`` transport: shm on one host) and one engine
+process at a time. **TTFT**: *cold* (no connector), *kvpool writer* (``kv_both``, cold, saves), *kvpool
+reader* (a fresh ``kv_both`` engine: every prompt is a hit), the same pair from ``--baseline TREE`` (a
+``git worktree`` of an earlier commit, imported through ``PYTHONPATH``: same store, same prompts under a
+salt of its own), *disk writer* and *disk reader* (``ExampleConnector`` on a temp dir). Each engine first
+answers a 40-token warm-up; TTFT is the wall time of a one-token greedy generate of one prompt, median over
+``--prompts`` prompts per length. **Load bandwidth**: the bytes a reader loaded (cached tokens x the store's
+bytes per token) over the time by which its hit TTFTs exceed the TTFT of their uncached tails alone: an
+upper bound on the load's time, so a lower bound on its speed. **Throughput**: a writer sees ``--docs``
+documents of ``--doc-tokens`` tokens once; then a fresh engine with vLLM's prefix caching on answers
+``--requests`` requests (each a document plus its own 64-token question, 16 output tokens) submitted
+together, with and without kvpool: tokens/s and per-request TTFT p50/p99.
+
+Last line: one JSON object with the ratios against the goals (``docs/measurements/vllm_connector.md``).
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import platform
 import statistics
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,13 +46,28 @@ from tests.vllm_connector.engines import Engine, kvpool_spec, prompts_of
 from tests.vllm_connector.make_model import make_tiny_llama
 
 WARMUP = prompts_of([40], seed=99)
+CHUNK = 64
 
 
-def ttfts(engine: Engine, prompts: list[list[int]]) -> list[tuple[float, int]]:
+def mirror_of(tree: Path, into: Path) -> Path:
+    """A directory that imports ``tree``'s code as ``kvpool.*`` (our ``package-dir`` mapping, rebuilt with
+    symlinks): put it first on ``PYTHONPATH`` to run an earlier commit's connector in the same venv."""
+    mapping = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    root = into / "kvpool"
+    root.mkdir(parents=True)
+    for entry in (tree / mapping["kvpool"]).iterdir():
+        (root / entry.name).symlink_to(entry)
+    for name, path in mapping.items():
+        if name.count(".") == 1:  # kvpool.<package> -> <dir>
+            (root / name.split(".")[1]).symlink_to(tree / path)
+    return into
+
+
+def ttfts(engine: Engine, prompts: list[list[int]], salt: str | None) -> list[tuple[float, int]]:
     engine.run(WARMUP, max_tokens=1)
     out = []
     for p in prompts:
-        r = engine.run([p], max_tokens=1, deadline_s=600)
+        r = engine.run([p], max_tokens=1, salt=salt, deadline_s=900)
         out.append((r["seconds"], r["outputs"][0]["cached"]))
     return out
 
@@ -51,48 +76,106 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def throughput(engine: Engine, requests: list[list[int]]) -> dict[str, float]:
+    engine.run(WARMUP, max_tokens=1)
+    r = engine.run(requests, max_tokens=16, deadline_s=1800)
+    tokens = sum(len(p) for p in requests) + sum(len(o["tokens"]) for o in r["outputs"])
+    ttft = [o["ttft"] for o in r["outputs"] if o["ttft"] is not None]
+    return {
+        "seconds": r["seconds"],
+        "tokens_per_s": tokens / r["seconds"],
+        "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else float("nan"),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 0.99) if ttft else float("nan"),
+        "cached_tokens": sum(o["cached"] for o in r["outputs"]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")
+    ap.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens")
     ap.add_argument("--prompts", type=int, default=3, help="different prompts per length (median)")
     ap.add_argument("--hidden", type=int, default=1024, help="model hidden size (heads of 64)")
     ap.add_argument("--layers", type=int, default=8, help="model layers")
+    ap.add_argument("--baseline", type=Path, default=None, help="a git worktree of an earlier commit")
+    ap.add_argument("--docs", type=int, default=8, help="throughput run: shared documents")
+    ap.add_argument("--doc-tokens", type=int, default=2048, help="throughput run: tokens per document")
+    ap.add_argument("--requests", type=int, default=32, help="throughput run: requests over the documents")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the throughput run")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = {n: prompts_of([n] * args.prompts, seed=n) for n in lengths}
     flat = [p for n in lengths for p in prompts[n]]
+    tails = {n: prompts_of([n % CHUNK or CHUNK], seed=7 + n)[0] for n in lengths}  # the uncached tail alone
     work = Path(tempfile.mkdtemp(prefix="kvpool-vllm-bench-"))
     model = make_tiny_llama(work / "model", hidden=args.hidden, layers=args.layers, kv_heads=4)
     master = start_master(work)
-    # 1 GiB holds the 6 prompts' KV twice over; a much larger pool slowed TTFT on this 2-vCPU box (4 GiB:
-    # the reader's TTFT went from 88 to 124-179 ms at 1k tokens), a store-side effect #18 tracks
-    node = start_node(work, master.address, "1GiB", "tcp,shm")
+    # 2 GiB holds every prompt's KV (a 16k prompt is 256 MiB) and the throughput run's documents
+    node = start_node(work, master.address, "2GiB", "tcp,shm")
     disk = work / "disk"
     disk.mkdir()
-    runs = {
-        "cold": {"model": str(model)},
-        "kvpool_writer": kvpool_spec(model, master.address, "kv_both"),
-        "kvpool_reader": kvpool_spec(model, master.address, "kv_both"),
-        "disk_writer": {"model": str(model), "connector": {"example": str(disk)}},
-        "disk_reader": {"model": str(model), "connector": {"example": str(disk)}},
+    max_len = max([*lengths, args.doc_tokens + CHUNK]) + CHUNK
+    base = {"max_model_len": max_len, "max_num_batched_tokens": max(4608, max_len)}
+    runs: dict[str, tuple[dict[str, Any], dict[str, str] | None]] = {
+        "cold": ({"model": str(model)}, None),
+        "kvpool_writer": (kvpool_spec(model, master.address, "kv_both"), None),
+        "kvpool_reader": (kvpool_spec(model, master.address, "kv_both"), None),
     }
-    progress = StepProgress(len(runs), "vllm_connector_bench", enabled=not args.json)
+    if args.baseline is not None:
+        env = {"PYTHONPATH": str(mirror_of(args.baseline.resolve(), work / "baseline-mirror"))}
+        runs["before_writer"] = (kvpool_spec(model, master.address, "kv_both"), env)
+        runs["before_reader"] = (kvpool_spec(model, master.address, "kv_both"), env)
+    runs["disk_writer"] = ({"model": str(model), "connector": {"example": str(disk)}}, None)
+    runs["disk_reader"] = ({"model": str(model), "connector": {"example": str(disk)}}, None)
+    steps = len(runs) + (0 if args.no_throughput else 3)
+    progress = StepProgress(steps, "vllm_connector_bench", enabled=not args.json)
     results: dict[str, list[tuple[float, int]]] = {}
+    tail_ttft: dict[str, dict[int, float]] = {}
+    tput: dict[str, dict[str, float]] = {}
     try:
-        for name, spec in runs.items():
-            e = Engine({**spec, "max_model_len": max(lengths) + 64}, work / f"{name}.log")
+        for name, (spec, env) in runs.items():
+            e = Engine({**spec, **base}, work / f"{name}.log", env=env)
             try:
-                results[name] = ttfts(e, flat)
+                # the baseline pair keys its objects apart from ours with a cache salt of its own: the
+                # "before" reader loads what the "before" writer saved
+                results[name] = ttfts(e, flat, "before" if name.startswith("before") else None)
+                if name.endswith("reader"):
+                    tail_ttft[name] = {n: e.run([tails[n]], max_tokens=1)["seconds"] for n in lengths}
             finally:
                 e.close()
             progress.finished(name)
+        if not args.no_throughput:
+            docs = prompts_of([args.doc_tokens] * args.docs, seed=4242)
+            questions = prompts_of([CHUNK] * args.requests, seed=4343)
+            requests = [docs[i % args.docs] + questions[i] for i in range(args.requests)]
+            cached_on = {"prefix_caching": True, "log_stats": True}
+            e = Engine({**kvpool_spec(model, master.address, "kv_both"), **base}, work / "tput_writer.log")
+            try:
+                e.run(docs, max_tokens=1, deadline_s=1800)
+            finally:
+                e.close()
+            progress.finished("throughput writer")
+            for name, spec in (
+                ("without_kvpool", {"model": str(model)}),
+                ("with_kvpool", kvpool_spec(model, master.address, "kv_both")),
+            ):
+                e = Engine({**spec, **base, **cached_on}, work / f"tput_{name}.log")
+                try:
+                    tput[name] = throughput(e, requests)
+                finally:
+                    e.close()
+                progress.finished(f"throughput {name}")
         with StoreClient(master.address, "tcp", deadline_s=10) as c:
             kvpool_bytes = c.stats().bytes
     finally:
         node.stop()
         master.stop()
-    covered = sum(len(p) // 64 * 64 for p in flat)
+    covered = sum(len(p) // CHUNK * CHUNK for p in flat)
     rows = []
     ratios: dict[str, float] = {}
     for n in lengths:
@@ -100,9 +183,27 @@ def main(argv: list[str] | None = None) -> int:
         med = {k: statistics.median(results[k][i][0] for i in idx) * 1000 for k in results}
         cached = {k: statistics.median(results[k][i][1] for i in idx) for k in results}
         rows.append({"tokens": n, "ttft_ms": med, "cached": cached})
-        ratios[f"cold_over_kvpool_{n}"] = med["cold"] / med["kvpool_reader"]
-        ratios[f"disk_over_kvpool_{n}"] = med["disk_reader"] / med["kvpool_reader"]
+        ratios[f"kvpool_over_disk_ttft_{n}"] = med["kvpool_reader"] / med["disk_reader"]
+        ratios[f"writer_over_cold_ttft_{n}"] = med["kvpool_writer"] / med["cold"]
+        if "before_reader" in med:
+            ratios[f"before_over_kvpool_ttft_{n}"] = med["before_reader"] / med["kvpool_reader"]
     per_token = {"kvpool": kvpool_bytes / covered, "disk": dir_bytes(disk) / covered}
+    load_gbps: dict[str, float] = {}
+    for name in (k for k in results if k.endswith("reader") and not k.startswith("disk")):
+        # bytes loaded: the cached tokens at the store's bytes per token; the time to load them: at most
+        # each hit's TTFT less the TTFT of its uncached tail alone
+        nbytes = sum(results[name][i][1] for i in range(len(flat))) * per_token["kvpool"]
+        load_s = sum(
+            max(results[name][i][0] - tail_ttft[name][len(p)], 1e-6)
+            for i, p in enumerate(flat)
+            if results[name][i][1] > 0
+        )
+        load_gbps[name] = nbytes / load_s / 1e9 if nbytes else float("nan")
+    ratios["load_gbps"] = load_gbps.get("kvpool_reader", float("nan"))
+    if tput:
+        ratios["throughput_with_over_without"] = (
+            tput["with_kvpool"]["tokens_per_s"] / tput["without_kvpool"]["tokens_per_s"]
+        )
     if not args.json:
         head = f"{'tokens':>6}  " + "  ".join(f"{k:>14}" for k in runs)
         print(f"TTFT ms (median of {args.prompts}), model hidden {args.hidden} x {args.layers} layers")
@@ -110,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"{r['tokens']:>6}  " + "  ".join(f"{r['ttft_ms'][k]:>14.1f}" for k in runs))
             print(f"{'cached':>6}  " + "  ".join(f"{r['cached'][k]:>14.0f}" for k in runs))
+        for name, g in load_gbps.items():
+            print(f"{name}: load bandwidth >= {g:.2f} GB/s")
+        for name, t in tput.items():
+            print(
+                f"throughput {name}: {t['tokens_per_s']:,.0f} tokens/s, TTFT p50 {t['ttft_p50_ms']:.0f} ms,"
+                f" p99 {t['ttft_p99_ms']:.0f} ms, {t['cached_tokens']:,} cached tokens, {t['seconds']:.1f} s"
+            )
         print(
             f"bytes stored per prompt token: kvpool {per_token['kvpool']:,.0f}, disk {per_token['disk']:,.0f}"
         )
@@ -119,9 +227,19 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "loadavg": os.getloadavg()[0],
         "rows": rows,
+        "throughput": tput,
         "bytes_per_token": per_token,
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
-        "goal_met": all(v > 1 for v in ratios.values()),
+        "goals": {
+            "hit_ttft_le_0.5x_disk": all(
+                v <= 0.5 for k, v in ratios.items() if k.startswith("kvpool_over_disk_ttft")
+            ),
+            "load_ge_5_gbps": ratios["load_gbps"] >= 5,
+            "writer_le_1.05x_cold": all(
+                v <= 1.05 for k, v in ratios.items() if k.startswith("writer_over_cold_ttft")
+            ),
+            "throughput_ge_2x": ratios.get("throughput_with_over_without", 0) >= 2,
+        },
     }
     print(json.dumps(summary))
     return 0

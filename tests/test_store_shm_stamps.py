@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import xxhash
-from kvpool.kvstore.errors import ObjectNotFoundError
+from kvpool.kvstore.errors import ObjectNotFoundError, StaleReadError
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.protocol.data_frame import OP_GET, Frame, encode
 from kvpool.kvstore.protocol.shm_segment import StampReader, default_slots
@@ -366,5 +366,61 @@ def test_cpus_without_x86_ordering_never_trust_stamps(node, stub, monkeypatch):
         for _ in range(2):
             assert await t.get_into(location(node, m), out) == len(data) and bytes(out) == data
         assert counter(stub, "locates") == before + 2 and t.fast_hits == 0
+
+    run_with_shm(body)
+
+
+def test_read_in_place_visits_the_pool_and_refuses_an_object_that_changed_under_the_visit(node, stub):
+    """``read_in_place`` hands the visitor the object where it lies (first after one pipelined LOCATE, then
+    from the hint); the visitor's own error is that item's result; an object deleted while it was visited
+    is a ``StaleReadError``, whatever the visitor thought of its bytes. Over tcp the same call visits the
+    receive buffer."""
+    blobs = [os.urandom(n) for n in (1 << 20, 4096)]
+    metas = [meta_for(b) for b in blobs]
+
+    async def body(sel):
+        await shm_of(sel, node).batch_put(
+            node.endpoint, [(f"r{i}", m, b) for i, (m, b) in enumerate(zip(metas, blobs, strict=True))]
+        )
+        locs = [location(node, m) for m in metas]
+        other = TransportSelector("shm", FAST)  # a reader without hints
+        try:
+            t = shm_of(other, node)
+            seen: dict[int, bytes] = {}
+            assert await t.read_in_place(locs, lambda i, v: seen.__setitem__(i, bytes(v))) == [None, None]
+            assert seen == {0: blobs[0], 1: blobs[1]} and t.locates == 2 and t.fast_hits == 0
+
+            def refuse_second(i: int, v: memoryview) -> None:
+                if i == 1:
+                    raise ValueError("not what I expected")
+
+            got = await t.read_in_place(locs, refuse_second)
+            assert got[0] is None and isinstance(got[1], ValueError) and t.locates == 2  # from the hints
+
+            def delete_meanwhile(i: int, v: memoryview) -> None:
+                assert stub.Delete(keys(metas[i].key), timeout=5).done == 1
+
+            # from a hint: the stamp changed, so the transport asks the node again, which no longer has it
+            got = await t.read_in_place(locs[1:], lambda i, v: delete_meanwhile(1, v))
+            assert isinstance(got[0], ObjectNotFoundError)
+        finally:
+            await other.close()
+        fresh = TransportSelector("shm", FAST)  # after a LOCATE: the stamp's second look fails the read
+        try:
+            got = await shm_of(fresh, node).read_in_place(locs[:1], delete_meanwhile)
+            assert isinstance(got[0], StaleReadError)
+        finally:
+            await fresh.close()
+        await shm_of(sel, node).put(node.endpoint, "r-again", metas[1], blobs[1])  # deleted above: again
+        locs = [location(node, metas[1])]
+        tcp = TransportSelector("tcp", FAST)
+        try:
+            seen.clear()
+            got = await tcp.for_node(node.endpoint).read_in_place(
+                locs, lambda i, v: seen.__setitem__(i, bytes(v))
+            )
+            assert got == [None] and seen == {0: blobs[1]}
+        finally:
+            await tcp.close()
 
     run_with_shm(body)

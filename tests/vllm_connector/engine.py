@@ -49,6 +49,7 @@ def build_llm(spec: dict):
         kv_transfer_config=kv,
         seed=0,
         dtype=spec.get("dtype", "float32"),
+        disable_log_stats=not spec.get("log_stats", False),  # on: per-request first-token latency
     )
 
 
@@ -65,7 +66,12 @@ def run(llm, cmd: dict) -> dict:
     seconds = time.perf_counter() - t0
     return {
         "outputs": [
-            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "cached": o.num_cached_tokens or 0,
+                "ttft": getattr(o.metrics, "first_token_latency", None),
+            }
+            for o in outs
         ],
         "seconds": seconds,
     }

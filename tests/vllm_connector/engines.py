@@ -28,10 +28,10 @@ class Engine:
     ``wait_ready()`` or the first ``run(prompts, ...)``, so a test can boot several engines at once;
     ``run`` sends a command and waits for its answer line."""
 
-    def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
+    def __init__(self, spec: dict[str, Any], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, str(ENGINE), json.dumps(spec)],
             stdin=subprocess.PIPE,
