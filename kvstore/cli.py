@@ -202,6 +202,11 @@ def _add_kv_events_flags(p: argparse.ArgumentParser) -> None:
         default="tier",
         help="tier: DRAM=CPU, SSD=STORAGE, tier moves are events; shared: everything EXTERNAL",
     )
+    ev.add_argument(
+        "--kv-events-keep-tokens",
+        action="store_true",
+        help="keep published blocks' tokens so snapshots carry them (4 B/token/block; Dynamo needs them)",
+    )
     ev.add_argument("--kv-events-buffer", type=int, default=10_000, help="batches kept for replay")
     ev.add_argument(
         "--kv-events-queue", type=int, default=10_000, help="batches waiting to be sent before new ones drop"
@@ -228,6 +233,7 @@ def _kv_events_config(args: argparse.Namespace) -> KvEventsConfig | None:
         block_size=args.kv_events_block_size,
         hash_format=HashFormat(args.kv_events_hashes),
         shared_medium=args.kv_events_medium == "shared",
+        keep_tokens=args.kv_events_keep_tokens,
         buffer_batches=args.kv_events_buffer,
         queue_batches=args.kv_events_queue,
         hwm=args.kv_events_hwm,

@@ -38,7 +38,7 @@ from tests.harness.master_proc import MasterProcess, ProbeNode, wait_until
 
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[MasterProcess]:
-    m = start_master(tmp_path, "--kv-events-buffer", "4")
+    m = start_master(tmp_path, "--kv-events-buffer", "4", "--kv-events-keep-tokens")
     yield m
     m.kill()
 
@@ -131,6 +131,7 @@ def test_stale_subscriber_converges_by_snapshot_and_never_slows_the_master(
     for hs in [*chains[:5], chain(2, "first")]:
         assert late.match_prefix(hs) == master_match(master, hs)
     assert late.match_prefix(chains[0]) == (4, 8)
+    assert late.token_ids[chains[3][2]] == tokens_of(2), "--kv-events-keep-tokens: the snapshot has tokens"
     counters = master.stats().counters
     assert counters["kv_events_snapshots"] == 1 and counters["kv_events_snapshot_blocks"] >= 2 + 40 * 10
     assert counters["kv_events_published_blocks"] >= 2 + 40 * 10

@@ -843,4 +843,3 @@ def process_rss_bytes() -> int:
             return int(f.read().split()[1]) * PAGE_BYTES
     except (OSError, IndexError, ValueError):
         return 0
-

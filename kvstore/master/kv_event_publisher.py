@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -59,6 +61,10 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_BLOCKS_PER_MESSAGE = 4096  # one snapshot message's stored blocks (a 1 M-object index: 245 messages)
 POLL_S = 0.02  # how long the thread waits for work before it looks at the replay socket again
+# A busy event loop holds the GIL until the interpreter asks it to switch (5 ms by default): the publisher
+# thread, woken by a batch, waits that long per handoff, which is the lag consumers see under load. 1 ms
+# keeps that under the lag goal; the loop pays a few more GIL handoffs (docs/measurements/kv_events.md).
+SWITCH_INTERVAL_S = float(os.environ.get("KVPOOL_KV_EVENTS_SWITCH_S", "0.001"))
 
 
 @dataclass(slots=True)
@@ -149,6 +155,8 @@ class KvEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay answer is never cut short
             self.replay_endpoint = _bind(self._replay, self.config.replay_endpoint)
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
         if self.config.heartbeat_ms:
@@ -167,7 +175,12 @@ class KvEventPublisher:
         self._next_seq = 0
         self._queue.put(_Reset(self._topic))
         self._recorder = KvEventRecorder(
-            core.index, self.submit, loop, shared_medium=self.config.shared_medium, counters=self.counters
+            core.index,
+            self.submit,
+            loop,
+            shared_medium=self.config.shared_medium,
+            keep_tokens=self.config.keep_tokens,
+            counters=self.counters,
         )
         core.events = self._recorder
         self._recorder.cleared()

@@ -19,6 +19,7 @@ are request-scoped and no router can match them.
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ class KvEventRecorder:
         loop: asyncio.AbstractEventLoop,
         *,
         shared_medium: bool = False,
+        keep_tokens: bool = False,
         counters: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.index = index
@@ -64,7 +66,11 @@ class KvEventRecorder:
         self._submit = submit
         self._loop = loop
         self.shared_medium = shared_medium
+        # --kv-events-keep-tokens: every published MLA block's tokens, so snapshots and tier moves carry them
+        # (consumers that rehash tokens, Dynamo, drop a block without). Costs 4 B per token per block.
+        self._tokens: dict[bytes, array[int]] | None = {} if keep_tokens else None
         self._items: list[Item] = []
+        self._moving = False
         self._scheduled = False
 
     def _add(self, item: Item) -> None:
@@ -86,6 +92,9 @@ class KvEventRecorder:
 
     def stored(self, key: bytes, token_ids: Sequence[int] | None = None) -> None:
         """``key`` was committed (or adopted from a node's inventory): publish it if it is a block."""
+        kept = self._tokens
+        if kept is not None and token_ids and key[:1] == MLA_TAG:
+            kept[key] = array("I", token_ids)
         item = self._stored_item(key, token_ids)
         if item is not None:
             self._add(item)
@@ -94,6 +103,8 @@ class KvEventRecorder:
         tag = block_tag(key)
         if tag is None:
             return None
+        if token_ids is None and self._tokens is not None:
+            token_ids = self._tokens.get(key)
         info = self.index.get(key)
         if info is None or not info.committed:
             return None
@@ -111,6 +122,8 @@ class KvEventRecorder:
         """``key`` left ``tier`` (evicted, expired, removed, lost with its node)."""
         tag = block_tag(key)
         if tag is not None:
+            if self._tokens is not None and not self._moving:
+                self._tokens.pop(key, None)
             self._add(("R", GROUP_MLA if tag == MLA_TAG else GROUP_CHECKPOINT, key[1:], int(tier)))
 
     def moved(self, key: bytes, from_tier: Tier | int) -> None:
@@ -119,7 +132,11 @@ class KvEventRecorder:
             return
         item = self._stored_item(key, None)
         if item is not None:
-            self.removed(key, from_tier)
+            self._moving = True
+            try:
+                self.removed(key, from_tier)
+            finally:
+                self._moving = False
             self._add(item)
 
     def dump(self) -> list[Item]:

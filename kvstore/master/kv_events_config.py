@@ -24,6 +24,7 @@ class KvEventsConfig:
     topic_prefix: str = "kvpool"
     block_size: int = 64  # tokens per block, as the workers hash them (the events' block_size)
     hash_format: HashFormat = HashFormat.BYTES
+    keep_tokens: bool = False  # keep published blocks' tokens for snapshots (4 B per token per block)
     shared_medium: bool = False  # every object EXTERNAL (one shared pool) instead of CPU / STORAGE per tier
     buffer_batches: int = 10_000  # batches kept for replay
     queue_batches: int = 10_000  # batches waiting for the thread before new ones are dropped

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import msgpack
+import msgspec
 
 END_SEQ = -1  # replay: the last frame's sequence
 SEQ_BYTES = 8
@@ -112,9 +112,13 @@ def removed_event(hashes: Sequence[bytes | int], medium: str, *, group: int) -> 
 CLEARED_EVENT: dict[str, Any] = {"type": "AllBlocksCleared"}
 
 
+_ENCODER = msgspec.msgpack.Encoder()  # what vLLM encodes these with: ~4x msgpack's speed on token lists
+_DECODER = msgspec.msgpack.Decoder()
+
+
 def encode_batch(ts: float, events: list[dict[str, Any]], data_parallel_rank: int) -> bytes:
-    """The payload frame: ``[ts, events, data_parallel_rank]``."""
-    return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
+    """The payload frame: ``[ts, events, data_parallel_rank]`` (bytes as msgpack bin, tuples as arrays)."""
+    return _ENCODER.encode([ts, events, data_parallel_rank])
 
 
 def encode_seq(seq: int) -> bytes:
@@ -139,8 +143,8 @@ class EventBatch:
 def decode_batch(payload: bytes) -> EventBatch:
     """Parse a payload frame; :class:`KvEventsWireError` if it is not one."""
     try:
-        body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+        body = _DECODER.decode(payload)
+    except msgspec.DecodeError as exc:
         raise KvEventsWireError(f"payload is not msgpack: {exc}") from None
     if not isinstance(body, list) or len(body) not in (2, 3) or not isinstance(body[1], list):
         raise KvEventsWireError("payload is not [ts, events, data_parallel_rank]")
