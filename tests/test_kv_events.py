@@ -19,7 +19,7 @@ import pytest
 import zmq
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.protocol.kv_events_wire import GROUP_CHECKPOINT, GROUP_MLA, decode_seq, encode_seq
-from kvpool.proto import master_pb2
+from kvpool.proto import common_pb2, master_pb2
 
 from tests.harness.kv_events import (
     BLOCK,
@@ -218,3 +218,38 @@ def test_bad_kv_events_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--kv-events needs a ZMQ address" in capsys.readouterr().err
     assert main(["master", "--kv-events-replay", "tcp://127.0.0.1:0"]) == 2
     assert "--kv-events-replay needs --kv-events" in capsys.readouterr().err
+
+
+def test_the_store_clients_puts_carry_their_tokens_to_the_stream(
+    master: MasterProcess, tmp_path: Path
+) -> None:
+    """The real put path: a storage node, the store client's batch_put with PutItem.token_ids."""
+    import asyncio
+
+    from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
+
+    from tests.store_helpers import start_node
+
+    node = start_node(tmp_path, master.address, "16MiB", "tcp")
+    sub = subscriber(master)
+    hs = chain(3, "client")
+
+    async def push() -> list[object]:
+        items, parent = [], b""
+        for i, h in enumerate(hs):
+            items.append(
+                PutItem(mla_key(h), b"x" * 64, common_pb2.MLA_BLOCK, parent=parent, token_ids=tokens_of(i))
+            )
+            parent = mla_key(h)
+        items.append(PutItem(kda_key(hs[-1]), b"y" * 64, common_pb2.KDA_CHECKPOINT))
+        async with AsyncStoreClient(master.address, transport="tcp") as client:
+            return await client.batch_put(items)
+
+    try:
+        assert asyncio.run(push()) == [None] * 4
+        settle(sub, lambda: len(sub.blocks[GROUP_CHECKPOINT]) == 1)
+        assert [sub.token_ids[h] for h in hs] == [tokens_of(i) for i in range(3)]
+        assert sub.match_prefix(hs) == master_match(master, hs) == (3, 3)
+    finally:
+        sub.close()
+        node.stop()

@@ -82,6 +82,9 @@ class PutItem:
     parent: bytes = b""
     ttl_ms: int = 0
     route: bytes = b""  # master shards: the chain's route (ShardSet.route_of_chain); b"" = by the key
+    # KV events (docs/design/kv_events.md): the block's token ids, for a master that publishes them to
+    # routers which rehash tokens; () = not sent (the default: they cost ~2 B/token on the PutStart)
+    token_ids: Sequence[int] = ()
 
     @property
     def nbytes(self) -> int:
@@ -336,7 +339,11 @@ class AsyncStoreClient:
         master = self.link(self._shard_of(item.route or item.key))
         start = await master.put_start(
             master_pb2.PutStartRequest(
-                meta=meta, replace_if_corrupt=replace_if_corrupt, checksum_at_commit=True, route=item.route
+                meta=meta,
+                replace_if_corrupt=replace_if_corrupt,
+                checksum_at_commit=True,
+                route=item.route,
+                token_ids=item.token_ids,
             )
         )
         if start.status != master_pb2.PutStartReply.STARTED:
@@ -422,7 +429,9 @@ class AsyncStoreClient:
             batch = await master.put_start_batch(
                 master_pb2.PutStartBatchRequest(
                     items=[
-                        master_pb2.PutStartRequest(meta=m, checksum_at_commit=True, route=i.route)
+                        master_pb2.PutStartRequest(
+                            meta=m, checksum_at_commit=True, route=i.route, token_ids=i.token_ids
+                        )
                         for m, i in zip(metas, items, strict=True)
                     ],
                     shard_set=self._shard_set,
