@@ -1,5 +1,5 @@
-"""The hybrid policy: dead blocks first, depth-weighted recency, and admission control (ghosts, tickets,
-the adaptive sampling rate), on the index itself and through the master's PutStart."""
+"""The hybrid policy (and ``depth``, its depth-weighted recency): dead blocks first, and admission control
+(ghosts, tickets, the adaptive sampling rate), on the index itself and through the master's PutStart."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ MLA, KDA = ObjectKind.MLA, ObjectKind.KDA
 REFUSE_NEW = AdmissionConfig(initial_rate=0.0, min_rate=0.0)  # only continuations get in
 
 
-def index(cap: int = 1000, admission: AdmissionConfig | None = None) -> tuple[PrefixIndex, Clock]:
+def index(
+    cap: int = 1000, admission: AdmissionConfig | None = None, policy: str = "hybrid"
+) -> tuple[PrefixIndex, Clock]:
     clock = Clock(100.0)
-    idx = PrefixIndex("hybrid", clock=clock, high_watermark=0.9, low_watermark=0.8, admission=admission)
+    idx = PrefixIndex(policy, clock=clock, high_watermark=0.9, low_watermark=0.8, admission=admission)
     idx.add_node("n", cap)
     return idx, clock
 
@@ -56,8 +58,9 @@ def test_dead_blocks_go_before_any_checkpoint_even_when_newer() -> None:
 
 
 def test_a_deeper_checkpoint_may_be_older() -> None:
-    # depth_weight 0.5: 16 blocks deep against 1 block is worth 2 doublings of age (4x as old)
-    idx, clock = index(cap=1000)
+    # policy depth (the recency side of the default), depth_weight 0.5: 16 blocks deep against 1 block is
+    # worth 2 doublings of age (4x as old)
+    idx, clock = index(cap=1000, policy="depth")
     deep, shallow = chain(16, "deep"), chain(1, "shallow")
     put_chain(idx, deep, ck_at=(16,), size=5)  # written at t=100
     clock.t = 200.0
@@ -68,7 +71,7 @@ def test_a_deeper_checkpoint_may_be_older() -> None:
     clock.t = 1000.0  # ages 900 s and 800 s: both old, deep wins by depth alone
     ranked = idx.eviction_scores([kda_key(deep[-1]), kda_key(shallow[0])])
     assert ranked[0] > ranked[1]
-    idx2, clock2 = index(cap=1000)
+    idx2, clock2 = index(cap=1000, policy="depth")
     put_chain(idx2, deep, ck_at=(16,), size=5)
     clock2.t = 110.0
     put_chain(idx2, shallow, ck_at=(1,), size=5)

@@ -87,7 +87,7 @@ def test_same_operations_same_evictions() -> None:
 
 
 def test_policy_names() -> None:
-    assert set(POLICIES) == {"hybrid", "lru", "lfu", "cost"}
+    assert set(POLICIES) == {"hybrid", "depth", "lru", "lfu", "cost"}
     with pytest.raises(UnknownPolicyError, match="choose one of"):
         make_policy("arc")
     with pytest.raises(ValueError):

@@ -24,11 +24,15 @@ Policies (pick by name with :func:`make_policy`):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+from kvpool.kvstore.index.recency_guard import RecencyGuard
+from kvpool.kvstore.index.return_time import READ, ReturnTimeModel, request_class
 
 KIND_MLA = 1
+SLOT_LIVE = 1  # mirrors records.SLOT_LIVE (this module stays free of the index's imports)
 KIND_KDA = 2  # mirrors kvpool.v1.ObjectKind.KDA_CHECKPOINT (kept numeric: this module has no proto import)
 
 
@@ -40,6 +44,7 @@ class PolicyColumns(Protocol):
     size: np.ndarray  # uint64 bytes
     depth: np.ndarray  # uint16 blocks from the chain root (1 = first block), saturating
     kind: np.ndarray  # uint8 ObjectKind
+    flags: np.ndarray  # uint8 SLOT_* bits (records)
     deps: np.ndarray  # uint32 live dependents (a checkpoint depends on its MLA block)
 
 
@@ -107,8 +112,9 @@ class CostAwarePolicy(AgedLFUPolicy):
         return self._log_aged(cols, slots, now) + per_byte
 
 
-class HybridPolicy(LRUPolicy):
-    """Dead MLA blocks first, then the lowest *depth-weighted recency*; with admission control.
+class DepthRecencyPolicy(LRUPolicy):
+    """Dead MLA blocks first, then the lowest *depth-weighted recency*; with admission control (the
+    default before return-time prediction, kept as ``depth`` to compare against).
 
     An MLA block that is a leaf has no checkpoint at its boundary and none after it on its chain: the
     joint rule can never use it (prefill recomputes from the last checkpoint before it), so its bytes are
@@ -122,7 +128,7 @@ class HybridPolicy(LRUPolicy):
     seconds, so a trace replayed at another rate ranks alike. ``admits`` makes the index build an
     ``Admission`` (``index.admission``) with it."""
 
-    name = "hybrid"
+    name = "depth"
     admits = True
 
     def __init__(self, half_life_s: float = 600.0, depth_weight: float = 0.5) -> None:
@@ -140,11 +146,136 @@ class HybridPolicy(LRUPolicy):
         return s
 
 
+class HybridPolicy(LRUPolicy):
+    """The default: dead MLA blocks first, then checkpoints by *expected reads per second per byte*,
+    learned online per request class, mixed with recency by a weight a shadow LRU keeps honest; with
+    admission control (docs/design/eviction.md §1.1).
+
+    Score of a live checkpoint (lower goes first), in log2 units of "blocks of prefill saved per byte
+    per second"::
+
+        pred = log2 rate(class, age) + depth_weight x log2(depth) - log2(size)
+        score = w x pred + (1 - w) x (-log2 age)
+
+    ``rate`` is the ``ReturnTimeModel``'s P(read again) / E[wait] for objects of that class and age (near
+    zero once the age is past the class's returns: overdue objects go first), ``depth`` the blocks a read
+    lets prefill skip, ``size`` its bytes. ``-log2 age`` is LRU's own ranking in the same units (a rate
+    of one read per age). ``w`` is the ``RecencyGuard``'s: it falls towards 0 (LRU order) while a shadow
+    LRU of the same capacity would have served more blocks, and rises while the predictions serve more.
+    MLA blocks that are not dead (candidates only when demoting to SSD) are priced by recency per byte.
+    Until ``min_observations`` returns or censorings are known, the order is plain recency.
+
+    Unlike the other policies it keeps state: the index calls its hooks (``on_put``, ``on_insert``,
+    ``on_lookup``, ``on_evict``) so it sees each put, each writer's lookup and each eviction."""
+
+    name = "hybrid"
+    admits = True
+    learns = True
+
+    def __init__(
+        self,
+        half_life_s: float = 600.0,
+        depth_weight: float = 0.5,
+        min_observations: int = 32,
+        guard_step: float = 0.02,
+        initial_weight: float = 1.0,
+        prior: float = 4.0,
+    ) -> None:
+        if not (math.isfinite(depth_weight) and depth_weight >= 0):
+            raise ValueError("depth_weight must be finite and >= 0")
+        self.depth_weight = depth_weight
+        self.min_observations = min_observations
+        self.model = ReturnTimeModel(prior=prior)
+        self.guard = RecencyGuard(initial=initial_weight, step=guard_step)
+        self._klass = np.zeros(1024, dtype=np.uint8)
+
+    # ------------------------------------------------------------------ hooks (called by the index)
+
+    def on_put(self, key: bytes, size: int, capacity: int) -> None:
+        """A writer puts an MLA block or checkpoint (before admission): the shadow LRU stores it."""
+        self.guard.put(key, size, capacity)
+
+    def on_insert(self, cols: PolicyColumns, slot: int, key: bytes, kind: int, anchor_slot: int) -> None:
+        """An object took ``slot``: give it its class (its ticket's, or its anchor's beyond the prompt)."""
+        if slot >= len(self._klass):
+            klass = np.zeros(max(slot + 1, len(self._klass) * 3 // 2), dtype=np.uint8)
+            klass[: len(self._klass)] = self._klass
+            self._klass = klass
+        anchor = int(self._klass[anchor_slot]) if 0 <= anchor_slot < len(self._klass) else None
+        self._klass[slot] = self.model.class_of_put(key[1:], anchor)
+
+    def on_lookup(
+        self,
+        cols: PolicyColumns,
+        block_hashes: Sequence[bytes],
+        run: int,
+        usable: int,
+        checkpoint_slot: int,
+        joint: bool,
+        now: float,
+    ) -> None:
+        """A writer's lookup (prefill's fetch), before its touch: learn the returns it shows, class the
+        request, ticket the blocks it will write, and score it against the shadow LRU."""
+        model = self.model
+        deep, gap = usable, None
+        if checkpoint_slot >= 0:
+            gap = now - float(cols.last_use[checkpoint_slot])
+            model.observe(int(self._klass[checkpoint_slot]), gap, True)
+        g = model.deepest_ghost(block_hashes, usable)
+        if g > usable:
+            gap = model.ghost_returned(block_hashes[g - 1], now)
+            deep = g
+        cls = request_class(deep, len(block_hashes), gap)
+        if checkpoint_slot >= 0:
+            self._klass[checkpoint_slot] = cls + READ
+        model.ticket(block_hashes[run:], cls)
+        self.guard.lookup(block_hashes, usable, joint)
+
+    def on_evict(self, cols: PolicyColumns, slot: int, key: bytes, now: float) -> None:
+        """An object left by pressure: a checkpoint becomes a ghost whose return (or not) is observed."""
+        if int(cols.kind[slot]) == KIND_KDA:
+            self.model.ghost(key[1:], int(self._klass[slot]), float(cols.last_use[slot]), now)
+
+    # ------------------------------------------------------------------ ranking
+
+    def _refresh(self, cols: PolicyColumns, now: float) -> None:
+        """Rebuild the model's table with the cached checkpoints as still at risk (one vector pass over
+        the columns: live slots of kind KDA)."""
+        n = min(len(self._klass), len(cols.kind))
+        live = np.flatnonzero(((cols.flags[:n] & SLOT_LIVE) != 0) & (cols.kind[:n] == KIND_KDA))
+        self.model.rebuild(now, self._klass[live], now - cols.last_use[live])
+
+    def scores(self, cols: PolicyColumns, slots: np.ndarray, now: float) -> np.ndarray:
+        age = np.maximum(now - cols.last_use[slots], MIN_AGE_S)
+        rec = -np.log2(age)
+        kind = cols.kind[slots]
+        w = self.guard.w
+        model = self.model
+        if w > 0 and model.observed >= self.min_observations:
+            if model.stale(now):
+                self._refresh(cols, now)
+            ck = kind == KIND_KDA
+            size = np.log2(np.maximum(cols.size[slots], 1).astype(np.float64))
+            pred = rec - size
+            cks = slots[ck]
+            pred[ck] = (
+                model.log_rates(self._klass[cks], age[ck])
+                + self.depth_weight * np.log2(np.maximum(cols.depth[cks], 1).astype(np.float64))
+                - size[ck]
+            )
+            s = w * pred + (1.0 - w) * rec
+        else:
+            s = rec
+        s[(kind == KIND_MLA) & (cols.deps[slots] == 0)] -= DEAD_FIRST
+        return s
+
+
 MIN_AGE_S = 1e-3  # ages below a millisecond rank as a millisecond (log2 stays finite)
 DEAD_FIRST = 1e6  # subtracted from a dead block's score: below every live object's
 
 POLICIES: dict[str, type] = {
     "hybrid": HybridPolicy,
+    "depth": DepthRecencyPolicy,
     "lru": LRUPolicy,
     "lfu": AgedLFUPolicy,
     "cost": CostAwarePolicy,
@@ -164,6 +295,8 @@ def make_policy(name: str, **params: float) -> EvictionPolicy:
         return LRUPolicy()
     if cls is HybridPolicy:
         return HybridPolicy(depth_weight=float(params.get("depth_weight", 0.5)))
+    if cls is DepthRecencyPolicy:
+        return DepthRecencyPolicy(depth_weight=float(params.get("depth_weight", 0.5)))
     half_life = float(params.get("half_life_s", 600.0))
     if not math.isfinite(half_life):
         raise ValueError("half_life_s must be finite")

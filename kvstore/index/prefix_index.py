@@ -132,6 +132,8 @@ class PrefixIndex:
         if lease_ms <= 0:
             raise ValueError("lease_ms must be > 0")
         self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        # a learning policy (``learns``: the default) is told of puts, writers' lookups and evictions
+        self._learner = self.policy if getattr(self.policy, "learns", False) else None
         if admission is None and getattr(self.policy, "admits", False):
             admission = AdmissionConfig()
         # None: every put is admitted (the policy only orders evictions)
@@ -321,6 +323,9 @@ class PrefixIndex:
             raise DuplicateKeyError(key, key in self._pending)
         now = self._clock()
         self._retire_due(now)
+        learner = self._learner
+        if evict and learner is not None and kind in (ObjectKind.MLA, ObjectKind.KDA):
+            learner.on_put(key, size, self._capacity_of())  # before admission: LRU would store it
         if evict and self.admission is not None and kind in (ObjectKind.MLA, ObjectKind.KDA):
             self._admit(key, kind, size, parent)
         tid = self._tenant_id(tenant)
@@ -372,6 +377,10 @@ class PrefixIndex:
         self._link_anchor(slot, key, kind, parent)
         (self._pending if pending else self._slot)[key] = slot
         self._keys[slot] = key
+        if learner is not None:
+            anchor = self._anchors[slot]
+            a = self._find(anchor) if anchor is not None else None
+            learner.on_insert(c, slot, key, int(kind), -1 if a is None else a)
         if not pending:
             self._mark_checkpoint(slot, key, deps)
         node.used[tier] += size
@@ -526,6 +535,16 @@ class PrefixIndex:
         slots = found[:usable]
         if ck is not None:
             slots.append(self._slot[ck])
+        if touch and self._learner is not None:  # before the touch: the read's age is the return time
+            self._learner.on_lookup(
+                self._cols,
+                block_hashes,
+                run,
+                usable,
+                slots[-1] if ck is not None else -1,
+                require_checkpoint,
+                self._clock(),
+            )
         if touch and self.admission is not None:  # the writer's fetch: it will put what it missed
             self.admission.on_lookup(block_hashes, run, self._capacity_of())
         if touch and usable:
@@ -919,8 +938,13 @@ class PrefixIndex:
         )
 
     def _learn_eviction(self, slot: int, size: int) -> None:
-        """Tell admission an MLA block or checkpoint left by pressure (and whether it was ever read)."""
+        """Tell admission and a learning policy an MLA block or checkpoint left by pressure (and whether it
+        was ever read)."""
         adm, c = self.admission, self._cols
+        if self._learner is not None:
+            key = self._keys[slot]
+            assert key is not None
+            self._learner.on_evict(c, slot, key, self._clock())
         if adm is None or c.kind[slot] not in (ObjectKind.MLA, ObjectKind.KDA):
             return
         key = self._keys[slot]

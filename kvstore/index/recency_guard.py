@@ -1,0 +1,77 @@
+"""The default policy's safety net: a shadow LRU cache of keys only, and the weight the policy gives its
+predictions against plain recency, learned from how the two caches actually do on the same lookups.
+
+Why: a predictor trained on one traffic mix can be wrong on another (an agent loop re-reads its prefix
+every few seconds, a batch job never re-reads), and then it evicts what LRU would have kept. Rather than
+a fixed switch, the index runs LRU beside itself on metadata (keys and sizes, no bytes) at the same
+capacity, and every writer's lookup scores both: the blocks the real cache serves against the blocks the
+shadow LRU would have served (joint rule: MLA run closed by a checkpoint). The weight ``w`` of the
+prediction moves by ``step`` x (ours - shadow) / looked-up blocks per lookup, clipped to [0, 1]: while the
+predictions pay, ``w`` rises towards pure prediction; when they stop paying it falls towards recency,
+where the policy ranks as LRU does. ``w`` starts at ``initial``.
+
+Cost: the shadow holds the keys an LRU cache of this capacity would hold (about as many as the index
+itself), one ``OrderedDict`` entry each, and a few dict operations per put and lookup.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
+
+
+class RecencyGuard:
+    """Shadow LRU over keys and sizes, and the learned weight ``w`` of predictions (module docstring)."""
+
+    __slots__ = ("_bytes", "_lru", "fill", "ours", "shadow", "step", "w")
+
+    def __init__(self, initial: float = 1.0, step: float = 0.02, fill: float = 0.9) -> None:
+        for name, v in (("initial", initial), ("step", step), ("fill", fill)):
+            if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ValueError(f"guard {name} must be in [0, 1], got {v!r}")
+        self.w = initial
+        self.step = step
+        self.fill = fill  # the shadow holds fill x capacity (between the index's watermarks)
+        self._lru: OrderedDict[bytes, int] = OrderedDict()
+        self._bytes = 0
+        self.ours = 0  # blocks served by the real cache over the lookups scored
+        self.shadow = 0  # blocks the shadow LRU would have served
+
+    def put(self, key: bytes, size: int, capacity: int) -> None:
+        """A writer puts ``key`` (whether or not the real cache admits it): LRU would store it."""
+        lru = self._lru
+        if key in lru:
+            return  # EXISTS: no touch, as the master answers a duplicate put
+        lru[key] = size
+        self._bytes += size
+        limit = self.fill * capacity if capacity > 0 else math.inf
+        while self._bytes > limit and lru:
+            self._bytes -= lru.popitem(last=False)[1]
+
+    def lookup(self, block_hashes: Sequence[bytes], ours: int, joint: bool = True) -> None:
+        """A writer's lookup served ``ours`` blocks from the real cache: score the shadow on the same
+        blocks (``joint``: an MLA run counts up to its last checkpoint, as the real match does), touch what
+        it would have served, and move ``w``."""
+        lru = self._lru
+        run = 0
+        for h in block_hashes:
+            if MLA_TAG + h not in lru:
+                break
+            run += 1
+        usable = 0 if joint else run
+        for i in range(run if joint else 0, 0, -1):
+            if KDA_TAG + block_hashes[i - 1] in lru:
+                usable = i
+                break
+        for h in block_hashes[:usable]:
+            lru.move_to_end(MLA_TAG + h)
+        if usable and joint:
+            lru.move_to_end(KDA_TAG + block_hashes[usable - 1])
+        n = len(block_hashes)
+        self.ours += ours
+        self.shadow += usable
+        if n and ours != usable:
+            self.w = min(1.0, max(0.0, self.w + self.step * (ours - usable) / n))
