@@ -44,6 +44,7 @@ from kvpool.workloads import trace
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.checkpoints import checkpoint_positions
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.labels import YARDSTICKS, LabelsPolicy, ReuseOracle
 from kvpool.workloads.sim_config import SimConfig
 from kvpool.workloads.sim_result import Counters, SimResult
 from kvpool.workloads.specs import ModelSpec
@@ -76,7 +77,7 @@ class _Store:
 class _Replay:
     """One simulation's state: the index, the chains, the counters, the stores not yet visible."""
 
-    def __init__(self, config: SimConfig, block_size: int) -> None:
+    def __init__(self, config: SimConfig, block_size: int, oracle: ReuseOracle | None = None) -> None:
         config.check()
         self.config = config
         spec = self.spec = config.spec
@@ -96,12 +97,12 @@ class _Replay:
         dram = config.capacity // shards.count if config.capacity is not None else INFINITE
         self.shard_indexes = [
             PrefixIndex(
-                config.policy,
+                LabelsPolicy(oracle) if oracle is not None else config.policy,
                 high_watermark=config.high_watermark,
                 low_watermark=config.low_watermark,
                 clock=self.clock,
                 keep_events=True,
-                admission=config.admission if config.policy == "hybrid" else None,
+                admission=config.admission if config.policy in ("hybrid", *YARDSTICKS) else None,
             )
             for _ in range(shards.count)
         ]
@@ -277,7 +278,12 @@ def simulate(
     """
     stream, total, sized = _arrivals(requests, config, visibility_delays_ms)
     block_size = effective_block_size(sized, config.spec, config.block_size)
-    r = _Replay(config, block_size)
+    oracle = None
+    if config.policy in YARDSTICKS:
+        if not isinstance(requests, Sequence):
+            raise ReplayError(f"policy {config.policy!r} reads the future: it needs the requests as a list")
+        oracle = ReuseOracle(requests, config.spec.name, block_size)
+    r = _Replay(config, block_size, oracle)
     pending: list[tuple[float, int, _Store]] = []  # (visible at, sequence, store)
     lo = hi = None
     for seq, (req, delay_ms) in enumerate(stream):

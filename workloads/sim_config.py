@@ -12,6 +12,7 @@ from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.shards import ShardSet
 from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.labels import YARDSTICKS
 from kvpool.workloads.specs import ModelSpec
 from kvpool.workloads.ttft import TtftModel
 
@@ -34,8 +35,9 @@ class SimConfig:
     shards: ShardSet = field(default_factory=ShardSet)  # master shards, each with its slice of the capacity
 
     def check(self) -> None:
-        if self.policy not in POLICIES:
-            raise ReplayError(f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        if self.policy not in POLICIES and self.policy not in YARDSTICKS:
+            valid = [*sorted(POLICIES), *YARDSTICKS]
+            raise ReplayError(f"unknown eviction policy {self.policy!r}; choose one of {valid}")
         if self.capacity_unit not in ("bytes", "blocks"):
             raise ReplayError("capacity unit must be 'bytes' or 'blocks'")
         if self.capacity is not None and (type(self.capacity) is not int or self.capacity <= 0):

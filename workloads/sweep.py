@@ -15,6 +15,7 @@ from typing import Any
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.labels import YARDSTICKS
 from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
 from kvpool.workloads.optimum import optimum
 from kvpool.workloads.progress import PointProgress
@@ -81,7 +82,7 @@ def _row(
 
 def check_policies(policies: Sequence[str]) -> None:
     """Every name is an online eviction policy, an offline one or ``optimum``; else the valid ones."""
-    valid = [*sorted(POLICIES), *OFFLINE_POLICIES, "optimum"]
+    valid = [*sorted(POLICIES), *YARDSTICKS, *OFFLINE_POLICIES, "optimum"]
     for p in policies:
         if p not in valid:
             raise ReplayError(f"unknown eviction policy {p!r}; choose one of {', '.join(valid)}")

@@ -227,9 +227,14 @@ class HybridPolicy(LRUPolicy):
             deep = g
         cls = request_class(deep, len(block_hashes), gap)
         if checkpoint_slot >= 0:
-            self._klass[checkpoint_slot] = cls + READ
+            self._klass[checkpoint_slot] = self.class_after_read(block_hashes[usable - 1], cls, now)
         model.ticket(block_hashes[run:], cls)
         self.guard.lookup(block_hashes, usable, joint)
+
+    def class_after_read(self, block_hash: bytes, request_class: int, now: float) -> int:
+        """Class of a checkpoint just read by a request of ``request_class``: its next return is that of a
+        chain read again (a yardstick overrides it with what it knows)."""
+        return request_class + READ
 
     def on_evict(self, cols: PolicyColumns, slot: int, key: bytes, now: float) -> None:
         """An object left by pressure: a checkpoint becomes a ghost whose return (or not) is observed."""
