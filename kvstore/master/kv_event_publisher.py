@@ -15,10 +15,11 @@ Recovery, for a consumer that missed sequence s (a gap) or joins late:
 
 * it sends ``s`` to the replay socket; if every batch from ``s`` on is still buffered it gets them, then
   ``-1``;
-* otherwise (overwritten, dropped, or of an earlier life) it gets the **snapshot**: on the loop, the whole
-  index as stored events, tagged with the last sequence ``S`` the index reflects, sent on topic
-  ``.../snapshot`` as batches that start with ``AllBlocksCleared``, then the buffered batches after ``S``,
-  then ``-1``. A consumer applies it and continues with live batches after ``S``;
+* otherwise (overwritten, dropped, or of an earlier life) it gets the **snapshot**: the whole index as
+  stored events, dumped on the loop :data:`SNAPSHOT_SLICE` objects per pass (calls are served in between),
+  tagged with the last sequence ``S`` before the dump began and sent on topic ``.../snapshot`` as batches
+  that start with ``AllBlocksCleared``; then every batch after ``S`` (they carry whatever changed while the
+  dump ran), then ``-1``. A consumer applies all of it in order and continues with live batches;
 * the **incarnation** (the core's instance id and HA epoch, in the topic) changes with every new core: a
   restart or a new HA leader. Sequences restart at 0 and batch 0 is ``AllBlocksCleared``, so even a
   consumer that ignores topics starts over;
@@ -40,11 +41,11 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zmq
-from kvpool.kvstore.master.kv_event_recorder import Item, KvEventRecorder, items_to_events
+from kvpool.kvstore.master.kv_event_recorder import Item, KvEventRecorder, items_to_events, snapshot_order
 from kvpool.kvstore.master.kv_events_config import KvEventsConfig
 from kvpool.kvstore.protocol.kv_events_wire import (
     END_SEQ,
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SNAPSHOT_BLOCKS_PER_MESSAGE = 4096  # one snapshot message's stored blocks (a 1 M-object index: 245 messages)
+SNAPSHOT_SLICE = 500  # objects dumped per loop pass (a few ms): calls are served between slices
+SNAPSHOT_TRIES = 3  # a dump whose following batches are no longer all buffered is taken again this often
 POLL_S = 0.02  # how long the thread waits for work before it looks at the replay socket again
 # A busy event loop holds the GIL until the interpreter asks it to switch (5 ms by default): the publisher
 # thread, woken by a batch, waits that long per handoff, which is the lag consumers see under load. 1 ms
@@ -79,9 +82,22 @@ class _Batch:
 class _Snapshot:
     client: bytes
     start: int  # the sequence the client asked for
-    seq: int  # the last sequence the dump reflects
+    seq: int  # the last sequence before the dump began: batches after it are replayed after the dump
     topic: bytes
     items: list[Item]
+    tries: int = 0
+
+
+@dataclass(slots=True)
+class _SnapshotJob:
+    client: bytes
+    start: int
+    seq: int  # the last sequence before the dump began
+    recorder: KvEventRecorder
+    keys: list[bytes]
+    tries: int
+    done: int = 0
+    items: list[Item] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -128,6 +144,7 @@ class KvEventPublisher:
             "kv_events_replayed_batches": 0,
             "kv_events_snapshots": 0,
             "kv_events_snapshot_blocks": 0,
+            "kv_events_snapshot_retries": 0,
             "kv_events_replay_malformed": 0,
             "kv_events_publish_errors": 0,
         }
@@ -204,14 +221,29 @@ class KvEventPublisher:
             return
         self._queue.put(_Batch(self._topic, seq, time.time(), items))
 
-    def _snapshot_for(self, client: bytes, start: int) -> None:
-        """On the loop: dump the index for one replay client (see the module docstring)."""
+    def _snapshot_for(self, client: bytes, start: int, tries: int = 0) -> None:
+        """On the loop: dump the index for one replay client, :data:`SNAPSHOT_SLICE` objects per loop pass
+        so the master keeps serving calls in between (see the module docstring for why that is exact)."""
         recorder = self._recorder
         if recorder is None:
             return
-        recorder.flush()  # everything the index reflects is numbered before the dump is tagged
-        items = recorder.dump()
-        self._queue.put(_Snapshot(client, start, self._next_seq - 1, self._topic, items))
+        recorder.flush()  # everything before the dump has a number: the dump starts after ``seq``
+        job = _SnapshotJob(client, start, self._next_seq - 1, recorder, recorder.snapshot_keys(), tries)
+        self._snapshot_step(job)
+
+    def _snapshot_step(self, job: _SnapshotJob) -> None:
+        if job.recorder is not self._recorder:
+            return  # a new incarnation began meanwhile: the client sees its topic and starts over
+        job.items += job.recorder.dump_items(job.keys[job.done : job.done + SNAPSHOT_SLICE])
+        job.done += SNAPSHOT_SLICE
+        if job.done < len(job.keys):
+            assert self._loop is not None
+            self._loop.call_soon(self._snapshot_step, job)
+            return
+        job.recorder.flush()  # the last slice's pass: its changes are numbered before the snapshot goes out
+        self._queue.put(
+            _Snapshot(job.client, job.start, job.seq, self._topic, snapshot_order(job.items), job.tries)
+        )
 
     def counters(self) -> dict[str, int]:
         """For the master's Stats: batches and blocks published, dropped, replayed, snapshots, malformed."""
@@ -310,7 +342,18 @@ class KvEventPublisher:
         return out
 
     def _send_snapshot(self, snap: _Snapshot) -> None:
+        """The dump (topic ``.../snapshot``, sequence ``snap.seq``), then every batch published after
+        ``snap.seq``, then -1. The dump took several loop passes, so objects changed while it ran may appear
+        in it as they were before; the batches after ``snap.seq`` carry exactly those changes, and applying
+        them in order on top of the dump gives the index as it is (each event sets a block's state)."""
         assert self._replay is not None
+        after = [b for b in self._buffer if b[0] > snap.seq and b[1] == snap.topic]
+        whole = not after or (after[0][0] == snap.seq + 1 and after[-1][0] - snap.seq == len(after))
+        if not whole and snap.tries + 1 < SNAPSHOT_TRIES:  # some were dropped or overwritten: dump again
+            assert self._loop is not None
+            self._thread_counts["kv_events_snapshot_retries"] += 1
+            self._loop.call_soon_threadsafe(self._snapshot_for, snap.client, snap.start, snap.tries + 1)
+            return
         stopic = snap.topic + SNAPSHOT_SUFFIX
         seq = encode_seq(snap.seq)
         items = snap.items
@@ -321,7 +364,6 @@ class KvEventPublisher:
             payload, n = self._encode(ts, items[i : i + step])
             blocks += n
             self._replay.send_multipart((snap.client, b"", stopic, seq, payload))
-        after = [b for b in self._buffer if b[0] > snap.seq and b[1] == snap.topic]
         for s, tpc, payload in after:
             self._replay.send_multipart((snap.client, b"", tpc, encode_seq(s), payload))
         self._replay.send_multipart((snap.client, b"", b"", encode_seq(END_SEQ), b""))

@@ -140,34 +140,45 @@ class KvEventRecorder:
             self._add(item)
 
     def dump(self) -> list[Item]:
-        """Everything committed, as stored items: the snapshot a late or lagging consumer rebuilds from.
+        """Everything committed, as stored items, in one go (tests, benchmarks). The publisher dumps in
+        slices between calls: :meth:`snapshot_keys`, :meth:`dump_items`, :func:`snapshot_order`."""
+        return snapshot_order(self.dump_items(self.snapshot_keys()))
 
-        MLA blocks chain by chain, each parent before its children (depth-first from each root), so a run
-        becomes one event and a consumer that needs parents first has them; then the checkpoints. Runs on
-        the loop: O(objects), a few microseconds each (docs/measurements/kv_events.md)."""
-        blocks: list[Item] = []
-        checkpoints: list[Item] = []
-        for key in list(self.index):
-            if block_tag(key) is None:
-                continue
+    def snapshot_keys(self) -> list[bytes]:
+        """The committed block keys now (the publisher's snapshot walks them a slice at a time)."""
+        return [k for k in self.index if block_tag(k) is not None]
+
+    def dump_items(self, keys: Sequence[bytes]) -> list[Item]:
+        """Stored items of those of ``keys`` still committed (a few microseconds per key, on the loop)."""
+        out = []
+        for key in keys:
             item = self._stored_item(key, None)
             if item is not None:
-                (blocks if item[1] == GROUP_MLA else checkpoints).append(item)
-        held = {it[2] for it in blocks}
-        children: dict[bytes, list[Item]] = {}
-        stack: list[Item] = []
-        for it in blocks:
-            if it[3] is not None and it[3] in held:
-                children.setdefault(it[3], []).append(it)
-            else:
-                stack.append(it)
-        stack.reverse()
-        out = [CLEARED]
-        while stack:
-            it = stack.pop()
-            out.append(it)
-            stack.extend(reversed(children.pop(it[2], ())))
-        return out + checkpoints
+                out.append(item)
+        return out
+
+
+def snapshot_order(items: list[Item]) -> list[Item]:
+    """``AllBlocksCleared``, then the MLA blocks chain by chain, each parent before its children
+    (depth-first from each root, so a run becomes one event and a consumer that needs parents first has
+    them), then the checkpoints."""
+    blocks = [it for it in items if it[1] == GROUP_MLA]
+    checkpoints = [it for it in items if it[1] != GROUP_MLA]
+    held = {it[2] for it in blocks}
+    children: dict[bytes, list[Item]] = {}
+    stack: list[Item] = []
+    for it in blocks:
+        if it[3] is not None and it[3] in held:
+            children.setdefault(it[3], []).append(it)
+        else:
+            stack.append(it)
+    stack.reverse()
+    out = [CLEARED]
+    while stack:
+        it = stack.pop()
+        out.append(it)
+        stack.extend(reversed(children.pop(it[2], ())))
+    return out + checkpoints
 
 
 def items_to_events(
