@@ -253,3 +253,39 @@ def test_the_store_clients_puts_carry_their_tokens_to_the_stream(
     finally:
         sub.close()
         node.stop()
+
+
+def test_a_new_ha_leader_core_is_a_new_incarnation() -> None:
+    """HA replaces the server's core on every election (kvstore/master/ha.py: ``replace_core``): the stream
+    starts a new incarnation named by the new core's id and epoch, from sequence 0, with AllBlocksCleared."""
+    import asyncio
+
+    from kvpool.kvstore.master.core import MasterConfig, MasterCore
+    from kvpool.kvstore.master.kv_events_config import KvEventsConfig
+    from kvpool.kvstore.master.server import MasterServer
+
+    async def run() -> tuple[str, str, list[tuple[bytes, int, list[str]]]]:
+        events = KvEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", heartbeat_ms=0)
+        server = MasterServer(MasterConfig(), kv_events=events)
+        await server.start()
+        assert server.kv_events is not None
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(server.kv_events.endpoint)
+        await asyncio.sleep(0.3)
+        first = server.kv_events.topic
+        server.replace_core(MasterCore(MasterConfig(), epoch=7))  # what HaMaster._elected does
+        await asyncio.sleep(0.3)
+        got = []
+        while sock.poll(0):
+            tpc, seq, payload = sock.recv_multipart()
+            _, evs, _ = msgpack.unpackb(payload)
+            got.append((tpc, decode_seq(seq), [e["type"] for e in evs]))
+        second = server.kv_events.topic
+        sock.close(0)
+        await server.stop()
+        return first, second, got
+
+    first, second, got = asyncio.run(run())
+    assert first != second and second.endswith(".7")
+    assert got == [(second.encode(), 0, ["AllBlocksCleared"])]
