@@ -78,30 +78,42 @@ class PagedKV:
         Why fused: the payload is read once, part by part (one layer's blocks, ~100 KiB-1 MiB), hashed and
         then copied while it is still in cache, so the check costs no second pass over memory. The blocks
         are written before the digest is known: the caller compares it and, on a mismatch, reports these
-        blocks to vLLM, which recomputes them before anything reads them."""
+        blocks to vLLM, which recomputes them before anything reads them. One tensor over the whole payload
+        and slices of it per part keep the per-part cost to a few tensor views (a load is ~10^3 parts)."""
         digest = xxhash.xxh3_64()
+        with warnings.catch_warnings():  # a read-only source (the store's pool): only ever read from
+            warnings.simplefilter("ignore", UserWarning)
+            raw = (
+                torch.frombuffer(payload, dtype=torch.uint8)
+                if len(payload)
+                else torch.empty(0, dtype=torch.uint8)
+            )
         offset = 0
         for names, ids, s in zip(layer_groups, blocks, skip, strict=True):
-            first, n_ids = (ids[s] if s < len(ids) else 0), len(ids) - s
-            run = n_ids > 0 and list(ids[s:]) == list(range(first, first + n_ids))  # consecutive: a slice
+            n_ids = len(ids) - s
+            first = ids[s] if n_ids > 0 else 0
+            run = (
+                n_ids > 0
+                and ids[-1] - first == n_ids - 1
+                and list(ids[s:]) == list(range(first, ids[-1] + 1))
+            )
+            idx: torch.Tensor | None = None
             for name in names:
                 for t, d in self.tensors[name]:
-                    n = t.numel() // t.shape[d] * len(ids) * t.element_size()
-                    part = payload[offset : offset + n]
+                    per_block = t.numel() // t.shape[d] * t.element_size()
+                    n = per_block * len(ids)
+                    digest.update(payload[offset : offset + n])
+                    if n_ids > 0:
+                        shape = list(t.shape)
+                        shape[d] = len(ids)
+                        src = raw[offset : offset + n].view(t.dtype).view(shape)
+                        if s:
+                            src = src.narrow(d, s, n_ids)  # a view: one copy, into t
+                        if run:
+                            t.narrow(d, first, n_ids).copy_(src)
+                        else:
+                            if idx is None or idx.device != t.device:
+                                idx = torch.tensor(ids[s:], dtype=torch.long, device=t.device)
+                            t.index_copy_(d, idx, src.to(t.device, non_blocking=False))
                     offset += n
-                    digest.update(part)
-                    if n_ids <= 0:
-                        continue
-                    shape = list(t.shape)
-                    shape[d] = len(ids)
-                    with warnings.catch_warnings():  # read-only source: only ever read from
-                        warnings.simplefilter("ignore", UserWarning)
-                        src = torch.frombuffer(part, dtype=torch.uint8).view(t.dtype).view(shape)
-                    if s:
-                        src = src.narrow(d, s, n_ids)  # a view: one copy, into t
-                    if run:
-                        t.narrow(d, first, n_ids).copy_(src)
-                    else:
-                        idx = torch.tensor(ids[s:], dtype=torch.long, device=t.device)
-                        t.index_copy_(d, idx, src.to(t.device, non_blocking=False))
         return digest.intdigest()
