@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -208,13 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         dynamo.wait(timeout=10)
         node.close()
         master.kill()
-    warnings = [
-        ln for ln in (log_dir / "dynamo.log").read_text().splitlines() if "WARN" in ln or "ERROR" in ln
-    ]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", (log_dir / "dynamo.log").read_text())  # its colours
+    warnings = [ln for ln in text.splitlines() if " WARN " in ln or " ERROR " in ln]
     cols = (
         "after_requests",
         "queries",
         "hits",
+        "partial_hits",
         "dynamo_agree",
         "subscriber_joint_agree",
         "objects",
