@@ -167,3 +167,17 @@ def test_an_untrained_policy_ranks_by_recency() -> None:
 def test_bad_model_settings(bad: dict) -> None:
     with pytest.raises(ValueError):
         ReturnTimeModel(**bad)
+
+
+def test_admission_samples_new_chains_only_while_the_cache_beats_the_shadow_lru() -> None:
+    policy = HybridPolicy()
+    assert policy.admission_floor() == 1.0 - policy.guard.w  # nothing served yet: admission as learned
+    hs = [bytes([i]) * 32 for i in range(2)]
+    for h in hs:
+        policy.guard.put(mla_key(h), 1, capacity=100)
+    policy.guard.put(kda_key(hs[1]), 1, capacity=100)
+    policy.guard.lookup(hs, ours=2)  # a tie with LRU: refusals would only cost hits
+    assert policy.guard.lead == 1.0 and policy.admission_floor() == 1.0
+    for _ in range(50):
+        policy.guard.lookup([*hs, b"z" * 32], ours=3)  # the cache serves 1.5x what LRU would
+    assert policy.guard.lead > 1.1 and policy.admission_floor() == pytest.approx(1.0 - policy.guard.w)

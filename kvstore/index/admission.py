@@ -70,12 +70,15 @@ def _unit(block_hash: bytes) -> float:
 class Admission:
     """Ghosts, tickets and the adaptive sampling rate of one index (see the module docstring)."""
 
-    __slots__ = ("_clock", "_expiry", "_ghost", "_tickets", "admitted", "config", "rate", "refused")
+    __slots__ = ("_clock", "_expiry", "_ghost", "_tickets", "admitted", "config", "floor", "rate", "refused")
 
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
         config.check()
         self.config = config
         self.rate = config.initial_rate
+        # the sampling rate in force is at least this: the default policy raises it as far as its recency
+        # guard has fallen back towards LRU (1 - w), so a cache where refusals cost hits admits everything
+        self.floor = 0.0
         self._clock = clock
         # block hash -> bytes it held, > 0 when refused, < 0 when evicted
         self._ghost: OrderedDict[bytes, int] = OrderedDict()
@@ -124,7 +127,8 @@ class Admission:
             self.rate = min(1.0, self.rate + self.config.step * refused / capacity)
         if evicted:  # a chain the cache let go came back: what was admitted since pushed it out
             self._shrink(evicted, capacity)
-        verdict = end >= self.config.continuation_fraction * n or _unit(block_hashes[run]) < self.rate
+        rate = max(self.rate, self.floor)
+        verdict = end >= self.config.continuation_fraction * n or _unit(block_hashes[run]) < rate
         now = self._clock()
         self._expire(now)
         until = now + self.config.ticket_ms / 1000.0

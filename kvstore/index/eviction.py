@@ -177,7 +177,7 @@ class HybridPolicy(LRUPolicy):
         half_life_s: float = 600.0,
         depth_weight: float = 0.5,
         min_observations: int = 32,
-        guard_step: float = 0.02,
+        guard_step: float = 0.05,
         initial_weight: float = 1.0,
         prior: float = 4.0,
     ) -> None:
@@ -231,6 +231,14 @@ class HybridPolicy(LRUPolicy):
         model.ticket(block_hashes[run:], cls)
         self.guard.lookup(block_hashes, usable, joint)
 
+    def admission_floor(self) -> float:
+        """The least sampling rate admission may use. Refusals are predictions too, and they cost hits
+        where the cache holds nearly everything: admission may sample new chains only while the cache
+        serves at least ``ADMISSION_LEAD`` x the blocks the shadow LRU would (recent lookups); otherwise,
+        and as far as the guard has fallen back towards recency, it admits everything."""
+        guard = self.guard
+        return 1.0 if guard.lead < ADMISSION_LEAD else 1.0 - guard.w
+
     def class_after_read(self, block_hash: bytes, request_class: int, now: float) -> int:
         """Class of a checkpoint just read by a request of ``request_class``: its next return is that of a
         chain read again (a yardstick overrides it with what it knows)."""
@@ -275,6 +283,7 @@ class HybridPolicy(LRUPolicy):
         return s
 
 
+ADMISSION_LEAD = 1.1  # admission samples new chains only while the cache beats the shadow LRU by 10 %
 MIN_AGE_S = 1e-3  # ages below a millisecond rank as a millisecond (log2 stays finite)
 DEAD_FIRST = 1e6  # subtracted from a dead block's score: below every live object's
 

@@ -546,6 +546,8 @@ class PrefixIndex:
                 self._clock(),
             )
         if touch and self.admission is not None:  # the writer's fetch: it will put what it missed
+            if self._learner is not None:
+                self.admission.floor = self._learner.admission_floor()
             self.admission.on_lookup(block_hashes, run, self._capacity_of())
         if touch and usable:
             self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())

@@ -6,9 +6,9 @@ every few seconds, a batch job never re-reads), and then it evicts what LRU woul
 a fixed switch, the index runs LRU beside itself on metadata (keys and sizes, no bytes) at the same
 capacity, and every writer's lookup scores both: the blocks the real cache serves against the blocks the
 shadow LRU would have served (joint rule: MLA run closed by a checkpoint). The weight ``w`` of the
-prediction moves by ``step`` x (ours - shadow) / looked-up blocks per lookup, clipped to [0, 1]: while the
-predictions pay, ``w`` rises towards pure prediction; when they stop paying it falls towards recency,
-where the policy ranks as LRU does. ``w`` starts at ``initial``.
+prediction moves by ``step`` x (ours - shadow) / (mean looked-up blocks) per lookup, clipped to [0, 1]:
+while the predictions pay, ``w`` rises towards pure prediction; when they stop paying it falls towards
+recency, where the policy ranks as LRU does. ``w`` starts at ``initial``.
 
 Cost: the shadow holds the keys an LRU cache of this capacity would hold (about as many as the index
 itself), one ``OrderedDict`` entry each, and a few dict operations per put and lookup.
@@ -22,13 +22,15 @@ from collections.abc import Sequence
 
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
 
+RECENT = 0.002  # weight of one lookup in the moving sums behind ``lead``
+
 
 class RecencyGuard:
     """Shadow LRU over keys and sizes, and the learned weight ``w`` of predictions (module docstring)."""
 
-    __slots__ = ("_bytes", "_lru", "fill", "ours", "shadow", "step", "w")
+    __slots__ = ("_bytes", "_lru", "_mean_n", "_recent", "fill", "lead", "ours", "shadow", "step", "w")
 
-    def __init__(self, initial: float = 1.0, step: float = 0.02, fill: float = 0.9) -> None:
+    def __init__(self, initial: float = 1.0, step: float = 0.05, fill: float = 0.9) -> None:
         for name, v in (("initial", initial), ("step", step), ("fill", fill)):
             if not (math.isfinite(v) and 0.0 <= v <= 1.0):
                 raise ValueError(f"guard {name} must be in [0, 1], got {v!r}")
@@ -37,6 +39,9 @@ class RecencyGuard:
         self.fill = fill  # the shadow holds fill x capacity (between the index's watermarks)
         self._lru: OrderedDict[bytes, int] = OrderedDict()
         self._bytes = 0
+        self._mean_n = 0.0  # moving mean of the blocks a lookup covers
+        self._recent = [0.0, 0.0]  # moving sums (about the last 500 lookups) of blocks served: ours, shadow
+        self.lead = math.inf  # ours / shadow over the recent lookups (unknown until either serves a block)
         self.ours = 0  # blocks served by the real cache over the lookups scored
         self.shadow = 0  # blocks the shadow LRU would have served
 
@@ -73,5 +78,15 @@ class RecencyGuard:
         n = len(block_hashes)
         self.ours += ours
         self.shadow += usable
-        if n and ours != usable:
-            self.w = min(1.0, max(0.0, self.w + self.step * (ours - usable) / n))
+        # normalised by the mean lookup, not this one's length: the sum of the moves follows the blocks
+        # (tokens) each side served, which is what the hit rate counts
+        self._mean_n += 0.01 * (n - self._mean_n)
+        r = self._recent
+        r[0] += RECENT * (ours - r[0])
+        r[1] += RECENT * (usable - r[1])
+        if r[1] > 0:
+            self.lead = r[0] / r[1]
+        elif r[0] > 0:
+            self.lead = math.inf
+        if ours != usable:
+            self.w = min(1.0, max(0.0, self.w + self.step * (ours - usable) / max(self._mean_n, 1.0)))
