@@ -22,6 +22,7 @@ def _small(workload: str) -> object:
     small = {
         "chat": {"system_tokens": 300, "user_tokens": 100, "output_tokens": 100},
         "agent": {"system_tokens": 500, "tool_schema_tokens": 800, "result_tokens": 200},
+        "agent_loop": {"prefix_tokens": 1000, "result_tokens": 100},
         "coding": {"repo_tokens": 4000, "file_tokens": 150, "user_tokens": 50, "output_tokens": 60},
         "rag": {"document_tokens": 1000, "documents": 30},
         "oneshot": {"input_tokens": 500},
@@ -171,3 +172,19 @@ def test_cli_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     d = json.loads(capsys.readouterr().out)
     assert d["requests"] == 50 and d["token_hit_rate"] > 0.3 and d["config"]["block_size"] == 64
     assert d["tenants"]["t0"]["requests"] == 50
+
+
+def test_agent_loop_steps_every_one_to_three_seconds_over_a_shared_prefix() -> None:
+    reqs = generate("agent_loop", 200, rate=4.0, seed=2, vocab=32000, params=_small("agent_loop"))
+    runs = _turns(reqs)
+    gaps = [
+        (b.arrival_ms - a.arrival_ms) / 1000 for run in runs.values() for a, b in itertools.pairwise(run)
+    ]
+    assert gaps and all(0.999 <= g <= 3.001 for g in gaps)
+    for run in runs.values():
+        for a, b in itertools.pairwise(run):
+            assert b.tokens[: a.input_length] == a.tokens  # each step extends the previous prompt
+    firsts = [run[0].tokens[:900] for run in runs.values()]
+    assert len({tuple(f) for f in firsts}) <= 2  # one long prefix per deployment
+    with pytest.raises(GeneratorParamError, match="min_gap_s"):
+        make_params("agent_loop", {"min_gap_s": "4"})

@@ -13,6 +13,8 @@ Workloads (parameters in ``workload_params``):
 - ``chat``: multi-turn chat; one of a few shared system prompts, then user/assistant turns.
 - ``agent``: tool-calling agent; long system prompt + tool schemas shared per toolset, then a history
   that grows by a tool call and its (long) result per step.
+- ``agent_loop``: an autonomous agent loop; a long prefix shared per deployment, then tool calls back to
+  back (a uniform 1-3 s gap after each), so a run re-reads its own chain every few seconds.
 - ``coding``: coding agent; a large repository context shared by the sessions on that repo, small
   increments per turn, so >= 90 % of each prompt was seen before.
 - ``rag``: long-document QA; a system prompt + one document from a Zipf-popular pool + a fresh question.
@@ -31,6 +33,7 @@ from kvpool.workloads.errors import GeneratorParamError
 from kvpool.workloads.trace import Request
 from kvpool.workloads.workload_params import (
     PARAMS,
+    AgentLoopParams,
     AgentParams,
     ChatParams,
     CodingParams,
@@ -107,6 +110,19 @@ def _agent(b: _Builder, p: AgentParams, shared: dict[str, Any]) -> Session:
     return turns
 
 
+def _agent_loop(b: _Builder, p: AgentLoopParams, shared: dict[str, Any]) -> Session:
+    if "prefixes" not in shared:
+        shared["prefixes"] = [b.tokens(b.length(p.prefix_tokens)) for _ in range(p.prefixes)]
+    history = list(shared["prefixes"][int(b.rng.integers(p.prefixes))]) + b.tokens(b.length(p.task_tokens))
+    turns, t = [], 0.0
+    for _ in range(b.count(p.steps)):
+        call = b.tokens(b.length(p.call_tokens))
+        turns.append(_Turn(t, history, call))
+        history = history + call + b.tokens(b.length(p.result_tokens))
+        t += float(b.rng.uniform(p.min_gap_s, p.max_gap_s)) * 1000.0
+    return turns
+
+
 def _coding(b: _Builder, p: CodingParams, shared: dict[str, Any]) -> Session:
     repos = shared.setdefault("repos", [b.tokens(b.length(p.repo_tokens)) for _ in range(p.repos)])
     history = list(repos[int(b.rng.integers(p.repos))])
@@ -142,6 +158,7 @@ def _oneshot(b: _Builder, p: OneshotParams, shared: dict[str, Any]) -> Session:
 _SESSION: dict[str, Callable[[_Builder, Any, dict[str, Any]], Session]] = {
     "chat": _chat,
     "agent": _agent,
+    "agent_loop": _agent_loop,
     "coding": _coding,
     "rag": _rag,
     "oneshot": _oneshot,

@@ -35,6 +35,21 @@ class AgentParams:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentLoopParams:
+    """An autonomous agent loop: a long prefix shared by every run of a deployment (system prompt, tool
+    schemas, instructions), then tool calls back to back, each 1-3 s after the previous one returns."""
+
+    prefixes: int = 2  # deployments (each its own shared prefix)
+    prefix_tokens: int = 16_000
+    task_tokens: int = 300
+    steps: float = 25.0  # mean tool calls per run (geometric)
+    call_tokens: int = 80  # model output per step: the tool call
+    result_tokens: int = 500  # tool result appended to the history
+    min_gap_s: float = 1.0  # a step follows the previous one after a uniform gap in [min_gap_s, max_gap_s]
+    max_gap_s: float = 3.0
+
+
+@dataclass(frozen=True, slots=True)
 class CodingParams:
     repos: int = 6
     repo_tokens: int = 40_000
@@ -66,6 +81,7 @@ class OneshotParams:
 PARAMS: dict[str, type] = {
     "chat": ChatParams,
     "agent": AgentParams,
+    "agent_loop": AgentLoopParams,
     "coding": CodingParams,
     "rag": RagParams,
     "oneshot": OneshotParams,
@@ -91,12 +107,16 @@ def make_params(workload: str, overrides: dict[str, Any] | None = None) -> Any:
     params = cls(**kwargs)
     for f in fields(params):
         v = getattr(params, f.name)
-        if not math.isfinite(v) or v < 0 or (v == 0 and f.name not in ("think_s",)):
-            raise GeneratorParamError(f"{workload}.{f.name} must be > 0 (think_s >= 0), got {v!r}")
+        if not math.isfinite(v) or v < 0 or (v == 0 and f.name not in ("think_s", "min_gap_s")):
+            raise GeneratorParamError(
+                f"{workload}.{f.name} must be > 0 (think_s and min_gap_s >= 0), got {v!r}"
+            )
     if isinstance(params, ChatParams | CodingParams) and params.turns < 1:
         raise GeneratorParamError(f"{workload}.turns must be >= 1")
-    if isinstance(params, AgentParams) and params.steps < 1:
-        raise GeneratorParamError("agent.steps must be >= 1")
+    if isinstance(params, AgentParams | AgentLoopParams) and params.steps < 1:
+        raise GeneratorParamError(f"{workload}.steps must be >= 1")
+    if isinstance(params, AgentLoopParams) and params.min_gap_s > params.max_gap_s:
+        raise GeneratorParamError("agent_loop.min_gap_s must not exceed max_gap_s")
     if isinstance(params, RagParams) and params.questions < 1:
         raise GeneratorParamError("rag.questions must be >= 1")
     return params
