@@ -1,7 +1,8 @@
 """Worker side of the connector's saves: off the engine step, bounded, and never a reason to wait.
 
-The step only copies its new objects' blocks out of vLLM's paged KV (``PagedKV.gather``: one copy, the
-blocks may be freed or rewritten as soon as the step returns) and queues them; a background thread hashes
+The step only copies its new objects' blocks out of vLLM's paged KV (``PagedKV.gather``: one copy into
+host tensors recycled from earlier saves, and the blocks may be freed or rewritten as soon as the step
+returns) and queues them; a background thread hashes
 and encodes each object and puts a step's objects in one ``batch_put``. The queue is bounded in bytes
 (``max_bytes``): a step whose objects do not fit is dropped and counted (``saves_dropped``) instead of
 making the engine wait for a slow or dead store, and a dropped save is only a future miss. ``close`` lets
@@ -17,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from kvpool.integrations.vllm.chunks import GroupLayout
 from kvpool.integrations.vllm.codec import Part, encode
 from kvpool.integrations.vllm.metrics import ConnectorStats
@@ -36,7 +38,7 @@ class _Copied:
 
     transfer: Transfer
     parts: list[Part]
-    payload: list[memoryview]
+    payload: list[torch.Tensor]
 
     @property
     def nbytes(self) -> int:
@@ -59,6 +61,8 @@ class Saver:
         self.max_bytes = max_bytes
         self._queue: queue.Queue[list[_Copied] | None] = queue.Queue()
         self._queued_bytes = 0
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._free_bytes = 0
         self._lock = threading.Lock()
         self._abandon = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpool-vllm-saver", daemon=True)
@@ -66,24 +70,28 @@ class Saver:
 
     def submit(self, transfers: Sequence[Transfer]) -> None:
         """On the step: copy the objects' blocks out and queue them, or drop them if the queue is full."""
-        copied = []
-        for tr in transfers:
-            layers = [self.groups[g].layer_names for g in tr.groups]
-            copied.append(
-                _Copied(tr, self.paged.parts(layers, tr.blocks), self.paged.gather(layers, tr.blocks))
-            )
-        size = sum(c.nbytes for c in copied)
+        layers = [[self.groups[g].layer_names for g in tr.groups] for tr in transfers]
+        parts = [self.paged.parts(ls, tr.blocks) for ls, tr in zip(layers, transfers, strict=True)]
+        size = sum(p.nbytes for ps in parts for p in ps)
         with self._lock:
             fits = self._queued_bytes + size <= self.max_bytes and not self._abandon.is_set()
             if fits:
                 self._queued_bytes += size
         if not fits:
-            self.stats.add("saves_dropped", len(copied))
+            self.stats.add("saves_dropped", len(transfers))
             log.warning(
-                "kvpool save queue full (%d B queued): %d objects dropped", self._queued_bytes, len(copied)
+                "kvpool save queue full (%d B queued, %d B more): %d objects dropped",
+                self._queued_bytes,
+                size,
+                len(transfers),
             )
             return
-        self._queue.put(copied)
+        self._queue.put(
+            [
+                _Copied(tr, ps, self.paged.gather(ls, tr.blocks, self._staging))
+                for tr, ls, ps in zip(transfers, layers, parts, strict=True)
+            ]
+        )
 
     def _run(self) -> None:
         while True:
@@ -101,12 +109,31 @@ class Saver:
             finally:
                 with self._lock:
                     self._queued_bytes -= sum(c.nbytes for c in job)
+                    for c in job:  # sent (or given up): the copies can take the next step's blocks
+                        for buf in c.payload:
+                            self._recycle(buf)
+
+    def _staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for one part of a step's copy: a recycled one of that shape, else a new one."""
+        with self._lock:
+            free = self._free.get((shape, dtype))
+            if free:
+                buf = free.pop()
+                self._free_bytes -= buf.nbytes
+                return buf
+        return torch.empty(shape, dtype=dtype)
+
+    def _recycle(self, buf: torch.Tensor) -> None:
+        """Keep a sent copy's tensor for reuse, up to ``max_bytes`` of them (called under the lock)."""
+        if self._free_bytes + buf.nbytes <= self.max_bytes:
+            self._free.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
+            self._free_bytes += buf.nbytes
 
     def _put(self, job: list[_Copied]) -> None:
         items = [
             PutItem(
                 c.transfer.key,
-                Payload(encode(self.fp, c.transfer.kind, c.parts, c.payload)),
+                Payload(encode(self.fp, c.transfer.kind, c.parts, [_bytes_of(t) for t in c.payload])),
                 kind=c.transfer.kind,
                 parent=c.transfer.parent,
                 route=c.transfer.route,
@@ -143,3 +170,8 @@ class Saver:
         self._queue.put(None)  # the thread stops after its batch in flight
         log.warning("kvpool saves abandoned at shutdown after %.1f s", deadline_s + time.monotonic() - t0)
         return False
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A host tensor's bytes, flat (the codec counts parts in bytes)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")

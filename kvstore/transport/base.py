@@ -259,7 +259,8 @@ def visited(visit: Visit, i: int, view: memoryview) -> Exception | None:
     try:
         visit(i, view)
     except Exception as exc:  # the caller's own error, handed back to the caller
-        return exc
+        # without its frames: they hold views of the object's bytes (a shm mapping could not close)
+        return exc.with_traceback(None)
     return None
 
 
