@@ -27,3 +27,18 @@ def test_every_option_has_help_text(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(argparse.Action, "__init__", seen)
     build_parser()
     assert undocumented == []
+
+
+def test_each_command_is_found_in_the_module_that_registers_it() -> None:
+    """``kvpool CMD`` builds its parser from ``COMMANDS[CMD]`` alone: the table names every command, each
+    with the module whose ``register`` adds it."""
+    import importlib
+
+    from kvpool.commands.main import COMMAND_MODULES, COMMANDS
+
+    found = {}
+    for name in COMMAND_MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(name).register(sub)
+        found.update(dict.fromkeys(sub.choices, name))
+    assert found == COMMANDS

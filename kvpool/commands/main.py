@@ -24,11 +24,29 @@ COMMAND_MODULES = (
     "kvpool.commands.chaos",  # chaos (faults on a --netns cluster)
 )
 
+# The commands each module registers: ``kvpool CMD`` imports CMD's module only. All of them together import
+# torch, FastAPI and the master's core, seconds of start-up (15-20 s wall on a loaded 2-core box) that
+# ``kvpool up``, ``status`` and ``chaos`` never use. tests/test_cli_help.py keeps this table true.
+COMMANDS = {
+    "generate": "kvpool.model.cli",
+    "store": "kvpool.kvstore.cli",
+    **dict.fromkeys(("replay", "price", "provision", "report", "trace"), "kvpool.workloads.cli"),
+    "prefill": "kvpool.commands.worker",
+    "decode": "kvpool.commands.worker",
+    "verify": "kvpool.commands.verify",
+    "demo": "kvpool.commands.demo",
+    "gateway": "kvpool.gateway.cli",
+    "up": "kvpool.commands.up",
+    "status": "kvpool.commands.status",
+    "chaos": "kvpool.commands.chaos",
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
+    """The parser of every command (``modules``: only theirs)."""
     parser = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -40,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    module = COMMANDS.get(argv[0]) if argv else None
+    parser = build_parser((module,) if module else COMMAND_MODULES)  # no or unknown command: all, for help
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
