@@ -213,9 +213,11 @@ class HybridPolicy(LRUPolicy):
         checkpoint_slot: int,
         joint: bool,
         now: float,
+        mla_slots: Sequence[int] = (),
     ) -> None:
         """A writer's lookup (prefill's fetch), before its touch: learn the returns it shows, class the
-        request, ticket the blocks it will write, and score it against the shadow LRU."""
+        request, ticket the blocks it will write, and score it against the shadow LRU (``mla_slots``: the
+        slots of the cached MLA run)."""
         model = self.model
         deep, gap = usable, None
         if checkpoint_slot >= 0:
@@ -229,7 +231,9 @@ class HybridPolicy(LRUPolicy):
         if checkpoint_slot >= 0:
             self._klass[checkpoint_slot] = self.class_after_read(block_hashes[usable - 1], cls, now)
         model.ticket(block_hashes[run:], cls)
-        self.guard.lookup(block_hashes, usable, joint)
+        held = cols.size[np.asarray(mla_slots, dtype=np.int64)].tolist() if len(mla_slots) else []
+        ck_size = int(cols.size[checkpoint_slot]) if checkpoint_slot >= 0 else 0
+        self.guard.lookup(block_hashes, usable, joint, held, ck_size)
 
     def admission_floor(self) -> float:
         """The least sampling rate admission may use. Refusals are predictions too, and they cost hits

@@ -544,6 +544,7 @@ class PrefixIndex:
                 slots[-1] if ck is not None else -1,
                 require_checkpoint,
                 self._clock(),
+                found,
             )
         if touch and self.admission is not None:  # the writer's fetch: it will put what it missed
             if self._learner is not None:

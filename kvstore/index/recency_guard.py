@@ -28,7 +28,19 @@ RECENT = 0.002  # weight of one lookup in the moving sums behind ``lead``
 class RecencyGuard:
     """Shadow LRU over keys and sizes, and the learned weight ``w`` of predictions (module docstring)."""
 
-    __slots__ = ("_bytes", "_lru", "_mean_n", "_recent", "fill", "lead", "ours", "shadow", "step", "w")
+    __slots__ = (
+        "_bytes",
+        "_capacity",
+        "_lru",
+        "_mean_n",
+        "_recent",
+        "fill",
+        "lead",
+        "ours",
+        "shadow",
+        "step",
+        "w",
+    )
 
     def __init__(self, initial: float = 1.0, step: float = 0.05, fill: float = 0.9) -> None:
         for name, v in (("initial", initial), ("step", step), ("fill", fill)):
@@ -39,6 +51,7 @@ class RecencyGuard:
         self.fill = fill  # the shadow holds fill x capacity (between the index's watermarks)
         self._lru: OrderedDict[bytes, int] = OrderedDict()
         self._bytes = 0
+        self._capacity = 0  # the real cache's, as of the last put
         self._mean_n = 0.0  # moving mean of the blocks a lookup covers
         self._recent = [0.0, 0.0]  # moving sums (about the last 500 lookups) of blocks served: ours, shadow
         self.lead = math.inf  # ours / shadow over the recent lookups (unknown until either serves a block)
@@ -47,19 +60,36 @@ class RecencyGuard:
 
     def put(self, key: bytes, size: int, capacity: int) -> None:
         """A writer puts ``key`` (whether or not the real cache admits it): LRU would store it."""
+        self._capacity = capacity
         lru = self._lru
         if key in lru:
             return  # EXISTS: no touch, as the master answers a duplicate put
         lru[key] = size
         self._bytes += size
-        limit = self.fill * capacity if capacity > 0 else math.inf
+        self._trim()
+
+    def _trim(self) -> None:
+        lru = self._lru
+        limit = self.fill * self._capacity if self._capacity > 0 else math.inf
         while self._bytes > limit and lru:
             self._bytes -= lru.popitem(last=False)[1]
 
-    def lookup(self, block_hashes: Sequence[bytes], ours: int, joint: bool = True) -> None:
+    def lookup(
+        self,
+        block_hashes: Sequence[bytes],
+        ours: int,
+        joint: bool = True,
+        held: Sequence[int] = (),
+        checkpoint_size: int = 0,
+    ) -> None:
         """A writer's lookup served ``ours`` blocks from the real cache: score the shadow on the same
         blocks (``joint``: an MLA run counts up to its last checkpoint, as the real match does), touch what
-        it would have served, and move ``w``."""
+        it would have served, and move ``w``.
+
+        ``held``: sizes of the MLA blocks the real cache holds on this chain (its run), ``checkpoint_size``
+        of the checkpoint it served. The writer will not put them (they exist), but an LRU cache that
+        lacked them would have them written now: the shadow takes them, or it would fall further behind
+        with every object the real cache kept and LRU did not (a shadow never rewritten)."""
         lru = self._lru
         run = 0
         for h in block_hashes:
@@ -71,7 +101,9 @@ class RecencyGuard:
             if KDA_TAG + block_hashes[i - 1] in lru:
                 usable = i
                 break
-        for h in block_hashes[:usable]:
+        # the whole run, not only what it serves: the index never evicts a block with dependents, so a
+        # chain's inner blocks live as long as its newest leaf; touching the run is the shadow's stand-in
+        for h in block_hashes[:run]:
             lru.move_to_end(MLA_TAG + h)
         if usable and joint:
             lru.move_to_end(KDA_TAG + block_hashes[usable - 1])
@@ -90,3 +122,15 @@ class RecencyGuard:
             self.lead = math.inf
         if ours != usable:
             self.w = min(1.0, max(0.0, self.w + self.step * (ours - usable) / max(self._mean_n, 1.0)))
+        if len(held) > run or (checkpoint_size and ours > usable):
+            for j in range(run, len(held)):
+                key = MLA_TAG + block_hashes[j]
+                if key not in lru:
+                    lru[key] = held[j]
+                    self._bytes += held[j]
+            if checkpoint_size and ours > usable:
+                key = KDA_TAG + block_hashes[ours - 1]
+                if key not in lru:
+                    lru[key] = checkpoint_size
+                    self._bytes += checkpoint_size
+            self._trim()
