@@ -323,13 +323,20 @@ def test_metrics_by_workload_and_tenant(up: UpProcess, client: openai.OpenAI) ->
             extra_headers={"X-Workload": "rag"},
             extra_body={"cache_salt": "metrics-tenant"},
         )
-    time.sleep(2.5)  # store gauges refresh every 2 s
-    text = httpx.get(up.url + "/metrics", timeout=5).text
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("kvpool_") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    deadline = time.monotonic() + 10  # store gauges refresh every 2 s: awaited, not slept on
+    while True:
+        text = httpx.get(up.url + "/metrics", timeout=5).text
+        samples = {}
+        for line in text.splitlines():
+            if line.startswith("kvpool_") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        store_bytes = [v for k, v in samples.items() if k.startswith("kvpool_store_bytes{")]
+        if (samples.get("kvpool_store_up") == 1.0 and any(v > 0 for v in store_bytes)) or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.2)
     tenant = next(k for k in samples if k.startswith("kvpool_prompt_tokens_total{") and 'workload="rag"' in k)
     assert samples[tenant] > 0
     cached = tenant.replace("kvpool_prompt_tokens_total", "kvpool_cached_tokens_total")
@@ -393,6 +400,20 @@ def test_demo_chats(up: UpProcess) -> None:
         assert r["cached_tokens"][-1] > 0
     table = demo_chats.hit_table(results)
     assert "chat" in table and "%" in table
+
+
+def test_verify_through_the_openai_gateway(up: UpProcess) -> None:
+    """``kvpool verify --endpoint``'s path (``run_verify_endpoint``) against this module's ``kvpool up``: the
+    fixed prompt set through the gateway, every answer the reference's, cached tokens block-aligned. (It had
+    its own cluster of the same shape in test_verify.py; a fresh salt per run keeps its first turns cold.)"""
+    import asyncio
+
+    from kvpool.verify import prompt_set, run_verify_endpoint
+
+    report = asyncio.run(run_verify_endpoint(up.url + "/v1", MODEL, api_key=API_KEY))
+    assert report.mode == "endpoint" and report.ok, [r for r in report.rows if not r.identical]
+    assert report.identical == report.requests == len(prompt_set()) + 3
+    assert report.max_logit_diff is None and report.cached_tokens > report.prompt_tokens // 3
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot_and_the_decode_worker(up: UpProcess) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -42,20 +41,6 @@ def test_argument_errors_and_a_dead_endpoint(capsys):
     assert main(["verify", "--prefill", "127.0.0.1:1"]) == 2
     assert "both --prefill and --decode" in capsys.readouterr().err
     assert main(["verify", "--endpoint", "http://x/v1", "--prefill", "a:1", "--decode", "b:2"]) == 2
-
-
-@pytest.mark.slow  # a whole `kvpool up` cluster: master, node, 2 prefill, 1 decode, gateway
-def test_verify_through_the_openai_gateway(tmp_path):
-    from kvpool.launch.cluster import Cluster
-    from kvpool.launch.config import load_config
-    from kvpool.verify import run_verify_endpoint
-
-    config = load_config(overrides={"gateway": {"port": 0}, "cluster": {"ready_timeout_s": 150}})
-    with Cluster(config, run_dir=tmp_path / "run") as cluster:
-        report = asyncio.run(run_verify_endpoint(cluster.base_url + "/v1", "tiny"))
-    assert report.mode == "endpoint" and report.ok, [r for r in report.rows if not r.identical]
-    assert report.identical == report.requests == len(prompt_set()) + 3
-    assert report.max_logit_diff is None and report.cached_tokens > report.prompt_tokens // 3
 
 
 def test_cached_tokens_check_needs_the_bytes():
