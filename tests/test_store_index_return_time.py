@@ -181,3 +181,29 @@ def test_admission_samples_new_chains_only_while_the_cache_beats_the_shadow_lru(
     for _ in range(50):
         policy.guard.lookup([*hs, b"z" * 32], ours=3)  # the cache serves 1.5x what LRU would
     assert policy.guard.lead > 1.1 and policy.admission_floor() == pytest.approx(1.0 - policy.guard.w)
+
+
+class _Cols:
+    """Two checkpoints of 429 MiB as the policy reads them (the worked example of eviction.md §1.1)."""
+
+    def __init__(self, now: float) -> None:
+        self.last_use = np.array([now - 40.0, now - 5.0])
+        self.freq = np.ones(2, dtype=np.float32)
+        self.size = np.full(2, 429 << 20, dtype=np.uint64)
+        self.depth = np.array([20, 30], dtype=np.uint16)
+        self.kind = np.full(2, KDA, dtype=np.uint8)
+        self.deps = np.zeros(2, dtype=np.uint32)
+        self.flags = np.ones(2, dtype=np.uint8)
+
+
+@pytest.mark.parametrize(("w", "first"), [(1.0, 1), (0.5, 1), (0.2, 0)])
+def test_the_worked_example_of_the_design_note(w: float, first: int) -> None:
+    policy = HybridPolicy(min_observations=0)
+    policy._klass[:2] = (1, 8)  # A: continuation with <= 1 new block; B: new chain, 16+ new blocks
+    rate = {1: np.log2(0.5 / 50.0), 8: np.log2(0.1 / 200.0)}
+    policy.model.log_rates = lambda classes, ages: np.array([rate[int(c)] for c in classes])  # type: ignore
+    policy.guard.w = w
+    scores = policy.scores(_Cols(1000.0), np.array([0, 1]), 1000.0)
+    expect_a = w * (np.log2(0.01) + 0.5 * np.log2(20) - np.log2(429 << 20)) + (1 - w) * -np.log2(40.0)
+    assert scores[0] == pytest.approx(expect_a)
+    assert int(np.argmin(scores)) == first
