@@ -424,7 +424,10 @@ def test_with_every_etcd_member_down_the_leader_serves_reads_and_refuses_writes(
     for name in ("etcd-0", "etcd-1", "etcd-2"):
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(cluster.service(name)["ready"]["etcd_pid"]), signal.SIGKILL)
-    time.sleep(2 * LEASE_TTL_S)
+    deadline = time.monotonic() + 2 * LEASE_TTL_S + 5  # read-only once its lease ran out: awaited, not slept
+    while "serving reads only" not in cluster.log(leader["name"]):
+        assert time.monotonic() < deadline, "the leader never said it serves reads only"
+        time.sleep(0.1)
     _, cached, _ = cluster.chat(warm)  # reads: still a hit, same tokens
     assert cached > 0
     cluster.chat(_prompt("etcd-gone-fresh"))  # a write: refused by the master, recomputed, no error
