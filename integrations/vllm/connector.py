@@ -17,6 +17,7 @@ Extra config keys (``kv_connector_extra_config``):
 * ``load_async``: loads finish between engine steps (default true) or inside the step that needs them;
 * ``save_queue_mb``: the bound on saves copied out but not yet sent, default 1024 MiB;
 * ``shutdown_deadline_s``: how long shutdown waits for queued saves, default ``deadline_s``;
+* ``log_level``: the connector's own log level (``INFO``: one line per load, with its bytes and time);
 * ``gil_switch_ms``: with asynchronous loads, the worker process's GIL switch interval is lowered to this
   (default 0.2 ms; 0 leaves it alone), so that the load's thread is not starved by the engine's;
 * ``on_load_error``: ``recompute`` (default: the connector sets vLLM's ``kv_load_failure_policy``) or
@@ -118,6 +119,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.save_queue_bytes = int(float(cfg.get_from_extra_config("save_queue_mb", 1024)) * (1 << 20))
         self.shutdown_deadline_s = float(cfg.get_from_extra_config("shutdown_deadline_s", self.deadline_s))
         self.gil_switch_s = float(cfg.get_from_extra_config("gil_switch_ms", 0.2)) / 1e3
+        _log_at(cfg.get_from_extra_config("log_level", None))
         self.loads_enabled = cfg.kv_role in ("kv_both", "kv_consumer")
         self.saves_enabled = cfg.kv_role in ("kv_both", "kv_producer")
         self.groups = group_layouts(kv_cache_config)
@@ -347,6 +349,18 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._saver.close(self.shutdown_deadline_s)
         log.info("kvpool connector (%s) stats: %s", self.role.name.lower(), self.stats.as_dict())
         self.store.close()
+
+
+def _log_at(level: object) -> None:
+    """``log_level`` (e.g. "INFO": one line per load with its bytes and time): the connector's logger at that
+    level, to stderr, whatever vLLM configured (it sets up its own loggers only)."""
+    if not level:
+        return
+    log.setLevel(str(level).upper())
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
 
 
 def _flag(value: object) -> bool:

@@ -101,7 +101,15 @@ class Loader:
         if load.unloadable:
             log.warning("request %s: hit not mapped to objects; vLLM recomputes it", req_id)
             return set(load.unloadable)
-        log.debug("request %s: %d objects in %.1f ms", req_id, len(results), 1e3 * (time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        log.info(
+            "request %s: %d objects, %d B loaded in %.2f ms (%.2f GB/s)",
+            req_id,
+            len(results),
+            nbytes,
+            1e3 * seconds,
+            nbytes / max(seconds, 1e-9) / 1e9,
+        )
         return set()
 
     def done(self) -> list[str]:
