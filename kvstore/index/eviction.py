@@ -263,11 +263,19 @@ class HybridPolicy(LRUPolicy):
         self.model.rebuild(now, self._klass[live], now - cols.last_use[live])
 
     def scores(self, cols: PolicyColumns, slots: np.ndarray, now: float) -> np.ndarray:
+        w = self.guard.w
+        model = self.model
+        if len(slots) == 1 and cols.kind[slots[0]] == KIND_MLA and cols.deps[slots[0]] == 0:
+            # the common single score: an anchor the eviction pass just exposed, a dead block (same value
+            # as the vector path below, without its dozen array operations)
+            s0 = int(slots[0])
+            rec = -math.log2(max(now - float(cols.last_use[s0]), MIN_AGE_S))
+            if w > 0 and model.observed >= self.min_observations:
+                rec -= w * math.log2(max(int(cols.size[s0]), 1))
+            return np.array([rec - DEAD_FIRST])
         age = np.maximum(now - cols.last_use[slots], MIN_AGE_S)
         rec = -np.log2(age)
         kind = cols.kind[slots]
-        w = self.guard.w
-        model = self.model
         if w > 0 and model.observed >= self.min_observations:
             if model.stale(now):
                 self._refresh(cols, now)

@@ -159,6 +159,7 @@ class PrefixIndex:
         self._tenant_bytes: dict[int, int] = {}
         self._quota: dict[int, int] = {}
         self._nodes: dict[int, NodeUsage] = {}
+        self._capacity_memo: dict[Tier, int] = {}
         self._node_names: list[str] = []
         self._node_ids: dict[str, int] = {}
         self._pins: dict[int, float] = {}  # slot -> soft pin deadline
@@ -186,6 +187,7 @@ class PrefixIndex:
             nid = len(self._node_names)
             self._node_names.append(node_id)
             self._node_ids[node_id] = nid
+        self._capacity_memo.clear()
         node = self._nodes.get(nid)
         if node is None:
             self._nodes[nid] = NodeUsage(node_id, {Tier.DRAM: dram_bytes, Tier.SSD: ssd_bytes})
@@ -206,6 +208,7 @@ class PrefixIndex:
         slots = np.flatnonzero((c.node[:n] == nid) & ((c.flags[:n] & SLOT_LIVE) != 0))
         dropped = [self._drop(int(s), "node_lost", emit=False) for s in slots]
         del self._nodes[nid]
+        self._capacity_memo.clear()
         self._release_storage_if_empty()
         return dropped
 
@@ -237,8 +240,12 @@ class PrefixIndex:
         return best.node_id
 
     def _capacity_of(self, tier: Tier = Tier.DRAM) -> int:
-        """Bytes of ``tier`` over all nodes."""
-        return sum(node.capacity[tier] for node in self._nodes.values())
+        """Bytes of ``tier`` over all nodes (memoised until a node is added, updated or removed: admission
+        and the default policy ask on every put)."""
+        cap = self._capacity_memo.get(tier)
+        if cap is None:
+            cap = self._capacity_memo[tier] = sum(node.capacity[tier] for node in self._nodes.values())
+        return cap
 
     def _node(self, node_id: str) -> NodeUsage:
         nid = self._node_ids.get(node_id)
