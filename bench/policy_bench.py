@@ -156,7 +156,7 @@ def main() -> int:
             for cap in caps:
                 tally.begin()
                 rate, s = hit(reqs, policy, cap * GiB)
-                tally.finished(f"{name} {policy}", cap * GiB)
+                tally.finished(f"{name} {policy} {rate:.2%}", cap * GiB)  # the figure too, as it comes
                 rows[policy][str(cap)] = rate
                 if name == "conversation" and policy == DEFAULT:
                     seconds.append(s)
