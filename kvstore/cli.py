@@ -77,14 +77,15 @@ def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
         "--policy",
         default=d.policy,
         choices=sorted(POLICIES),
-        help="eviction policy (hybrid: dead blocks first, depth-weighted recency, admission control)",
+        help="eviction policy (hybrid: dead blocks first, checkpoints by learned time to their next read, "
+        "falling back to recency against a shadow LRU; depth: the previous default, depth-weighted recency)",
     )
     a = d.admission
     p.add_argument(
         "--depth-weight",
         type=float,
         default=d.depth_weight,
-        help="hybrid: weight of log2(depth) vs log2(age)",
+        help="hybrid and depth: weight of log2(depth) in a checkpoint's score",
     )
     p.add_argument(
         "--admission-continuation",
