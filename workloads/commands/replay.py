@@ -271,7 +271,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--policy",
         default="hybrid",
-        help="eviction policy (hybrid: the default, with admission control; lru, lfu, cost), an offline "
+        help="eviction policy (hybrid: the default, return-time-aware; depth: the previous default; lru, "
+        "lfu, cost), the labels yardstick (hybrid told whether each checkpoint is read again), an offline "
         "one (reference: feasible, bound: upper bound; "
         "both count checkpoint bytes), or a comma list to sweep; 'optimum' = MLA-only MIN (checkpoints free)",
     )
