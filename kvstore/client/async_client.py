@@ -588,11 +588,11 @@ class AsyncStoreClient:
         finally:
             self._release_soon(reply.lease_id)
 
-    async def fetch_into(
-        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
-    ) -> list[int | StoreError]:
-        """Move located (and pinned) objects into ``outs``: per-item size or error, pipelined per node."""
-        results: list[int | StoreError] = [StoreError("not run")] * len(locations)
+    def _per_transport(
+        self, locations: Sequence[common_pb2.ObjectLocation], results: list
+    ) -> list[tuple[Transport, list[int]]]:
+        """The item indexes each transport serves (one batch per transport, pipelined per node); an item no
+        transport can reach gets its ``StoreError`` in ``results`` right away."""
         groups: dict[int, tuple[Transport, list[int]]] = {}
         for i, loc in enumerate(locations):
             try:
@@ -601,13 +601,20 @@ class AsyncStoreClient:
                 results[i] = exc
                 continue
             groups.setdefault(id(transport), (transport, []))[1].append(i)
+        return list(groups.values())
+
+    async def fetch_into(
+        self, locations: Sequence[common_pb2.ObjectLocation], outs: Sequence[Buffer]
+    ) -> list[int | StoreError]:
+        """Move located (and pinned) objects into ``outs``: per-item size or error, pipelined per node."""
+        results: list[int | StoreError] = [StoreError("not run")] * len(locations)
 
         async def run(transport: Transport, idx: list[int]) -> None:
             got = await transport.batch_get_into([(locations[i], outs[i]) for i in idx])
             for i, r in zip(idx, got, strict=True):
                 results[i] = r
 
-        await asyncio.gather(*(run(t, idx) for t, idx in groups.values()))
+        await asyncio.gather(*(run(t, idx) for t, idx in self._per_transport(locations, results)))
         return results
 
     async def read_in_place(
@@ -617,21 +624,14 @@ class AsyncStoreClient:
         (shm: straight out of the node's pool); per item None, a ``StoreError`` or what ``visit`` raised. The
         bytes are not verified here: ``visit`` checks them (``Transport.read_in_place``)."""
         results: list[Exception | None] = [StoreError("not run")] * len(locations)
-        groups: dict[int, tuple[Transport, list[int]]] = {}
-        for i, loc in enumerate(locations):
-            try:
-                transport = self.transports.for_node(loc.node)
-            except StoreError as exc:
-                results[i] = exc
-                continue
-            groups.setdefault(id(transport), (transport, []))[1].append(i)
 
         async def run(transport: Transport, idx: list[int]) -> None:
             got = await transport.read_in_place([locations[i] for i in idx], lambda j, v: visit(idx[j], v))
             for i, r in zip(idx, got, strict=True):
                 results[i] = r
 
-        await self._timed("read_in_place", asyncio.gather(*(run(t, idx) for t, idx in groups.values())))
+        groups = self._per_transport(locations, results)
+        await self._timed("read_in_place", asyncio.gather(*(run(t, idx) for t, idx in groups)))
         return results
 
     async def batch_get(self, keys: Sequence[bytes], route: bytes | None = None) -> list[bytes | StoreError]:
