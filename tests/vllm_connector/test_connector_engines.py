@@ -96,7 +96,10 @@ def test_a_corrupted_object_is_recomputed_not_served(engine_b, store) -> None:
         assert time.monotonic() < saved_by, f"{len(new)} chunk objects saved"
         time.sleep(0.05)
     with StoreClient(master.address, "tcp", deadline_s=10) as c:
-        third = chunk_key(c, new, 2)
+        while not all(c.batch_exists(sorted(new))):  # the node holds them: the master commits them next
+            assert time.monotonic() < saved_by, "the master did not commit the saved chunks"
+            time.sleep(0.05)
+        second, third = chunk_key(c, new, 1), chunk_key(c, new, 2)
         data = bytearray(c.get(third))  # same key, same size, one bit flipped in the payload: only kvpool's
         data[-1] ^= 0x01  # codec can tell, in the same pass that scatters it
         c.remove([third])
@@ -104,7 +107,7 @@ def test_a_corrupted_object_is_recomputed_not_served(engine_b, store) -> None:
         while third in mla_keys(node):
             assert time.monotonic() < gone_by, "the node kept a removed object"
             time.sleep(0.05)
-        assert c.put(third, bytes(data), kind=common_pb2.MLA_BLOCK, parent=chunk_key(c, new, 1))
+        assert c.put(third, bytes(data), kind=common_pb2.MLA_BLOCK, parent=second)
     again = engine_b.run(prompt, salt="tenant-3")["outputs"][0]
     assert again["tokens"] == cold["tokens"]
     # vLLM's num_cached_tokens keeps what was scheduled; the connector's log says what happened instead
