@@ -1,7 +1,8 @@
 """`kvpool` command line: one subcommand family per module, registered lazily.
 
-Each module in ``COMMAND_MODULES`` exposes ``register(subparsers)``, which adds its subcommands and sets
-``func`` on them. Keeping the table here (and the code next to the feature) lets each feature own its CLI.
+Each module named in ``COMMANDS`` (command -> module) exposes ``register(subparsers)``, which adds its
+subcommands and sets ``func`` on them. Keeping the table here (and the code next to the feature) lets each
+feature own its CLI.
 """
 
 from __future__ import annotations
@@ -10,19 +11,6 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-
-COMMAND_MODULES = (
-    "kvpool.model.cli",  # generate
-    "kvpool.kvstore.cli",  # store master|node|...
-    "kvpool.workloads.cli",  # replay, price, provision, report, trace
-    "kvpool.commands.worker",  # prefill, decode (workers)
-    "kvpool.commands.verify",  # verify
-    "kvpool.commands.demo",  # demo
-    "kvpool.gateway.cli",  # gateway
-    "kvpool.commands.up",  # up
-    "kvpool.commands.status",  # status
-    "kvpool.commands.chaos",  # chaos (faults on a --netns cluster)
-)
 
 # The commands each module registers: ``kvpool CMD`` imports CMD's module only. All of them together import
 # torch, FastAPI and the master's core, seconds of start-up (15-20 s wall on a loaded 2-core box) that
@@ -38,8 +26,9 @@ COMMANDS = {
     "gateway": "kvpool.gateway.cli",
     "up": "kvpool.commands.up",
     "status": "kvpool.commands.status",
-    "chaos": "kvpool.commands.chaos",
+    "chaos": "kvpool.commands.chaos",  # faults on a --netns cluster
 }
+COMMAND_MODULES = tuple(dict.fromkeys(COMMANDS.values()))  # every family once, in the table's order
 
 
 def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
