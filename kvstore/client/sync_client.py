@@ -55,7 +55,7 @@ class StoreClient:
     def _bounded(self, coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
         return coro if self.deadline_s is None else _within(coro, self.deadline_s)
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Start a call without waiting for it (bounded by ``deadline_s`` like every call): the vLLM
         connector's asynchronous loads run on the client's loop while the engine steps."""
         if not self._thread.is_alive():
@@ -114,18 +114,13 @@ class StoreClient:
     ) -> list[int | StoreError]:
         return self._call(self._async.fetch_into(locations, outs))
 
-    def read_in_place(
-        self, locations: Sequence[common_pb2.ObjectLocation], visit: Visit
-    ) -> list[Exception | None]:
-        """See ``AsyncStoreClient.read_in_place``: ``visit`` runs on the client's loop thread."""
-        return self._call(self._async.read_in_place(locations, visit))
-
     def read_in_place_soon(
         self, locations: Sequence[common_pb2.ObjectLocation], visit: Visit
     ) -> Future[list[Exception | None]]:
-        """``read_in_place`` started now and awaited later (``Future.result()``); bounded by ``deadline_s``,
-        and once the future is done no ``visit`` runs any more."""
-        return self.submit(self._async.read_in_place(locations, visit))
+        """``AsyncStoreClient.read_in_place`` started now and awaited later (``Future.result()``): ``visit``
+        runs on the client's loop thread; bounded by ``deadline_s``, and once the future is done no ``visit``
+        runs any more."""
+        return self._submit(self._async.read_in_place(locations, visit))
 
     def exists(self, key: bytes) -> bool:
         return self._call(self._async.exists(key))
