@@ -24,13 +24,14 @@ Workloads (parameters in ``workload_params``):
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from kvpool.workloads.errors import GeneratorParamError
-from kvpool.workloads.trace import Request
+from kvpool.workloads.trace import RETENTION_TIERS_MS, Request
 from kvpool.workloads.workload_params import (
     PARAMS,
     AgentLoopParams,
@@ -77,6 +78,7 @@ class _Turn:
     offset_ms: float
     prompt: list[int]
     output: list[int]
+    shared_prefix: int = 0  # tokens of a prefix shared beyond the session (a client marks it for retention)
 
 
 Session = list[_Turn]
@@ -100,11 +102,12 @@ def _agent(b: _Builder, p: AgentParams, shared: dict[str, Any]) -> Session:
     if "toolsets" not in shared:
         system = b.tokens(b.length(p.system_tokens))
         shared["toolsets"] = [system + b.tokens(b.length(p.tool_schema_tokens)) for _ in range(p.toolsets)]
-    history = list(shared["toolsets"][int(b.rng.integers(p.toolsets))]) + b.tokens(b.length(p.task_tokens))
+    toolset = shared["toolsets"][int(b.rng.integers(p.toolsets))]
+    history = list(toolset) + b.tokens(b.length(p.task_tokens))
     turns, t = [], 0.0
     for _ in range(b.count(p.steps)):
         call = b.tokens(b.length(p.call_tokens))
-        turns.append(_Turn(t, history, call))
+        turns.append(_Turn(t, history, call, len(toolset)))
         history = history + call + b.tokens(b.length(p.result_tokens))
         t += b.think_ms(p.think_s)
     return turns
@@ -113,11 +116,12 @@ def _agent(b: _Builder, p: AgentParams, shared: dict[str, Any]) -> Session:
 def _agent_loop(b: _Builder, p: AgentLoopParams, shared: dict[str, Any]) -> Session:
     if "prefixes" not in shared:
         shared["prefixes"] = [b.tokens(b.length(p.prefix_tokens)) for _ in range(p.prefixes)]
-    history = list(shared["prefixes"][int(b.rng.integers(p.prefixes))]) + b.tokens(b.length(p.task_tokens))
+    prefix = shared["prefixes"][int(b.rng.integers(p.prefixes))]
+    history = list(prefix) + b.tokens(b.length(p.task_tokens))
     turns, t = [], 0.0
     for _ in range(b.count(p.steps)):
         call = b.tokens(b.length(p.call_tokens))
-        turns.append(_Turn(t, history, call))
+        turns.append(_Turn(t, history, call, len(prefix)))
         history = history + call + b.tokens(b.length(p.result_tokens))
         t += float(b.rng.uniform(p.min_gap_s, p.max_gap_s)) * 1000.0
     return turns
@@ -125,12 +129,13 @@ def _agent_loop(b: _Builder, p: AgentLoopParams, shared: dict[str, Any]) -> Sess
 
 def _coding(b: _Builder, p: CodingParams, shared: dict[str, Any]) -> Session:
     repos = shared.setdefault("repos", [b.tokens(b.length(p.repo_tokens)) for _ in range(p.repos)])
-    history = list(repos[int(b.rng.integers(p.repos))])
+    repo = repos[int(b.rng.integers(p.repos))]
+    history = list(repo)
     turns, t = [], 0.0
     for _ in range(b.count(p.turns)):
         prompt = history + b.tokens(b.length(p.file_tokens)) + b.tokens(b.length(p.user_tokens))
         out = b.tokens(b.length(p.output_tokens))
-        turns.append(_Turn(t, prompt, out))
+        turns.append(_Turn(t, prompt, out, len(repo)))
         history = prompt + out
         t += b.think_ms(p.think_s)
     return turns
@@ -177,6 +182,7 @@ def generate(
     params: Any = None,
     tenants: int = 1,
     arrivals_ms: Sequence[float] | None = None,
+    hints: bool = True,
 ) -> list[Request]:
     """``requests`` records of ``workload`` at ``rate`` requests/s on average, sorted by arrival.
 
@@ -185,6 +191,13 @@ def generate(
     accumulate, as after a restart); ``arrivals_ms`` (e.g.
     a trace's timestamps) replaces the times in order, keeping each session's turn order. Tenants are
     assigned per session round-robin as ``t0, t1, ...``.
+
+    With ``hints`` (the default: the clients these workloads stand for, agent and coding tools on a
+    provider API, mark their caches) each record carries what such a client sends: its session as
+    ``cache_key``, ``SHORT_TIER`` retention on every turn but the session's last, which ends the session,
+    and ``LONG_TIER`` retention of the prefix shared beyond the session (toolsets, agent prefixes,
+    repositories). ``hints=False`` gives the same records without them. A trace cut at ``requests`` may
+    leave a session without its last turn, as a real log does.
     """
     if type(requests) is not int or requests <= 0:
         raise GeneratorParamError(f"requests must be a positive integer, got {requests!r}")
@@ -207,6 +220,7 @@ def generate(
             pending.append((start_ms + turn.offset_ms, session, turn_no, turn))
         session += 1
         start_ms += float(b.rng.exponential(1000.0 * per_session / rate))
+    turns_of = Counter(x[1] for x in pending)  # requests of each session, all generated before the cut
     pending.sort(key=lambda x: (x[0], x[1], x[2]))
     pending = pending[:requests]
     if arrivals_ms is not None:
@@ -217,21 +231,38 @@ def generate(
         times = [x[0] for x in pending]
     out = []
     for t, (_, s, turn_no, turn) in zip(times, pending, strict=True):
-        out.append(
-            Request(
-                request_id=f"{workload}-{seed}-{s}-{turn_no}",
-                arrival_ms=round(t, 3),
-                input_length=len(turn.prompt),
-                output_length=len(turn.output),
-                tokens=turn.prompt,
-                output_tokens=turn.output,
-                tenant=f"t{s % tenants}",
-                workload=workload,
-                conversation_id=f"{workload}-{seed}-{s}",
-                turn=turn_no,
-            )
+        req = Request(
+            request_id=f"{workload}-{seed}-{s}-{turn_no}",
+            arrival_ms=round(t, 3),
+            input_length=len(turn.prompt),
+            output_length=len(turn.output),
+            tokens=turn.prompt,
+            output_tokens=turn.output,
+            tenant=f"t{s % tenants}",
+            workload=workload,
+            conversation_id=f"{workload}-{seed}-{s}",
+            turn=turn_no,
         )
+        if hints:
+            _add_hints(req, turn, last=turn_no == turns_of[s] - 1)
+        out.append(req)
     return out
+
+
+SHORT_TIER = "5m"  # a turn that expects a follow-up within the think time
+LONG_TIER = "1h"  # a prefix shared by many sessions (system prompt + tools, a repository)
+
+
+def _add_hints(req: Request, turn: _Turn, last: bool) -> None:
+    """The hints a provider-API client would send with this turn (see ``generate``)."""
+    req.cache_key = req.conversation_id
+    if last:
+        req.session_end = True
+    else:
+        req.retention_tier, req.retention_ms = SHORT_TIER, RETENTION_TIERS_MS[SHORT_TIER]
+    if turn.shared_prefix:
+        req.retained_prefix_tokens = min(turn.shared_prefix, req.input_length)
+        req.prefix_retention_tier, req.prefix_retention_ms = LONG_TIER, RETENTION_TIERS_MS[LONG_TIER]
 
 
 def _nth_time(pending: list[tuple[float, int, int, _Turn]], n: int) -> float:
@@ -275,15 +306,16 @@ def generate_mix(
     vocab: int = 32_000,
     params: dict[str, Any] | None = None,
     tenants: int = 1,
+    hints: bool = True,
 ) -> list[Request]:
     """Several workloads interleaved: each gets its share of requests and of the rate, its own derived
-    seed, and the union is sorted by arrival (ties by request id)."""
+    seed, and the union is sorted by arrival (ties by request id); ``hints`` as in ``generate``."""
     out: list[Request] = []
     names = sorted(mix)
     counts = [max(1, round(requests * mix[n])) for n in names]
     counts[-1] = max(1, requests - sum(counts[:-1]))
     for i, (name, n) in enumerate(zip(names, counts, strict=True)):
         p = (params or {}).get(name)
-        out.extend(generate(name, n, rate * mix[name], seed * 1000 + i, vocab, p, tenants))
+        out.extend(generate(name, n, rate * mix[name], seed * 1000 + i, vocab, p, tenants, hints=hints))
     out.sort(key=lambda r: (r.arrival_ms, r.request_id))
     return out

@@ -12,8 +12,9 @@ Conversion (documented loss, docs/design/workloads.md):
   (``synthetic_tokens.synthesize_tokens``) so a live gateway sees prompts with exactly the trace's sharing
   structure.
 - kvpool -> Mooncake loses tokens, tenant (folded into the ids), workload, conversation/turn, request ids,
-  output tokens and sub-millisecond arrival; ids are recomputed per ``block_size`` chunk (last one partial)
-  from a chained SHA-256 and renumbered 0, 1, 2... in first-seen order, as the published traces are.
+  output tokens, retention hints and sub-millisecond arrival; ids are recomputed per ``block_size`` chunk
+  (last one partial) from a chained SHA-256 and renumbered 0, 1, 2... in first-seen order, as the
+  published traces are.
 """
 
 from __future__ import annotations
@@ -57,7 +58,25 @@ class Request:
     workload: str = "trace"
     conversation_id: str | None = None
     turn: int = 0
+    # Client retention hints (docs/design/eviction.md §1.3), as an API client states them: absent from
+    # Mooncake traces. ``cache_key`` groups a session's chains (OpenAI ``prompt_cache_key``);
+    # ``retention_tier`` / ``retention_ms`` ask the store to keep the prompt's chain that long (Anthropic
+    # ``cache_control`` ttl "5m" / "1h"), and price its written tokens at that tier; the first
+    # ``retained_prefix_tokens`` tokens (a system prompt, a repository) may carry their own, longer tier;
+    # ``session_end`` says no turn follows, so the session's pins can go.
+    cache_key: str | None = None
+    retention_tier: str | None = None
+    retention_ms: int = 0
+    retained_prefix_tokens: int = 0
+    prefix_retention_tier: str | None = None
+    prefix_retention_ms: int = 0
+    session_end: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_hints(self) -> bool:
+        """Whether the record carries any retention hint (the simulator skips the rest cheaply)."""
+        return bool(self.retention_ms or self.prefix_retention_ms or self.session_end)
 
     def validate(self) -> Request:
         """Raise ``TraceFormatError`` (no location) if the record is inconsistent; return self."""
@@ -95,7 +114,56 @@ class Request:
                 )
         if not isinstance(self.tenant, str) or not isinstance(self.workload, str):
             raise TraceFormatError("tenant and workload must be strings")
+        self._validate_hints()
         return self
+
+    def _validate_hints(self) -> None:
+        if self.cache_key is not None and not isinstance(self.cache_key, str):
+            raise TraceFormatError(f"cache_key must be a string, got {self.cache_key!r}")
+        if type(self.session_end) is not bool:
+            raise TraceFormatError(f"session_end must be true or false, got {self.session_end!r}")
+        for tier_name, ms_name in (
+            ("retention_tier", "retention_ms"),
+            ("prefix_retention_tier", "prefix_retention_ms"),
+        ):
+            tier, ms = getattr(self, tier_name), getattr(self, ms_name)
+            if type(ms) is not int or ms < 0:
+                raise TraceFormatError(f"{ms_name} must be a non-negative integer, got {ms!r}")
+            if tier is not None and (not isinstance(tier, str) or not tier):
+                raise TraceFormatError(f"{tier_name} must be a non-empty string, got {tier!r}")
+            if (tier is None) != (ms == 0):
+                raise TraceFormatError(f"{tier_name} and {ms_name} come together (a tier names its TTL)")
+        if type(self.retained_prefix_tokens) is not int or self.retained_prefix_tokens < 0:
+            raise TraceFormatError(
+                f"retained_prefix_tokens must be a non-negative integer, got {self.retained_prefix_tokens!r}"
+            )
+        if (self.retained_prefix_tokens == 0) != (self.prefix_retention_tier is None):
+            raise TraceFormatError("retained_prefix_tokens and prefix_retention_tier come together")
+        if self.retained_prefix_tokens > self.input_length:
+            raise TraceFormatError(
+                f"retained_prefix_tokens {self.retained_prefix_tokens} > input_length {self.input_length}"
+            )
+
+
+# The TTL of each retention tier a client may name (Anthropic's cache_control ttl values; OpenAI's
+# ``prompt_cache_retention`` "24h" too). A trace may state another tier with its own ``retention_ms``.
+RETENTION_TIERS_MS: dict[str, int] = {"5m": 300_000, "1h": 3_600_000, "24h": 86_400_000}
+
+
+def tier_ms(tier: str | None, ms: Any = None) -> int:
+    """The TTL of ``tier``: ``ms`` when the record states it, else the standard tier's; 0 without a tier.
+    A tier that is neither standard nor given a TTL is a ``TraceFormatError`` naming the known ones."""
+    if tier is None:
+        return 0 if ms is None else ms
+    if ms is not None:
+        return ms
+    try:
+        return RETENTION_TIERS_MS[tier]
+    except (KeyError, TypeError):
+        known = sorted(RETENTION_TIERS_MS)
+        raise TraceFormatError(
+            f"retention tier {tier!r} has no TTL: give its *_ms, or use one of {known}"
+        ) from None
 
 
 def _check_int_list(name: str, values: object) -> None:
@@ -180,6 +248,12 @@ def mooncake_record(obj: dict[str, Any], index: int, workload: str = "trace") ->
     ).validate()
 
 
+HINT_FIELDS = (
+    "cache_key", "retention_tier", "retention_ms", "retained_prefix_tokens", "prefix_retention_tier",
+    "prefix_retention_ms", "session_end",
+)  # fmt: skip
+
+
 def kvpool_record(obj: dict[str, Any]) -> Request:
     """A kvpool line (already parsed) as a :class:`Request`."""
     fmt = obj.get("format", KVPOOL_FORMAT)
@@ -190,7 +264,7 @@ def kvpool_record(obj: dict[str, Any]) -> Request:
             raise TraceFormatError(f"missing field {k!r}")
     known = {
         "format", "request_id", "arrival_ms", "input_length", "output_length", "tokens", "output_tokens",
-        "hash_ids", "block_size", "tenant", "workload", "conversation_id", "turn",
+        "hash_ids", "block_size", "tenant", "workload", "conversation_id", "turn", *HINT_FIELDS,
     }  # fmt: skip
     req = Request(
         request_id=str(obj["request_id"]),
@@ -205,6 +279,13 @@ def kvpool_record(obj: dict[str, Any]) -> Request:
         workload=obj.get("workload", "trace"),
         conversation_id=obj.get("conversation_id"),
         turn=obj.get("turn", 0),
+        cache_key=obj.get("cache_key"),
+        retention_tier=obj.get("retention_tier"),
+        retention_ms=tier_ms(obj.get("retention_tier"), obj.get("retention_ms")),
+        retained_prefix_tokens=obj.get("retained_prefix_tokens", 0),
+        prefix_retention_tier=obj.get("prefix_retention_tier"),
+        prefix_retention_ms=tier_ms(obj.get("prefix_retention_tier"), obj.get("prefix_retention_ms")),
+        session_end=obj.get("session_end", False),
         extra={k: v for k, v in obj.items() if k not in known},
     )
     return req.validate()

@@ -37,6 +37,17 @@ def to_kvpool_dict(req: Request) -> dict[str, Any]:
         out["tokens"] = req.tokens
     if req.output_tokens is not None:
         out["output_tokens"] = req.output_tokens
+    if req.cache_key is not None:
+        out["cache_key"] = req.cache_key
+    if req.retention_tier is not None:
+        out["retention_tier"] = req.retention_tier
+        out["retention_ms"] = req.retention_ms
+    if req.prefix_retention_tier is not None:
+        out["retained_prefix_tokens"] = req.retained_prefix_tokens
+        out["prefix_retention_tier"] = req.prefix_retention_tier
+        out["prefix_retention_ms"] = req.prefix_retention_ms
+    if req.session_end:
+        out["session_end"] = True
     out.update(req.extra)
     return out
 

@@ -61,7 +61,9 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
         params = {w: make_params(w, overrides.get(w)) for w in mix}
         if args.arrivals_from:
             raise GeneratorParamError("--arrivals-from applies to a single workload, not a mix")
-        reqs = generate_mix(mix, args.requests, args.rate, args.seed, args.vocab, params, args.tenants)
+        reqs = generate_mix(
+            mix, args.requests, args.rate, args.seed, args.vocab, params, args.tenants, hints=args.hints
+        )
     else:
         if set(overrides) - {args.workload}:
             raise GeneratorParamError(
@@ -72,7 +74,15 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
         if args.arrivals_from:
             arrivals = [r.arrival_ms for r in read_trace(resolve_trace(args.arrivals_from))]
         reqs = generate(
-            args.workload, args.requests, args.rate, args.seed, args.vocab, params, args.tenants, arrivals
+            args.workload,
+            args.requests,
+            args.rate,
+            args.seed,
+            args.vocab,
+            params,
+            args.tenants,
+            arrivals,
+            hints=args.hints,
         )
     n = write_kvpool(reqs, args.output)
     print(f"wrote {n} requests to {args.output}", file=sys.stderr)
@@ -134,6 +144,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="override a generator parameter, e.g. chat.turns=8 (repeatable)",
     )
     g.add_argument("--arrivals-from", help="take arrival times from this trace instead of Poisson")
+    g.add_argument(
+        "--hints",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="client retention hints on each record (session key, 5m/1h tiers, session end; default on)",
+    )
     g.add_argument("-o", "--output", required=True, help="file to write (.gz compresses)")
     g.set_defaults(func=cmd_trace_generate)
     s = tsub.add_parser("stats", help="sizes, span and infinite-cache hit rate")
