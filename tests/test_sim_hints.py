@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from kvpool.workloads.errors import TraceFormatError
+from kvpool.workloads.errors import PricingError, TraceFormatError
 from kvpool.workloads.generators import LONG_TIER, SHORT_TIER, generate
+from kvpool.workloads.pricing import get_profile, price_result
 from kvpool.workloads.trace import RETENTION_TIERS_MS, Request, kvpool_record, read_kvpool, read_mooncake
 from kvpool.workloads.trace_write import to_kvpool_dict, write_kvpool, write_mooncake
 
@@ -95,3 +96,34 @@ def test_agent_loop_retains_its_shared_prefix_long_and_each_call_short() -> None
     assert all(r.prefix_retention_tier == LONG_TIER for r in reqs)
     assert {r.retention_tier for r in reqs if not r.session_end} == {SHORT_TIER}
     assert json.loads(json.dumps(to_kvpool_dict(reqs[0])))["prefix_retention_ms"] == 3_600_000
+
+
+# ------------------------------------------------------------------------------------------- pricing
+
+
+def test_a_requests_own_tier_prices_its_written_tokens() -> None:
+    p = get_profile("anthropic-style")  # 5m = 1.25x, 1h = 2x of input 3.00 $/M; reads 0.30
+    per = {
+        "workload": ["a", "a", "b"],
+        "input": [10_000, 10_000, 10_000],
+        "cached": [4_000, 4_000, 4_000],
+        "output": [0, 0, 0],
+        "write_tier": ["1h", None, "5m"],
+        "prefix_tokens": [0, 0, 6_000],
+        "prefix_tier": [None, None, "1h"],
+    }
+    out = price_result(p, {"per_request": per}, write_tier="5m")
+    # 1: 6000 written x 3 x 2 + 4000 x 0.3 = 37,200; 2: no tier of its own, --write-tier 5m:
+    # 6000 x 3.75 + 1200 = 23,700; 3: written tokens 4000..6000 are the 1h prefix's: 2000 x 6 + 4000 x 3.75
+    # + 1200 = 28,200
+    assert out["cost_usd"] == pytest.approx((37_200 + 23_700 + 28_200) / 1e6)
+    assert out["workloads"]["b"]["cost_usd"] == pytest.approx(0.0282)
+    # a profile without tiers does not sell retention: the request's tier prices at its cache_write
+    flat = price_result(get_profile("moonshot-k3"), {"per_request": per})
+    assert flat["cost_usd"] == pytest.approx(3 * (6_000 * 3 + 4_000 * 0.3) / 1e6)
+
+
+def test_a_tier_the_profile_does_not_sell_is_refused_naming_its_tiers(tmp_path: Path) -> None:
+    per = {"input": [2_000], "cached": [0], "output": [0], "write_tier": ["24h"]}
+    with pytest.raises(PricingError, match=r"no write tier '24h'; tiers: \['1h', '5m'\]"):
+        price_result(get_profile("anthropic-style"), {"per_request": per})

@@ -7,7 +7,9 @@ Profiles are data (``workloads/data/pricing.toml``; a user file with the same la
   rounded *down* to ``cache_step_tokens`` (OpenAI reports hits in 128-token steps from 1024);
 - ``written`` = input tokens written to the cache (default: every uncached token of a cacheable prompt,
   i.e. automatic caching of the whole prompt; explicit ``cache_write_tokens`` overrides), billed at
-  ``input x write multiplier``; the remaining uncached tokens at ``input``;
+  ``input x write multiplier``: the request's own retention tier when it has one (a retained prefix's
+  written tokens at the prefix's tier), else ``--write-tier``, else ``cache_write``; the remaining uncached
+  tokens at ``input``;
 - ``cost = uncached_unwritten x input + written x input x mult + billable_cached x cached_input
   + output x output_price + storage``; ``cost_without_cache = input_tokens x input + output x output``.
 
@@ -46,6 +48,7 @@ class PriceProfile:
     description: str = ""
 
     def write_multiplier(self, tier: str | None) -> float:
+        """The multiplier of ``tier`` (None: the profile's ``cache_write``); an unknown one is refused."""
         if tier is None:
             return self.cache_write
         try:
@@ -53,6 +56,15 @@ class PriceProfile:
         except KeyError:
             known = sorted(self.write_tiers) or ["(none)"]
             raise PricingError(f"profile {self.name!r} has no write tier {tier!r}; tiers: {known}") from None
+
+    def request_tier(self, tier: str | None, default: str | None) -> str | None:
+        """The tier a request's written tokens are priced at: its own retention tier when it has one, else
+        ``default`` (``--write-tier``). A profile that sells no tiers (OpenAI-style: retention is not
+        priced) prices a request's own tier at its ``cache_write``; one that sells tiers refuses a tier it
+        does not sell (``write_multiplier``)."""
+        if tier is None:
+            return default
+        return tier if self.write_tiers else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,29 +203,38 @@ def price(
     write_tier: str | None = None,
     cached_token_hours: float = 0.0,
     approximate: bool = False,
+    prefix_tokens: int = 0,
+    prefix_tier: str | None = None,
 ) -> Bill:
-    """Price one request (or an aggregate treated as one; see module docstring)."""
+    """Price one request (or an aggregate treated as one; see module docstring). With ``prefix_tokens``
+    the written tokens among the prompt's first ``prefix_tokens`` are priced at ``prefix_tier`` (a
+    retained prefix: Anthropic prices each cache breakpoint's segment at its own TTL), the rest at
+    ``write_tier``."""
     inp = token_count("input tokens", input_tokens)
     cached = token_count("cached tokens", cached_tokens)
     out = token_count("output tokens", output_tokens)
     if cached > inp:
         raise PricingError(f"cached tokens ({cached}) cannot exceed input tokens ({inp})")
     mult = profile.write_multiplier(write_tier)
+    prefix_mult = profile.write_multiplier(prefix_tier) if prefix_tokens else mult
     cacheable = inp >= profile.min_cacheable_tokens
     billable = (cached // profile.cache_step_tokens) * profile.cache_step_tokens if cacheable else 0
     if billable < profile.min_cacheable_tokens:
         billable = 0
     uncached = inp - billable
     if cache_write_tokens is None:
-        written = uncached if (cacheable and mult != 1.0) else 0
+        written = uncached if (cacheable and (mult != 1.0 or prefix_mult != 1.0)) else 0
     else:
         written = token_count("cache write tokens", cache_write_tokens)
         if written > uncached:
             raise PricingError(f"cache write tokens ({written}) exceed uncached input tokens ({uncached})")
+    # the uncached tokens start after the billable cached run: those before prefix_tokens are the prefix's
+    in_prefix = min(written, max(0, token_count("prefix tokens", prefix_tokens) - billable))
     storage = _number("cached token hours", cached_token_hours) * profile.storage_per_mtok_hour / M
     cost = (
         (uncached - written) * profile.input
-        + written * profile.input * mult
+        + (written - in_prefix) * profile.input * mult
+        + in_prefix * profile.input * prefix_mult
         + billable * profile.cached_input
         + out * profile.output
     ) / M + storage
@@ -227,31 +248,67 @@ def price_many(
     cached: Sequence[int],
     outputs: Sequence[int],
     write_tier: str | None = None,
+    tiers: Sequence[str | None] | None = None,
+    prefixes: Sequence[tuple[int, str | None]] | None = None,
 ) -> Bill:
-    """Sum of per-request bills (the exact way to apply minimum and step rules)."""
-    if not len(inputs) == len(cached) == len(outputs):
+    """Sum of per-request bills (the exact way to apply minimum and step rules). ``tiers``: each request's
+    own retention tier (None: ``write_tier``); ``prefixes``: each one's retained prefix (tokens, tier)."""
+    return _per_request(profile, inputs, cached, outputs, write_tier, tiers, prefixes)[0]
+
+
+def _per_request(
+    profile: PriceProfile,
+    inputs: Sequence[int],
+    cached: Sequence[int],
+    outputs: Sequence[int],
+    write_tier: str | None,
+    tiers: Sequence[str | None] | None,
+    prefixes: Sequence[tuple[int, str | None]] | None,
+) -> tuple[Bill, list[Bill]]:
+    n = len(inputs)
+    tiers = [None] * n if tiers is None else tiers
+    prefixes = [(0, None)] * n if prefixes is None else prefixes
+    if not n == len(cached) == len(outputs) == len(tiers) == len(prefixes):
         raise PricingError("per-request arrays differ in length")
-    total = Bill()
-    for i, c, o in zip(inputs, cached, outputs, strict=True):
-        total.add(price(profile, i, c, o, write_tier=write_tier))
-    return total
+    total, each = Bill(), []
+    for i, c, o, t, (pt, ptier) in zip(inputs, cached, outputs, tiers, prefixes, strict=True):
+        bill = price(
+            profile,
+            i,
+            c,
+            o,
+            write_tier=profile.request_tier(t, write_tier),
+            prefix_tokens=pt if ptier is not None else 0,
+            prefix_tier=profile.request_tier(ptier, write_tier),
+        )
+        total.add(bill)
+        each.append(bill)
+    return total, each
 
 
 def price_result(
     profile: PriceProfile, result: dict[str, Any], write_tier: str | None = None
 ) -> dict[str, Any]:
     """Price a replay result (``kvpool replay --json`` / ``--out``): per request when it carries
-    ``per_request``, else its totals as one aggregate (flagged approximate when rules could bite)."""
+    ``per_request`` (a request's own retention tiers, columns ``write_tier``, ``prefix_tokens`` and
+    ``prefix_tier``, price its written tokens; ``write_tier`` is the default), else its totals as one
+    aggregate (flagged approximate when rules could bite)."""
     if not isinstance(result, dict):
         raise PricingError("replay result must be a JSON object")
     per = result.get("per_request")
     out: dict[str, Any] = {"profile": profile.name}
     if isinstance(per, dict) and all(k in per for k in ("input", "cached", "output")):
-        total = price_many(profile, per["input"], per["cached"], per["output"], write_tier)
+        n = len(per["input"])
+        tiers = per.get("write_tier")
+        prefixes = None
+        if "prefix_tier" in per:
+            prefixes = list(zip(per.get("prefix_tokens", [0] * n), per["prefix_tier"], strict=True))
+        total, each = _per_request(
+            profile, per["input"], per["cached"], per["output"], write_tier, tiers, prefixes
+        )
         by_wl: dict[str, Bill] = {}
-        for w, i, c, o in zip(per.get("workload", ["all"] * len(per["input"])), per["input"], per["cached"],
-                              per["output"], strict=True):  # fmt: skip
-            by_wl.setdefault(w, Bill()).add(price(profile, i, c, o, write_tier=write_tier))
+        for w, bill in zip(per.get("workload", ["all"] * n), each, strict=True):
+            by_wl.setdefault(w, Bill()).add(bill)
         out.update(total.to_dict())
         out["workloads"] = {w: b.to_dict() for w, b in sorted(by_wl.items())}
         return out
