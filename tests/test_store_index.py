@@ -293,7 +293,7 @@ def test_tail_ttl_expiry() -> None:
 
 def test_quota_evicts_own_objects_first_then_refuses() -> None:
     clock = Clock()
-    idx = make(clock)
+    idx = make(clock, pin_share=1.0)  # pins may take the whole quota here: what is left is refused
     idx.set_quota("t1", 100)
     for i in range(5):
         idx.insert(f"t1-{i}".encode(), BLOB, 20, tenant="t1", node_id="n0")
@@ -384,7 +384,10 @@ def test_randomized_operations_keep_bookkeeping_exact() -> None:
             elif op < 0.82 and leases:
                 idx.release(leases.pop(rng.randrange(len(leases))))
             elif op < 0.86 and len(idx):
-                idx.pin(rng.sample(list(idx), 1), ttl_ms=rng.choice([0, 100, 1000]))
+                session = rng.choice(["", "s1", "s2"])
+                idx.pin(rng.sample(list(idx), rng.randint(1, 4)), rng.choice([0, 100, 1000]), session)
+                if rng.random() < 0.2:
+                    idx.end_session(rng.choice(["", "q", "x"]), rng.choice(["s1", "s2"]))
             elif op < 0.92 and len(idx):
                 idx.promote(rng.choice(list(idx)))
             elif op < 0.93:
@@ -446,3 +449,36 @@ def test_an_emptied_index_gives_its_storage_back() -> None:
     idx.add_node("n0", 1 << 40)
     put_chain(idx, chain(3, "again"))  # and works as before
     assert idx.match_prefix(chain(3, "again"), require_checkpoint=False).mla_run_blocks == 3
+
+
+# ---------------------------------------------------------------- pins: holders, sessions, the budget
+
+
+def test_pins_are_held_per_session_and_budgeted() -> None:
+    """A retention hint pins a chain for its session; the object stays pinned while any holder holds it;
+    ending a session releases only its own pins; a pin past ``pin_share`` of the DRAM capacity or of the
+    tenant's quota pins nothing and is counted, never raised."""
+    clock = Clock()
+    idx = make(clock, cap=1_000, pin_share=0.5)
+    for i in range(8):
+        idx.insert(f"a{i}".encode(), BLOB, 100, tenant="t", node_id="n0")
+    system, conv1, conv2 = [b"a0"], [b"a1", b"a2"], [b"a3"]
+    assert idx.pin(system + conv1, 60_000, session="c1") == 3
+    assert idx.pin(system + conv2, 60_000, session="c2") == 2
+    st = idx.stats()
+    assert (st.soft_pins, st.pinned_bytes, st.pins_refused) == (4, 400, 0), "a0 counts once"
+    assert idx.pin([b"a4", b"a5"], 60_000, session="c3") == 0, "500 > 0.5 x 1000: nothing pinned"
+    assert idx.stats().pins_refused == 1 and not idx.get(b"a4").pinned
+    assert idx.end_session("other-tenant", "c1") == 0, "a session is its tenant's"
+    assert idx.end_session("t", "c1") == 3
+    assert idx.get(b"a0").pinned, "c2 still holds the shared system prompt"
+    assert not idx.get(b"a1").pinned and idx.stats().pinned_bytes == 200
+    clock.advance(61)
+    idx.expire()
+    assert idx.stats().pinned_bytes == 0 and idx.stats().soft_pins == 0
+    idx.set_quota("t", 600)  # the tenant's own budget: 300 bytes
+    assert idx.pin([b"a6", b"a7", b"a5", b"a4"], 1_000, session="c4") == 0
+    assert idx.pin([b"a6", b"a7"], 1_000, session="c4") == 2
+    idx.remove(b"a6")  # a dropped object leaves the budget and its session
+    assert idx.stats().pinned_bytes == 100 and idx.end_session("t", "c4") == 1
+    assert idx.verify() == []

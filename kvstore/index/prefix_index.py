@@ -20,7 +20,8 @@ API (all sizes in bytes, all durations in ms, ``now`` always from ``clock()`` in
     idx.rows(keys) -> list[LocationRow]; idx.columns(slots) -> (sizes, checksums, tiers, node ids)
     iter(idx); idx.pending_keys()
     idx.acquire(keys, lease_ms=None) -> Lease | None; idx.release(lease_id) -> bool     # read pins
-    idx.pin(keys, ttl_ms) -> int                        # soft pin; ttl_ms=0 unpins
+    idx.pin(keys, ttl_ms, session="") -> int           # soft pin within the pin budget; ttl_ms=0 unpins
+    idx.end_session(tenant, session) -> int             # release every pin the session holds
     idx.set_quota(tenant, max_bytes)                    # 0 = unlimited
     idx.expire() -> list[Removal]                       # retire due leases, pins and TTLs now
     idx.evict() -> list[Removal]                        # watermark pass over every pool (insert does it too)
@@ -55,6 +56,12 @@ Rules:
   that would pass the cap with nothing evictable raises :class:`CapacityError`.
 - **Quotas**: a tenant whose bytes would exceed its quota drops its own evictable objects first; if that
   is not enough the insert raises :class:`QuotaExceededError`.
+- **Pins** (an operator's system prompt, a client's retention hint) are held per (tenant, session) with a
+  deadline each; an object stays pinned while any holder holds it. Pinned bytes are budgeted so pins can
+  never starve the cache: a tenant's pinned bytes stay within ``pin_share`` x its quota, all pinned bytes
+  within ``pin_share`` x the DRAM capacity. A pin past the budget pins nothing and is counted
+  (``pins_refused``): a hint is a request, never a reason to fail one. ``end_session`` releases what a
+  session (a conversation, an agent run) holds the moment the client says it is over.
 
 Memory: struct-of-arrays (``records.Columns``). Per object: one ``dict`` entry key -> slot (the key bytes
 object is shared with the slot's reverse list and with dependents' anchor references), two list pointers,
@@ -122,7 +129,10 @@ class PrefixIndex:
         keep_events: bool = True,
         admission: AdmissionConfig | None = None,
         max_objects: int = 0,
+        pin_share: float = 0.5,
     ) -> None:
+        if not 0.0 <= pin_share <= 1.0:
+            raise ValueError(f"pin_share must be in [0, 1], got {pin_share}")
         if max_objects < 0:
             raise ValueError("max_objects must be >= 0 (0 = no cap)")
         if not 0.0 < low_watermark <= high_watermark <= 1.0:
@@ -144,6 +154,7 @@ class PrefixIndex:
         # master bounds it by count too; the watermarks apply as for bytes (evict ahead of the cap)
         self.max_objects = max_objects
         self.lease_ms = lease_ms
+        self.pin_share = pin_share
         self._clock = clock
         self._keep_events = keep_events
         self._cols = Columns(INITIAL_SLOTS)
@@ -162,7 +173,11 @@ class PrefixIndex:
         self._capacity_memo: dict[Tier, int] = {}
         self._node_names: list[str] = []
         self._node_ids: dict[str, int] = {}
-        self._pins: dict[int, float] = {}  # slot -> soft pin deadline
+        self._pins: dict[int, dict[str, float]] = {}  # slot -> {session: deadline} ("" = no session)
+        self._sessions: dict[tuple[int, str], set[int]] = {}  # (tenant id, session) -> slots it pins
+        self._pinned_bytes: dict[int, int] = {}  # tenant id -> bytes of its pinned objects
+        self._pinned_total = 0
+        self._pins_refused = 0
         self._ttl: dict[int, float] = {}  # slot -> expiry deadline
         self._ttl_heap: list[tuple[float, int, bytes]] = []
         self._leases: dict[int, tuple[float, np.ndarray]] = {}
@@ -223,7 +238,7 @@ class PrefixIndex:
         self._n = 0
         self._free, self._keys, self._anchors = [], [], []
         self._slot, self._pending, self._orphans = {}, {}, {}
-        self._pins, self._ttl, self._ttl_heap = {}, {}, []
+        self._pins, self._sessions, self._ttl, self._ttl_heap = {}, {}, {}, []
 
     def _place(self, size: int, tier: Tier = Tier.DRAM, avoid: str | None = None) -> str:
         """The node with the most free bytes in ``tier`` whose capacity can hold ``size``; ``avoid`` is
@@ -648,21 +663,61 @@ class PrefixIndex:
         self._release_storage_if_empty()  # the index emptied while this lease held some of its slots
         return True
 
-    def pin(self, keys: Iterable[bytes], ttl_ms: int) -> int:
-        """Soft-pin committed objects for ``ttl_ms`` (0 unpins): they are not evicted while pinned."""
-        now = self._clock()
-        count = 0
-        for key in keys:
-            slot = self._slot.get(key)
-            if slot is None:
-                continue
-            count += 1
-            if ttl_ms:
-                self._pins[slot] = now + ttl_ms / 1000.0
-                self._cols.flags[slot] |= np.uint8(SLOT_PINNED)
-            else:
-                self._unpin(slot)
-        return count
+    def pin(self, keys: Iterable[bytes], ttl_ms: int, session: str = "") -> int:
+        """Soft-pin the committed objects among ``keys`` for ``ttl_ms`` on behalf of ``session`` (each
+        object's tenant's session): they are not evicted while any holder pins them. All or nothing: when
+        the newly pinned bytes would pass the pin budget (module docstring) nothing is pinned, 0 is returned
+        and ``pins_refused`` counts it. ``ttl_ms=0`` drops this session's pins on ``keys``. Returns how many
+        objects were found (and pinned or unpinned)."""
+        slots = [s for s in (self._slot.get(k) for k in keys) if s is not None]
+        if not ttl_ms:
+            for slot in slots:
+                self._unpin(slot, session)
+            return len(slots)
+        c = self._cols
+        new: dict[int, int] = {}  # tenant id -> bytes this call pins that were not pinned
+        for slot in dict.fromkeys(slots):
+            if slot not in self._pins:
+                tid = int(c.tenant[slot])
+                new[tid] = new.get(tid, 0) + int(c.size[slot])
+        if not self._pin_fits(new):
+            self._pins_refused += 1
+            return 0
+        until = self._clock() + ttl_ms / 1000.0
+        for slot in slots:
+            holders = self._pins.get(slot)
+            if holders is None:
+                holders = self._pins[slot] = {}
+                c.flags[slot] |= np.uint8(SLOT_PINNED)
+                tid = int(c.tenant[slot])
+                self._pinned_bytes[tid] = self._pinned_bytes.get(tid, 0) + int(c.size[slot])
+                self._pinned_total += int(c.size[slot])
+            holders[session] = max(holders.get(session, 0.0), until)
+            if session:
+                self._sessions.setdefault((int(c.tenant[slot]), session), set()).add(slot)
+        return len(slots)
+
+    def _pin_fits(self, new: dict[int, int]) -> bool:
+        """Whether pinning ``new`` more bytes per tenant keeps every budget (module docstring, Pins)."""
+        total = sum(new.values())
+        if not total:
+            return True
+        if self._pinned_total + total > self.pin_share * self._capacity_of(Tier.DRAM):
+            return False
+        for tid, extra in new.items():
+            quota = self._quota.get(tid, 0)
+            if quota and self._pinned_bytes.get(tid, 0) + extra > self.pin_share * quota:
+                return False
+        return True
+
+    def end_session(self, tenant: str, session: str) -> int:
+        """Release every pin ``session`` of ``tenant`` holds (objects another holder pins stay pinned);
+        returns how many objects it held."""
+        tid = self._tenant_ids.get(tenant)
+        slots = list(self._sessions.get((tid, session), ())) if tid is not None and session else []
+        for slot in slots:
+            self._unpin(slot, session)
+        return len(slots)
 
     def stats(self) -> IndexStats:
         c, n = self._cols, self._n
@@ -676,6 +731,8 @@ class PrefixIndex:
             nodes=len(self._nodes),
             active_leases=len(self._leases),
             soft_pins=len(self._pins),
+            pinned_bytes=self._pinned_total,
+            pins_refused=self._pins_refused,
             evictions=self._evictions,
             evicted_bytes=self._evicted_bytes,
             demotions=self._demotions,
@@ -723,6 +780,7 @@ class PrefixIndex:
             out.append(f"{len(live)} live slots for {len(self._slot) + len(self._pending)} keys")
         used: dict[tuple[int, int], int] = {}
         tenants: dict[int, int] = {}
+        pinned: dict[int, int] = {}
         deps: dict[int, int] = {}
         orphans: dict[bytes, int] = {}
         for s in live:
@@ -733,6 +791,10 @@ class PrefixIndex:
             pool = (int(c.node[s]), int(c.tier[s]))
             used[pool] = used.get(pool, 0) + int(c.size[s])
             tenants[int(c.tenant[s])] = tenants.get(int(c.tenant[s]), 0) + int(c.size[s])
+            if s in self._pins:
+                pinned[int(c.tenant[s])] = pinned.get(int(c.tenant[s]), 0) + int(c.size[s])
+            if bool(c.flags[s] & SLOT_PINNED) != (s in self._pins):
+                out.append(f"slot {s}: pinned flag disagrees with the pin table")
             anchor = self._anchors[s]
             if anchor is not None:
                 a = self._find(anchor)
@@ -750,6 +812,16 @@ class PrefixIndex:
                     out.append(f"node {node.node_id} {tier.name}: {node.used[tier]} bytes counted")
         if {t: b for t, b in self._tenant_bytes.items() if b} != tenants:
             out.append("tenant bytes drifted")
+        if {t: b for t, b in self._pinned_bytes.items() if b} != pinned or self._pinned_total != sum(
+            pinned.values()
+        ):
+            out.append("pinned bytes drifted")
+        if any(
+            s not in self._pins or not sess or sess not in self._pins[s]
+            for (_, sess), m in self._sessions.items()
+            for s in m
+        ):
+            out.append("a session lists a slot it does not pin")
         if {s: int(c.deps[s]) for s in live if c.deps[s]} != deps:
             out.append("dependent counts drifted")
         if self._orphans != orphans:
@@ -802,8 +874,9 @@ class PrefixIndex:
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lease_id = heapq.heappop(self._lease_heap)
             self.release(lease_id)
-        for slot in [s for s, until in self._pins.items() if until <= now]:
-            self._unpin(slot)
+        for slot, holders in [(s, h) for s, h in self._pins.items() if min(h.values()) <= now]:
+            for session in [x for x, until in holders.items() if until <= now]:
+                self._unpin(slot, session)
         removed: list[Removal] = []
         heap = self._ttl_heap
         while heap and heap[0][0] <= now:
@@ -1032,9 +1105,26 @@ class PrefixIndex:
         self._ttl[slot] = deadline
         heapq.heappush(self._ttl_heap, (deadline, slot, key))
 
-    def _unpin(self, slot: int) -> None:
-        self._pins.pop(slot, None)
-        self._cols.flags[slot] &= ~np.uint8(SLOT_PINNED)
+    def _unpin(self, slot: int, session: str | None = None) -> None:
+        """Drop ``session``'s pin on ``slot`` (every holder's when None); the object is unpinned, and its
+        bytes leave the pin budget, once no holder is left."""
+        holders = self._pins.get(slot)
+        if holders is None:
+            return
+        c = self._cols
+        tid = int(c.tenant[slot])
+        for s in list(holders) if session is None else [session]:
+            if holders.pop(s, None) is not None and s:
+                members = self._sessions.get((tid, s))
+                if members is not None:
+                    members.discard(slot)
+                    if not members:
+                        del self._sessions[(tid, s)]
+        if not holders:
+            del self._pins[slot]
+            c.flags[slot] &= ~np.uint8(SLOT_PINNED)
+            self._pinned_bytes[tid] -= int(c.size[slot])
+            self._pinned_total -= int(c.size[slot])
 
     def _drop(self, slot: int, reason: str, *, emit: bool, demoted: bool = False) -> Removal:
         """Remove a live slot from every structure; the slot is recycled once no lease refers to it."""
@@ -1069,7 +1159,7 @@ class PrefixIndex:
             node.used[tier] -= size
         tid = int(c.tenant[slot])
         self._tenant_bytes[tid] -= size
-        self._pins.pop(slot, None)
+        self._unpin(slot)
         self._ttl.pop(slot, None)
         c.flags[slot] = 0
         c.deps[slot] = 0

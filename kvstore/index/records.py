@@ -164,6 +164,8 @@ class IndexStats:
     nodes: int
     active_leases: int
     soft_pins: int
+    pinned_bytes: int
+    pins_refused: int
     evictions: int
     evicted_bytes: int
     demotions: int
