@@ -5,14 +5,22 @@ through the index and counts refusals, and bills price written tokens at the req
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kvpool.workloads.checkpoints import parse_checkpoints
 from kvpool.workloads.errors import PricingError, TraceFormatError
 from kvpool.workloads.generators import LONG_TIER, SHORT_TIER, generate
 from kvpool.workloads.pricing import get_profile, price_result
+from kvpool.workloads.sim import SimConfig, simulate
+from kvpool.workloads.sim_result import SimResult
+from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import RETENTION_TIERS_MS, Request, kvpool_record, read_kvpool, read_mooncake
 from kvpool.workloads.trace_write import to_kvpool_dict, write_kvpool, write_mooncake
+
+from kvpool.commands.main import main
 
 
 def _hinted(**kw: object) -> Request:
@@ -127,3 +135,134 @@ def test_a_tier_the_profile_does_not_sell_is_refused_naming_its_tiers(tmp_path: 
     per = {"input": [2_000], "cached": [0], "output": [0], "write_tier": ["24h"]}
     with pytest.raises(PricingError, match=r"no write tier '24h'; tiers: \['1h', '5m'\]"):
         price_result(get_profile("anthropic-style"), {"per_request": per})
+
+
+# ------------------------------------------------------------------------------------------- simulator
+
+
+def _blocks(*ids: int) -> list[int]:
+    return [t for i in ids for t in [i] * 64]
+
+
+def _req(rid: str, blocks: list[int], t: float, tenant: str = "default", **hints: object) -> Request:
+    tokens = [*_blocks(*blocks), 9]  # one token into a private block: the last full block is looked up
+    return Request(rid, t, len(tokens), 0, tokens=tokens, tenant=tenant, workload="w", **hints).validate()
+
+
+FIVE_MIN = {"retention_tier": "5m", "retention_ms": 300_000}
+
+
+def _worked_example(hints: bool = True, pin_share: float = 0.5) -> SimResult:
+    """docs/design/eviction.md §1.3, worked example: tiny spec (checkpoint = 6 block units), LRU, 20 units,
+    one conversation (session S) whose follow-up comes after two other chains have filled the cache."""
+    reqs = [
+        _req("A", [1, 2], 0, cache_key="S", **FIVE_MIN),  # S turn 1: M1 M2 M(tail) + K2 = 9 units
+        _req("X", [11, 12], 1000),  # 9 units: 18 held
+        _req("Y", [13, 14], 2000),  # 9 more: over 20, LRU evicts the oldest evictable chain
+        _req("B", [1, 2, 3], 3000, cache_key="S", session_end=True),  # S turn 2, the last
+        _req("Z", [15, 16], 4000),
+        _req("W", [17, 18], 5000),
+    ]
+    cfg = SimConfig(
+        spec=get_spec("tiny"),
+        policy="lru",
+        capacity=20,
+        capacity_unit="blocks",
+        block_size=64,
+        high_watermark=1.0,
+        low_watermark=1.0,
+        checkpoints=parse_checkpoints("prompt"),
+        hints=hints,
+        pin_share=pin_share,
+    )
+    return simulate(reqs, cfg)
+
+
+def test_worked_example_a_retained_conversation_survives_the_flood_and_its_end_releases_it() -> None:
+    plain = _worked_example(hints=False)
+    assert plain.per_request["cached"][3] == 0  # LRU evicted S's chain before its follow-up
+    assert plain.hints["pins"] == 0
+    res = _worked_example()
+    assert res.per_request["cached"][3] == 128  # pinned (8 units <= 0.5 x 20): X went instead
+    assert res.hints == {
+        "pins": 1,
+        "pins_refused": 0,
+        "objects_pinned": 3,  # M1 M2 K2 (the tail block past the checkpoint is dead weight, not pinned)
+        "sessions_ended": 1,
+        "objects_released": 3,
+    }
+    assert res.pinned_bytes == 0  # the session's end released everything it held
+    d = res.to_dict()
+    assert (d["pins"], d["pins_refused"], d["config"]["hints"]) == (1, 0, True)
+
+
+def test_a_pin_over_the_budget_is_refused_counted_and_the_request_still_served() -> None:
+    res = _worked_example(pin_share=0.3)  # 8 units > 0.3 x 20
+    assert res.hints["pins"] == 1 and res.hints["pins_refused"] == 1 and res.hints["objects_pinned"] == 0
+    assert res.per_request["cached"][3] == 0 and res.total.requests == 6  # as without hints
+
+
+def test_a_retained_prefix_gets_its_checkpoint_and_outlives_one_session_while_another_holds_it() -> None:
+    prefix = {"retained_prefix_tokens": 128, "prefix_retention_tier": "1h", "prefix_retention_ms": 3_600_000}
+    reqs = [
+        _req("a1", [1, 2, 3], 0, cache_key="a", **prefix, **FIVE_MIN),
+        _req("b1", [1, 2, 4], 500, cache_key="b", **prefix, **FIVE_MIN),
+        _req("a2", [1, 2, 3, 5], 1000, cache_key="a", session_end=True, **prefix),
+    ]
+    cfg = SimConfig(
+        spec=get_spec("tiny"), policy="lru", block_size=64, checkpoints=parse_checkpoints("prompt")
+    )
+    res = simulate(reqs, cfg)
+    # a1 wrote a checkpoint at the prefix's end (block 2) besides its prompt's (3): b1 resumes at the prefix
+    assert res.per_request["cached"] == [0, 128, 192]
+    assert res.hints["sessions_ended"] == 1 and res.pinned_bytes > 0  # b still holds the prefix
+    off = simulate(reqs, replace(cfg, hints=False))
+    assert off.per_request["cached"] == [0, 0, 192] and off.per_request["write_tier"] == [None] * 3
+
+
+def test_replay_cli_hints_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "chat.jsonl"
+    write_kvpool(generate("chat", 40, rate=2.0, seed=2, vocab=1000), path)
+    out = {}
+    for flag in ("--hints", "--no-hints"):
+        argv = ["replay", str(path), "--spec", "tiny", "--capacity-bytes", "2MiB", "--json", "--no-progress"]
+        assert main([*argv, flag]) == 0
+        out[flag] = json.loads(capsys.readouterr().out)
+    assert out["--hints"]["pins"] > 0 and out["--hints"]["hints"]["sessions_ended"] > 0
+    assert out["--no-hints"]["pins"] == 0 and out["--no-hints"]["config"]["hints"] is False
+
+
+# ------------------------------------------------------------------------------------------- bench
+
+
+def _policy_bench() -> object:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "policy_bench.py"
+    spec = importlib.util.spec_from_file_location("policy_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_policy_bench_rows_and_the_hint_goals() -> None:
+    pb: Any = _policy_bench()
+    assert pb._rows("mix", ["lru", "reference", "hybrid+ssd4"], ["off", "on"]) == [
+        "lru", "lru+hints", "reference", "hybrid+ssd4", "hybrid+ssd4+hints",
+    ]  # fmt: skip
+    assert pb._rows("conversation", ["lru"], ["on"]) == ["lru"]  # a Mooncake trace has no hints
+    rows = {
+        "lru": {"29": 0.30},
+        "hybrid": {"29": 0.40},
+        "lru+hints": {"29": 0.35},
+        "hybrid+hints": {"29": 0.34},
+        "reference": {"29": 0.50},
+    }
+    met = pb.goals_met({"mix": {"token_hit": rows}}, [1.0])
+    assert met["default_ge_0_995x_lru_everywhere"]["met"] is True
+    assert met["default_with_hints_ge_0_995x_lru_with_hints_everywhere"]["misses"] == [
+        "mix@29: 0.971x lru+hints"
+    ]
+    assert met["mix_with_hints_ge_0_85x_reference"]["misses"] == ["@29: 0.680x reference"]
+    assert pb.goals_met({}, [])["mix_with_hints_ge_0_85x_reference"]["met"] is None

@@ -35,7 +35,7 @@ def oracle_chain(req: Request) -> list[bytes]:
 
 
 def test_labels_runs_like_the_default_and_knows_better_on_a_small_cache() -> None:
-    reqs = generate("chat", 400, rate=4.0, seed=3)
+    reqs = generate("chat", 400, rate=4.0, seed=3, hints=False)  # the policies alone, no client pins
     cap = 6 * 2**30
     labels = simulate(reqs, SimConfig(spec=K3, policy="labels", capacity=cap)).to_dict()
     default = simulate(reqs, SimConfig(spec=K3, capacity=cap)).to_dict()

@@ -194,10 +194,11 @@ def generate(
 
     With ``hints`` (the default: the clients these workloads stand for, agent and coding tools on a
     provider API, mark their caches) each record carries what such a client sends: its session as
-    ``cache_key``, ``SHORT_TIER`` retention on every turn but the session's last, which ends the session,
-    and ``LONG_TIER`` retention of the prefix shared beyond the session (toolsets, agent prefixes,
-    repositories). ``hints=False`` gives the same records without them. A trace cut at ``requests`` may
-    leave a session without its last turn, as a real log does.
+    ``cache_key``, ``SHORT_TIER`` retention on every turn but the session's last (of the workloads whose
+    next turn extends the prompt, ``EXTENDING``), the last ending the session, and ``LONG_TIER`` retention
+    of the prefix shared beyond the session (toolsets, agent prefixes, repositories). ``hints=False``
+    gives the same records without them. A trace cut at ``requests`` may leave a session without its
+    last turn, as a real log does.
     """
     if type(requests) is not int or requests <= 0:
         raise GeneratorParamError(f"requests must be a positive integer, got {requests!r}")
@@ -244,7 +245,7 @@ def generate(
             turn=turn_no,
         )
         if hints:
-            _add_hints(req, turn, last=turn_no == turns_of[s] - 1)
+            _add_hints(req, turn, last=turn_no == turns_of[s] - 1, extends=workload in EXTENDING)
         out.append(req)
     return out
 
@@ -253,12 +254,17 @@ SHORT_TIER = "5m"  # a turn that expects a follow-up within the think time
 LONG_TIER = "1h"  # a prefix shared by many sessions (system prompt + tools, a repository)
 
 
-def _add_hints(req: Request, turn: _Turn, last: bool) -> None:
+# Workloads whose next turn extends this turn's prompt: retaining the chain pays only there. A RAG user's
+# next question reads another document, a one-shot prompt has no next turn.
+EXTENDING = frozenset({"chat", "agent", "agent_loop", "coding"})
+
+
+def _add_hints(req: Request, turn: _Turn, last: bool, extends: bool) -> None:
     """The hints a provider-API client would send with this turn (see ``generate``)."""
     req.cache_key = req.conversation_id
     if last:
         req.session_end = True
-    else:
+    elif extends:
         req.retention_tier, req.retention_ms = SHORT_TIER, RETENTION_TIERS_MS[SHORT_TIER]
     if turn.shared_prefix:
         req.retained_prefix_tokens = min(turn.shared_prefix, req.input_length)

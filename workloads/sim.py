@@ -16,6 +16,12 @@ has its own instant even when a trace stamps many with the same millisecond):
 4. **Checkpoints** (``CheckpointPolicy``), only at boundaries the request computes itself (c > p):
    end of prompt (last full prompt block), end of output, junction (c = MLA run when the run passed the
    last checkpoint), every N blocks.
+5. **Client hints** (``SimConfig.hints``, docs/design/eviction.md §1.3), once its objects are stored: a
+   request with a retention tier pins its chain (the MLA blocks up to its deepest cached checkpoint, and
+   that checkpoint) for ``retention_ms`` under its session (``cache_key``); a retained prefix pins the
+   same way up to the prefix's last block, held by no session (it outlives the session); a
+   ``session_end`` releases the session's pins. The index refuses a pin over its budget: counted, and the
+   request goes on.
 
 Requests come as a list (sorted here) or as any iterable, which is *streamed*: replayed as it is read,
 through a bounded reorder window (``trace.arrival_ordered``), so a trace larger than memory runs in the
@@ -35,7 +41,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.kvstore.index.prefix_index import PrefixIndex
@@ -60,6 +66,28 @@ class _Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@dataclass(slots=True)
+class HintTally:
+    """What the client hints did in one simulation (all zero when the trace has none or they are off)."""
+
+    pins: int = 0  # pin calls: a retention hint on a chain with a cached checkpoint
+    pins_refused: int = 0  # of them, refused by the index's pin budget (the request still ran)
+    objects_pinned: int = 0  # objects the accepted calls pinned (counted once per call)
+    sessions_ended: int = 0
+    objects_released: int = 0  # objects whose last pin a session end released
+
+    def to_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class _SessionPins:
+    """What one session pins on one index: its latest chain and the retained prefixes it sent."""
+
+    chain: set[bytes] = field(default_factory=set)
+    prefix: set[bytes] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -103,6 +131,7 @@ class _Replay:
                 clock=self.clock,
                 keep_events=True,
                 admission=config.admission if config.policy in ("hybrid", *YARDSTICKS) else None,
+                pin_share=config.pin_share,
             )
             for _ in range(shards.count)
         ]
@@ -116,9 +145,11 @@ class _Replay:
         self.real_size: dict[bytes, int] = {}
         self.owner: dict[bytes, tuple[Counters, Counters]] = {}  # object -> its writer's counters
         self.bytes_evicted = self.objects_evicted = self.refused = self.demotions = self.not_admitted = 0
-        self.per_req: dict[str, list[Any]] = {
-            k: [] for k in ("workload", "arrival_ms", "input", "cached", "output", "dram_bytes", "ssd_bytes")
-        }
+        self.hints = HintTally()
+        self.session_pins: dict[tuple[int, str, str], _SessionPins] = {}  # (index, tenant, session) -> keys
+        columns = "workload arrival_ms input cached output dram_bytes ssd_bytes"
+        columns += " write_tier prefix_tokens prefix_tier"  # the tiers the bill prices written tokens at
+        self.per_req: dict[str, list[Any]] = {k: [] for k in columns.split()}
 
     def _owners(self, req: Request) -> tuple[Counters, Counters]:
         out = []
@@ -173,6 +204,10 @@ class _Replay:
             ("output", req.output_length),
             ("dram_bytes", loaded - cnt.ssd_bytes_read),
             ("ssd_bytes", cnt.ssd_bytes_read),
+            # what the bill prices the written tokens at: the request's own tiers, when they are honoured
+            ("write_tier", req.retention_tier if self.config.hints else None),
+            ("prefix_tokens", req.retained_prefix_tokens if self.config.hints else 0),
+            ("prefix_tier", req.prefix_retention_tier if self.config.hints else None),
         ):
             self.per_req[key].append(value)
         return _Store(req, chain, run, usable, owners, shard)
@@ -209,15 +244,16 @@ class _Replay:
             if spec.hybrid:
                 ck = self.config.checkpoints
                 with_output = ck.end_of_output and self.config.store_output and req.output_tokens is not None
-                for c in checkpoint_positions(
-                    ck,
-                    with_output,
-                    req.input_length,
-                    self.block_size,
-                    chain,
-                    st.run,
-                    st.usable,
-                ):
+                positions = checkpoint_positions(
+                    ck, with_output, req.input_length, self.block_size, chain, st.run, st.usable
+                )
+                if self.config.hints and req.prefix_retention_ms:
+                    # a retained prefix (a cache_control breakpoint) is where the client will come back:
+                    # prefill writes a checkpoint there when it computes that boundary
+                    mark = req.retained_prefix_tokens // self.block_size
+                    if st.usable < mark <= chain.full_prompt_blocks and mark not in positions:
+                        positions = sorted([*positions, mark])
+                for c in positions:
                     key = b"K" + chain.hashes[c - 1]
                     if key not in idx and self._insert(
                         idx, key, ObjectKind.KDA, self.kda_size, req.tenant, b""
@@ -244,6 +280,72 @@ class _Replay:
             self.bytes_evicted += size
             for into in self.owner.pop(ev.key, ()):
                 into.bytes_evicted += size
+        if self.config.hints and req.has_hints:
+            self._honour_hints(idx, req, chain)
+
+    def _honour_hints(self, idx: PrefixIndex, req: Request, chain: Chain) -> None:
+        """Pin what the request asked to retain, then end its session if it was the last turn. A refused
+        pin (over the budget) is counted, never an error: the request was served either way.
+
+        As the serving path does (prefill and decode pin under the client's session): every turn's chain
+        stays pinned until its TTL or the session's end, and a retained prefix is held by the session at
+        its longer TTL, pinned while any session that sent it holds it. With ``SimConfig.supersede`` a
+        session holds only its *latest* chain: a turn's pin releases the previous chain where the new one
+        does not cover it (prefixes excepted).
+        """
+        session = req.cache_key or ""
+        held = self.session_pins.setdefault((id(idx), req.tenant, session), _SessionPins())
+        if req.prefix_retention_ms:
+            blocks = min(req.retained_prefix_tokens // self.block_size, len(chain.hashes))
+            keys = self._chain_keys(idx, chain, blocks)
+            if keys and self._pin(idx, keys, req.prefix_retention_ms, session):
+                held.prefix.update(keys)
+        if req.retention_ms:
+            keys = self._chain_keys(idx, chain, len(chain.hashes))
+            if keys and self._pin(idx, keys, req.retention_ms, session) and session and self.config.supersede:
+                stale = [k for k in held.chain if k not in held.prefix]
+                held.chain = set(keys)
+                stale = [k for k in stale if k not in held.chain]
+                if stale:
+                    idx.pin(stale, 0, session=session)
+        if req.session_end and req.cache_key is not None:
+            t = self.hints
+            t.sessions_ended += 1
+            # a session's chains may sit on several master shards (a prefix routes them): end it on each
+            for shard in self.shard_indexes:
+                t.objects_released += shard.end_session(req.tenant, req.cache_key)
+                self.session_pins.pop((id(shard), req.tenant, session), None)
+
+    def _chain_keys(self, idx: PrefixIndex, chain: Chain, blocks: int) -> list[bytes]:
+        """Blocks [0, c) and the checkpoint at c, c the deepest cached checkpoint boundary <= ``blocks``
+        (for a pure-MLA spec: the cached run of the first ``blocks``). Empty when no cached checkpoint is
+        there: nothing usable to retain."""
+        hashes = chain.hashes
+        if self.spec.hybrid:
+            for c in range(blocks, 0, -1):
+                ck = b"K" + hashes[c - 1]
+                if ck in idx:
+                    keys = [b"M" + h for h in hashes[:c]]
+                    keys.append(ck)
+                    return keys
+            return []
+        keys = []
+        for h in hashes[:blocks]:
+            if b"M" + h not in idx:
+                break
+            keys.append(b"M" + h)
+        return keys
+
+    def _pin(self, idx: PrefixIndex, keys: list[bytes], ttl_ms: int, session: str) -> bool:
+        """One pin call, counted; False when the index's budget refused it (nothing was pinned)."""
+        t = self.hints
+        t.pins += 1
+        pinned = idx.pin(keys, ttl_ms, session=session)
+        if not pinned:
+            t.pins_refused += 1
+            return False
+        t.objects_pinned += pinned
+        return True
 
     def _insert(
         self, idx: PrefixIndex, key: bytes, kind: ObjectKind, size: int, tenant: str, parent: bytes
@@ -324,6 +426,8 @@ def simulate(
         per_request=r.per_req,
         shard_lookups=r.shard_lookups,
         shard_bytes_written=r.shard_bytes_written,
+        hints=r.hints.to_dict(),
+        pinned_bytes=sum(idx.stats().pinned_bytes for idx in r.shard_indexes) if r.hints.pins else 0,
     )
 
 

@@ -1,6 +1,6 @@
 """``SimConfig``: what one simulated replay is asked to model (spec, eviction policy, DRAM and SSD
-capacity, watermarks, checkpoint policy, admission, the TTFT model, master shards), checked before
-anything runs so a bad flag is a ``ReplayError`` naming it, not a wrong figure."""
+capacity, watermarks, checkpoint policy, admission, the TTFT model, master shards, client hints), checked
+before anything runs so a bad flag is a ``ReplayError`` naming it, not a wrong figure."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ class SimConfig:
     admission: AdmissionConfig | None = None  # policy hybrid's admission tunables; None: the defaults
     ttft: TtftModel = field(default_factory=TtftModel)  # tier bandwidths and compute rate of the estimate
     shards: ShardSet = field(default_factory=ShardSet)  # master shards, each with its slice of the capacity
+    hints: bool = True  # honour the requests' retention hints (pins, session ends); False ignores them
+    pin_share: float = 0.5  # pinned bytes stay within this share of the DRAM capacity (the index's budget)
+    # a session's new chain pin releases its previous chain (the serving path keeps every turn's pin until
+    # its TTL or the session's end: False models it; True is what a store could do instead)
+    supersede: bool = False
 
     def check(self) -> None:
         if self.policy not in POLICIES and self.policy not in YARDSTICKS:
@@ -53,6 +58,8 @@ class SimConfig:
         bs = self.block_size or self.spec.default_block_size
         if bs <= 0 or bs % 64:
             raise ReplayError(f"block size must be a positive multiple of 64, got {bs}")
+        if not 0.0 <= self.pin_share <= 1.0:
+            raise ReplayError(f"pin share must be in [0, 1], got {self.pin_share!r}")
         self.ttft.check()
         if self.capacity is not None and self.capacity < self.shards.count:
             raise ReplayError(f"capacity {self.capacity} cannot be split between {self.shards.count} shards")

@@ -5,7 +5,7 @@ usable behind a checkpoint, lost for lack of one, bytes written, evicted and rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.workloads.chains import Chain
@@ -88,6 +88,8 @@ class SimResult:
     per_request: dict[str, list[Any]]  # workload, arrival_ms, input, cached, output, dram/ssd bytes read
     shard_lookups: list[int]  # per master shard: prompts routed to it
     shard_bytes_written: list[int]  # per master shard: bytes its chains wrote
+    hints: dict[str, int] = field(default_factory=dict)  # sim.HintTally: pins, pins_refused, sessions...
+    pinned_bytes: int = 0  # index bytes still pinned at the end (in capacity units)
 
     def shards(self) -> dict[str, Any]:
         """Per-shard load and its spread (coefficient of variation = population stdev / mean; 0 = even)."""
@@ -114,6 +116,9 @@ class SimResult:
             "bytes_held": self.bytes_held,
             "capacity_bytes": self.capacity_bytes,
             "duration_s": self.duration_s,
+            "pins": self.hints.get("pins", 0),
+            "pins_refused": self.hints.get("pins_refused", 0),
+            "hints": {**self.hints, "pinned_bytes_at_end": self.pinned_bytes},
             "config": {
                 "spec": c.spec.name,
                 "policy": c.policy,
@@ -125,6 +130,7 @@ class SimResult:
                 "high_watermark": c.high_watermark,
                 "ssd_capacity": c.ssd_capacity,
                 "low_watermark": c.low_watermark,
+                "hints": c.hints,
             },
             "workloads": {
                 w: {**s.to_dict(), **ttft["workloads"].get(w, {})}

@@ -98,10 +98,12 @@ def capacity_sweep(
     block_size: int | None = None,
     progress: ProgressFactory | None = None,
     points: PointProgress | None = None,
+    hints: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per (policy, capacity); ``reference`` and ``bound`` run the offline schedules of
     ``kvpool.workloads.offline`` (real bytes), ``optimum`` the MLA-only MIN (unit blocks, checkpoints
-    free)."""
+    free). ``hints``: the online policies honour the requests' retention hints (the offline ones need
+    none: they know the future)."""
     check_policies(policies)
     bs = effective_block_size(requests, spec, block_size)
     full_block_bytes = spec.mla_bytes_per_token * bs
@@ -113,7 +115,7 @@ def capacity_sweep(
             cap_bytes = cap * full_block_bytes if unit == "blocks" else cap
             if points is not None:
                 points.begin()
-            rows.append(_point(requests, spec, policy, checkpoints, cap, unit, cap_bytes, bs, prog))
+            rows.append(_point(requests, spec, policy, checkpoints, cap, unit, cap_bytes, bs, prog, hints))
             if points is not None:
                 ck_label = "" if policy in (*OFFLINE_POLICIES, "optimum") else f" ({checkpoints.label})"
                 points.finished(f"{policy}{ck_label}", cap_bytes)
@@ -130,6 +132,7 @@ def _point(
     cap_bytes: int,
     bs: int,
     prog: Callable[[int, int], None] | None,
+    hints: bool = True,
 ) -> dict[str, Any]:
     """One sweep row: an offline schedule, the MLA-only optimum, or a simulation."""
     if policy in OFFLINE_POLICIES:
@@ -142,7 +145,7 @@ def _point(
         d["duration_s"] = _duration(requests)
         return _row(spec, "optimum", "n/a", cap, unit, cap_bytes, d)
     cfg = SimConfig(spec=spec, policy=policy, capacity=cap, capacity_unit=unit, block_size=bs,
-                    checkpoints=checkpoints)  # fmt: skip
+                    checkpoints=checkpoints, hints=hints)  # fmt: skip
     d = simulate(requests, cfg, prog).to_dict()
     return _row(spec, policy, checkpoints.label if spec.hybrid else "n/a", cap, unit, cap_bytes, d)
 

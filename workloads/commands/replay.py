@@ -129,6 +129,9 @@ def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int 
         ssd_capacity=parse_size(args.ssd_bytes) if args.ssd_bytes else 0,
         ttft=ttft_model(args),
         shards=_shards(args),
+        hints=args.hints,
+        pin_share=args.pin_share,
+        supersede=args.supersede,
     )
 
 
@@ -209,6 +212,10 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
             raise ReplayError(
                 "a sweep needs capacities: --capacity-blocks or --capacity-bytes (a list or 'auto')"
             )
+        if args.pin_share != 0.5 or args.supersede or (args.checkpoint_sweep is not None and not args.hints):
+            raise ReplayError(
+                "--pin-share, --supersede (and --no-hints with --checkpoint-sweep) apply to one simulation"
+            )
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         if args.checkpoint_sweep is not None:
@@ -218,7 +225,7 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
             group, name = "checkpoints", "checkpoint_sweep"
         else:
             points = PointProgress(len(policies) * len(caps), args.progress is not False)
-            rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress, points)
+            rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress, points, args.hints)
             group, name = "policy", "policy_sweep"
         write_csv(rows, out_dir / f"{name}.csv")
         metric = "token_hit_rate"
@@ -318,6 +325,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_DEPTH,
         help=f"blocks of a chain that choose its shard (default {DEFAULT_DEPTH})",
+    )
+    r.add_argument(
+        "--hints",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="honour the trace's client retention hints: pin retained chains within the pin budget, "
+        "release a session's pins at its end (default on; --no-hints ignores them, as a deployment that "
+        "disables hints)",
+    )
+    r.add_argument(
+        "--pin-share",
+        type=float,
+        default=0.5,
+        help="pinned bytes stay within this share of the DRAM capacity; a pin past it is refused and "
+        "counted (default 0.5)",
+    )
+    r.add_argument(
+        "--supersede",
+        action="store_true",
+        help="a session's new retention pin releases its previous chain (what a store could do; the "
+        "serving path keeps each turn's pin until its TTL or the session's end)",
     )
     add_tier_flags(r, with_compute=True)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

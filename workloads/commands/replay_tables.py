@@ -45,6 +45,12 @@ def print_sim_table(d: dict[str, Any]) -> None:
             f"p50 {d['ttft_nocache_ms_p50']:.1f} p90 {d['ttft_nocache_ms_p90']:.1f} "
             f"mean {d['ttft_nocache_ms_mean']:.1f}"
         )
+    hints = d.get("hints") or {}
+    if hints.get("pins") or hints.get("sessions_ended"):
+        print(
+            f"client hints: {hints['pins']} pins ({hints['pins_refused']} refused by the pin budget), "
+            f"{hints['sessions_ended']} sessions ended, {hints['objects_released']} objects released"
+        )
     shards = d.get("shards")
     if shards and shards["count"] > 1:
         print(
