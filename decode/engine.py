@@ -30,7 +30,7 @@ from kvpool.worker.handoff import Handoff
 from kvpool.worker.model_runner import ModelRunner
 from kvpool.worker.sampling import OutputText, sample
 from kvpool.worker.store_io import DEFAULT_TIMEOUT_S, CacheStore, DeferredCalls, PushStats
-from kvpool.worker.store_push import block_items, checkpoint_items, push_groups
+from kvpool.worker.store_push import block_items, checkpoint_items, push_groups, retain_prefixes
 
 
 @dataclass
@@ -188,3 +188,9 @@ class DecodeEngine:
         push.add(ck)
         push.seconds = ck.seconds  # one batch: its wall time once
         result.push = push
+        if handoff.retain_ms and result.checkpoint_pushed:
+            # the client asked to keep this conversation: its next turn resumes after this answer
+            k = result.checkpoint_pushed // B
+            await retain_prefixes(
+                self.store, hashes, [(k, handoff.retain_ms)], [k], handoff.session, B, self.timeout_s, route
+            )

@@ -20,6 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from kvpool.gateway.chat_template import render_chat
 from kvpool.gateway.errors import (
+    BackendUnavailable,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
@@ -33,6 +34,7 @@ from kvpool.gateway.openapi_doc import PROMETHEUS_TEXT, document
 from kvpool.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from kvpool.gateway.settings import GatewaySettings
 from kvpool.gateway.tenants import bound_salt, key_tenant
+from kvpool.kvstore.errors import StoreError
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -127,16 +129,31 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gw.check_model(body)
-        req = gw.gen_request(body, gw.completion_prompt(body), request, "completions", body.max_tokens)
+        hints = gw.hints.from_body(body)
+        req = gw.gen_request(body, gw.completion_prompt(body), request, "completions", body.max_tokens, hints)
         return await gw.run(req, body, Formatter(False, settings.model_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gw.check_model(body)
         salt = bound_salt(key_tenant(request), body.cache_salt)
-        prompt = render_chat(gw.info.codec, body.messages, salt, gw.memo)
-        req = gw.gen_request(body, prompt, request, "chat", body.output_limit())
+        ends: list[int] = []
+        prompt = render_chat(gw.info.codec, body.messages, salt, gw.memo, ends)
+        hints = gw.hints.from_body(body, body.messages, ends)
+        req = gw.gen_request(body, prompt, request, "chat", body.output_limit(), hints)
         return await gw.run(req, body, Formatter(True, settings.model_id))
+
+    @app.delete("/v1/prompt_cache/{key:path}")
+    async def end_prompt_cache_session(key: str, request: Request) -> dict:
+        """The client's session is over: release every chain retained under ``prompt_cache_key`` = key
+        (for the tenant of the API key, or of ``?cache_salt=``). An extension of the OpenAI API."""
+        gw.hints.check_key(key)
+        salt = bound_salt(key_tenant(request), request.query_params.get("cache_salt"))
+        try:
+            released = await gw.probe.end_session(salt, key)
+        except StoreError as exc:
+            raise BackendUnavailable(f"the store could not release the session: {exc}") from None
+        return {"id": key, "object": "prompt_cache.deleted", "deleted": True, "released_objects": released}
 
     @app.get("/health")
     async def health() -> JSONResponse:

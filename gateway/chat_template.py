@@ -97,9 +97,14 @@ class AnswerMemo:
 
 
 def render_chat(
-    codec: TextCodec, messages: Sequence[ChatMessage], tenant: str, memo: AnswerMemo | None = None
+    codec: TextCodec,
+    messages: Sequence[ChatMessage],
+    tenant: str,
+    memo: AnswerMemo | None = None,
+    ends: list[int] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` under the template, ending with the generation tag."""
+    """Token ids of ``messages`` under the template, ending with the generation tag. ``ends``, when
+    given, receives each message's end position in tokens (where a ``cache_control`` breakpoint falls)."""
     ids: list[int] = [codec.bos_id] if codec.bos_id is not None else []
     after_generation_tag = False
     for i, m in enumerate(messages):
@@ -110,6 +115,8 @@ def render_chat(
             ids += codec.encode(END_TAG, bos=False)
         else:
             ids += codec.encode(ROLE_TAG.format(role=m.role) + text + END_TAG, bos=False)
+        if ends is not None:
+            ends.append(len(ids))
         after_generation_tag = False
         if i + 1 < len(messages) and messages[i + 1].role == "assistant":
             ids += codec.encode(GENERATION_TAG, bos=False)

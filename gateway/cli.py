@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 
+from kvpool.gateway.cache_hints import parse_tiers
 from kvpool.gateway.router import POLICIES
 from kvpool.gateway.settings import GatewaySettings
 from kvpool.kvstore.shards import add_depth_flag
@@ -85,6 +86,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.request_timeout_s,
         help="seconds a request may take end to end (504 after)",
     )
+    p.add_argument(
+        "--cache-hints",
+        action=argparse.BooleanOptionalAction,
+        default=d.cache_hints,
+        help="accept the clients' cache hints (prompt_cache_key, prompt_cache_retention, cache_control); "
+        "off: a request carrying one gets a 400",
+    )
+    p.add_argument(
+        "--retention-tiers",
+        type=parse_tiers,
+        default=d.retention_tiers,
+        help="retention tiers offered, e.g. 5m,1h,24h (default 5m,1h): a hint for another is a 400; "
+        "prompt_cache_retention=in_memory is the shortest",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
@@ -121,6 +136,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_body_bytes=args.max_body_bytes,
         max_concurrent=args.max_concurrent,
         request_timeout_s=args.request_timeout,
+        cache_hints=args.cache_hints,
+        retention_tiers=args.retention_tiers,
     )
 
 

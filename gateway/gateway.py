@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kvpool.gateway.cache_hints import CacheHints, HintRules
 from kvpool.gateway.chat_template import AnswerMemo
 from kvpool.gateway.errors import GatewayError, InvalidRequest, ModelNotFound, Overloaded, PromptTooLong
 from kvpool.gateway.metrics import GatewayMetrics, tenant_label
@@ -50,6 +51,7 @@ class Gateway:
         )
         self.router = Router(self.pool, self.probe, settings.routing, settings.ttft_slo_s)
         self.dispatcher = Dispatcher(self.router, self.metrics, settings.request_timeout_s)
+        self.hints = HintRules(settings.cache_hints, settings.retention_tiers)
         self._stats_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -102,7 +104,13 @@ class Gateway:
         )
 
     def gen_request(
-        self, body: _Sampling, prompt: list[int], request: Request, endpoint: str, max_tokens: int | None
+        self,
+        body: _Sampling,
+        prompt: list[int],
+        request: Request,
+        endpoint: str,
+        max_tokens: int | None,
+        hints: CacheHints,
     ) -> GenRequest:
         if not prompt:
             raise InvalidRequest("prompt is empty", param="prompt")
@@ -127,7 +135,7 @@ class Gateway:
         bound = key_tenant(request)
         tenant = bound or meta.get("tenant") or tenant_label(body.cache_salt)
         wl, tn = self.metrics.labels(workload, tenant)
-        return GenRequest(prompt, sampling, bound_salt(bound, body.cache_salt), wl, tn, endpoint)
+        return GenRequest(prompt, sampling, bound_salt(bound, body.cache_salt), wl, tn, endpoint, hints=hints)
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         p = body.prompt

@@ -134,6 +134,18 @@ class GatewayMetrics:
         self.transfer_bytes = Counter(
             "kvpool_transfer_bytes", "store bytes moved by prefill", ("direction",), registry=r
         )
+        self.retention = Counter(
+            "kvpool_retention_requests",
+            "requests with a retention hint, by tier and outcome (refused: over the store's pin budget)",
+            ("tier", "outcome"),
+            registry=r,
+        )
+        self.retained_tokens = Counter(
+            "kvpool_retained_tokens",
+            "prompt tokens pinned for the clients' retention hints",
+            ("tier",),
+            registry=r,
+        )
         self.transfer_failures = Counter(
             "kvpool_transfer_failures",
             "requests whose cache fetch fell back or whose store was unreachable",

@@ -20,6 +20,7 @@ A failed lookup degrades to "nothing cached" (routing by queue alone); it never 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
@@ -143,6 +144,15 @@ class PrefixProbe:
             return await self.link.stats(master_pb2.StatsRequest())
         except StoreError:
             return None
+
+    async def end_session(self, tenant: str, session: str) -> int:
+        """Release every pin a client's session holds, on every master shard (its chains route anywhere);
+        ``StoreError`` when a shard cannot be told (the pins then expire by their TTL)."""
+        if not self.links:
+            raise StoreError("this gateway has no master (--master): there is no cache to release")
+        request = master_pb2.PinRequest(session=session, end_session=True, tenant=tenant)
+        replies = await asyncio.gather(*(link.pin(request) for link in self.links))
+        return sum(r.pinned for r in replies)
 
     async def close(self) -> None:
         for link in self.links:

@@ -69,6 +69,15 @@ class _Sampling(BaseModel):
         default=None, description="'workload' labels the request in metrics (like the X-Workload header)"
     )
     ignore_eos: bool = False
+    # cache hints (gateway/cache_hints.py checks them against the deployment: a 400 names what it offers)
+    prompt_cache_key: str | None = Field(
+        default=None, description="session key: groups a conversation's retained chains (OpenAI's field)"
+    )
+    prompt_cache_retention: str | None = Field(
+        default=None,
+        description="keep the prompt and its answer: 'in_memory' (the shortest tier) or a tier such as "
+        "'1h' / '24h' (OpenAI's field; the tiers are the deployment's --retention-tiers)",
+    )
 
 
 class CompletionRequest(_Sampling):

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from kvpool.gateway.cache_hints import CacheHints
 from kvpool.gateway.errors import BackendTimeout, BackendUnavailable, GatewayError, InvalidRequest, Overloaded
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.router import Lookup, Plan, Router
@@ -38,6 +39,7 @@ class GenRequest:
     tenant: str = "none"
     endpoint: str = "completions"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    hints: CacheHints = field(default_factory=CacheHints)  # the client's retention hints, checked
 
 
 @dataclass
@@ -157,6 +159,12 @@ class Generation:
             "ttft_s": round(self.t_first - self.t0, 6),
             "cache_error": p.cache_error or None,
         }
+        if self.req.hints.retain:
+            u.extra["retention"] = {
+                "tier": self.req.hints.tier,
+                "retained_tokens": p.retained_tokens,
+                "refused": p.retention_refused,
+            }
         self.svc.record(self, time.monotonic())
 
     def close(self) -> None:
@@ -196,7 +204,14 @@ class Dispatcher:
             plan, look = await self.router.plan(req.prompt_ids, req.salt, req.sampling.max_tokens, excluded)
             w = plan.prefill
             rid = req.request_id if attempt == 0 else f"{req.request_id}-r{attempt}"
-            request = PrefillRequest(rid, req.prompt_ids, req.salt, req.sampling)
+            request = PrefillRequest(
+                rid,
+                req.prompt_ids,
+                req.salt,
+                req.sampling,
+                session=req.hints.session,
+                retain=req.hints.retain,
+            )
             w.inflight += 1
             w.queued_tokens += plan.dispatched_tokens
             try:
@@ -237,3 +252,6 @@ class Dispatcher:
             m.transfer_failures.labels("fetch_fallback").inc()
         if p.cache_error:
             m.transfer_failures.labels("store_unreachable").inc()
+        if g.req.hints.retain:
+            m.retention.labels(g.req.hints.tier, "refused" if p.retention_refused else "retained").inc()
+            m.retained_tokens.labels(g.req.hints.tier).inc(p.retained_tokens)

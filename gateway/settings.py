@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpool.gateway.cache_hints import DEFAULT_TIERS
 from kvpool.kvstore.shards import DEFAULT_DEPTH
 
 
@@ -28,6 +29,8 @@ class GatewaySettings:
     request_timeout_s: float = 60.0
     stats_interval_s: float = 2.0
     answer_memo: int = 4096
+    cache_hints: bool = True  # accept prompt_cache_key / prompt_cache_retention / cache_control
+    retention_tiers: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_TIERS))  # name -> ttl_ms
 
     @property
     def model_id(self) -> str:

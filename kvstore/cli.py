@@ -149,6 +149,13 @@ def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
         default=d.max_objects,
         help="object cap of the index (0 = none): eviction keeps the count under it, bounding memory",
     )
+    p.add_argument(
+        "--pin-share",
+        type=float,
+        default=d.pin_share,
+        help="soft pins (operators' and clients' retention hints) may hold at most this share of the DRAM "
+        "capacity and of each tenant's quota; a pin past it pins nothing and is counted (default 0.5)",
+    )
     sh = p.add_argument_group("master shards (docs/design/sharding.md)")
     sh.add_argument("--shards", type=int, default=1, help="how many master shards the fleet has (default 1)")
     sh.add_argument("--shard", type=int, default=0, help="the shard this master serves, 0..SHARDS-1")
@@ -265,6 +272,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
         sweep_ms=args.sweep_ms,
         state_path=args.state_file,
         max_objects=args.max_objects,
+        pin_share=args.pin_share,
         shards=ShardSet(args.shards, args.shard_depth),
         shard=args.shard,
     )

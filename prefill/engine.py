@@ -40,7 +40,14 @@ from kvpool.worker.store_io import (
     drop_bad,
     fetch_prefix,
 )
-from kvpool.worker.store_push import block_items, checkpoint_items, push_groups, tail_item
+from kvpool.worker.store_push import (
+    Retained,
+    block_items,
+    checkpoint_items,
+    push_groups,
+    retain_prefixes,
+    tail_item,
+)
 
 
 @dataclass
@@ -60,6 +67,7 @@ class PrefillOutcome:
     compute_s: float = 0.0
     total_s: float = 0.0
     state: DecodeState | None = None  # only with keep_state=True (colocated: hand over in process)
+    retained: Retained = field(default_factory=Retained)  # what the client's retention hints pinned
 
 
 class PrefillEngine:
@@ -133,6 +141,11 @@ class PrefillEngine:
             if use_store and self.schema.kda_layers  # a pure-MLA model resumes anywhere: no checkpoints
             else []
         )
+        if use_store and self.schema.kda_layers and request.retain:
+            # a cache_control breakpoint is where the client says it will come back: it gets a checkpoint
+            have = set(boundaries) | {c * B for c in (fetch.checkpoint_blocks if clean else ())}
+            marks = {s.upto_tokens // B * B for s in request.retain if s.upto_tokens}
+            boundaries = sorted(set(boundaries) | {m for m in marks if start < m <= L and m not in have})
         t_compute = time.perf_counter()
         result = await self.runner.prefill(prompt[start:], prefix, boundaries)
         compute_s = time.perf_counter() - t_compute
@@ -150,14 +163,23 @@ class PrefillEngine:
             tail_stored=False,
             cached_tokens=start,
             use_cache=request.use_cache,
+            session=request.session,
+            retain_ms=request.retain_whole_ms if use_store else 0,
         )
         push = PushStats()
+        retained = Retained()
         # A master that just failed the lookup would make every push wait out its deadline: skip them, and
         # decode recomputes (tail_stored stays False).
         if self.store is not None and fetch.error is None:
             push = await self._push(
                 request, hashes, result, boundaries, stored_run, use_store, not keep_state, handoff
             )
+            if use_store and request.retain:  # what the push stored (a failed tail does not matter here)
+                ckpts = [b // B for b in boundaries] + list(fetch.checkpoint_blocks if clean else ())
+                spans = [(s.upto_tokens // B if s.upto_tokens else L // B, s.ttl_ms) for s in request.retain]
+                retained = await retain_prefixes(
+                    self.store, hashes, spans, ckpts, request.session, B, self.timeout_s, route
+                )
         return PrefillOutcome(
             first_token=first,
             first_text=first_text,
@@ -174,6 +196,7 @@ class PrefillEngine:
             compute_s=compute_s,
             total_s=time.perf_counter() - t0,
             state=DecodeState.from_prefill(result) if keep_state else None,
+            retained=retained,
         )
 
     async def _fetch(

@@ -73,6 +73,8 @@ def outcome_to_reply(o: PrefillOutcome, return_logits: bool = False) -> prefill_
         fetch_s=o.fetch.seconds,
         compute_s=o.compute_s,
         push_s=o.push.seconds,
+        retained_tokens=o.retained.tokens,
+        retention_refused=o.retained.refused,
     )
     logits = b""
     if return_logits:

@@ -267,18 +267,26 @@ class RemoveReply(_message.Message):
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("keys", "ttl_ms")
+    __slots__ = ("keys", "ttl_ms", "session", "end_session", "tenant")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    END_SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_ms: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    session: str
+    end_session: bool
+    tenant: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_ms: _Optional[int] = ..., session: _Optional[str] = ..., end_session: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PinReply(_message.Message):
-    __slots__ = ("pinned",)
+    __slots__ = ("pinned", "refused")
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     pinned: int
-    def __init__(self, pinned: _Optional[int] = ...) -> None: ...
+    refused: bool
+    def __init__(self, pinned: _Optional[int] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class SetQuotaRequest(_message.Message):
     __slots__ = ("tenant", "max_bytes")
@@ -297,7 +305,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired", "admission_rate", "rss_bytes", "index_slots", "max_objects")
+    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired", "admission_rate", "rss_bytes", "index_slots", "max_objects", "pinned_bytes", "pins_refused")
     class BytesPerTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +345,8 @@ class StatsReply(_message.Message):
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     INDEX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     objects: int
     bytes: int
     capacity_bytes: int
@@ -355,4 +365,6 @@ class StatsReply(_message.Message):
     rss_bytes: int
     index_slots: int
     max_objects: int
-    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ..., admission_rate: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., index_slots: _Optional[int] = ..., max_objects: _Optional[int] = ...) -> None: ...
+    pinned_bytes: int
+    pins_refused: int
+    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ..., admission_rate: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., index_slots: _Optional[int] = ..., max_objects: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pins_refused: _Optional[int] = ...) -> None: ...

@@ -25,23 +25,35 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "tenant", "sampling", "no_cache", "return_logits")
+    __slots__ = ("request_id", "prompt_ids", "tenant", "sampling", "no_cache", "return_logits", "session", "retain")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
     sampling: SamplingParams
     no_cache: bool
     return_logits: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., no_cache: _Optional[bool] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    session: str
+    retain: _containers.RepeatedCompositeFieldContainer[RetainSpan]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., no_cache: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., session: _Optional[str] = ..., retain: _Optional[_Iterable[_Union[RetainSpan, _Mapping]]] = ...) -> None: ...
+
+class RetainSpan(_message.Message):
+    __slots__ = ("upto_tokens", "ttl_ms")
+    UPTO_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    upto_tokens: int
+    ttl_ms: int
+    def __init__(self, upto_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "tenant", "first_token", "sampling", "block_hashes", "tail_key", "tail_stored", "cached_tokens", "no_cache")
+    __slots__ = ("request_id", "prompt_ids", "tenant", "first_token", "sampling", "block_hashes", "tail_key", "tail_stored", "cached_tokens", "no_cache", "session", "retain_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +64,8 @@ class Handoff(_message.Message):
     TAIL_STORED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
@@ -62,10 +76,12 @@ class Handoff(_message.Message):
     tail_stored: bool
     cached_tokens: int
     no_cache: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., tail_stored: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ...) -> None: ...
+    session: str
+    retain_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., tail_stored: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., session: _Optional[str] = ..., retain_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillUsage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "lost_to_checkpoint_tokens", "recomputed_tokens", "bytes_fetched", "bytes_pushed", "checkpoints_pushed", "ttft_s", "total_s", "cache_error", "fetch_s", "compute_s", "push_s")
+    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "lost_to_checkpoint_tokens", "recomputed_tokens", "bytes_fetched", "bytes_pushed", "checkpoints_pushed", "ttft_s", "total_s", "cache_error", "fetch_s", "compute_s", "push_s", "retained_tokens", "retention_refused")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +96,8 @@ class PrefillUsage(_message.Message):
     FETCH_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_REFUSED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
@@ -94,7 +112,9 @@ class PrefillUsage(_message.Message):
     fetch_s: float
     compute_s: float
     push_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., lost_to_checkpoint_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., checkpoints_pushed: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., cache_error: _Optional[str] = ..., fetch_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., push_s: _Optional[float] = ...) -> None: ...
+    retained_tokens: int
+    retention_refused: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., lost_to_checkpoint_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., checkpoints_pushed: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., cache_error: _Optional[str] = ..., fetch_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., push_s: _Optional[float] = ..., retained_tokens: _Optional[int] = ..., retention_refused: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("handoff", "first_token", "usage", "first_logits", "first_text")

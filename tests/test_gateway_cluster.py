@@ -18,6 +18,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvpool.kvstore.protocol import master_wire
+from kvpool.proto import master_pb2
+from kvpool.runtime import cluster_auth
 
 from tests.harness.clusters import start_up
 
@@ -346,6 +349,62 @@ def test_metrics_by_workload_and_tenant(up: UpProcess, client: openai.OpenAI) ->
     assert any(k.startswith("kvpool_router_predicted_hit_tokens_total") for k in samples)
     assert any(k.startswith("kvpool_store_bytes{") and v > 0 for k, v in samples.items())
     assert samples.get("kvpool_store_up") == 1.0
+
+
+def test_cache_hints_pin_the_chain_refuse_over_budget_and_an_ended_session_releases(
+    up: UpProcess, client: openai.OpenAI
+) -> None:
+    """A chat turn with ``prompt_cache_key``, ``prompt_cache_retention`` and a ``cache_control`` breakpoint
+    pins its chain in the store (the master's pinned bytes grow, the usage says how many prompt tokens);
+    ``DELETE /v1/prompt_cache/{key}`` releases them; a tenant whose quota cannot hold the pin is refused
+    politely (200, ``refused``, counted) and still served."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    system = "You answer questions about retention hints, briefly and exactly. " * 6  # ~190 tokens
+    messages = [
+        {"role": "system", "content": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+        {"role": "user", "content": "What does a pin keep?"},
+    ]
+    hints = {"prompt_cache_key": "conv-hints", "prompt_cache_retention": "in_memory"}
+    master = up.service("master")["address"]
+    previous = cluster_auth.secret()
+    cluster_auth.configure(cluster_auth.read_secret_file(up.state["secret_file"]))  # the run's secret
+
+    def stats() -> master_pb2.StatsReply:
+        return master_wire.call_blocking(master, "Stats", master_pb2.StatsRequest(), 5.0)
+
+    try:
+        before = stats().pinned_bytes
+        r = chat(client, messages, max_tokens=2, extra_body={"cache_salt": "hints-a", **hints})
+        retention = r.model_extra["kvpool"]["retention"]
+        assert retention["tier"] == "1h" and not retention["refused"]
+        assert retention["retained_tokens"] == r.usage.prompt_tokens // 64 * 64, retention  # the whole prompt
+        st = stats()
+        assert st.pinned_bytes > before
+        held = st.bytes_per_tenant["hints-a"]
+        gone = httpx.delete(
+            up.url + "/v1/prompt_cache/conv-hints", params={"cache_salt": "hints-a"}, headers=auth
+        )
+        assert gone.status_code == 200 and gone.json()["released_objects"] > 0, gone.text
+        assert stats().pinned_bytes == before
+        # another tenant, quota 3x what one such turn holds: its first conversation is retained (pins take at
+        # most half the quota), the second one's pin would pass that half: refused, and served anyway
+        quota = master_pb2.SetQuotaRequest(tenant="hints-b", max_bytes=held * 3)
+        master_wire.call_blocking(master, "SetQuota", quota, 5.0)
+        for n, refused in ((1, False), (2, True)):
+            turn = [{**messages[0], "content": f"Conversation {n}. " + system}, messages[1]]
+            extra = {"cache_salt": "hints-b", **hints, "prompt_cache_key": f"conv-b{n}"}
+            r = chat(client, turn, max_tokens=2, extra_body=extra)
+            retention = r.model_extra["kvpool"]["retention"]
+            assert retention["refused"] is refused and r.choices[0].message.content is not None, retention
+        assert stats().counters["pins_refused"] >= 1
+    finally:
+        cluster_auth.configure(previous)
+    bad = _raw(
+        up, "/v1/chat/completions", {"model": MODEL, "messages": messages, "prompt_cache_retention": "7d"}
+    )
+    assert bad.status_code == 400 and "allowed values: in_memory, 5m, 1h" in bad.json()["error"]["message"]
+    metrics = httpx.get(up.url + "/metrics", timeout=5).text
+    assert 'kvpool_retention_requests_total{outcome="refused",tier="1h"}' in metrics
 
 
 def _schemathesis(up: UpProcess, phases: str, examples: int) -> str:

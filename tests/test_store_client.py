@@ -158,7 +158,7 @@ def test_match_prefix_fetch_and_release(client):
 def test_remove_and_pin(client):
     key = rkey()
     client.put(key, b"abc")
-    assert client.pin([key], 10_000) == 1
+    assert client.pin([key], 10_000).pinned == 1
     assert client.remove(key) == 1
     assert not client.exists(key)
     with pytest.raises(ObjectNotFoundError):

@@ -185,7 +185,7 @@ def test_eviction_under_pressure_keeps_prefix_rule_and_pins(tmp_path):
             block = 256 << 10
             system = _chain(b"system", 4)
             blobs = _put_chain(c, system, block)
-            assert c.pin([mla_key(h) for h in system], 60_000) == 4
+            assert c.pin([mla_key(h) for h in system], 60_000).pinned == 4
             chains = [_chain(b"user%d" % i, 6) for i in range(16)]
             for hashes in chains:
                 blobs |= _put_chain(c, hashes, block)

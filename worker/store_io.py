@@ -32,7 +32,7 @@ from kvpool.cache.units import (
     decode_mla_block,
     decode_tail,
 )
-from kvpool.kvstore.client.async_client import LocatedPrefix, PutItem
+from kvpool.kvstore.client.async_client import LocatedPrefix, PinResult, PutItem
 from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
 from kvpool.model.cache_schema import CacheSchema
@@ -87,6 +87,12 @@ class CacheStore(Protocol):
 
     async def remove(self, keys: Sequence[bytes], route: bytes | None = None) -> int:
         """Remove objects (used to drop a unit found corrupt so a good copy can be written)."""
+        ...
+
+    async def pin(
+        self, keys: Sequence[bytes], ttl_ms: int, route: bytes | None = None, session: str = ""
+    ) -> PinResult:
+        """Soft-pin objects for a client's retention hint; over the store's pin budget nothing is pinned."""
         ...
 
 

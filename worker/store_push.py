@@ -123,3 +123,46 @@ async def push_groups(
         st.seconds = seconds
         at += len(group)
     return stats
+
+
+@dataclasses.dataclass
+class Retained:
+    """What a request's retention hints pinned: prompt tokens kept, and whether the store's pin budget
+    refused one (the request is served either way)."""
+
+    tokens: int = 0
+    refused: bool = False
+
+
+async def retain_prefixes(
+    store: CacheStore,
+    hashes: Sequence[bytes],
+    spans: Sequence[tuple[int, int]],
+    checkpoint_blocks: Sequence[int],
+    session: str,
+    block_size: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    route: bytes = b"",
+) -> Retained:
+    """Pin, for each ``(upto_blocks, ttl_ms)`` span, the chain up to the deepest checkpoint at or before
+    ``upto_blocks`` (its MLA blocks and that checkpoint: a prefix without its checkpoint is no hit for a
+    hybrid model, and a checkpoint without its blocks is useless), under the client's ``session``.
+    ``checkpoint_blocks``: block counts that have a checkpoint in the store now. A store problem or a refusal
+    only means less is retained: nothing here raises."""
+    out = Retained()
+    have = sorted(set(checkpoint_blocks))
+    for upto, ttl_ms in spans:
+        k = max((c for c in have if c <= upto), default=0)
+        if not k or not ttl_ms:
+            continue
+        keys = [mla_key(h) for h in hashes[:k]] + [kda_key(hashes[k - 1])]
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await store.pin(keys, ttl_ms, route, session)
+        except Exception:
+            continue  # the store is late or away: the hint is lost, the request is not
+        if result.refused:
+            out.refused = True
+        elif result.pinned == len(keys):
+            out.tokens = max(out.tokens, k * block_size)
+    return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from kvpool.proto import prefill_pb2
-from kvpool.worker.handoff import Handoff, PrefillRequest
+from kvpool.worker.handoff import Handoff, PrefillRequest, RetainSpan
 from kvpool.worker.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
@@ -46,6 +46,8 @@ def request_to_pb(r: PrefillRequest, return_logits: bool = False) -> prefill_pb2
         sampling=sampling_to_pb(r.sampling),
         no_cache=not r.use_cache,
         return_logits=return_logits,
+        session=r.session,
+        retain=[prefill_pb2.RetainSpan(upto_tokens=s.upto_tokens, ttl_ms=s.ttl_ms) for s in r.retain],
     )
 
 
@@ -56,6 +58,8 @@ def request_from_pb(m: prefill_pb2.PrefillRequest) -> PrefillRequest:
         tenant=m.tenant,
         sampling=sampling_from_pb(m.sampling),
         use_cache=not m.no_cache,
+        session=m.session,
+        retain=tuple(RetainSpan(int(s.upto_tokens), int(s.ttl_ms)) for s in m.retain),
     )
 
 
@@ -71,6 +75,8 @@ def handoff_to_pb(h: Handoff) -> prefill_pb2.Handoff:
         tail_stored=h.tail_stored,
         cached_tokens=h.cached_tokens,
         no_cache=not h.use_cache,
+        session=h.session,
+        retain_ms=h.retain_ms,
     )
 
 
@@ -86,6 +92,8 @@ def handoff_from_pb(m: prefill_pb2.Handoff) -> Handoff:
         tail_stored=bool(m.tail_stored),
         cached_tokens=int(m.cached_tokens),
         use_cache=not m.no_cache,
+        session=m.session,
+        retain_ms=int(m.retain_ms),
     )
 
 

@@ -92,6 +92,15 @@ class PutItem:
 
 
 @dataclass(frozen=True, slots=True)
+class PinResult:
+    """``pin``'s answer: objects found and pinned (or unpinned), and whether the store's pin budget
+    refused the pin (then nothing was pinned)."""
+
+    pinned: int
+    refused: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class LocatedPrefix:
     """``match_prefix``'s answer with its usable objects located: the master's column-wise reply
     (``MatchPrefixReply``) turned into one ``ObjectLocation`` per object, keyed by the caller's hashes, which
@@ -730,19 +739,34 @@ class AsyncStoreClient:
         )
         return sum(r.removed for r in replies)
 
-    async def pin(self, keys: Sequence[bytes], ttl_ms: int, route: bytes | None = None) -> int:
-        """Soft-pin ``keys`` for ``ttl_ms`` (0 removes the pin); returns how many were pinned. ``route``:
-        the keys' chain (master shards; default each key by itself)."""
+    async def pin(
+        self, keys: Sequence[bytes], ttl_ms: int, route: bytes | None = None, session: str = ""
+    ) -> PinResult:
+        """Soft-pin ``keys`` for ``ttl_ms`` on behalf of ``session`` (0 removes that pin). ``route``: the
+        keys' chain (master shards; default each key by itself). Over the store's pin budget nothing is
+        pinned and ``refused`` says so: a pin is a hint, never an error."""
         keys = list(keys)
         groups = self._by_shard(keys, route)
         replies = await self._timed(
             "pin",
             asyncio.gather(
                 *(
-                    self.link(shard).pin(master_pb2.PinRequest(keys=[keys[i] for i in idx], ttl_ms=ttl_ms))
+                    self.link(shard).pin(
+                        master_pb2.PinRequest(keys=[keys[i] for i in idx], ttl_ms=ttl_ms, session=session)
+                    )
                     for shard, idx in groups.items()
                 )
             ),
+        )
+        return PinResult(sum(r.pinned for r in replies), any(r.refused for r in replies))
+
+    async def end_session(self, tenant: str, session: str) -> int:
+        """Release every pin ``session`` of ``tenant`` holds, on every master shard (a session's chains
+        route anywhere); returns how many objects it released."""
+        request = master_pb2.PinRequest(session=session, end_session=True, tenant=tenant)
+        replies = await self._timed(
+            "end_session",
+            asyncio.gather(*(self.link(shard).pin(request) for shard in range(self.shards.count))),
         )
         return sum(r.pinned for r in replies)
 

@@ -15,7 +15,13 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient, LocatedPrefix, PutItem
+from kvpool.kvstore.client.async_client import (
+    RPC_SHARE_OF_BUDGET,
+    AsyncStoreClient,
+    LocatedPrefix,
+    PinResult,
+    PutItem,
+)
 from kvpool.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
@@ -156,8 +162,13 @@ class StoreClient:
     def remove(self, keys: bytes | Sequence[bytes], route: bytes | None = None) -> int:
         return self._call(self._async.remove(keys, route))
 
-    def pin(self, keys: Sequence[bytes], ttl_ms: int, route: bytes | None = None) -> int:
-        return self._call(self._async.pin(keys, ttl_ms, route))
+    def pin(
+        self, keys: Sequence[bytes], ttl_ms: int, route: bytes | None = None, session: str = ""
+    ) -> PinResult:
+        return self._call(self._async.pin(keys, ttl_ms, route, session))
+
+    def end_session(self, tenant: str, session: str) -> int:
+        return self._call(self._async.end_session(tenant, session))
 
     def stats(self, shard: int = 0) -> master_pb2.StatsReply:
         return self._call(self._async.stats(shard))

@@ -77,6 +77,7 @@ MAX_KEYS_PER_CALL = 100_000
 MAX_BLOCKS_PER_MATCH = 1 << 16  # 65,536 blocks x 512 tokens: far beyond any context
 MAX_TENANT_CHARS = 256
 MAX_PIN_MS = 24 * 3600 * 1000
+MAX_SESSION_CHARS = 256  # a client's prompt_cache_key (the gateway checks the same bound)
 # An inventory this large is a bulk load: the index is sized for it up front and the freed request memory
 # is returned to the OS afterwards (smaller ones grow the index as puts do; their garbage is noise).
 BULK_ADOPTION_OBJECTS = 4096
@@ -107,6 +108,7 @@ class MasterConfig:
     sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
     state_path: Path | None = None  # quotas and pins persisted here (JSON), None = not persisted
     max_objects: int = 0  # object cap of the index (0 = none): bounds the master's memory under churn
+    pin_share: float = 0.5  # pinned bytes <= this share of DRAM and of each tenant's quota
     shards: ShardSet = field(default_factory=ShardSet)  # the fleet's master shards (kvstore/shards.py)
     shard: int = 0  # the one this master serves
 
@@ -125,6 +127,8 @@ class MasterConfig:
             raise ValueError("sweep_ms must be at most half of node_timeout_ms")
         if self.max_objects < 0:
             raise ValueError("max_objects must be >= 0 (0 = no cap)")
+        if not 0.0 <= self.pin_share <= 1.0:
+            raise ValueError(f"pin_share must be in [0, 1], got {self.pin_share}")
         if not 0 <= self.shard < self.shards.count:
             raise ValueError(
                 f"shard {self.shard} is not one of {self.shards.describe()} (0..{self.shards.count - 1})"
@@ -190,6 +194,7 @@ class MasterCore:
             lease_ms=self.config.lease_ms,
             clock=clock,
             max_objects=self.config.max_objects,
+            pin_share=self.config.pin_share,
         )
         self.instance = secrets.token_hex(4)  # lease/put ids of an earlier master life never match
         self._nodes: dict[str, NodeRecord] = {}
@@ -598,13 +603,26 @@ class MasterCore:
         return master_pb2.RemoveReply(removed=removed)
 
     def pin(self, req: master_pb2.PinRequest) -> master_pb2.PinReply:
+        """Pin (or unpin) keys for a session, or end a session. Only operators' pins (no session) are
+        persisted: a client's retention is a hint, and a new master starts without it."""
+        if len(req.session) > MAX_SESSION_CHARS:
+            raise BadRequestError(f"session is {len(req.session)} characters, at most {MAX_SESSION_CHARS}")
+        if req.end_session:
+            _check_tenant(req.tenant)
+            released = self.index.end_session(req.tenant, req.session)
+            self.count("sessions_ended")
+            return master_pb2.PinReply(pinned=released)
         keys = _check_keys(req.keys)
         if req.ttl_ms > MAX_PIN_MS:
             raise BadRequestError(f"ttl_ms {req.ttl_ms} exceeds the maximum {MAX_PIN_MS}")
         found = [k for k in keys if k in self.index]
-        self.index.pin(found, req.ttl_ms)
-        self.state.set_pins(found, req.ttl_ms)
-        return master_pb2.PinReply(pinned=len(found))
+        pinned = self.index.pin(found, req.ttl_ms, req.session)
+        if found and req.ttl_ms and not pinned:
+            self.count("pins_refused")
+            return master_pb2.PinReply(refused=True)
+        if not req.session:
+            self.state.set_pins(found, req.ttl_ms)
+        return master_pb2.PinReply(pinned=pinned)
 
     def set_quota(self, req: master_pb2.SetQuotaRequest) -> master_pb2.SetQuotaReply:
         _check_tenant(req.tenant)
@@ -638,6 +656,8 @@ class MasterCore:
             rss_bytes=process_rss_bytes(),
             index_slots=self.index.allocated_slots,
             max_objects=self.config.max_objects,
+            pinned_bytes=st.pinned_bytes,
+            pins_refused=st.pins_refused,
         )
 
     def sweep(self) -> None:

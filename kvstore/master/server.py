@@ -33,12 +33,14 @@ _GAUGES = (
     ("rss_bytes", "resident memory of the master process"),
     ("index_slots", "object slots the index has allocated"),
     ("max_objects", "the index's object cap (0 = none)"),
+    ("pinned_bytes", "bytes held by soft pins (operators' and clients' retention)"),
 )
 _COUNTERS = (
     ("evictions", "objects dropped by pressure"),
     ("evicted_bytes", "bytes dropped by pressure"),
     ("demotions", "objects moved DRAM -> SSD"),
     ("expired", "objects dropped by TTL"),
+    ("pins_refused", "pins refused over the pin budget (--pin-share)"),
 )
 
 

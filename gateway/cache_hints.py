@@ -1,0 +1,143 @@
+"""The client's cache hints: what a request asks the store to keep, checked into a ``CacheHints``.
+
+Three fields, the ones clients already send to the big APIs (docs/design/gateway.md, cache hints):
+
+* ``prompt_cache_key`` (OpenAI): a session key. It groups a conversation's (or an agent run's) retained
+  chains, and ``DELETE /v1/prompt_cache/{key}`` releases them the moment the client says it is over;
+* ``prompt_cache_retention`` (OpenAI: ``in_memory`` | ``24h``): keep the whole prompt, and the answer decode
+  writes after it, for that long. ``in_memory`` is this deployment's shortest tier; a tier name (``5m``,
+  ``1h``, ``24h``) may be given directly;
+* ``cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`` (Anthropic) on a message or on a text part:
+  keep the prompt up to the end of that message (a breakpoint; at most four per request).
+
+Why refuse instead of clamping: a client that asks for a day and silently gets five minutes is billed for
+the wrong tier and plans wrong; a 400 naming the allowed values is what OpenAI and Anthropic answer too.
+The store may still refuse a valid hint (its pin budget, within the tenant's quota): that never fails the
+request, the usage says ``refused``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvpool.gateway.errors import InvalidRequest
+from kvpool.gateway.schemas import ChatMessage, _Sampling
+from kvpool.worker.handoff import RetainSpan
+
+MAX_KEY_CHARS = 256  # the master's bound on a session key (kvstore/master/core.py MAX_SESSION_CHARS)
+MAX_BREAKPOINTS = 4
+IN_MEMORY = "in_memory"
+DEFAULT_TTL = "5m"  # Anthropic's default when cache_control names no ttl
+DEFAULT_TIERS = {"5m": 300_000, "1h": 3_600_000}
+_DURATION = re.compile(r"^(\d+)([smh])$")
+_UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000}
+
+
+def parse_tiers(spec: str) -> dict[str, int]:
+    """``"5m,1h,24h"`` -> {name: ttl_ms}, the retention tiers a deployment offers. ``ValueError`` names a
+    bad part."""
+    tiers: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = _DURATION.match(part)
+        if m is None or int(m.group(1)) <= 0:
+            raise ValueError(f"bad retention tier {part!r}: use a duration such as 5m, 1h or 24h")
+        tiers[part] = int(m.group(1)) * _UNIT_MS[m.group(2)]
+    if not tiers:
+        raise ValueError("no retention tier given")
+    if max(tiers.values()) > 24 * 3_600_000:
+        raise ValueError("a retention tier longer than 24h is more than the store pins")
+    return tiers
+
+
+@dataclass(frozen=True)
+class CacheHints:
+    """A request's checked hints: the session, the spans to retain and the longest tier (for the bill)."""
+
+    session: str = ""
+    retain: tuple[RetainSpan, ...] = ()
+    tier: str | None = None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.session or self.retain)
+
+
+class HintRules:
+    """What this deployment accepts: whether hints are on, and its retention tiers (name -> ttl_ms)."""
+
+    def __init__(self, enabled: bool, tiers: dict[str, int]) -> None:
+        self.enabled = enabled
+        self.tiers = dict(sorted(tiers.items(), key=lambda kv: kv[1]))
+
+    def _tier(self, name: object, param: str, allowed: list[str]) -> str:
+        if not isinstance(name, str) or name not in allowed:
+            raise InvalidRequest(
+                f"{param} {name!r} is not offered by this deployment; allowed values: {', '.join(allowed)}",
+                param=param,
+            )
+        return next(iter(self.tiers)) if name == IN_MEMORY else name
+
+    def _disabled(self, param: str) -> InvalidRequest:
+        return InvalidRequest(f"{param}: cache hints are disabled on this deployment", param=param)
+
+    def check_key(self, key: str | None) -> str:
+        if key is None:
+            return ""
+        if not self.enabled:
+            raise self._disabled("prompt_cache_key")
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
+            raise InvalidRequest(
+                f"prompt_cache_key must be a string of 1 to {MAX_KEY_CHARS} characters",
+                param="prompt_cache_key",
+            )
+        return key
+
+    def from_body(
+        self, body: _Sampling, messages: list[ChatMessage] | None = None, ends: list[int] | None = None
+    ) -> CacheHints:
+        """The hints of a request body; ``messages`` and their end positions ``ends`` (tokens) for chat."""
+        session = self.check_key(body.prompt_cache_key)
+        spans: list[RetainSpan] = []
+        tiers: list[str] = []
+        retention = body.prompt_cache_retention
+        if retention is not None:
+            if not self.enabled:
+                raise self._disabled("prompt_cache_retention")
+            tier = self._tier(retention, "prompt_cache_retention", [IN_MEMORY, *self.tiers])
+            spans.append(RetainSpan(0, self.tiers[tier]))
+            tiers.append(tier)
+        for i, m in enumerate(messages or ()):
+            for where, control in _controls(m, i):
+                if not self.enabled:
+                    raise self._disabled(where)
+                tier = self._control_tier(control, where)
+                assert ends is not None
+                spans.append(RetainSpan(ends[i], self.tiers[tier]))
+                tiers.append(tier)
+        if sum(1 for s in spans if s.upto_tokens) > MAX_BREAKPOINTS:
+            raise InvalidRequest(
+                f"at most {MAX_BREAKPOINTS} cache_control breakpoints per request", param="messages"
+            )
+        longest = max(tiers, key=self.tiers.__getitem__) if tiers else None
+        return CacheHints(session, tuple(spans), longest)
+
+    def _control_tier(self, control: object, where: str) -> str:
+        if not isinstance(control, dict) or control.get("type") != "ephemeral":
+            raise InvalidRequest(f'{where} must be {{"type": "ephemeral", "ttl": ...}}', param=where)
+        unknown = set(control) - {"type", "ttl"}
+        if unknown:
+            raise InvalidRequest(f"{where} has unknown fields {sorted(unknown)}", param=where)
+        return self._tier(control.get("ttl", DEFAULT_TTL), f"{where}.ttl", list(self.tiers))
+
+
+def _controls(m: ChatMessage, i: int) -> list[tuple[str, object]]:
+    """``cache_control`` objects on message ``i`` and on its text parts, with where each was found."""
+    out: list[tuple[str, object]] = []
+    if m.model_extra and "cache_control" in m.model_extra:
+        out.append((f"messages[{i}].cache_control", m.model_extra["cache_control"]))
+    if isinstance(m.content, list):
+        for j, part in enumerate(m.content):
+            if part.model_extra and "cache_control" in part.model_extra:
+                out.append((f"messages[{i}].content[{j}].cache_control", part.model_extra["cache_control"]))
+    return out
