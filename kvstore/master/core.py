@@ -370,10 +370,7 @@ class MasterCore:
                 return Reply(status=Reply.EXISTS, node=self._endpoint(existing.node_id))
             # a reader found it corrupt: drop it and place the new copy elsewhere if any node can take it,
             # so the delete of the bad copy cannot race with the new bytes on the same node
-            self.index.remove(meta.key)
-            if self.events is not None:
-                self.events.removed(meta.key, existing.tier)
-            self._queue(existing.node_id, NodeAction.DELETE, meta.key)
+            self._forget(existing)
             replacing = existing.node_id
             self.count("puts_replacing_corrupt")
         tier = Tier.SSD if meta.tier == common_pb2.SSD else Tier.DRAM
@@ -594,10 +591,7 @@ class MasterCore:
             put_id = self._put_of_key.pop(key, None)
             if put_id is not None:
                 self._puts.pop(put_id, None)
-            self.index.remove(key)
-            if self.events is not None and info.committed:
-                self.events.removed(key, info.tier)
-            self._queue(info.node_id, NodeAction.DELETE, key)
+            self._forget(info)
             removed += 1
         self.count("removed", removed)
         return master_pb2.RemoveReply(removed=removed)
@@ -711,11 +705,17 @@ class MasterCore:
         for key in keys:
             info = self.index.get(key)
             if info is not None and info.node_id == node_id and info.tier == Tier.SSD:
-                self.index.remove(key, reason="demote_failed")
-                if self.events is not None:
-                    self.events.removed(key, Tier.SSD)
-                self._queue(node_id, NodeAction.DELETE, key)
+                self._forget(info, reason="demote_failed")
                 self.count("demotions_failed")
+
+    def _forget(self, info: ObjectInfo, reason: str = "removed") -> None:
+        """The one path of every explicit removal (a client's Remove, a corrupt copy being replaced, a failed
+        demotion): out of the index, out of the routers' view (KV events, if it was ever stored) and off its
+        node."""
+        self.index.remove(info.key, reason=reason)
+        if self.events is not None and info.committed:
+            self.events.removed(info.key, info.tier)
+        self._queue(info.node_id, NodeAction.DELETE, info.key)
 
     def _queue(self, node_id: str, action: NodeAction, key: bytes) -> None:
         if node_id in self._nodes:
