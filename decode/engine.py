@@ -181,7 +181,9 @@ class DecodeEngine:
         ckpts = checkpoint_items(self.schema, hashes, [snapshot], handoff.tenant) if snapshot else []
         # the prompt's route (a prompt without a full block: the reply's chain), as prefill pushed under
         route = self.store.route_of(prompt_chain or hashes)
-        push, ck = await push_groups(self.store, [blocks, ckpts], self.timeout_s, route)  # one batch
+        push, ck = await push_groups(  # one batch
+            self.store, [blocks, ckpts], self.timeout_s, route, retain=bool(handoff.retain_ms)
+        )
         result.blocks_pushed = end - first - push.not_admitted if push.failed == 0 else 0
         if snapshot is not None and ck.failed == 0 and ck.not_admitted == 0:
             result.checkpoint_pushed = snapshot.n_tokens

@@ -256,7 +256,8 @@ class PrefillEngine:
             ckpts = [result.checkpoints[b] for b in boundaries]
             groups[2] = checkpoint_items(self.schema, hashes, ckpts, request.tenant)
         t0 = time.perf_counter()
-        results = await push_groups(self.store, groups, self.timeout_s, self.store.route_of(hashes))
+        route = self.store.route_of(hashes)
+        results = await push_groups(self.store, groups, self.timeout_s, route, retain=bool(request.retain))
         handoff.tail_stored = with_tail and results[0].failed == 0
         total = PushStats()
         for r in results:

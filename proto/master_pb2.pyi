@@ -77,18 +77,20 @@ class HeartbeatReply(_message.Message):
     def __init__(self, reregister: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("meta", "replace_if_corrupt", "checksum_at_commit", "route", "token_ids")
+    __slots__ = ("meta", "replace_if_corrupt", "checksum_at_commit", "route", "token_ids", "retain")
     META_FIELD_NUMBER: _ClassVar[int]
     REPLACE_IF_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_AT_COMMIT_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.ObjectMeta
     replace_if_corrupt: bool
     checksum_at_commit: bool
     route: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., replace_if_corrupt: _Optional[bool] = ..., checksum_at_commit: _Optional[bool] = ..., route: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    retain: bool
+    def __init__(self, meta: _Optional[_Union[_common_pb2.ObjectMeta, _Mapping]] = ..., replace_if_corrupt: _Optional[bool] = ..., checksum_at_commit: _Optional[bool] = ..., route: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., retain: _Optional[bool] = ...) -> None: ...
 
 class PutStartReply(_message.Message):
     __slots__ = ("status", "put_id", "node", "deadline_ms", "epoch", "shard")

@@ -96,6 +96,10 @@ def test_a_new_chain_sampled_out_is_refused_whole_and_remembered() -> None:
     # an object without a lookup and without a refused parent is admitted (a plain put)
     idx.insert(mla_key(chain(1, "other")[0]), MLA, 10, node_id="n")
     assert len(idx) == 1
+    # the same new chain under a client's retention hint: admission does not turn it away
+    for i, h in enumerate(hs):
+        idx.insert(mla_key(h), MLA, 10, node_id="n", parent=mla_key(hs[i - 1]) if i else b"", admit=False)
+    assert len(idx) == 6 and idx.admission.refused == 3
 
 
 def test_a_continuation_of_a_refused_chain_is_admitted_and_raises_the_rate() -> None:
@@ -172,3 +176,6 @@ def test_master_answers_not_admitted_as_a_status_and_counts_it() -> None:
     assert reply.status == master_pb2.PutStartReply.NOT_ADMITTED and not reply.put_id
     assert core.stats().counters["puts_not_admitted"] == 1
     assert core.index.get(mla_key(hs[0])) is None
+    # the writer's client asked to retain the chain: the same put is started
+    reply = core.put_start(master_pb2.PutStartRequest(meta=meta, retain=True))
+    assert reply.status == master_pb2.PutStartReply.STARTED and reply.put_id

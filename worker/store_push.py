@@ -93,15 +93,20 @@ async def push_groups(
     groups: Sequence[Sequence[PutItem]],
     timeout_s: float = DEFAULT_TIMEOUT_S,
     route: bytes = b"",
+    retain: bool = False,
 ) -> list[PushStats]:
     """Every group's items in one ``batch_put``; one ``PushStats`` per group, each with the batch's wall
     time (the groups went out together). ``route``: the request's chain route, given to every block and
-    checkpoint (a tail is request-scoped: it routes by its own key, as its reader looks it up)."""
+    checkpoint (a tail is request-scoped: it routes by its own key, as its reader looks it up). ``retain``:
+    the client's retention hint covers the blocks and checkpoints (admission does not turn them away)."""
     stats = [PushStats() for _ in groups]
     items = [item for group in groups for item in group]
     if not items:
         return stats
-    items = [i if i.kind == common_pb2.REQUEST_TAIL else dataclasses.replace(i, route=route) for i in items]
+    items = [
+        i if i.kind == common_pb2.REQUEST_TAIL else dataclasses.replace(i, route=route, retain=retain)
+        for i in items
+    ]
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):

@@ -85,6 +85,7 @@ class PutItem:
     # KV events (docs/design/kv_events.md): the block's token ids, for a master that publishes them to
     # routers which rehash tokens; () = not sent (the default: they cost ~2 B/token on the PutStart)
     token_ids: Sequence[int] = ()
+    retain: bool = False  # a client's retention hint covers it: admission does not turn it away
 
     @property
     def nbytes(self) -> int:
@@ -353,6 +354,7 @@ class AsyncStoreClient:
                 checksum_at_commit=True,
                 route=item.route,
                 token_ids=item.token_ids,
+                retain=item.retain,
             )
         )
         if start.status != master_pb2.PutStartReply.STARTED:
@@ -439,7 +441,11 @@ class AsyncStoreClient:
                 master_pb2.PutStartBatchRequest(
                     items=[
                         master_pb2.PutStartRequest(
-                            meta=m, checksum_at_commit=True, route=i.route, token_ids=i.token_ids
+                            meta=m,
+                            checksum_at_commit=True,
+                            route=i.route,
+                            token_ids=i.token_ids,
+                            retain=i.retain,
                         )
                         for m, i in zip(metas, items, strict=True)
                     ],

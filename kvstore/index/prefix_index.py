@@ -331,6 +331,7 @@ class PrefixIndex:
         pending: bool = False,
         evict: bool = True,
         avoid_node: str | None = None,
+        admit: bool = True,
     ) -> str:
         """Index an object on a node (placed by free space if ``node_id`` is None); returns the node id.
 
@@ -338,7 +339,8 @@ class PrefixIndex:
         holds more than a pool's capacity. ``pending=True`` reserves the bytes for a two-phase put.
         ``evict=False`` (adopting a node's inventory) skips quotas and eviction until the caller runs
         :meth:`evict` once the whole inventory is in, so no block is judged a leaf before its children
-        have arrived; it still refuses to overfill a pool.
+        have arrived; it still refuses to overfill a pool. ``admit=False``: a client's retention hint covers
+        the object, so admission control does not turn it away (the policy still ranks it).
         """
         kind = self.check_object(key, kind, size, ttl_ms, checksum)
         if key in self._slot or key in self._pending:
@@ -348,7 +350,7 @@ class PrefixIndex:
         learner = self._learner
         if evict and learner is not None and kind in (ObjectKind.MLA, ObjectKind.KDA):
             learner.on_put(key, size, self._capacity_of())  # before admission: LRU would store it
-        if evict and self.admission is not None and kind in (ObjectKind.MLA, ObjectKind.KDA):
+        if evict and admit and self.admission is not None and kind in (ObjectKind.MLA, ObjectKind.KDA):
             self._admit(key, kind, size, parent)
         tid = self._tenant_id(tenant)
         quota = self._quota.get(tid, 0) if evict else 0

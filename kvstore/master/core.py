@@ -386,6 +386,7 @@ class MasterCore:
                 ttl_ms=meta.ttl_ms,
                 pending=True,
                 avoid_node=replacing,
+                admit=not req.retain,
             )
         except BadObjectError as exc:
             raise BadRequestError(str(exc)) from None
