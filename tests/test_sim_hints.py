@@ -19,6 +19,7 @@ from kvpool.workloads.sim_result import SimResult
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import RETENTION_TIERS_MS, Request, kvpool_record, read_kvpool, read_mooncake
 from kvpool.workloads.trace_write import to_kvpool_dict, write_kvpool, write_mooncake
+from kvpool.workloads.workload_params import make_params
 
 from kvpool.commands.main import main
 
@@ -76,7 +77,8 @@ def test_a_standard_tier_alone_names_its_ttl_and_bad_hints_are_refused() -> None
 
 
 def test_sessions_carry_their_key_a_short_tier_until_their_last_turn_which_ends_them() -> None:
-    reqs = generate("coding", 120, rate=2.0, seed=3)
+    small = make_params("coding", {"repo_tokens": 2000, "file_tokens": 200})
+    reqs = generate("coding", 120, rate=2.0, seed=3, params=small)
     by_session: dict[str, list[Request]] = {}
     for r in reqs:
         by_session.setdefault(r.conversation_id or "", []).append(r)
@@ -91,8 +93,8 @@ def test_sessions_carry_their_key_a_short_tier_until_their_last_turn_which_ends_
             else:
                 assert (r.retention_tier, r.retention_ms) == (SHORT_TIER, RETENTION_TIERS_MS[SHORT_TIER])
         ended += turns[-1].session_end
-    assert ended >= len(by_session) // 2  # sessions cut by the request count keep their turns open
-    plain = generate("coding", 120, rate=2.0, seed=3, hints=False)
+    assert ended >= len(by_session) // 3  # sessions cut by the request count keep their turns open
+    plain = generate("coding", 120, rate=2.0, seed=3, params=small, hints=False)
     assert not any(r.has_hints or r.cache_key for r in plain)
     assert [r.tokens for r in plain] == [r.tokens for r in reqs]  # hints change nothing else
 
