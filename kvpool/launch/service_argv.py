@@ -114,6 +114,9 @@ def gateway_argv(
         str(g.get("max_concurrent", 64)),
         "--request-timeout",
         str(g.get("request_timeout_s", 60.0)),
+        "--retention-tiers",
+        str(g.get("retention_tiers", "5m,1h")),
+        "--cache-hints" if g.get("cache_hints", True) else "--no-cache-hints",
     ]
     if g.get("served_model_name"):
         argv += ["--served-model-name", g["served_model_name"]]
