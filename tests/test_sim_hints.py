@@ -267,4 +267,6 @@ def test_policy_bench_rows_and_the_hint_goals() -> None:
         "mix@29: 0.971x lru+hints"
     ]
     assert met["mix_with_hints_ge_0_85x_reference"]["misses"] == ["@29: 0.680x reference"]
-    assert pb.goals_met({}, [])["mix_with_hints_ge_0_85x_reference"]["met"] is None
+    nothing = pb.goals_met({}, [])
+    assert nothing["mix_with_hints_ge_0_85x_reference"]["met"] is None
+    assert nothing["sim_s_per_point_le"]["met"] is None  # conversation not run: not a miss
