@@ -137,7 +137,7 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gw.check_model(body)
         salt = bound_salt(key_tenant(request), body.cache_salt)
-        ends: list[int] = []
+        ends: list[list[int]] = []
         prompt = render_chat(gw.info.codec, body.messages, salt, gw.memo, ends)
         hints = gw.hints.from_body(body, body.messages, ends)
         req = gw.gen_request(body, prompt, request, "chat", body.output_limit(), hints)
@@ -153,7 +153,12 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
             released = await gw.probe.end_session(salt, key)
         except StoreError as exc:
             raise BackendUnavailable(f"the store could not release the session: {exc}") from None
-        return {"id": key, "object": "prompt_cache.deleted", "deleted": True, "released_objects": released}
+        return {
+            "id": key,
+            "object": "prompt_cache.deleted",
+            "deleted": released > 0,  # false: nothing was retained under this key (or it expired)
+            "released_objects": released,
+        }
 
     @app.get("/health")
     async def health() -> JSONResponse:

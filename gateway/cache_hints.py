@@ -29,7 +29,8 @@ MAX_KEY_CHARS = 256  # the master's bound on a session key (kvstore/master/core.
 MAX_BREAKPOINTS = 4
 IN_MEMORY = "in_memory"
 DEFAULT_TTL = "5m"  # Anthropic's default when cache_control names no ttl
-DEFAULT_TIERS = {"5m": 300_000, "1h": 3_600_000}
+DEFAULT_TIERS = {"5m": 300_000, "1h": 3_600_000, "24h": 86_400_000}  # OpenAI's in_memory / 24h, Anthropic's
+IN_MEMORY_ALIASES = ("in-memory",)  # the spelling some OpenAI SDK versions send
 _DURATION = re.compile(r"^(\d+)([smh])$")
 _UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000}
 
@@ -57,10 +58,6 @@ class CacheHints:
     session: str = ""
     retain: tuple[RetainSpan, ...] = ()
     tier: str | None = None
-
-    @property
-    def any(self) -> bool:
-        return bool(self.session or self.retain)
 
 
 class HintRules:
@@ -94,9 +91,13 @@ class HintRules:
         return key
 
     def from_body(
-        self, body: _Sampling, messages: list[ChatMessage] | None = None, ends: list[int] | None = None
+        self,
+        body: _Sampling,
+        messages: list[ChatMessage] | None = None,
+        ends: list[list[int]] | None = None,
     ) -> CacheHints:
-        """The hints of a request body; ``messages`` and their end positions ``ends`` (tokens) for chat."""
+        """The hints of a request body; for chat, ``messages`` and ``ends`` as ``render_chat`` gives them
+        (per message, its text parts' end positions in tokens, then the message's end)."""
         session = self.check_key(body.prompt_cache_key)
         spans: list[RetainSpan] = []
         tiers: list[str] = []
@@ -104,16 +105,17 @@ class HintRules:
         if retention is not None:
             if not self.enabled:
                 raise self._disabled("prompt_cache_retention")
+            retention = IN_MEMORY if retention in IN_MEMORY_ALIASES else retention
             tier = self._tier(retention, "prompt_cache_retention", [IN_MEMORY, *self.tiers])
             spans.append(RetainSpan(0, self.tiers[tier]))
             tiers.append(tier)
         for i, m in enumerate(messages or ()):
-            for where, control in _controls(m, i):
+            for where, part, control in _controls(m, i):
                 if not self.enabled:
                     raise self._disabled(where)
                 tier = self._control_tier(control, where)
                 assert ends is not None
-                spans.append(RetainSpan(ends[i], self.tiers[tier]))
+                spans.append(RetainSpan(ends[i][part], self.tiers[tier]))
                 tiers.append(tier)
         if sum(1 for s in spans if s.upto_tokens) > MAX_BREAKPOINTS:
             raise InvalidRequest(
@@ -131,13 +133,15 @@ class HintRules:
         return self._tier(control.get("ttl", DEFAULT_TTL), f"{where}.ttl", list(self.tiers))
 
 
-def _controls(m: ChatMessage, i: int) -> list[tuple[str, object]]:
-    """``cache_control`` objects on message ``i`` and on its text parts, with where each was found."""
-    out: list[tuple[str, object]] = []
-    if m.model_extra and "cache_control" in m.model_extra:
-        out.append((f"messages[{i}].cache_control", m.model_extra["cache_control"]))
+def _controls(m: ChatMessage, i: int) -> list[tuple[str, int, object]]:
+    """``cache_control`` objects on message ``i`` (part -1: the message's end) and on its text parts
+    (part j), with where each was found; ``null`` is no control."""
+    out: list[tuple[str, int, object]] = []
+    if m.model_extra and m.model_extra.get("cache_control") is not None:
+        out.append((f"messages[{i}].cache_control", -1, m.model_extra["cache_control"]))
     if isinstance(m.content, list):
         for j, part in enumerate(m.content):
-            if part.model_extra and "cache_control" in part.model_extra:
-                out.append((f"messages[{i}].content[{j}].cache_control", part.model_extra["cache_control"]))
+            if part.model_extra and part.model_extra.get("cache_control") is not None:
+                where = f"messages[{i}].content[{j}].cache_control"
+                out.append((where, j, part.model_extra["cache_control"]))
     return out

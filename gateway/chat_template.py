@@ -101,22 +101,36 @@ def render_chat(
     messages: Sequence[ChatMessage],
     tenant: str,
     memo: AnswerMemo | None = None,
-    ends: list[int] | None = None,
+    ends: list[list[int]] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` under the template, ending with the generation tag. ``ends``, when
-    given, receives each message's end position in tokens (where a ``cache_control`` breakpoint falls)."""
+    """Token ids of ``messages`` under the template, ending with the generation tag. ``ends``, when given,
+    receives per message the end positions (tokens) of its text parts, then of the message itself: where a
+    ``cache_control`` breakpoint falls. A part's end is exact when the tokens of the message up to that
+    part are a prefix of the message's tokens, else it is the message's end (a tokenizer merging across
+    the boundary)."""
     ids: list[int] = [codec.bos_id] if codec.bos_id is not None else []
     after_generation_tag = False
     for i, m in enumerate(messages):
         text = m.text()
+        start = len(ids)
+        parts: list[int] = []
         if m.role == "assistant" and after_generation_tag:
             remembered = memo.get(tenant, text) if memo is not None else None
             ids += remembered if remembered is not None else codec.encode(text, bos=False)
             ids += codec.encode(END_TAG, bos=False)
         else:
-            ids += codec.encode(ROLE_TAG.format(role=m.role) + text + END_TAG, bos=False)
+            rendered = codec.encode(ROLE_TAG.format(role=m.role) + text + END_TAG, bos=False)
+            ids += rendered
+            if ends is not None and isinstance(m.content, list):
+                upto = ROLE_TAG.format(role=m.role)
+                for part in m.content:
+                    upto += part.text
+                    head = codec.encode(upto, bos=False)
+                    parts.append(start + (len(head) if rendered[: len(head)] == head else len(rendered)))
         if ends is not None:
-            ends.append(len(ids))
+            if isinstance(m.content, list) and len(parts) < len(m.content):
+                parts = [len(ids)] * len(m.content)
+            ends.append([*parts, len(ids)])
         after_generation_tag = False
         if i + 1 < len(messages) and messages[i + 1].role == "assistant":
             ids += codec.encode(GENERATION_TAG, bos=False)

@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--retention-tiers",
         type=parse_tiers,
         default=d.retention_tiers,
-        help="retention tiers offered, e.g. 5m,1h,24h (default 5m,1h): a hint for another is a 400; "
+        help="retention tiers offered (default 5m,1h,24h): a hint for another is a 400; "
         "prompt_cache_retention=in_memory is the shortest",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")

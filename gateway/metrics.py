@@ -136,7 +136,8 @@ class GatewayMetrics:
         )
         self.retention = Counter(
             "kvpool_retention_requests",
-            "requests with a retention hint, by tier and outcome (refused: over the store's pin budget)",
+            "requests with a retention hint, by tier and outcome (retained; refused: over the store's pin "
+            "budget; none: nothing to pin, e.g. the store was away)",
             ("tier", "outcome"),
             registry=r,
         )

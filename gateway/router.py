@@ -147,7 +147,8 @@ class PrefixProbe:
 
     async def end_session(self, tenant: str, session: str) -> int:
         """Release every pin a client's session holds, on every master shard (its chains route anywhere);
-        ``StoreError`` when a shard cannot be told (the pins then expire by their TTL)."""
+        ``StoreError`` when a shard cannot be told: the others may have released theirs already, which a retry
+        repeats harmlessly, and what stays pinned expires by its TTL."""
         if not self.links:
             raise StoreError("this gateway has no master (--master): there is no cache to release")
         request = master_pb2.PinRequest(session=session, end_session=True, tenant=tenant)

@@ -253,5 +253,6 @@ class Dispatcher:
         if p.cache_error:
             m.transfer_failures.labels("store_unreachable").inc()
         if g.req.hints.retain:
-            m.retention.labels(g.req.hints.tier, "refused" if p.retention_refused else "retained").inc()
+            outcome = "refused" if p.retention_refused else "retained" if p.retained_tokens else "none"
+            m.retention.labels(g.req.hints.tier, outcome).inc()
             m.retained_tokens.labels(g.req.hints.tier).inc(p.retained_tokens)

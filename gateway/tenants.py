@@ -16,7 +16,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvpool.gateway.errors import InvalidRequest
+
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+BOUND_PREFIX = "tenant:"
 
 
 def parse_key(entry: str) -> tuple[str, str | None]:
@@ -28,10 +31,16 @@ def parse_key(entry: str) -> tuple[str, str | None]:
 
 
 def bound_salt(tenant: str | None, client_salt: str | None) -> str:
-    """The salt a request is hashed under: the client's, or (tenant, client's) when its key is bound."""
+    """The salt a request is hashed under: the client's, or (tenant, client's) when its key is bound. A
+    client salt that reads like a bound one is refused: it would reach that tenant's chains and sessions."""
     if tenant is None:
+        if client_salt and client_salt.startswith(BOUND_PREFIX):
+            raise InvalidRequest(
+                f"cache_salt may not start with {BOUND_PREFIX!r}: reserved for API keys bound to tenants",
+                param="cache_salt",
+            )
         return client_salt or ""
-    return f"tenant:{tenant}/{client_salt or ''}"
+    return f"{BOUND_PREFIX}{tenant}/{client_salt or ''}"
 
 
 def key_tenant(request: Any) -> str | None:

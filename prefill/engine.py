@@ -163,7 +163,8 @@ class PrefillEngine:
             tail_stored=False,
             cached_tokens=start,
             use_cache=request.use_cache,
-            session=request.session,
+            # a hint without a prompt_cache_key is still a client's pin: its own session, released by TTL
+            session=request.session or (f"request:{request.request_id}" if request.retain else ""),
             retain_ms=request.retain_whole_ms if use_store else 0,
         )
         push = PushStats()
@@ -178,7 +179,7 @@ class PrefillEngine:
                 ckpts = [b // B for b in boundaries] + list(fetch.checkpoint_blocks if clean else ())
                 spans = [(s.upto_tokens // B if s.upto_tokens else L // B, s.ttl_ms) for s in request.retain]
                 retained = await retain_prefixes(
-                    self.store, hashes, spans, ckpts, request.session, B, self.timeout_s, route
+                    self.store, hashes, spans, ckpts, handoff.session, B, self.timeout_s, route
                 )
         return PrefillOutcome(
             first_token=first,

@@ -9,6 +9,7 @@ from kvpool.gateway.cache_hints import CacheHints, HintRules, parse_tiers
 from kvpool.gateway.chat_template import TextCodec, render_chat
 from kvpool.gateway.errors import InvalidRequest
 from kvpool.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from kvpool.gateway.tenants import bound_salt
 from kvpool.model.tokenizer import ByteTokenizer
 from kvpool.worker.handoff import RetainSpan
 
@@ -19,8 +20,8 @@ def chat_body(messages: list[dict], **kw: object) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"model": "tiny", "messages": messages, **kw})
 
 
-def hints_of(body: ChatCompletionRequest, rules: HintRules = RULES) -> tuple[CacheHints, list[int]]:
-    ends: list[int] = []
+def hints_of(body: ChatCompletionRequest, rules: HintRules = RULES) -> tuple[CacheHints, list[list[int]]]:
+    ends: list[list[int]] = []
     render_chat(TextCodec(ByteTokenizer(512), 512), body.messages, "", None, ends)
     return rules.from_body(body, body.messages, ends), ends
 
@@ -32,29 +33,43 @@ def test_tiers_parse_and_bad_ones_are_named() -> None:
             parse_tiers(bad)
 
 
-def test_breakpoints_fall_at_message_ends_and_retention_covers_the_prompt() -> None:
+def test_breakpoints_fall_at_message_and_part_ends_and_retention_covers_the_prompt() -> None:
     body = chat_body(
         [
             {"role": "system", "content": "be brief", "cache_control": {"type": "ephemeral"}},
             {
                 "role": "user",
                 "content": [
-                    {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+                    {
+                        "type": "text",
+                        "text": "a long document",
+                        "cache_control": {"type": "ephemeral", "ttl": "1h"},
+                    },
+                    {"type": "text", "text": "the question that changes"},
                 ],
+                "cache_control": None,  # null is no breakpoint
             },
         ],
         prompt_cache_key="conv-7",
-        prompt_cache_retention="in_memory",
+        prompt_cache_retention="in-memory",  # the spelling some OpenAI SDKs send
     )
     hints, ends = hints_of(body)
-    assert ends[0] < ends[1]
+    document_end = ends[0][-1] + len("<|user|>a long document")  # the byte tokenizer: one token a byte
+    # per text part its end, then the message's end (after the end tag)
+    assert ends[1] == [document_end, document_end + len("the question that changes"), ends[1][-1]]
     assert hints.session == "conv-7" and hints.tier == "1h"
     assert hints.retain == (
         RetainSpan(0, 300_000),
-        RetainSpan(ends[0], 300_000),
-        RetainSpan(ends[1], 3_600_000),
+        RetainSpan(ends[0][-1], 300_000),
+        RetainSpan(document_end, 3_600_000),
     )
     assert hints_of(chat_body([{"role": "user", "content": "hi"}]))[0] == CacheHints()
+
+
+def test_a_client_salt_may_not_pose_as_a_bound_tenant() -> None:
+    assert bound_salt("acme", "s") == "tenant:acme/s" and bound_salt(None, "s") == "s"
+    with pytest.raises(InvalidRequest, match="reserved for API keys bound to tenants"):
+        bound_salt(None, "tenant:acme/s")
 
 
 @pytest.mark.parametrize(

@@ -381,6 +381,19 @@ def test_cache_hints_pin_the_chain_refuse_over_budget_and_an_ended_session_relea
         st = stats()
         assert st.pinned_bytes > before
         held = st.bytes_per_tenant["hints-a"]
+        # another tenant's key naming the same key and salt reaches nothing; a salt posing as one is a 400
+        other = httpx.delete(
+            up.url + "/v1/prompt_cache/conv-hints", params={"cache_salt": "hints-a"},
+            headers={"Authorization": "Bearer beta-key"},
+        )  # fmt: skip
+        assert other.json() == {
+            "id": "conv-hints", "object": "prompt_cache.deleted", "deleted": False, "released_objects": 0
+        }  # fmt: skip
+        posing = httpx.delete(
+            up.url + "/v1/prompt_cache/conv-hints", params={"cache_salt": "tenant:beta/hints-a"}, headers=auth
+        )
+        assert posing.status_code == 400 and "reserved" in posing.json()["error"]["message"]
+        assert stats().pinned_bytes == st.pinned_bytes
         gone = httpx.delete(
             up.url + "/v1/prompt_cache/conv-hints", params={"cache_salt": "hints-a"}, headers=auth
         )
@@ -396,13 +409,15 @@ def test_cache_hints_pin_the_chain_refuse_over_budget_and_an_ended_session_relea
             r = chat(client, turn, max_tokens=2, extra_body=extra)
             retention = r.model_extra["kvpool"]["retention"]
             assert retention["refused"] is refused and r.choices[0].message.content is not None, retention
-        assert stats().counters["pins_refused"] >= 1
+        assert stats().pins_refused >= 1
     finally:
         cluster_auth.configure(previous)
     bad = _raw(
         up, "/v1/chat/completions", {"model": MODEL, "messages": messages, "prompt_cache_retention": "7d"}
     )
-    assert bad.status_code == 400 and "allowed values: in_memory, 5m, 1h" in bad.json()["error"]["message"]
+    assert (
+        bad.status_code == 400 and "allowed values: in_memory, 5m, 1h, 24h" in bad.json()["error"]["message"]
+    )
     metrics = httpx.get(up.url + "/metrics", timeout=5).text
     assert 'kvpool_retention_requests_total{outcome="refused",tier="1h"}' in metrics
 

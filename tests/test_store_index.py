@@ -293,7 +293,7 @@ def test_tail_ttl_expiry() -> None:
 
 def test_quota_evicts_own_objects_first_then_refuses() -> None:
     clock = Clock()
-    idx = make(clock, pin_share=1.0)  # pins may take the whole quota here: what is left is refused
+    idx = make(clock)
     idx.set_quota("t1", 100)
     for i in range(5):
         idx.insert(f"t1-{i}".encode(), BLOB, 20, tenant="t1", node_id="n0")
@@ -481,4 +481,9 @@ def test_pins_are_held_per_session_and_budgeted() -> None:
     assert idx.pin([b"a6", b"a7"], 1_000, session="c4") == 2
     idx.remove(b"a6")  # a dropped object leaves the budget and its session
     assert idx.stats().pinned_bytes == 100 and idx.end_session("t", "c4") == 1
+    assert idx.pin([b"a4", b"a5", b"a7"], 1_000) == 3, "an operator's pin (no session) is not budgeted"
+    assert idx.pin([b"a7"], 5_000, session="c5") == 1
+    clock.advance(2)
+    idx.expire()  # the operator's deadline passed, the session's did not: a7 stays pinned for c5
+    assert [idx.get(k).pinned for k in (b"a4", b"a7")] == [False, True] and idx.stats().pinned_bytes == 100
     assert idx.verify() == []

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from kvpool.cache.units import RequestTail, encode_tail, kda_checkpoint_parts, mla_block_parts
 from kvpool.kvstore.client.async_client import PutItem
-from kvpool.kvstore.errors import ObjectNotAdmittedError
+from kvpool.kvstore.errors import ObjectNotAdmittedError, StoreError
 from kvpool.kvstore.keys import kda_key, mla_key, tail_key
 from kvpool.kvstore.transport.base import Payload
 from kvpool.model.cache_schema import CacheSchema
@@ -152,22 +152,31 @@ async def retain_prefixes(
     """Pin, for each ``(upto_blocks, ttl_ms)`` span, the chain up to the deepest checkpoint at or before
     ``upto_blocks`` (its MLA blocks and that checkpoint: a prefix without its checkpoint is no hit for a
     hybrid model, and a checkpoint without its blocks is useless), under the client's ``session``.
-    ``checkpoint_blocks``: block counts that have a checkpoint in the store now. A store problem or a refusal
-    only means less is retained: nothing here raises."""
-    out = Retained()
-    have = sorted(set(checkpoint_blocks))
+    ``checkpoint_blocks``: block counts that should have a checkpoint in the store now; the master pins a
+    session's chain whole or not at all, so when one is missing (its put failed) the next shallower one is
+    tried. Spans that end at the same checkpoint are one pin (the longest TTL); distinct ones go out
+    together. A store problem or a refusal only means less is retained: nothing here raises."""
+    have = sorted(set(checkpoint_blocks), reverse=True)
+    ttl_of: dict[int, int] = {}  # deepest usable checkpoint -> the longest TTL asked for it
     for upto, ttl_ms in spans:
-        k = max((c for c in have if c <= upto), default=0)
-        if not k or not ttl_ms:
-            continue
-        keys = [mla_key(h) for h in hashes[:k]] + [kda_key(hashes[k - 1])]
-        try:
-            async with asyncio.timeout(timeout_s):
-                result = await store.pin(keys, ttl_ms, route, session)
-        except Exception:
-            continue  # the store is late or away: the hint is lost, the request is not
-        if result.refused:
-            out.refused = True
-        elif result.pinned == len(keys):
-            out.tokens = max(out.tokens, k * block_size)
+        k = next((c for c in have if c <= upto), 0)
+        if k and ttl_ms:
+            ttl_of[k] = max(ttl_of.get(k, 0), ttl_ms)
+
+    async def pin(k: int, ttl_ms: int) -> tuple[int, bool]:
+        for c in [c for c in have if c <= k][:2]:  # the checkpoint asked for, then one shallower
+            keys = [mla_key(h) for h in hashes[:c]] + [kda_key(hashes[c - 1])]
+            try:
+                async with asyncio.timeout(timeout_s):
+                    result = await store.pin(keys, ttl_ms, route, session)
+            except (StoreError, TimeoutError):
+                return 0, False  # the store is late or away: the hint is lost, the request is not
+            if result.refused or result.pinned:
+                return (0, True) if result.refused else (c * block_size, False)
+        return 0, False
+
+    out = Retained()
+    for tokens, refused in await asyncio.gather(*(pin(k, ttl) for k, ttl in ttl_of.items())):
+        out.tokens = max(out.tokens, tokens)
+        out.refused = out.refused or refused
     return out

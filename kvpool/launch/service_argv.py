@@ -115,7 +115,7 @@ def gateway_argv(
         "--request-timeout",
         str(g.get("request_timeout_s", 60.0)),
         "--retention-tiers",
-        str(g.get("retention_tiers", "5m,1h")),
+        str(g.get("retention_tiers", "5m,1h,24h")),
         "--cache-hints" if g.get("cache_hints", True) else "--no-cache-hints",
     ]
     if g.get("served_model_name"):

@@ -766,16 +766,6 @@ class AsyncStoreClient:
         )
         return PinResult(sum(r.pinned for r in replies), any(r.refused for r in replies))
 
-    async def end_session(self, tenant: str, session: str) -> int:
-        """Release every pin ``session`` of ``tenant`` holds, on every master shard (a session's chains
-        route anywhere); returns how many objects it released."""
-        request = master_pb2.PinRequest(session=session, end_session=True, tenant=tenant)
-        replies = await self._timed(
-            "end_session",
-            asyncio.gather(*(self.link(shard).pin(request) for shard in range(self.shards.count))),
-        )
-        return sum(r.pinned for r in replies)
-
     async def stats(self, shard: int = 0) -> master_pb2.StatsReply:
         return await self.link(shard).stats(master_pb2.StatsRequest())
 

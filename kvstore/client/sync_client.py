@@ -167,9 +167,6 @@ class StoreClient:
     ) -> PinResult:
         return self._call(self._async.pin(keys, ttl_ms, route, session))
 
-    def end_session(self, tenant: str, session: str) -> int:
-        return self._call(self._async.end_session(tenant, session))
-
     def stats(self, shard: int = 0) -> master_pb2.StatsReply:
         return self._call(self._async.stats(shard))
 

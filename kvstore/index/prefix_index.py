@@ -57,9 +57,10 @@ Rules:
 - **Quotas**: a tenant whose bytes would exceed its quota drops its own evictable objects first; if that
   is not enough the insert raises :class:`QuotaExceededError`.
 - **Pins** (an operator's system prompt, a client's retention hint) are held per (tenant, session) with a
-  deadline each; an object stays pinned while any holder holds it. Pinned bytes are budgeted so pins can
-  never starve the cache: a tenant's pinned bytes stay within ``pin_share`` x its quota, all pinned bytes
-  within ``pin_share`` x the DRAM capacity. A pin past the budget pins nothing and is counted
+  deadline each; an object stays pinned while any holder holds it. Clients' (session) pins are budgeted so
+  they can never starve the cache: a tenant's pinned bytes stay within ``pin_share`` x its quota, all
+  pinned bytes within ``pin_share`` x the DRAM capacity (an operator's pin counts there but is never
+  refused). A session pin past the budget pins nothing and is counted
   (``pins_refused``): a hint is a request, never a reason to fail one. ``end_session`` releases what a
   session (a conversation, an agent run) holds the moment the client says it is over.
 
@@ -178,6 +179,7 @@ class PrefixIndex:
         self._pinned_bytes: dict[int, int] = {}  # tenant id -> bytes of its pinned objects
         self._pinned_total = 0
         self._pins_refused = 0
+        self._pin_heap: list[tuple[float, int, str]] = []  # (deadline, slot, session); stale entries skipped
         self._ttl: dict[int, float] = {}  # slot -> expiry deadline
         self._ttl_heap: list[tuple[float, int, bytes]] = []
         self._leases: dict[int, tuple[float, np.ndarray]] = {}
@@ -238,7 +240,7 @@ class PrefixIndex:
         self._n = 0
         self._free, self._keys, self._anchors = [], [], []
         self._slot, self._pending, self._orphans = {}, {}, {}
-        self._pins, self._sessions, self._ttl, self._ttl_heap = {}, {}, {}, []
+        self._pins, self._sessions, self._pin_heap, self._ttl, self._ttl_heap = {}, {}, [], {}, []
 
     def _place(self, size: int, tier: Tier = Tier.DRAM, avoid: str | None = None) -> str:
         """The node with the most free bytes in ``tier`` whose capacity can hold ``size``; ``avoid`` is
@@ -667,10 +669,11 @@ class PrefixIndex:
 
     def pin(self, keys: Iterable[bytes], ttl_ms: int, session: str = "") -> int:
         """Soft-pin the committed objects among ``keys`` for ``ttl_ms`` on behalf of ``session`` (each
-        object's tenant's session): they are not evicted while any holder pins them. All or nothing: when
-        the newly pinned bytes would pass the pin budget (module docstring) nothing is pinned, 0 is returned
-        and ``pins_refused`` counts it. ``ttl_ms=0`` drops this session's pins on ``keys``. Returns how many
-        objects were found (and pinned or unpinned)."""
+        object's tenant's session): they are not evicted while any holder pins them. A session's pin (a
+        client's hint) is budgeted, all or nothing: when the newly pinned bytes would pass the pin budget
+        (module docstring) nothing is pinned, 0 is returned and ``pins_refused`` counts it; an operator's pin
+        (no session) is not. ``ttl_ms=0`` drops this session's pins on ``keys``. Returns how many objects
+        were found (and pinned or unpinned)."""
         slots = [s for s in (self._slot.get(k) for k in keys) if s is not None]
         if not ttl_ms:
             for slot in slots:
@@ -682,7 +685,7 @@ class PrefixIndex:
             if slot not in self._pins:
                 tid = int(c.tenant[slot])
                 new[tid] = new.get(tid, 0) + int(c.size[slot])
-        if not self._pin_fits(new):
+        if session and not self._pin_fits(new):
             self._pins_refused += 1
             return 0
         until = self._clock() + ttl_ms / 1000.0
@@ -694,7 +697,9 @@ class PrefixIndex:
                 tid = int(c.tenant[slot])
                 self._pinned_bytes[tid] = self._pinned_bytes.get(tid, 0) + int(c.size[slot])
                 self._pinned_total += int(c.size[slot])
-            holders[session] = max(holders.get(session, 0.0), until)
+            if until > holders.get(session, 0.0):
+                holders[session] = until
+                heapq.heappush(self._pin_heap, (until, slot, session))
             if session:
                 self._sessions.setdefault((int(c.tenant[slot]), session), set()).add(slot)
         return len(slots)
@@ -876,8 +881,10 @@ class PrefixIndex:
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lease_id = heapq.heappop(self._lease_heap)
             self.release(lease_id)
-        for slot, holders in [(s, h) for s, h in self._pins.items() if min(h.values()) <= now]:
-            for session in [x for x, until in holders.items() if until <= now]:
+        pins = self._pin_heap
+        while pins and pins[0][0] <= now:
+            until, slot, session = heapq.heappop(pins)
+            if self._pins.get(slot, {}).get(session) == until:  # else renewed, released or the slot reused
                 self._unpin(slot, session)
         removed: list[Removal] = []
         heap = self._ttl_heap

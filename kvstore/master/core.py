@@ -611,10 +611,11 @@ class MasterCore:
         if req.ttl_ms > MAX_PIN_MS:
             raise BadRequestError(f"ttl_ms {req.ttl_ms} exceeds the maximum {MAX_PIN_MS}")
         found = [k for k in keys if k in self.index]
+        if req.session and req.ttl_ms and len(found) < len(keys):
+            return master_pb2.PinReply()  # a client's chain is pinned whole or not at all: a part is no hit
         pinned = self.index.pin(found, req.ttl_ms, req.session)
         if found and req.ttl_ms and not pinned:
-            self.count("pins_refused")
-            return master_pb2.PinReply(refused=True)
+            return master_pb2.PinReply(refused=True)  # over the pin budget (the index counts it)
         if not req.session:
             self.state.set_pins(found, req.ttl_ms)
         return master_pb2.PinReply(pinned=pinned)
