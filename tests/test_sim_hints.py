@@ -204,6 +204,17 @@ def test_a_pin_over_the_budget_is_refused_counted_and_the_request_still_served()
     assert res.per_request["cached"][3] == 0 and res.total.requests == 6  # as without hints
 
 
+def test_retention_pins_the_prompts_chain_and_the_one_its_reply_closes_as_prefill_and_decode_do() -> None:
+    tokens = _blocks(1, 2)
+    turn = Request("t", 0.0, len(tokens), 65, tokens=tokens, output_tokens=[*_blocks(3), 6], workload="w",
+                   cache_key="S", **FIVE_MIN)  # fmt: skip
+    cfg = SimConfig(spec=get_spec("tiny"), block_size=64, checkpoints=parse_checkpoints("prompt,output"))
+    res = simulate([turn.validate()], cfg)
+    # prefill: M1 M2 + K2 (the prompt's end); decode: M1 M2 M3 + K3 (the reply's)
+    assert (res.hints["pins"], res.hints["objects_pinned"]) == (2, 7)
+    assert simulate([turn], replace(cfg, supersede=True)).hints["pins"] == 2
+
+
 def test_a_retained_prefix_gets_its_checkpoint_and_outlives_one_session_while_another_holds_it() -> None:
     prefix = {"retained_prefix_tokens": 128, "prefix_retention_tier": "1h", "prefix_retention_ms": 3_600_000}
     reqs = [

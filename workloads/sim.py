@@ -287,8 +287,9 @@ class _Replay:
         """Pin what the request asked to retain, then end its session if it was the last turn. A refused
         pin (over the budget) is counted, never an error: the request was served either way.
 
-        As the serving path does (prefill and decode pin under the client's session): every turn's chain
-        stays pinned until its TTL or the session's end, and a retained prefix is held by the session at
+        As the serving path does (prefill pins the prompt's chain, decode the chain its end-of-output
+        checkpoint closes, both under the client's session): every turn's chains stay pinned until their
+        TTL or the session's end, and a retained prefix is held by the session at
         its longer TTL, pinned while any session that sent it holds it. With ``SimConfig.supersede`` a
         session holds only its *latest* chain: a turn's pin releases the previous chain where the new one
         does not cover it (prefixes excepted).
@@ -301,11 +302,18 @@ class _Replay:
             if keys and self._pin(idx, keys, req.prefix_retention_ms, session):
                 held.prefix.update(keys)
         if req.retention_ms:
-            keys = self._chain_keys(idx, chain, len(chain.hashes))
-            if keys and self._pin(idx, keys, req.retention_ms, session) and session and self.config.supersede:
-                stale = [k for k in held.chain if k not in held.prefix]
-                held.chain = set(keys)
-                stale = [k for k in stale if k not in held.chain]
+            # prefill pins the prompt's chain, then decode the chain its end-of-output checkpoint closes
+            kept: set[bytes] = set()
+            spans = [chain.full_prompt_blocks]
+            if len(chain.hashes) > chain.prompt_blocks:
+                spans.append(len(chain.hashes))
+            for blocks in spans:
+                keys = self._chain_keys(idx, chain, blocks)
+                if keys and keys[-1] not in kept and self._pin(idx, keys, req.retention_ms, session):
+                    kept.update(keys)
+            if kept and session and self.config.supersede:
+                stale = [k for k in held.chain if k not in held.prefix and k not in kept]
+                held.chain = kept
                 if stale:
                     idx.pin(stale, 0, session=session)
         if req.session_end and req.cache_key is not None:
