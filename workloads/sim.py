@@ -233,13 +233,20 @@ class _Replay:
         idx, spec, req, chain = self.shard_indexes[st.shard], self.spec, st.req, st.chain
         keys = [b"M" + h for h in chain.hashes]
         written: list[tuple[bytes, int, bool]] = []  # key, real bytes, is checkpoint
+        # a client's retention hint covers prefill's puts (any span) and decode's (a whole-prompt one):
+        # admission control does not turn them away, the pin that follows decides how long they stay
+        hinted = self.config.hints
+        by_prefill = hinted and bool(req.retention_ms or req.prefix_retention_ms)
+        by_decode = hinted and bool(req.retention_ms)
         try:
             for j, key in enumerate(keys):
                 if key in idx:
                     continue
                 real = chain.block_tokens[j] * spec.mla_bytes_per_token
                 parent = keys[j - 1] if j else b""
-                if self._insert(idx, key, ObjectKind.MLA, 1 if self.in_blocks else real, req.tenant, parent):
+                size = 1 if self.in_blocks else real
+                admit = not (by_decode if j >= chain.prompt_blocks else by_prefill)
+                if self._insert(idx, key, ObjectKind.MLA, size, req.tenant, parent, admit):
                     written.append((key, real, False))
             if spec.hybrid:
                 ck = self.config.checkpoints
@@ -255,8 +262,9 @@ class _Replay:
                         positions = sorted([*positions, mark])
                 for c in positions:
                     key = b"K" + chain.hashes[c - 1]
+                    admit = not (by_decode if c > chain.full_prompt_blocks else by_prefill)
                     if key not in idx and self._insert(
-                        idx, key, ObjectKind.KDA, self.kda_size, req.tenant, b""
+                        idx, key, ObjectKind.KDA, self.kda_size, req.tenant, b"", admit
                     ):
                         written.append((key, spec.kda_bytes_per_checkpoint, True))
         except StoreIndexError as e:
@@ -287,35 +295,39 @@ class _Replay:
         """Pin what the request asked to retain, then end its session if it was the last turn. A refused
         pin (over the budget) is counted, never an error: the request was served either way.
 
-        As the serving path does (prefill pins the prompt's chain, decode the chain its end-of-output
-        checkpoint closes, both under the client's session): every turn's chains stay pinned until their
-        TTL or the session's end, and a retained prefix is held by the session at
-        its longer TTL, pinned while any session that sent it holds it. With ``SimConfig.supersede`` a
-        session holds only its *latest* chain: a turn's pin releases the previous chain where the new one
-        does not cover it (prefixes excepted).
+        The calls the serving path makes (``worker/store_push.retain_prefixes``), under the client's
+        session (a hint without a ``cache_key`` gets the request's own): prefill pins each span (the
+        retained prefix, the whole prompt) up to its deepest checkpoint, spans that end at the same
+        checkpoint as one pin at the longest TTL; then decode pins the chain its end-of-output checkpoint
+        closes. Every turn's pins stay until their TTL or the session's end, and a prefix that several
+        sessions pin stays pinned while any holds it. With ``SimConfig.supersede`` a session holds only its
+        *latest* chain: a turn's pin releases the previous chain where the new one does not cover it
+        (prefixes excepted).
         """
-        session = req.cache_key or ""
+        session = req.cache_key or f"request:{req.request_id}"
         held = self.session_pins.setdefault((id(idx), req.tenant, session), _SessionPins())
-        if req.prefix_retention_ms:
-            blocks = min(req.retained_prefix_tokens // self.block_size, len(chain.hashes))
-            keys = self._chain_keys(idx, chain, blocks)
-            if keys and self._pin(idx, keys, req.prefix_retention_ms, session):
-                held.prefix.update(keys)
-        if req.retention_ms:
-            # prefill pins the prompt's chain, then decode the chain its end-of-output checkpoint closes
-            kept: set[bytes] = set()
-            spans = [chain.full_prompt_blocks]
-            if len(chain.hashes) > chain.prompt_blocks:
-                spans.append(len(chain.hashes))
-            for blocks in spans:
-                keys = self._chain_keys(idx, chain, blocks)
-                if keys and keys[-1] not in kept and self._pin(idx, keys, req.retention_ms, session):
-                    kept.update(keys)
-            if kept and session and self.config.supersede:
-                stale = [k for k in held.chain if k not in held.prefix and k not in kept]
-                held.chain = kept
-                if stale:
-                    idx.pin(stale, 0, session=session)
+        spans: dict[bytes, tuple[list[bytes], int, bool]] = {}  # checkpoint -> keys, TTL, a prefix's
+        for blocks, ttl_ms, prefix in (
+            (req.retained_prefix_tokens // self.block_size, req.prefix_retention_ms, True),
+            (chain.full_prompt_blocks, req.retention_ms, False),
+        ):
+            keys = self._chain_keys(idx, chain, min(blocks, len(chain.hashes))) if ttl_ms else []
+            if keys:
+                _, other_ttl, other_prefix = spans.get(keys[-1], (keys, 0, False))
+                spans[keys[-1]] = (keys, max(ttl_ms, other_ttl), prefix or other_prefix)
+        kept: set[bytes] = set()
+        for keys, ttl_ms, prefix in spans.values():
+            if self._pin(idx, keys, ttl_ms, session):
+                (held.prefix if prefix else kept).update(keys)
+        if req.retention_ms and len(chain.hashes) > chain.prompt_blocks:
+            keys = self._chain_keys(idx, chain, len(chain.hashes))
+            if keys and keys[-1] not in spans and self._pin(idx, keys, req.retention_ms, session):
+                kept.update(keys)
+        if kept and self.config.supersede:
+            stale = [k for k in held.chain if k not in held.prefix and k not in kept]
+            held.chain = kept
+            if stale:
+                idx.pin(stale, 0, session=session)
         if req.session_end and req.cache_key is not None:
             t = self.hints
             t.sessions_ended += 1
@@ -356,12 +368,20 @@ class _Replay:
         return True
 
     def _insert(
-        self, idx: PrefixIndex, key: bytes, kind: ObjectKind, size: int, tenant: str, parent: bytes
+        self,
+        idx: PrefixIndex,
+        key: bytes,
+        kind: ObjectKind,
+        size: int,
+        tenant: str,
+        parent: bytes,
+        admit: bool = True,
     ) -> bool:
         """Insert, or count a refusal when the index cannot hold the object (as a master's put would fail:
-        the request still runs, the object is simply not cached)."""
+        the request still runs, the object is simply not cached). ``admit=False``: a retention hint covers
+        it, admission control does not apply."""
         try:
-            idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent)
+            idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent, admit=admit)
         except NotAdmittedError:
             self.not_admitted += 1
             return False
