@@ -167,6 +167,33 @@ def test_a_chain_that_outgrows_the_depth_hits_on_its_new_shard(up: ShardedUp) ->
     assert text == cold_short and cached == BLOCK
 
 
+def test_a_session_retained_across_shards_is_released_on_every_shard(up: ShardedUp) -> None:
+    """One session (``prompt_cache_key``) whose turns route to different shards: each shard pins the chain
+    it owns, and one ``DELETE /v1/prompt_cache/{key}`` releases them all."""
+    turns = [p for p in _prompts(40)[12:] if up.shard_of(p) in (0, 1)]
+    turns = [next(p for p in turns if up.shard_of(p) == 0), next(p for p in turns if up.shard_of(p) == 1)]
+
+    def pinned() -> list[int]:
+        return [
+            call_blocking(up.masters[i]["address"], "Stats", master_pb2.StatsRequest(), 2.0).pinned_bytes
+            for i in range(SHARDS.count)
+        ]
+
+    before = pinned()
+    for tokens in turns:
+        body = {"model": "tiny", "prompt": tokens, "max_tokens": 2, "prompt_cache_key": "sharded-session",
+                "prompt_cache_retention": "in_memory"}  # fmt: skip
+        r = httpx.post(f"{up.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["kvpool"]["retention"]["retained_tokens"] == BLOCK * 4, (
+            r.text
+        )
+    during = pinned()
+    assert during[0] > before[0] and during[1] > before[1] and during[2] == before[2]
+    gone = httpx.delete(f"{up.url}/v1/prompt_cache/sharded-session", timeout=10).json()
+    assert gone["deleted"] and gone["released_objects"] == 2 * (4 + 1)  # per turn: 4 blocks + a checkpoint
+    assert pinned() == before
+
+
 def test_a_killed_shard_master_costs_only_its_chains(up: ShardedUp) -> None:
     """Last: SIGKILL shard 1's master. Its prompts are answered identically without cache, within the store
     deadline; every other prompt still hits."""
