@@ -41,7 +41,9 @@ def _assert_ckpt_equal(a: KDACheckpoint, b: KDACheckpoint) -> None:
         assert torch.equal(a.layers[i].conv, b.layers[i].conv), f"conv state differs in layer {i}"
 
 
-@pytest.mark.parametrize("L,seed", [(700, 0), (1100, 1), (64 * 9, 2)])
+# 1100 resumes at every split a shorter prompt with a partial last block would (64..576) and at 1024 too;
+# 64 * 9 is the prompt that ends on a block boundary
+@pytest.mark.parametrize("L,seed", [(1100, 1), (64 * 9, 2)])
 def test_resume_is_bitwise(model, L, seed):
     ids = _ids(L, seed)
     splits = [p for p in (64, 128, 320, 512, 576, 1024) if p < L]
