@@ -1,6 +1,6 @@
-"""Every service's own Prometheus ``/metrics`` (``--metrics-port``): prefill and decode workers and storage
-nodes as real processes (``worker_cluster``, ``node_procs``), scraped with httpx before and after real
-traffic."""
+"""Every service's own Prometheus ``/metrics`` (``--metrics-port``): prefill and decode workers, storage
+nodes and the gateway as real processes (one module cluster as ``kvpool up`` starts it, and standalone
+nodes), scraped with httpx before and after real traffic."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import xxhash
 import yaml
 from kvpool.kvstore.transport.selector import TransportSelector
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.runtime import cluster_auth
 from kvpool.worker.client import DisaggClient
 from kvpool.worker.handoff import PrefillRequest
 from kvpool.worker.sampling import SamplingParams
@@ -26,14 +27,18 @@ from store_helpers import location, start_node
 
 from kvpool.commands.status import run_status
 from kvpool.launch.cluster import Cluster
-from kvpool.launch.config import load_config
-from tests.harness.clusters import worker_cluster
+from kvpool.launch.config import load_config, merge_config
+from tests.harness.clusters import WORKER_CLUSTER
 
 Samples = dict[tuple[str, frozenset], float]
 
 
 def scrape(host: str, port: int) -> Samples:
-    r = httpx.get(f"http://{host}:{port}/metrics", timeout=10)
+    return scrape_url(f"http://{host}:{port}/metrics")
+
+
+def scrape_url(url: str) -> Samples:
+    r = httpx.get(url, timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out: Samples = {}
     for family in text_string_to_metric_families(r.text):
@@ -53,8 +58,15 @@ def metrics_addr(ready: dict) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with worker_cluster(tmp_path_factory.mktemp("metrics")) as c:  # every service's metrics_port is on
-        yield c
+    """One cluster for the module, as ``kvpool up`` starts it (gateway, cluster secret, published as the
+    current run for ``kvpool status``), with ``worker_cluster``'s services and settings (workers on tcp):
+    every service's metrics_port is on."""
+    base = tmp_path_factory.mktemp("metrics")
+    config = load_config(overrides=merge_config(WORKER_CLUSTER, {"gateway": {"port": 0}}))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVPOOL_RUNS", str(base / "runs"))
+        with Cluster(config, base / "run") as c:
+            yield c
 
 
 def test_prefill_decode_and_node_metrics_move_with_a_conversation(cluster) -> None:
@@ -80,7 +92,11 @@ def test_prefill_decode_and_node_metrics_move_with_a_conversation(cluster) -> No
         finally:
             await client.close()
 
-    done = asyncio.run(go())
+    cluster_auth.configure(cluster_auth.read_secret_file(str(cluster.secret_file)))  # a client of the run
+    try:
+        done = asyncio.run(go())
+    finally:
+        cluster_auth.configure(None)  # the standalone nodes below have no secret
     p1, d1, n1 = scrape(*prefill), scrape(*decode), scrape(*node)
 
     # prefill: one outcome per request, token accounting equal to what the replies reported
@@ -213,40 +229,39 @@ def test_metrics_are_off_without_the_flag(tmp_path) -> None:
         node.stop()
 
 
-def test_kvpool_up_wires_every_metrics_port_and_status_shows_them(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("KVPOOL_RUNS", str(tmp_path / "runs"))
-    overrides = {"gateway": {"port": 0}, "prefill": {"count": 1}, "decode": {"count": 1}}
-    with Cluster(load_config(overrides=overrides), tmp_path / "run") as c:
-        urls = {s.name: s.metrics_url for s in c.services.values()}
-        assert set(urls) == {"master", "node-0", "prefill-0", "decode-0", "gateway"} and all(urls.values()), (
-            urls
-        )
-        r = httpx.post(
-            c.base_url + "/v1/completions",
-            json={"model": "tiny", "prompt": "hello metrics " * 20, "max_tokens": 4},
-            timeout=60,
-        )
-        assert r.status_code == 200, r.text
-        texts = {name: httpx.get(url, timeout=10).text for name, url in urls.items()}
-        assert 'kvpool_prefill_requests_total{status="ok"} 1.0' in texts["prefill-0"]
-        assert 'kvpool_decode_requests_total{status="ok"} 1.0' in texts["decode-0"]
-        assert "kvpool_node_transport_bytes_total" in texts["node-0"]
-        assert "kvpool_master_objects" in texts["master"] and "kvpool_requests_total" in texts["gateway"]
-        for name, text in texts.items():  # Prometheus conventions: no _created series, counters end in _total
-            assert "_created" not in text, name
-            for line in text.splitlines():
-                if line.startswith("# TYPE ") and line.endswith(" counter"):
-                    assert line.split()[2].endswith("_total"), (name, line)
-        assert "# TYPE kvpool_store_evictions_total counter" in texts["gateway"]
-        _every_queried_metric_is_exported(texts)
-        requests = [ln for ln in texts["gateway"].splitlines() if ln.startswith("kvpool_requests_total{")]
-        assert requests and all('tenant="none"' in ln and 'workload="default"' in ln for ln in requests)
-        capsys.readouterr()
-        assert run_status(argparse.Namespace(state=None, json=True)) == 0
-        rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["services"]}
-        assert {n: r["metrics"] for n, r in rows.items()} == urls
-        assert run_status(argparse.Namespace(state=None, json=False)) == 0
-        assert urls["prefill-0"] in capsys.readouterr().out
+def test_kvpool_up_wires_every_metrics_port_and_status_shows_them(cluster, capsys) -> None:
+    """The module's cluster, started with a gateway and published as ``kvpool up`` does: one request through
+    the gateway moves each worker's request counter by one (the first case's two requests came before it)."""
+    urls = {s.name: s.metrics_url for s in cluster.services.values()}
+    assert set(urls) == {"master", "node-0", "prefill-0", "decode-0", "gateway"} and all(urls.values()), urls
+    ok = {"prefill-0": "kvpool_prefill_requests_total", "decode-0": "kvpool_decode_requests_total"}
+    before = {name: val(scrape_url(urls[name]), metric, status="ok") for name, metric in ok.items()}
+    r = httpx.post(
+        cluster.base_url + "/v1/completions",
+        json={"model": "tiny", "prompt": "hello metrics " * 20, "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    texts = {name: httpx.get(url, timeout=10).text for name, url in urls.items()}
+    for name, metric in ok.items():
+        assert f'{metric}{{status="ok"}} {before[name] + 1:.1f}' in texts[name], name
+    assert "kvpool_node_transport_bytes_total" in texts["node-0"]
+    assert "kvpool_master_objects" in texts["master"] and "kvpool_requests_total" in texts["gateway"]
+    for name, text in texts.items():  # Prometheus conventions: no _created series, counters end in _total
+        assert "_created" not in text, name
+        for line in text.splitlines():
+            if line.startswith("# TYPE ") and line.endswith(" counter"):
+                assert line.split()[2].endswith("_total"), (name, line)
+    assert "# TYPE kvpool_store_evictions_total counter" in texts["gateway"]
+    _every_queried_metric_is_exported(texts)
+    requests = [ln for ln in texts["gateway"].splitlines() if ln.startswith("kvpool_requests_total{")]
+    assert requests and all('tenant="none"' in ln and 'workload="default"' in ln for ln in requests)
+    capsys.readouterr()
+    assert run_status(argparse.Namespace(state=None, json=True)) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["services"]}
+    assert {n: r["metrics"] for n, r in rows.items()} == urls
+    assert run_status(argparse.Namespace(state=None, json=False)) == 0
+    assert urls["prefill-0"] in capsys.readouterr().out
 
 
 def test_k8s_and_compose_expose_and_annotate_every_metrics_port() -> None:
