@@ -334,12 +334,18 @@ def test_unreachable_store_serves_without_cache_or_fails_when_asked(tmp_path, re
 
 
 def test_verify_against_given_workers(cluster):
-    """`kvpool verify --prefill/--decode` path: the fixed prompt set against this module's workers."""
-    from kvpool.verify import run_verify
+    """`kvpool verify --prefill/--decode` path: the fixed prompt set against this module's workers, held to
+    what test_verify.py asked of `kvpool verify --json` on its own cluster of the same shape (that launcher
+    path stays tested by test_model_dsa_verify.py, `kvpool verify --model tiny-dsa-fp8 --json`)."""
+    from kvpool.verify import prompt_set, run_verify
 
     report = asyncio.run(run_verify("tiny", *workers(cluster), tenant="given"))
-    assert report.ok and report.identical == report.requests
-    assert report.cached_tokens > 0 and report.cached_tokens_verified
+    n = len(prompt_set()) + sum(c.follow_up is not None for c in prompt_set())
+    assert report.requests == report.identical == n and report.ok
+    assert report.max_logit_diff <= 1e-4 and report.cached_tokens_verified
+    assert report.cached_tokens > report.prompt_tokens // 3
+    assert all(r.bitwise_logits for r in report.rows if not r.name.endswith("turn2"))
+    assert all(r.cached_tokens > 0 for r in report.rows if r.name.endswith("turn2"))
 
 
 def test_colocated_worker_serves_both_contracts(cluster, reference, tmp_path):
