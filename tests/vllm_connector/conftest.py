@@ -38,8 +38,11 @@ def store(vllm_dir: Path):
 
 @pytest.fixture(scope="session")
 def baseline(model_dir: Path, vllm_dir: Path) -> dict[str, list[list[int]]]:
-    """Greedy tokens of an engine with no connector at all, for PROMPTS and PD_PROMPTS."""
-    e = Engine({"model": str(model_dir)}, vllm_dir / "engine-baseline.log")
+    """Greedy tokens of an engine with no connector at all, for PROMPTS and PD_PROMPTS. With no connector
+    there is nothing to pass between processes, so it runs as one process (no engine-core and worker
+    children: a third of the boot) and answers token for token as the default layout does."""
+    single = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # with executor "uni": engine core and worker in-process
+    e = Engine({"model": str(model_dir), "executor": "uni"}, vllm_dir / "engine-baseline.log", env=single)
     try:
         return {
             "prompts": [o["tokens"] for o in e.run(PROMPTS)["outputs"]],

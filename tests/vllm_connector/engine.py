@@ -2,10 +2,12 @@
 
 Run with the vLLM venv's Python: ``python tests/vllm_connector/engine.py SPEC_JSON``. SPEC: ``model`` (a
 directory), ``connector`` (``null`` for none, else ``{"role": ..., "master": ..., ...extra}``, or
-``{"example": DIR}`` for vLLM's own disk ``ExampleConnector``), ``block_size``, ``dtype``. Once the engine is
-up it prints ``KVPOOL-ENGINE {"ready": ...}``, then answers each command line ``{"prompts": [[ids...]],
-"max_tokens": N, "salt": S}`` with one line ``KVPOOL-ENGINE {"outputs": [{"tokens": [...], "cached": n}],
-"seconds": s}`` (greedy), until stdin closes. The marker keeps answers apart from vLLM's own stdout logs.
+``{"example": DIR}`` for vLLM's own disk ``ExampleConnector``), ``block_size``, ``dtype``, ``executor``
+(vLLM's ``distributed_executor_backend``; "uni" with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is one process).
+Once the engine is up it prints ``KVPOOL-ENGINE {"ready": ...}``, then answers each command line
+``{"prompts": [[ids...]], "max_tokens": N, "salt": S}`` with one line ``KVPOOL-ENGINE {"outputs":
+[{"tokens": [...], "cached": n}], "seconds": s}`` (greedy), until stdin closes. The marker keeps answers
+apart from vLLM's own stdout logs.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def build_llm(spec: dict):
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 4608),
         enable_prefix_caching=spec.get("prefix_caching", False),
         kv_transfer_config=kv,
+        distributed_executor_backend=spec.get("executor"),
         seed=0,
         dtype=spec.get("dtype", "float32"),
         disable_log_stats=not spec.get("log_stats", False),  # on: per-request first-token latency
