@@ -10,6 +10,7 @@ import pytest
 from tests.harness.store_procs import start_master, start_node
 from tests.vllm_connector.engines import Engine, prompts_of
 from tests.vllm_connector.make_model import make_tiny_llama
+from tests.vllm_connector.pd_example import start as start_pd_example
 
 # several 64-token chunks each, and not multiples of 64 (the last chunk is the engine's to compute)
 PROMPTS = prompts_of([300, 450, 200], seed=1)
@@ -34,6 +35,16 @@ def store(vllm_dir: Path):
     for p in (node, master):
         if p.alive():
             p.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_example(model_dir: Path, vllm_dir: Path):
+    """The disaggregated example's producer and consumer runs, started in the background (a Future of
+    ``pd_example.run_example``'s record): the engine tests request it first, so its engine boots overlap
+    theirs; test_prefill_decode_example.py awaits it."""
+    pool, future = start_pd_example(model_dir, vllm_dir / "pd", PD_PROMPTS)
+    yield future
+    pool.shutdown(wait=True)  # its store is stopped by the run itself, whatever happened
 
 
 @pytest.fixture(scope="session")

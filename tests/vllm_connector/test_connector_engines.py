@@ -46,6 +46,7 @@ def engines(model_dir: Path, vllm_dir: Path, store, request: pytest.FixtureReque
     """A and B boot together with the baseline engine (each boot is seconds of CPU); B runs nothing before
     A has saved, so it is still an engine that never saw these prompts. A stays up for the silent-store
     case: it is the writer with a small save queue and a short shutdown deadline."""
+    request.getfixturevalue("pd_example")  # the example's two runs boot alongside these engines
     master, _ = store
     a_extra = {"deadline_s": 1.0, "save_queue_mb": 1, "shutdown_deadline_s": 2.0}
     a = Engine(kvpool_spec(model_dir, master.address, "kv_both", **a_extra), vllm_dir / "engine-a.log")
