@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.store_procs import start_master, start_node
-from tests.vllm_connector.engines import Engine, prompts_of
+from tests.vllm_connector.engines import Engine, close_all, prompts_of
 from tests.vllm_connector.make_model import make_tiny_llama
 from tests.vllm_connector.pd_example import start as start_pd_example
 
@@ -38,6 +38,15 @@ def store(vllm_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def closing():
+    """Engines told to exit by the module that used them, awaited at the end of the session: their
+    shutdowns (seconds of teardown each) overlap the tests that follow."""
+    engines: list[Engine] = []
+    yield engines
+    close_all(*engines)
+
+
+@pytest.fixture(scope="session")
 def pd_example(model_dir: Path, vllm_dir: Path):
     """The disaggregated example's producer and consumer runs, started in the background (a Future of
     ``pd_example.run_example``'s record): the engine tests request it first, so its engine boots overlap
@@ -48,7 +57,7 @@ def pd_example(model_dir: Path, vllm_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def baseline(model_dir: Path, vllm_dir: Path) -> dict[str, list[list[int]]]:
+def baseline(model_dir: Path, vllm_dir: Path, closing: list[Engine]) -> dict[str, list[list[int]]]:
     """Greedy tokens of an engine with no connector at all, for PROMPTS and PD_PROMPTS. With no connector
     there is nothing to pass between processes, so it runs as one process (no engine-core and worker
     children: a third of the boot) and answers token for token as the default layout does."""
@@ -60,4 +69,5 @@ def baseline(model_dir: Path, vllm_dir: Path) -> dict[str, list[list[int]]]:
             "pd": [o["tokens"] for o in e.run(PD_PROMPTS)["outputs"]],
         }
     finally:
-        e.close()
+        e.request_exit()
+        closing.append(e)

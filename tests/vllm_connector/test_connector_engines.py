@@ -20,7 +20,7 @@ from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.proto import common_pb2, node_pb2, node_pb2_grpc
 
 from tests.vllm_connector.conftest import PROMPTS
-from tests.vllm_connector.engines import Engine, close_all, kvpool_spec, prompts_of
+from tests.vllm_connector.engines import Engine, kvpool_spec, prompts_of
 
 pytestmark = pytest.mark.slow
 CHUNK = 64
@@ -47,6 +47,7 @@ def engines(model_dir: Path, vllm_dir: Path, store, request: pytest.FixtureReque
     A has saved, so it is still an engine that never saw these prompts. A stays up for the silent-store
     case: it is the writer with a small save queue and a short shutdown deadline."""
     request.getfixturevalue("pd_example")  # the example's two runs boot alongside these engines
+    closing = request.getfixturevalue("closing")  # A's and B's exits are awaited at the session's end
     master, _ = store
     a_extra = {"deadline_s": 1.0, "save_queue_mb": 1, "shutdown_deadline_s": 2.0}
     a = Engine(kvpool_spec(model_dir, master.address, "kv_both", **a_extra), vllm_dir / "engine-a.log")
@@ -63,7 +64,9 @@ def engines(model_dir: Path, vllm_dir: Path, store, request: pytest.FixtureReque
         b.wait_ready()
         yield a, b
     finally:
-        close_all(a, b)
+        for e in (a, b):
+            e.request_exit()
+        closing.extend((a, b))
 
 
 @pytest.fixture(scope="module")
