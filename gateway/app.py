@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from kvpool.gateway.cache_hints import IN_MEMORY
 from kvpool.gateway.chat_template import render_chat
 from kvpool.gateway.errors import (
     BackendUnavailable,
@@ -109,8 +110,9 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
+            retention = [IN_MEMORY, *settings.retention_tiers] if settings.cache_hints else None
             app.openapi_schema = document(
-                schema, settings.model_id, settings.max_output_tokens, gw.info.config.vocab_size
+                schema, settings.model_id, settings.max_output_tokens, gw.info.config.vocab_size, retention
             )
         return app.openapi_schema
 

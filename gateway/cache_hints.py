@@ -8,7 +8,8 @@ Three fields, the ones clients already send to the big APIs (docs/design/gateway
   writes after it, for that long. ``in_memory`` is this deployment's shortest tier; a tier name (``5m``,
   ``1h``, ``24h``) may be given directly;
 * ``cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`` (Anthropic) on a message or on a text part:
-  keep the prompt up to the end of that message (a breakpoint; at most four per request).
+  keep the prompt up to the end of that message or part (a breakpoint; the four deepest of a request are
+  honoured: each costs a checkpoint and a pin, and a schema cannot say "four" across messages).
 
 Why refuse instead of clamping: a client that asks for a day and silently gets five minutes is billed for
 the wrong tier and plans wrong; a 400 naming the allowed values is what OpenAI and Anthropic answer too.
@@ -22,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from kvpool.gateway.errors import InvalidRequest
-from kvpool.gateway.schemas import ChatMessage, _Sampling
+from kvpool.gateway.schemas import CacheControl, ChatMessage, _Sampling
 from kvpool.worker.handoff import RetainSpan
 
 MAX_KEY_CHARS = 256  # the master's bound on a session key (kvstore/master/core.py MAX_SESSION_CHARS)
@@ -117,31 +118,25 @@ class HintRules:
                 assert ends is not None
                 spans.append(RetainSpan(ends[i][part], self.tiers[tier]))
                 tiers.append(tier)
-        if sum(1 for s in spans if s.upto_tokens) > MAX_BREAKPOINTS:
-            raise InvalidRequest(
-                f"at most {MAX_BREAKPOINTS} cache_control breakpoints per request", param="messages"
-            )
+        marks = sorted((s for s in spans if s.upto_tokens), key=lambda s: s.upto_tokens)
+        if len(marks) > MAX_BREAKPOINTS:  # the deepest ones: each is a checkpoint to write and a pin to hold
+            spans = [s for s in spans if not s.upto_tokens] + marks[-MAX_BREAKPOINTS:]
         longest = max(tiers, key=self.tiers.__getitem__) if tiers else None
         return CacheHints(session, tuple(spans), longest)
 
-    def _control_tier(self, control: object, where: str) -> str:
-        if not isinstance(control, dict) or control.get("type") != "ephemeral":
-            raise InvalidRequest(f'{where} must be {{"type": "ephemeral", "ttl": ...}}', param=where)
-        unknown = set(control) - {"type", "ttl"}
-        if unknown:
-            raise InvalidRequest(f"{where} has unknown fields {sorted(unknown)}", param=where)
-        return self._tier(control.get("ttl", DEFAULT_TTL), f"{where}.ttl", list(self.tiers))
+    def _control_tier(self, control: CacheControl, where: str) -> str:
+        ttl = DEFAULT_TTL if control.ttl is None else control.ttl
+        return self._tier(ttl, f"{where}.ttl", list(self.tiers))
 
 
-def _controls(m: ChatMessage, i: int) -> list[tuple[str, int, object]]:
+def _controls(m: ChatMessage, i: int) -> list[tuple[str, int, CacheControl]]:
     """``cache_control`` objects on message ``i`` (part -1: the message's end) and on its text parts
     (part j), with where each was found; ``null`` is no control."""
-    out: list[tuple[str, int, object]] = []
-    if m.model_extra and m.model_extra.get("cache_control") is not None:
-        out.append((f"messages[{i}].cache_control", -1, m.model_extra["cache_control"]))
+    out: list[tuple[str, int, CacheControl]] = []
+    if m.cache_control is not None:
+        out.append((f"messages[{i}].cache_control", -1, m.cache_control))
     if isinstance(m.content, list):
         for j, part in enumerate(m.content):
-            if part.model_extra and part.model_extra.get("cache_control") is not None:
-                where = f"messages[{i}].content[{j}].cache_control"
-                out.append((where, j, part.model_extra["cache_control"]))
+            if part.cache_control is not None:
+                out.append((f"messages[{i}].content[{j}].cache_control", j, part.cache_control))
     return out

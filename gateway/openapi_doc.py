@@ -37,12 +37,20 @@ ERRORS = {
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def document(schema: dict[str, Any], model_id: str, max_tokens: int, vocab_size: int) -> dict[str, Any]:
+def document(
+    schema: dict[str, Any],
+    model_id: str,
+    max_tokens: int,
+    vocab_size: int,
+    retention: list[str] | None = None,
+) -> dict[str, Any]:
     """Rewrite FastAPI's generated ``schema`` in place (see the module docstring) and return it. The
     deployment's limits are written in: ``max_tokens`` at most the server's output limit, token ids
-    below the vocabulary size."""
+    below the vocabulary size, the retention tiers it offers (``retention``: the values of
+    ``prompt_cache_retention``, ``in_memory`` first; None = cache hints disabled, the fields not offered)."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = ERROR_SCHEMA
+    _document_hints(components, retention)
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = components.get(name, {}).get("properties", {})
         if "model" in props:
@@ -69,6 +77,37 @@ def document(schema: dict[str, Any], model_id: str, max_tokens: int, vocab_size:
                     "description": "Prometheus text exposition",
                     "content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}},
                 }
+    for op in schema.get("paths", {}).get("/v1/prompt_cache/{key}", {}).values():
+        op["responses"]["200"]["content"]["application/json"]["schema"] = {
+            "type": "object",
+            "required": ["id", "object", "deleted", "released_objects"],
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": "prompt_cache.deleted"},
+                "deleted": {"type": "boolean"},
+                "released_objects": {"type": "integer", "minimum": 0},
+            },
+        }
     schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
     schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
     return schema
+
+
+def _document_hints(components: dict[str, Any], retention: list[str] | None) -> None:
+    """``prompt_cache_retention`` and ``cache_control.ttl`` as enums of what this deployment offers; with
+    hints off, the three fields are declared as not accepted (a request carrying one is a 400)."""
+    tiers = [t for t in retention or () if t != "in_memory"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = components.get(name, {}).get("properties", {})
+        for field, values in (("prompt_cache_retention", retention), ("prompt_cache_key", None)):
+            if field not in props:
+                continue
+            if retention is None:
+                props[field] = {"not": {}, "description": "cache hints are disabled on this deployment"}
+            elif values is not None:
+                props[field]["anyOf"] = [{"enum": values}, {"type": "null"}]
+    control = components.get("CacheControl", {}).get("properties", {})
+    if "ttl" in control:
+        control["ttl"]["anyOf"] = (
+            [{"enum": tiers}, {"type": "null"}] if retention is not None else [{"not": {}}]
+        )

@@ -71,7 +71,10 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     # cache hints (gateway/cache_hints.py checks them against the deployment: a 400 names what it offers)
     prompt_cache_key: str | None = Field(
-        default=None, description="session key: groups a conversation's retained chains (OpenAI's field)"
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="session key: groups a conversation's retained chains (OpenAI's field)",
     )
     prompt_cache_retention: str | None = Field(
         default=None,
@@ -94,10 +97,19 @@ class CompletionRequest(_Sampling):
     _echo_is_false = field_validator("echo", mode="before")(_only_false)
 
 
+class CacheControl(BaseModel):
+    """Anthropic's breakpoint: keep the prompt up to here for ``ttl`` (a tier the deployment offers)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(BaseModel):
@@ -105,6 +117,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    cache_control: CacheControl | None = None
 
     def text(self) -> str:
         if self.content is None:
