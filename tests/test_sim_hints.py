@@ -4,15 +4,18 @@ through the index and counts refusals, and bills price written tokens at the req
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from kvpool.workloads.checkpoints import parse_checkpoints
 from kvpool.workloads.errors import PricingError, TraceFormatError
 from kvpool.workloads.generators import LONG_TIER, SHORT_TIER, generate
+from kvpool.workloads.live import replay_live_async
 from kvpool.workloads.pricing import get_profile, price_result
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.sim_result import SimResult
@@ -281,3 +284,34 @@ def test_policy_bench_rows_and_the_hint_goals() -> None:
     nothing = pb.goals_met({}, [])
     assert nothing["mix_with_hints_ge_0_85x_reference"]["met"] is None
     assert nothing["sim_s_per_point_le"]["met"] is None  # conversation not run: not a miss
+
+
+# ------------------------------------------------------------------------------------------- live replay
+
+
+def test_live_replay_sends_the_hints_and_ends_the_session() -> None:
+    seen: list[tuple[str, str, dict]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            seen.append(("DELETE", request.url.path, dict(request.url.params)))
+            return httpx.Response(200, json={"deleted": True})
+        seen.append(("POST", request.url.path, json.loads(request.content)))
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+        return httpx.Response(200, json={"choices": [{"text": "x"}], "usage": usage})
+
+    reqs = [
+        Request("a", 0, 3, 1, tokens=[1, 2, 3], tenant="t1", cache_key="conv/1", **FIVE_MIN),
+        Request("b", 1, 3, 1, tokens=[1, 2, 3], tenant="t1", cache_key="conv/1", session_end=True),
+    ]
+    transport = httpx.MockTransport(handler)
+    asyncio.run(
+        replay_live_async(reqs, "http://fake", speed=0, concurrency=1, transport=transport, hints=True)
+    )
+    (_, _, first), (_, _, second), end = seen
+    assert first["prompt_cache_key"] == "conv/1" and first["prompt_cache_retention"] == "5m"
+    assert second["prompt_cache_key"] == "conv/1" and "prompt_cache_retention" not in second
+    assert end == ("DELETE", "/v1/prompt_cache/conv/1", {"cache_salt": "t1"})  # the key quoted, as sent
+    seen.clear()
+    asyncio.run(replay_live_async(reqs, "http://fake", speed=0, concurrency=1, transport=transport))
+    assert len(seen) == 2 and all("prompt_cache_key" not in body for _, _, body in seen)

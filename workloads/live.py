@@ -14,11 +14,13 @@ against ``kvpool up`` next to the simulator (tests/test_workloads_live_vs_sim.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from kvpool.workloads.errors import ReplayError
@@ -98,7 +100,7 @@ def _has_text(obj: dict[str, Any]) -> bool:
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, model: str, req: Request, timeout_s: float
+    client: httpx.AsyncClient, url: str, model: str, req: Request, timeout_s: float, hints: bool = False
 ) -> LiveOutcome:
     body = {
         "model": model,
@@ -111,6 +113,12 @@ async def _one(
         "user": req.tenant,
         "metadata": {"workload": req.workload, "tenant": req.tenant},  # the gateway's metric labels
     }
+    if hints and req.cache_key is not None:
+        body["prompt_cache_key"] = req.cache_key
+    if hints and req.retention_tier is not None:
+        # the whole prompt's tier; a retained prefix needs a chat message's cache_control, which a
+        # token-id prompt cannot carry: it is not sent
+        body["prompt_cache_retention"] = req.retention_tier
     start = time.perf_counter()
     ttft = -1.0
     usage: tuple[int, int, int] | None = None
@@ -155,9 +163,12 @@ async def replay_live_async(
     api_key: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     progress: Callable[[int, int], None] | None = None,
+    hints: bool = False,
 ) -> list[LiveOutcome]:
     """Send every request at ``arrival / speed`` after the start (``speed`` 0 = as fast as allowed),
-    at most ``concurrency`` in flight; outcomes in arrival order."""
+    at most ``concurrency`` in flight; outcomes in arrival order. With ``hints`` each request carries its
+    client hints (``prompt_cache_key``, ``prompt_cache_retention``), and a session's last request is
+    followed by ``DELETE /v1/prompt_cache/{key}``, as a client ends a session."""
     if not base_url.startswith(("http://", "https://")):
         raise ReplayError(f"live URL must start with http:// or https://, got {base_url!r}")
     if speed < 0 or concurrency <= 0 or timeout_s <= 0:
@@ -184,7 +195,9 @@ async def replay_live_async(
                     await asyncio.sleep(delay)
             async with sem:
                 sent_ms = (time.perf_counter() - start) * 1000
-                out = await _one(client, url, model, req, timeout_s)
+                out = await _one(client, url, model, req, timeout_s, hints)
+                if hints and req.session_end and req.cache_key is not None:
+                    await _end_session(client, url.removesuffix("/completions"), req, timeout_s)
             out.sent_ms = sent_ms
             done += 1
             if progress is not None:
@@ -192,6 +205,14 @@ async def replay_live_async(
             return out
 
         return list(await asyncio.gather(*(run(r) for r in reqs)))
+
+
+async def _end_session(client: httpx.AsyncClient, base: str, req: Request, timeout_s: float) -> None:
+    """Release the session's retained chains. A failure only leaves pins to their TTL: the replay goes
+    on (the request itself was served)."""
+    url = f"{base}/prompt_cache/{quote(req.cache_key or '', safe='')}"
+    with contextlib.suppress(httpx.HTTPError):
+        await client.delete(url, params={"cache_salt": req.tenant}, timeout=timeout_s)
 
 
 def replay_live(requests: Sequence[Request], base_url: str, **kwargs: Any) -> dict[str, Any]:

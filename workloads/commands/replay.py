@@ -79,6 +79,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             speed=args.speed,
             concurrency=args.concurrency,
             progress=progress_factory(args)("live"),
+            hints=args.hints,
         )
         if args.out:
             Path(args.out).write_text(json.dumps(summary) + "\n", encoding="utf-8")
@@ -332,7 +333,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="honour the trace's client retention hints: pin retained chains within the pin budget, "
         "release a session's pins at its end (default on; --no-hints ignores them, as a deployment that "
-        "disables hints)",
+        "disables hints). Live: send prompt_cache_key / prompt_cache_retention, DELETE an ended session",
     )
     r.add_argument(
         "--pin-share",
