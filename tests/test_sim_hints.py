@@ -305,9 +305,10 @@ def test_live_replay_sends_the_hints_and_ends_the_session() -> None:
         Request("b", 1, 3, 1, tokens=[1, 2, 3], tenant="t1", cache_key="conv/1", session_end=True),
     ]
     transport = httpx.MockTransport(handler)
-    asyncio.run(
+    outcomes = asyncio.run(
         replay_live_async(reqs, "http://fake", speed=0, concurrency=1, transport=transport, hints=True)
     )
+    assert [o.session_end for o in outcomes] == ["", "ok"]
     (_, _, first), (_, _, second), end = seen
     assert first["prompt_cache_key"] == "conv/1" and first["prompt_cache_retention"] == "5m"
     assert second["prompt_cache_key"] == "conv/1" and "prompt_cache_retention" not in second

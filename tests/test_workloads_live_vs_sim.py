@@ -224,3 +224,27 @@ def test_paced_replay_agrees_where_timing_cannot_matter(cluster: Cluster) -> Non
     )  # fmt: skip
     assert not diff, diff
     assert determined
+
+
+def test_hinted_replay_is_served_live_as_simulated(cluster: Cluster) -> None:
+    """The client hints of a generated chat (session keys, 5m retention, session ends) sent to the real
+    gateway: every request is served, the DELETE of each ended session is accepted, and the hits are the
+    simulator's with hints honoured."""
+    reqs = [r for r in workload("hinted") if r.workload == "chat"][:10]
+    assert any(r.retention_tier for r in reqs) and any(r.cache_key for r in reqs)
+    live = replay_live(
+        reqs, cluster.base_url, model="tiny", speed=0.0, concurrency=1, timeout_s=60.0, hints=True
+    )
+    assert live["errors"] == 0, live["first_errors"]
+    ended = sum(r.session_end for r in reqs)
+    assert ended and (live["sessions_ended"], live["session_end_errors"]) == (ended, 0)
+    config = SimConfig(
+        spec=get_spec("tiny"),
+        capacity=CAPACITY_BYTES,
+        block_size=BLOCK,
+        checkpoints=CheckpointPolicy.parse(CHECKPOINTS),
+        store_output=False,
+    )
+    sim = simulate(reqs, config)
+    assert sim.hints["pins"] > 0 and sim.hints["pins_refused"] == 0
+    assert live["per_request"]["cached"] == sim.per_request["cached"]

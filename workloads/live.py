@@ -14,7 +14,6 @@ against ``kvpool up`` next to the simulator (tests/test_workloads_live_vs_sim.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ class LiveOutcome:
     e2e_ms: float
     error: str = ""
     sent_ms: float = 0.0  # when it was sent, ms after the replay started (pacing + waiting for a slot)
+    session_end: str = ""  # with hints, a session's last request: "ok" or why its DELETE failed
 
 
 def summarize(outcomes: Sequence[LiveOutcome]) -> dict[str, Any]:
@@ -64,6 +64,9 @@ def summarize(outcomes: Sequence[LiveOutcome]) -> dict[str, Any]:
         }
 
     out = block(outcomes)
+    ends = [o.session_end for o in outcomes if o.session_end]
+    out["sessions_ended"] = ends.count("ok")
+    out["session_end_errors"] = len(ends) - ends.count("ok")  # pins then wait for their TTL
     groups: dict[str, list[LiveOutcome]] = {}
     for o in outcomes:
         groups.setdefault(o.workload, []).append(o)
@@ -197,7 +200,9 @@ async def replay_live_async(
                 sent_ms = (time.perf_counter() - start) * 1000
                 out = await _one(client, url, model, req, timeout_s, hints)
                 if hints and req.session_end and req.cache_key is not None:
-                    await _end_session(client, url.removesuffix("/completions"), req, timeout_s)
+                    out.session_end = await _end_session(
+                        client, url.removesuffix("/completions"), req, timeout_s
+                    )
             out.sent_ms = sent_ms
             done += 1
             if progress is not None:
@@ -207,12 +212,15 @@ async def replay_live_async(
         return list(await asyncio.gather(*(run(r) for r in reqs)))
 
 
-async def _end_session(client: httpx.AsyncClient, base: str, req: Request, timeout_s: float) -> None:
-    """Release the session's retained chains. A failure only leaves pins to their TTL: the replay goes
-    on (the request itself was served)."""
+async def _end_session(client: httpx.AsyncClient, base: str, req: Request, timeout_s: float) -> str:
+    """Release the session's retained chains: "ok", or why not. A failure only leaves the pins to their
+    TTL: the replay goes on (the request itself was served) and counts it."""
     url = f"{base}/prompt_cache/{quote(req.cache_key or '', safe='')}"
-    with contextlib.suppress(httpx.HTTPError):
-        await client.delete(url, params={"cache_salt": req.tenant}, timeout=timeout_s)
+    try:
+        resp = await client.delete(url, params={"cache_salt": req.tenant}, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok" if resp.status_code == 200 else f"HTTP {resp.status_code}: {resp.text[:200]}"
 
 
 def replay_live(requests: Sequence[Request], base_url: str, **kwargs: Any) -> dict[str, Any]:
