@@ -238,6 +238,14 @@ def test_hinted_replay_is_served_live_as_simulated(cluster: Cluster) -> None:
     assert live["errors"] == 0, live["first_errors"]
     ended = sum(r.session_end for r in reqs)
     assert ended and (live["sessions_ended"], live["session_end_errors"]) == (ended, 0)
+    # the server pinned what the hints asked for (a prompt with a full block and a 5m tier), nothing else,
+    # and every ended session released what it held
+    retained = live["per_request"]["retained"]
+    asked = [
+        bool(r.retention_tier) and r.input_length >= BLOCK for r in sorted(reqs, key=lambda r: r.arrival_ms)
+    ]
+    assert [t > 0 for t in retained] == asked, (retained, asked)
+    assert live["objects_released"] > 0
     config = SimConfig(
         spec=get_spec("tiny"),
         capacity=CAPACITY_BYTES,

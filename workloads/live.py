@@ -39,6 +39,8 @@ class LiveOutcome:
     error: str = ""
     sent_ms: float = 0.0  # when it was sent, ms after the replay started (pacing + waiting for a slot)
     session_end: str = ""  # with hints, a session's last request: "ok" or why its DELETE failed
+    retained_tokens: int = 0  # prompt tokens the server says it pinned for the hints (kvpool's extension)
+    objects_released: int = 0  # what the session's DELETE released
 
 
 def summarize(outcomes: Sequence[LiveOutcome]) -> dict[str, Any]:
@@ -67,6 +69,7 @@ def summarize(outcomes: Sequence[LiveOutcome]) -> dict[str, Any]:
     ends = [o.session_end for o in outcomes if o.session_end]
     out["sessions_ended"] = ends.count("ok")
     out["session_end_errors"] = len(ends) - ends.count("ok")  # pins then wait for their TTL
+    out["objects_released"] = sum(o.objects_released for o in outcomes)
     groups: dict[str, list[LiveOutcome]] = {}
     for o in outcomes:
         groups.setdefault(o.workload, []).append(o)
@@ -79,8 +82,16 @@ def summarize(outcomes: Sequence[LiveOutcome]) -> dict[str, Any]:
         "output": [o.output_tokens for o in outcomes],
         "ttft_ms": [round(o.ttft_ms, 3) for o in outcomes],
         "sent_ms": [round(o.sent_ms, 3) for o in outcomes],
+        "retained": [o.retained_tokens for o in outcomes],
     }
     return out
+
+
+def _retained(obj: dict[str, Any]) -> int:
+    """Prompt tokens a kvpool gateway says it pinned for the request's hints (0 elsewhere)."""
+    extension = obj.get("kvpool")
+    retention = extension.get("retention") if isinstance(extension, dict) else None
+    return int(retention.get("retained_tokens", 0)) if isinstance(retention, dict) else 0
 
 
 def _usage(obj: dict[str, Any]) -> tuple[int, int, int] | None:
@@ -125,6 +136,7 @@ async def _one(
     start = time.perf_counter()
     ttft = -1.0
     usage: tuple[int, int, int] | None = None
+    retained = 0
     try:
         headers = {"x-workload": req.workload}
         async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
@@ -135,6 +147,7 @@ async def _one(
                 obj = json.loads(await resp.aread())
                 ttft = (time.perf_counter() - start) * 1000
                 usage = _usage(obj)
+                retained = _retained(obj)
             else:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -146,11 +159,14 @@ async def _one(
                     if ttft < 0 and _has_text(obj):
                         ttft = (time.perf_counter() - start) * 1000
                     usage = _usage(obj) or usage
+                    retained = _retained(obj) or retained
         e2e = (time.perf_counter() - start) * 1000
         if usage is None:
             raise ReplayError("response carried no usage (is stream_options.include_usage honoured?)")
         first = ttft if ttft >= 0 else e2e
-        return LiveOutcome(req.request_id, req.workload, usage[0], usage[1], usage[2], first, e2e)
+        out = LiveOutcome(req.request_id, req.workload, usage[0], usage[1], usage[2], first, e2e)
+        out.retained_tokens = retained
+        return out
     except (httpx.HTTPError, ReplayError, json.JSONDecodeError, ValueError, TypeError) as e:
         e2e = (time.perf_counter() - start) * 1000
         return LiveOutcome(req.request_id, req.workload, 0, 0, 0, 0.0, e2e, f"{type(e).__name__}: {e}")
@@ -200,7 +216,7 @@ async def replay_live_async(
                 sent_ms = (time.perf_counter() - start) * 1000
                 out = await _one(client, url, model, req, timeout_s, hints)
                 if hints and req.session_end and req.cache_key is not None:
-                    out.session_end = await _end_session(
+                    out.session_end, out.objects_released = await _end_session(
                         client, url.removesuffix("/completions"), req, timeout_s
                     )
             out.sent_ms = sent_ms
@@ -212,15 +228,23 @@ async def replay_live_async(
         return list(await asyncio.gather(*(run(r) for r in reqs)))
 
 
-async def _end_session(client: httpx.AsyncClient, base: str, req: Request, timeout_s: float) -> str:
-    """Release the session's retained chains: "ok", or why not. A failure only leaves the pins to their
-    TTL: the replay goes on (the request itself was served) and counts it."""
+async def _end_session(
+    client: httpx.AsyncClient, base: str, req: Request, timeout_s: float
+) -> tuple[str, int]:
+    """Release the session's retained chains: ("ok", objects released), or why not. A failure only leaves
+    the pins to their TTL: the replay goes on (the request itself was served) and counts it."""
     url = f"{base}/prompt_cache/{quote(req.cache_key or '', safe='')}"
     try:
         resp = await client.delete(url, params={"cache_salt": req.tenant}, timeout=timeout_s)
     except httpx.HTTPError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "ok" if resp.status_code == 200 else f"HTTP {resp.status_code}: {resp.text[:200]}"
+        return f"{type(exc).__name__}: {exc}", 0
+    if resp.status_code != 200:
+        return f"HTTP {resp.status_code}: {resp.text[:200]}", 0
+    try:
+        released = int(resp.json().get("released_objects", 0))
+    except (ValueError, AttributeError, TypeError):
+        released = 0  # another server's answer: the session ended, the count is unknown
+    return "ok", released
 
 
 def replay_live(requests: Sequence[Request], base_url: str, **kwargs: Any) -> dict[str, Any]:
