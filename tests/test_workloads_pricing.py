@@ -191,3 +191,19 @@ def test_savings_fraction_prints_as_a_short_decimal(capsys) -> None:
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert '"savings_fraction": 0.36,' in out or '"savings_fraction": 0.36}' in out, out
+
+
+def test_a_retained_prefix_without_a_tier_of_its_own_writes_only_the_prefix() -> None:
+    """Anthropic's explicit caching: a breakpoint writes the prompt up to it; past the last breakpoint the
+    tokens are plain input (not written at --write-tier)."""
+    per = {
+        "input": [10_000],
+        "cached": [4_000],
+        "output": [0],
+        "write_tier": [None],
+        "prefix_tokens": [6_000],
+        "prefix_tier": ["1h"],
+    }
+    out = price_result(get_profile("anthropic-style"), {"per_request": per}, write_tier="5m")
+    # tokens 4000..6000 written at 1h (2 x 3 $/M), 6000..10000 plain input, 4000 read at 0.30
+    assert out["cost_usd"] == pytest.approx((2_000 * 6 + 4_000 * 3 + 4_000 * 0.3) / 1e6)

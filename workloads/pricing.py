@@ -205,11 +205,13 @@ def price(
     approximate: bool = False,
     prefix_tokens: int = 0,
     prefix_tier: str | None = None,
+    tail_written: bool = True,
 ) -> Bill:
     """Price one request (or an aggregate treated as one; see module docstring). With ``prefix_tokens``
     the written tokens among the prompt's first ``prefix_tokens`` are priced at ``prefix_tier`` (a
     retained prefix: Anthropic prices each cache breakpoint's segment at its own TTL), the rest at
-    ``write_tier``."""
+    ``write_tier``; ``tail_written=False``: the tokens after the prefix are not written at all (the client
+    set a breakpoint there and asked nothing for the rest, as with Anthropic's explicit caching)."""
     inp = token_count("input tokens", input_tokens)
     cached = token_count("cached tokens", cached_tokens)
     out = token_count("output tokens", output_tokens)
@@ -230,6 +232,8 @@ def price(
             raise PricingError(f"cache write tokens ({written}) exceed uncached input tokens ({uncached})")
     # the uncached tokens start after the billable cached run: those before prefix_tokens are the prefix's
     in_prefix = min(written, max(0, token_count("prefix tokens", prefix_tokens) - billable))
+    if not tail_written:
+        written = in_prefix
     storage = _number("cached token hours", cached_token_hours) * profile.storage_per_mtok_hour / M
     cost = (
         (uncached - written) * profile.input
@@ -280,6 +284,8 @@ def _per_request(
             write_tier=profile.request_tier(t, write_tier),
             prefix_tokens=pt if ptier is not None else 0,
             prefix_tier=profile.request_tier(ptier, write_tier),
+            # a client that retained a prefix and asked nothing for its whole prompt writes only the prefix
+            tail_written=not (t is None and ptier is not None and profile.write_tiers),
         )
         total.add(bill)
         each.append(bill)
