@@ -192,6 +192,7 @@ def test_worked_example_a_retained_conversation_survives_the_flood_and_its_end_r
     assert res.hints == {
         "pins": 1,
         "pins_refused": 0,
+        "pins_incomplete": 0,
         "objects_pinned": 3,  # M1 M2 K2 (the tail block past the checkpoint is dead weight, not pinned)
         "sessions_ended": 1,
         "objects_released": 3,
@@ -316,3 +317,23 @@ def test_live_replay_sends_the_hints_and_ends_the_session() -> None:
     seen.clear()
     asyncio.run(replay_live_async(reqs, "http://fake", speed=0, concurrency=1, transport=transport))
     assert len(seen) == 2 and all("prompt_cache_key" not in body for _, _, body in seen)
+
+
+def test_a_chain_with_a_key_gone_pins_nothing_is_no_refusal_and_one_shallower_checkpoint_is_tried() -> None:
+    from kvpool.kvstore.index.records import ObjectKind
+    from kvpool.workloads.sim import NODE, _Replay
+
+    r = _Replay(SimConfig(spec=get_spec("tiny"), block_size=64, capacity=100, capacity_unit="blocks"), 64)
+    idx = r.shard_indexes[0]
+    mla = [b"M" + bytes([i]) * 32 for i in range(4)]
+    for j, key in enumerate(mla):
+        idx.insert(key, ObjectKind.MLA, 1, node_id=NODE, parent=mla[j - 1] if j else b"")
+    for c in (1, 2):  # checkpoints at blocks 1 and 2; the one at 4 (its put failed) and at 3 are not there
+        idx.insert(b"K" + mla[c - 1][1:], ObjectKind.KDA, 6, node_id=NODE)
+    t = r.hints
+    # as the master: the chain at 4 misses K4, so nothing is pinned and it is no refusal; then the next one
+    assert r._retain(idx, mla, [4, 2], 1000, "s") == [*mla[:2], b"K" + mla[1][1:]]
+    assert (t.pins, t.pins_incomplete, t.pins_refused, t.objects_pinned) == (2, 1, 0, 3)
+    assert r._retain(idx, mla, [4, 3], 1000, "s") == []  # both incomplete: nothing retained
+    assert (t.pins, t.pins_incomplete, t.pins_refused) == (4, 3, 0)
+    assert idx.stats().pinned_bytes == 1 * 2 + 6

@@ -72,11 +72,12 @@ class _Clock:
 class HintTally:
     """What the client hints did in one simulation (all zero when the trace has none or they are off)."""
 
-    pins: int = 0  # pin calls: a retention hint on a chain with a cached checkpoint
+    pins: int = 0  # pin calls, as the serving path makes them (one more where a chain was incomplete)
     pins_refused: int = 0  # of them, refused by the index's pin budget (the request still ran)
+    pins_incomplete: int = 0  # of them, on a chain with a key not in the index: nothing pinned, no refusal
     objects_pinned: int = 0  # objects the accepted calls pinned (counted once per call)
     sessions_ended: int = 0
-    objects_released: int = 0  # objects whose last pin a session end released
+    objects_released: int = 0  # objects the ended sessions held (another holder may still pin one)
 
     def to_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
@@ -98,6 +99,7 @@ class _Store:
     chain: Chain
     run: int
     usable: int
+    existing: tuple[int, ...]  # block counts with a checkpoint the lookup found (prefill's candidates too)
     owners: tuple[Counters, Counters]  # its workload's and tenant's counters
     shard: int  # the master shard its chain routes to (always 0 with one master)
 
@@ -210,7 +212,7 @@ class _Replay:
             ("prefix_tier", req.prefix_retention_tier if self.config.hints else None),
         ):
             self.per_req[key].append(value)
-        return _Store(req, chain, run, usable, owners, shard)
+        return _Store(req, chain, run, usable, m.checkpoint_blocks, owners, shard)
 
     def _read_tiers(self, idx: PrefixIndex, m: Any, sizes: list[int]) -> tuple[int, int]:
         """Tokens and bytes of the usable prefix that come off SSD; each such object is promoted to DRAM,
@@ -233,6 +235,7 @@ class _Replay:
         idx, spec, req, chain = self.shard_indexes[st.shard], self.spec, st.req, st.chain
         keys = [b"M" + h for h in chain.hashes]
         written: list[tuple[bytes, int, bool]] = []  # key, real bytes, is checkpoint
+        positions: list[int] = []
         # a client's retention hint covers prefill's puts (any span) and decode's (a whole-prompt one):
         # admission control does not turn them away, the pin that follows decides how long they stay
         hinted = self.config.hints
@@ -289,41 +292,57 @@ class _Replay:
             for into in self.owner.pop(ev.key, ()):
                 into.bytes_evicted += size
         if self.config.hints and req.has_hints:
-            self._honour_hints(idx, req, chain)
+            self._honour_hints(idx, st, keys, positions)
 
-    def _honour_hints(self, idx: PrefixIndex, req: Request, chain: Chain) -> None:
+    def _honour_hints(
+        self, idx: PrefixIndex, st: _Store, mla_keys: list[bytes], positions: list[int]
+    ) -> None:
         """Pin what the request asked to retain, then end its session if it was the last turn. A refused
         pin (over the budget) is counted, never an error: the request was served either way.
 
         The calls the serving path makes (``worker/store_push.retain_prefixes``), under the client's
         session (a hint without a ``cache_key`` gets the request's own): prefill pins each span (the
-        retained prefix, the whole prompt) up to its deepest checkpoint, spans that end at the same
-        checkpoint as one pin at the longest TTL; then decode pins the chain its end-of-output checkpoint
-        closes. Every turn's pins stay until their TTL or the session's end, and a prefix that several
-        sessions pin stays pinned while any holds it. With ``SimConfig.supersede`` a session holds only its
-        *latest* chain: a turn's pin releases the previous chain where the new one does not cover it
-        (prefixes excepted).
+        retained prefix, the whole prompt) up to the deepest checkpoint at or before its end among the
+        ones it wrote and the ones its lookup found, spans that end at the same checkpoint as one pin at
+        the longest TTL; then decode pins the chain its end-of-output checkpoint closes, when it wrote one.
+        The master pins a chain whole or not at all (``_pin``): where a key is gone, prefill tries the next
+        shallower checkpoint once. Every turn's pins stay until their TTL or the session's end, and a
+        prefix that several sessions pin stays pinned while any holds it. With ``SimConfig.supersede`` a
+        session (a ``cache_key``) holds only its *latest* chain: a turn's pin releases the previous chain
+        where the new one does not cover it (prefixes excepted).
         """
+        req, chain, hybrid = st.req, st.chain, self.spec.hybrid
         session = req.cache_key or f"request:{req.request_id}"
-        held = self.session_pins.setdefault((id(idx), req.tenant, session), _SessionPins())
-        spans: dict[bytes, tuple[list[bytes], int, bool]] = {}  # checkpoint -> keys, TTL, a prefix's
-        for blocks, ttl_ms, prefix in (
+        held = None
+        if self.config.supersede and req.cache_key is not None:
+            held = self.session_pins.setdefault((id(idx), req.tenant, session), _SessionPins())
+        # prefill's candidates: the prompt's checkpoints it wrote (decode's end-of-output one is not) and
+        # the ones its lookup found; a pure-MLA chain needs none (its span is its blocks)
+        whole = chain.full_prompt_blocks
+        have = sorted({c for c in positions if c <= whole}.union(st.existing), reverse=True) if hybrid else []
+        merged: dict[int, tuple[int, bool, bool]] = {}  # checkpoint -> TTL, a prefix's, the whole prompt's
+        for upto, ttl_ms, prefix in (
             (req.retained_prefix_tokens // self.block_size, req.prefix_retention_ms, True),
-            (chain.full_prompt_blocks, req.retention_ms, False),
+            (whole, req.retention_ms, False),
         ):
-            keys = self._chain_keys(idx, chain, min(blocks, len(chain.hashes))) if ttl_ms else []
-            if keys:
-                _, other_ttl, other_prefix = spans.get(keys[-1], (keys, 0, False))
-                spans[keys[-1]] = (keys, max(ttl_ms, other_ttl), prefix or other_prefix)
+            k = next((c for c in have if c <= upto), 0) if hybrid else min(upto, len(mla_keys))
+            if k and ttl_ms:
+                other_ttl, other_prefix, other_whole = merged.get(k, (0, False, False))
+                merged[k] = (max(ttl_ms, other_ttl), prefix or other_prefix, not prefix or other_whole)
         kept: set[bytes] = set()
-        for keys, ttl_ms, prefix in spans.values():
-            if self._pin(idx, keys, ttl_ms, session):
-                (held.prefix if prefix else kept).update(keys)
-        if req.retention_ms and len(chain.hashes) > chain.prompt_blocks:
-            keys = self._chain_keys(idx, chain, len(chain.hashes))
-            if keys and keys[-1] not in spans and self._pin(idx, keys, req.retention_ms, session):
+        for k, (ttl_ms, prefix, _whole) in merged.items():
+            tries = [c for c in have if c <= k][:2] if hybrid else [k]  # asked for, then one shallower
+            keys = self._retain(idx, mla_keys, tries, ttl_ms, session)
+            if held is not None and prefix:
+                held.prefix.update(keys)
+            elif not prefix:
                 kept.update(keys)
-        if kept and self.config.supersede:
+        end = len(chain.hashes)
+        # decode pins only when it wrote the end-of-output checkpoint (nothing to try shallower)
+        wrote_end = not hybrid or (end in positions and b"K" + chain.hashes[end - 1] in idx)
+        if req.retention_ms and end > chain.prompt_blocks and wrote_end:
+            kept.update(self._retain(idx, mla_keys, [end], req.retention_ms, session))
+        if held is not None and kept:
             stale = [k for k in held.chain if k not in held.prefix and k not in kept]
             held.chain = kept
             if stale:
@@ -336,30 +355,30 @@ class _Replay:
                 t.objects_released += shard.end_session(req.tenant, req.cache_key)
                 self.session_pins.pop((id(shard), req.tenant, session), None)
 
-    def _chain_keys(self, idx: PrefixIndex, chain: Chain, blocks: int) -> list[bytes]:
-        """Blocks [0, c) and the checkpoint at c, c the deepest cached checkpoint boundary <= ``blocks``
-        (for a pure-MLA spec: the cached run of the first ``blocks``). Empty when no cached checkpoint is
-        there: nothing usable to retain."""
-        hashes = chain.hashes
-        if self.spec.hybrid:
-            for c in range(blocks, 0, -1):
-                ck = b"K" + hashes[c - 1]
-                if ck in idx:
-                    keys = [b"M" + h for h in hashes[:c]]
-                    keys.append(ck)
-                    return keys
-            return []
-        keys = []
-        for h in hashes[:blocks]:
-            if b"M" + h not in idx:
-                break
-            keys.append(b"M" + h)
-        return keys
+    def _retain(
+        self, idx: PrefixIndex, mla_keys: list[bytes], candidates: list[int], ttl_ms: int, session: str
+    ) -> list[bytes]:
+        """One span of ``retain_prefixes``: pin blocks [0, c) and the checkpoint at c (a pure-MLA chain:
+        the blocks alone) for the first candidate c the master answers, pinned or refused; a chain it
+        answers neither (a key not in the index) passes to the next candidate. The keys pinned, or []."""
+        for c in candidates:
+            keys = mla_keys[:c]
+            if self.spec.hybrid:
+                keys.append(b"K" + mla_keys[c - 1][1:])
+            pinned = self._pin(idx, keys, ttl_ms, session)
+            if pinned is not None:
+                return keys if pinned else []
+        return []
 
-    def _pin(self, idx: PrefixIndex, keys: list[bytes], ttl_ms: int, session: str) -> bool:
-        """One pin call, counted; False when the index's budget refused it (nothing was pinned)."""
+    def _pin(self, idx: PrefixIndex, keys: list[bytes], ttl_ms: int, session: str) -> bool | None:
+        """One pin call, counted, answered as the master answers a client's (``kvstore/master/core.py``
+        ``pin``): a session's chain is pinned whole or not at all, so a key not in the index pins nothing
+        and is no refusal (None); False when the index's budget refused it; True when pinned."""
         t = self.hints
         t.pins += 1
+        if not all(k in idx for k in keys):
+            t.pins_incomplete += 1
+            return None
         pinned = idx.pin(keys, ttl_ms, session=session)
         if not pinned:
             t.pins_refused += 1
