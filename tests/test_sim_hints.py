@@ -216,7 +216,29 @@ def test_retention_pins_the_prompts_chain_and_the_one_its_reply_closes_as_prefil
     res = simulate([turn.validate()], cfg)
     # prefill: M1 M2 + K2 (the prompt's end); decode: M1 M2 M3 + K3 (the reply's)
     assert (res.hints["pins"], res.hints["objects_pinned"]) == (2, 7)
-    assert simulate([turn], replace(cfg, supersede=True)).hints["pins"] == 2
+
+
+def test_supersede_a_turn_whose_spans_pin_one_chain_releases_the_previous_turns_chain() -> None:
+    prefix = {"retained_prefix_tokens": 128, "prefix_retention_tier": "1h", "prefix_retention_ms": 3_600_000}
+    reqs = [
+        _req("t1", [1, 2, 3, 4], 0, cache_key="S", **prefix, **FIVE_MIN),  # pins M1 M2 K2; M1..M4 K4
+        # the prompt ends at the prefix: both spans end at K2, one pin (the whole prompt's and the prefix's)
+        _req("t2", [1, 2], 1000, cache_key="S", **prefix, **FIVE_MIN),
+    ]
+    cfg = SimConfig(
+        spec=get_spec("tiny"),  # a checkpoint weighs 6 block units
+        policy="lru",
+        capacity=100,
+        capacity_unit="blocks",
+        block_size=64,
+        checkpoints=parse_checkpoints("prompt"),
+        supersede=True,
+    )
+    assert simulate(reqs[:1], cfg).pinned_bytes == 4 + 6 + 6  # turn 1: M1..M4, K2 and K4
+    res = simulate(reqs, cfg)
+    assert res.hints["pins"] == 3 and res.hints["pins_refused"] == 0
+    assert res.pinned_bytes == 2 + 6  # turn 1's M3 M4 K4 released: only turn 2's chain M1 M2 K2 is held
+    assert simulate(reqs, replace(cfg, supersede=False)).pinned_bytes == 4 + 6 + 6  # every turn's pin stays
 
 
 def test_a_retained_prefix_gets_its_checkpoint_and_outlives_one_session_while_another_holds_it() -> None:

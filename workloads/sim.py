@@ -330,12 +330,12 @@ class _Replay:
                 other_ttl, other_prefix, other_whole = merged.get(k, (0, False, False))
                 merged[k] = (max(ttl_ms, other_ttl), prefix or other_prefix, not prefix or other_whole)
         kept: set[bytes] = set()
-        for k, (ttl_ms, prefix, _whole) in merged.items():
+        for k, (ttl_ms, prefix, whole_prompt) in merged.items():
             tries = [c for c in have if c <= k][:2] if hybrid else [k]  # asked for, then one shallower
             keys = self._retain(idx, mla_keys, tries, ttl_ms, session)
             if held is not None and prefix:
                 held.prefix.update(keys)
-            elif not prefix:
+            if whole_prompt:  # a merged pin is both: the next turn's chain must not release it
                 kept.update(keys)
         end = len(chain.hashes)
         # decode pins only when it wrote the end-of-output checkpoint (nothing to try shallower)
