@@ -313,11 +313,11 @@ def test_policy_bench_rows_and_the_hint_goals() -> None:
 
 
 def test_live_replay_sends_the_hints_and_ends_the_session() -> None:
-    seen: list[tuple[str, str, dict]] = []
+    seen: list[tuple[str, str | bytes, dict]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.method == "DELETE":
-            seen.append(("DELETE", request.url.path, dict(request.url.params)))
+            seen.append(("DELETE", request.url.raw_path, dict(request.url.params)))
             return httpx.Response(200, json={"deleted": True})
         seen.append(("POST", request.url.path, json.loads(request.content)))
         usage = {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
@@ -335,7 +335,8 @@ def test_live_replay_sends_the_hints_and_ends_the_session() -> None:
     (_, _, first), (_, _, second), end = seen
     assert first["prompt_cache_key"] == "conv/1" and first["prompt_cache_retention"] == "5m"
     assert second["prompt_cache_key"] == "conv/1" and "prompt_cache_retention" not in second
-    assert end == ("DELETE", "/v1/prompt_cache/conv/1", {"cache_salt": "t1"})  # the key quoted, as sent
+    # the key quoted, as sent (``url.path`` is decoded: the raw path is what went on the wire)
+    assert end == ("DELETE", b"/v1/prompt_cache/conv%2F1?cache_salt=t1", {"cache_salt": "t1"})
     seen.clear()
     asyncio.run(replay_live_async(reqs, "http://fake", speed=0, concurrency=1, transport=transport))
     assert len(seen) == 2 and all("prompt_cache_key" not in body for _, _, body in seen)
