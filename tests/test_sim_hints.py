@@ -161,9 +161,9 @@ def _worked_example(hints: bool = True, pin_share: float = 0.5) -> SimResult:
     """docs/design/eviction.md §1.3, worked example: tiny spec (checkpoint = 6 block units), LRU, 20 units,
     one conversation (session S) whose follow-up comes after two other chains have filled the cache."""
     reqs = [
-        _req("A", [1, 2], 0, cache_key="S", **FIVE_MIN),  # S turn 1: M1 M2 M(tail) + K2 = 9 units
-        _req("X", [11, 12], 1000),  # 9 units: 18 held
-        _req("Y", [13, 14], 2000),  # 9 more: over 20, LRU evicts the oldest evictable chain
+        _req("A", [1, 2], 0, cache_key="S", **FIVE_MIN),  # S turn 1: M1 M2 + K2 = 8 units (full blocks only)
+        _req("X", [11, 12], 1000),  # 8 units: 16 held
+        _req("Y", [13, 14], 2000),  # 8 more: 24, over 20, LRU evicts the oldest evictable chain
         _req("B", [1, 2, 3], 3000, cache_key="S", session_end=True),  # S turn 2, the last
         _req("Z", [15, 16], 4000),
         _req("W", [17, 18], 5000),
@@ -193,7 +193,7 @@ def test_worked_example_a_retained_conversation_survives_the_flood_and_its_end_r
         "pins": 1,
         "pins_refused": 0,
         "pins_incomplete": 0,
-        "objects_pinned": 3,  # M1 M2 K2 (the tail block past the checkpoint is dead weight, not pinned)
+        "objects_pinned": 3,  # M1 M2 K2
         "sessions_ended": 1,
         "objects_released": 3,
     }
