@@ -17,11 +17,12 @@ has its own instant even when a trace stamps many with the same millisecond):
    end of prompt (last full prompt block), end of output, junction (c = MLA run when the run passed the
    last checkpoint), every N blocks.
 5. **Client hints** (``SimConfig.hints``, docs/design/eviction.md §1.3), once its objects are stored: a
-   request with a retention tier pins its chain (the MLA blocks up to its deepest cached checkpoint, and
-   that checkpoint) for ``retention_ms`` under its session (``cache_key``); a retained prefix pins the
-   same way up to the prefix's last block, held by no session (it outlives the session); a
-   ``session_end`` releases the session's pins. The index refuses a pin over its budget: counted, and the
-   request goes on.
+   request with a retention tier pins its chain (the MLA blocks up to its deepest checkpoint, and that
+   checkpoint) for ``retention_ms`` under its session (``cache_key``, else the request's own); a retained
+   prefix pins the same way up to the prefix's last block, for ``prefix_retention_ms``, under the same
+   session. A ``session_end`` releases everything the session holds, so a prefix outlives a session only
+   while another session pins it too. As on the master, a chain with a key not in the index pins nothing
+   (no refusal); the index refuses a pin over its budget: counted, and the request goes on.
 
 Requests come as a list (sorted here) or as any iterable, which is *streamed*: replayed as it is read,
 through a bounded reorder window (``trace.arrival_ordered``), so a trace larger than memory runs in the
