@@ -61,6 +61,7 @@ def test_hints_round_trip_and_are_absent_from_mooncake(tmp_path: Path) -> None:
 def test_a_standard_tier_alone_names_its_ttl_and_bad_hints_are_refused() -> None:
     base = {"request_id": "r", "arrival_ms": 0, "input_length": 1, "output_length": 0, "tokens": [7]}
     assert kvpool_record({**base, "retention_tier": "1h"}).retention_ms == RETENTION_TIERS_MS["1h"]
+    assert kvpool_record({**base, "cache_key": "k" * 256}).cache_key == "k" * 256  # the gateway's bound
     assert (
         kvpool_record({**base, "retention_tier": "2h", "retention_ms": 7_200_000}).retention_ms == 7_200_000
     )
@@ -69,6 +70,8 @@ def test_a_standard_tier_alone_names_its_ttl_and_bad_hints_are_refused() -> None
         ({"retention_ms": 5}, "come together"),
         ({"session_end": "yes"}, "true or false"),
         ({"cache_key": 3}, "cache_key must be a string"),
+        ({"cache_key": ""}, "cache_key must be 1 to 256 characters, got 0"),
+        ({"cache_key": "k" * 257}, "cache_key must be 1 to 256 characters, got 257"),
         ({"retained_prefix_tokens": 5, "prefix_retention_tier": "1h"}, "> input_length"),
         ({"retained_prefix_tokens": 1}, "come together"),
     ):

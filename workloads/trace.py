@@ -118,8 +118,13 @@ class Request:
         return self
 
     def _validate_hints(self) -> None:
-        if self.cache_key is not None and not isinstance(self.cache_key, str):
-            raise TraceFormatError(f"cache_key must be a string, got {self.cache_key!r}")
+        if self.cache_key is not None:
+            if not isinstance(self.cache_key, str):
+                raise TraceFormatError(f"cache_key must be a string, got {self.cache_key!r}")
+            if not 0 < len(self.cache_key) <= MAX_CACHE_KEY_CHARS:
+                raise TraceFormatError(
+                    f"cache_key must be 1 to {MAX_CACHE_KEY_CHARS} characters, got {len(self.cache_key)}"
+                )
         if type(self.session_end) is not bool:
             raise TraceFormatError(f"session_end must be true or false, got {self.session_end!r}")
         for tier_name, ms_name in (
@@ -144,6 +149,10 @@ class Request:
                 f"retained_prefix_tokens {self.retained_prefix_tokens} > input_length {self.input_length}"
             )
 
+
+# The gateway's bound on a session key (gateway/cache_hints.py MAX_KEY_CHARS, the master's session bound):
+# a trace's cache_key must fit it to be replayed live as sent.
+MAX_CACHE_KEY_CHARS = 256
 
 # The TTL of each retention tier a client may name (Anthropic's cache_control ttl values; OpenAI's
 # ``prompt_cache_retention`` "24h" too). A trace may state another tier with its own ``retention_ms``.
