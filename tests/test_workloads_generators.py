@@ -177,9 +177,7 @@ def test_cli_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def test_agent_loop_steps_every_one_to_three_seconds_over_a_shared_prefix() -> None:
     reqs = generate("agent_loop", 200, rate=4.0, seed=2, vocab=32000, params=_small("agent_loop"))
     runs = _turns(reqs)
-    gaps = [
-        (b.arrival_ms - a.arrival_ms) / 1000 for run in runs.values() for a, b in itertools.pairwise(run)
-    ]
+    gaps = [(b.arrival_ms - a.arrival_ms) / 1000 for run in runs.values() for a, b in itertools.pairwise(run)]
     assert gaps and all(0.999 <= g <= 3.001 for g in gaps)
     for run in runs.values():
         for a, b in itertools.pairwise(run):
