@@ -36,6 +36,21 @@ BLOCK = 64
 SPEED = 2.0  # the paced replay runs the ~15 s workload twice as fast
 
 
+def sim_config(**kw: object) -> SimConfig:
+    """The simulator configured as the live cluster: tiny spec, its block size, capacity and checkpoint
+    policy, the master's default policy (nothing is evicted at this capacity, so nothing is refused);
+    decode's output is not simulated (the cases compare prompts)."""
+    return SimConfig(
+        spec=get_spec("tiny"),
+        policy="hybrid",
+        capacity=CAPACITY_BYTES,
+        block_size=BLOCK,
+        checkpoints=CheckpointPolicy.parse(CHECKPOINTS),
+        store_output=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 def workload(tag: str) -> list[Request]:
     """~30 requests: multi-turn chats (shared system prompts, each turn extends the last) and RAG
     (shared system prompt + one of a few documents + a fresh question); short replies. Tenants are
@@ -136,18 +151,7 @@ def test_live_and_simulated_replay_agree(cluster: Cluster) -> None:
     live = replay_live(reqs, cluster.base_url, model="tiny", speed=0.0, concurrency=1, timeout_s=60.0)
     assert live["errors"] == 0, live["first_errors"]
 
-    sim = simulate(
-        reqs,
-        SimConfig(
-            spec=get_spec("tiny"),
-            policy="hybrid",  # the master's default; nothing is evicted, so nothing is refused
-            capacity=CAPACITY_BYTES,
-            block_size=BLOCK,
-            checkpoints=CheckpointPolicy.parse(CHECKPOINTS),
-            store_output=False,
-            visibility_delay_ms=0.0,
-        ),
-    )
+    sim = simulate(reqs, sim_config(visibility_delay_ms=0.0))
     s = sim.to_dict(per_request=True)
     assert sim.objects_evicted == 0 and sim.objects_refused == 0  # the node's capacity is never reached
 
@@ -190,13 +194,7 @@ def test_paced_replay_agrees_where_timing_cannot_matter(cluster: Cluster) -> Non
     per = live["per_request"]
     t_sent, ttft = per["sent_ms"], per["ttft_ms"]
     sent = [replace(r, arrival_ms=t) for r, t in zip(order, t_sent, strict=True)]
-    config = SimConfig(
-        spec=get_spec("tiny"),
-        capacity=CAPACITY_BYTES,
-        block_size=BLOCK,
-        checkpoints=CheckpointPolicy.parse(CHECKPOINTS),
-        store_output=False,
-    )
+    config = sim_config()
     at_once = simulate(sent, config).to_dict(per_request=True)
     after_ttft = simulate(sent, config, visibility_delays_ms=ttft).to_dict(per_request=True)
     # simulate orders by the send times, which replay_live's outcomes already follow
@@ -246,13 +244,7 @@ def test_hinted_replay_is_served_live_as_simulated(cluster: Cluster) -> None:
     ]
     assert [t > 0 for t in retained] == asked, (retained, asked)
     assert live["objects_released"] > 0
-    config = SimConfig(
-        spec=get_spec("tiny"),
-        capacity=CAPACITY_BYTES,
-        block_size=BLOCK,
-        checkpoints=CheckpointPolicy.parse(CHECKPOINTS),
-        store_output=False,
-    )
+    config = sim_config()
     sim = simulate(reqs, config)
     assert sim.hints["pins"] > 0 and sim.hints["pins_refused"] == 0
     assert live["per_request"]["cached"] == sim.per_request["cached"]
