@@ -103,27 +103,28 @@ def _agent(b: _Builder, p: AgentParams, shared: dict[str, Any]) -> Session:
         system = b.tokens(b.length(p.system_tokens))
         shared["toolsets"] = [system + b.tokens(b.length(p.tool_schema_tokens)) for _ in range(p.toolsets)]
     toolset = shared["toolsets"][int(b.rng.integers(p.toolsets))]
-    history = list(toolset) + b.tokens(b.length(p.task_tokens))
-    turns, t = [], 0.0
-    for _ in range(b.count(p.steps)):
-        call = b.tokens(b.length(p.call_tokens))
-        turns.append(_Turn(t, history, call, len(toolset)))
-        history = history + call + b.tokens(b.length(p.result_tokens))
-        t += b.think_ms(p.think_s)
-    return turns
+    return _tool_calls(b, p, toolset, lambda: b.think_ms(p.think_s))
 
 
 def _agent_loop(b: _Builder, p: AgentLoopParams, shared: dict[str, Any]) -> Session:
     if "prefixes" not in shared:
         shared["prefixes"] = [b.tokens(b.length(p.prefix_tokens)) for _ in range(p.prefixes)]
     prefix = shared["prefixes"][int(b.rng.integers(p.prefixes))]
+    return _tool_calls(b, p, prefix, lambda: float(b.rng.uniform(p.min_gap_s, p.max_gap_s)) * 1000.0)
+
+
+def _tool_calls(
+    b: _Builder, p: AgentParams | AgentLoopParams, prefix: list[int], gap_ms: Callable[[], float]
+) -> Session:
+    """An agent's turns over its shared ``prefix``: a task, then per step a call (the turn's output) and
+    its result appended to the history, ``gap_ms`` apart."""
     history = list(prefix) + b.tokens(b.length(p.task_tokens))
     turns, t = [], 0.0
     for _ in range(b.count(p.steps)):
         call = b.tokens(b.length(p.call_tokens))
         turns.append(_Turn(t, history, call, len(prefix)))
         history = history + call + b.tokens(b.length(p.result_tokens))
-        t += float(b.rng.uniform(p.min_gap_s, p.max_gap_s)) * 1000.0
+        t += gap_ms()
     return turns
 
 
