@@ -173,7 +173,7 @@ class PrefillEngine:
         # decode recomputes (tail_stored stays False).
         if self.store is not None and fetch.error is None:
             push = await self._push(
-                request, hashes, result, boundaries, stored_run, use_store, not keep_state, handoff
+                request, hashes, result, boundaries, stored_run, use_store, not keep_state, handoff, route
             )
             if use_store and request.retain:  # what the push stored (a failed tail does not matter here)
                 ckpts = [b // B for b in boundaries] + list(fetch.checkpoint_blocks if clean else ())
@@ -228,6 +228,7 @@ class PrefillEngine:
         use_store: bool,
         with_tail: bool,
         handoff: Handoff,
+        route: bytes,
     ) -> PushStats:
         """Blocks and checkpoints (``use_store``) and the tail (unless the state is handed over in memory),
         as one batch (``store_push``: one control exchange for the request's whole push); the tail's own
@@ -257,7 +258,6 @@ class PrefillEngine:
             ckpts = [result.checkpoints[b] for b in boundaries]
             groups[2] = checkpoint_items(self.schema, hashes, ckpts, request.tenant)
         t0 = time.perf_counter()
-        route = self.store.route_of(hashes)
         results = await push_groups(self.store, groups, self.timeout_s, route, retain=bool(request.retain))
         handoff.tail_stored = with_tail and results[0].failed == 0
         total = PushStats()
