@@ -4,9 +4,11 @@ Per request (overview §2 step 3): verify the handoff (its hashes must be the pr
 state (store, or recompute), then step with the `StepBatcher` (concurrent requests share model calls),
 sampling step k with the request's seed. When a step lands on a block boundary the KDA state there is
 snapshotted; at the end the full blocks of prompt + consumed output and the last snapshot (end-of-output
-checkpoint) are pushed, so the next chat turn, whose prompt extends this conversation, hits them. The tail
-is removed once read, in the background (``DeferredCalls``: no token waits for it; its TTL covers crashes).
-The first token was chosen, and its text shown, by prefill: the gRPC stream sends tokens from the second on.
+checkpoint; a pure-MLA model has no KDA state, so none) are pushed, so the next chat turn, whose prompt
+extends this conversation, hits them. With the client's whole-prompt retention that chain is then pinned
+(``DecodeResult.retained``, reported in ``DecodeUsage``). The tail is removed once read, in the background
+(``DeferredCalls``: no token waits for it; its TTL covers crashes). The first token was chosen, and its
+text shown, by prefill: the gRPC stream sends tokens from the second on.
 
 Note the pushed output latents were computed by 1-token decode steps, which differ from a prefill of the
 same tokens by ~1e-7 (overview §7.3): a turn-2 prefill resumed from them matches a no-cache run within
@@ -30,7 +32,7 @@ from kvpool.worker.handoff import Handoff
 from kvpool.worker.model_runner import ModelRunner
 from kvpool.worker.sampling import OutputText, sample
 from kvpool.worker.store_io import DEFAULT_TIMEOUT_S, CacheStore, DeferredCalls, PushStats
-from kvpool.worker.store_push import block_items, checkpoint_items, push_groups, retain_prefixes
+from kvpool.worker.store_push import Retained, block_items, checkpoint_items, push_groups, retain_prefixes
 
 
 @dataclass
@@ -52,6 +54,7 @@ class DecodeResult:
     checkpoint_pushed: int = 0  # token position of the end-of-output checkpoint (0 = none)
     push: PushStats = field(default_factory=PushStats)
     decode_s: float = 0.0
+    retained: Retained = field(default_factory=Retained)  # what its pin of the answer's chain kept
 
     @property
     def completion_tokens(self) -> int:
@@ -135,13 +138,15 @@ class DecodeEngine:
         out = OutputText(self.tokenizer, params, self.eos)
         tokens = [handoff.first_token]
         snapshot: KDACheckpoint | None = None
+        # a pure-MLA model has no KDA state: its blocks alone are a usable prefix (no checkpoint to write)
+        snapshots = self.end_of_output_checkpoint and bool(self.schema.kda_layers)
         while True:
             delta, finish = out.add(tokens[-1])
             yield TokenEvent(len(tokens) - 1, tokens[-1], delta)  # deltas add up to the text
             if finish:
                 break
             logits = await self.batcher.step(tokens[-1], state)
-            if state.n_tokens % B == 0 and self.end_of_output_checkpoint:
+            if state.n_tokens % B == 0 and snapshots:
                 snapshot = state.checkpoint()
             tokens.append(sample(logits, params, len(tokens)))
         result = DecodeResult(
@@ -190,9 +195,13 @@ class DecodeEngine:
         push.add(ck)
         push.seconds = ck.seconds  # one batch: its wall time once
         result.push = push
-        if handoff.retain_ms and result.checkpoint_pushed:
-            # the client asked to keep this conversation: its next turn resumes after this answer
-            k = result.checkpoint_pushed // B
-            await retain_prefixes(
-                self.store, hashes, [(k, handoff.retain_ms)], [k], handoff.session, B, self.timeout_s, route
+        # the client asked to keep this conversation: its next turn resumes after this answer. A hybrid
+        # chain is usable up to its end-of-output checkpoint; a pure-MLA one is its blocks, all of them
+        hybrid = bool(self.schema.kda_layers)
+        stored = result.blocks_pushed == end - first  # every new block (the master pins a chain whole or not)
+        k = result.checkpoint_pushed // B if hybrid else end if stored else 0
+        if handoff.retain_ms and k:
+            span = [(k, handoff.retain_ms)]
+            result.retained = await retain_prefixes(
+                self.store, hashes, span, [k], handoff.session, B, self.timeout_s, route, hybrid
             )

@@ -178,8 +178,9 @@ class PrefillEngine:
             if use_store and request.retain:  # what the push stored (a failed tail does not matter here)
                 ckpts = [b // B for b in boundaries] + list(fetch.checkpoint_blocks if clean else ())
                 spans = [(s.upto_tokens // B if s.upto_tokens else L // B, s.ttl_ms) for s in request.retain]
+                hybrid = bool(self.schema.kda_layers)  # pure MLA: a span pins its blocks, no checkpoint
                 retained = await retain_prefixes(
-                    self.store, hashes, spans, ckpts, handoff.session, B, self.timeout_s, route
+                    self.store, hashes, spans, ckpts, handoff.session, B, self.timeout_s, route, hybrid
                 )
         return PrefillOutcome(
             first_token=first,

@@ -132,8 +132,9 @@ async def push_groups(
 
 @dataclasses.dataclass
 class Retained:
-    """What a request's retention hints pinned: prompt tokens kept, and whether the store's pin budget
-    refused one (the request is served either way)."""
+    """What a request's retention hints pinned: tokens of its chain kept (prefill: of the prompt; decode:
+    of the prompt and its answer), and whether the store's pin budget refused one (the request is served
+    either way)."""
 
     tokens: int = 0
     refused: bool = False
@@ -148,6 +149,7 @@ async def retain_prefixes(
     block_size: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     route: bytes = b"",
+    hybrid: bool = True,
 ) -> Retained:
     """Pin, for each ``(upto_blocks, ttl_ms)`` span, the chain up to the deepest checkpoint at or before
     ``upto_blocks`` (its MLA blocks and that checkpoint: a prefix without its checkpoint is no hit for a
@@ -155,17 +157,21 @@ async def retain_prefixes(
     ``checkpoint_blocks``: block counts that should have a checkpoint in the store now; the master pins a
     session's chain whole or not at all, so when one is missing (its put failed) the next shallower one is
     tried. Spans that end at the same checkpoint are one pin (the longest TTL); distinct ones go out
-    together. A store problem or a refusal only means less is retained: nothing here raises."""
-    have = sorted(set(checkpoint_blocks), reverse=True)
-    ttl_of: dict[int, int] = {}  # deepest usable checkpoint -> the longest TTL asked for it
+    together. ``hybrid=False`` (a pure-MLA model: no KDA layers, a prefix is usable at any block): a span
+    pins the MLA blocks ``[0, min(upto_blocks, len(hashes)))`` alone, ``checkpoint_blocks`` is not read
+    and there is nothing shallower to try (``workloads/sim.py`` ``_honour_hints`` does the same). A store
+    problem or a refusal only means less is retained: nothing here raises."""
+    have = sorted(set(checkpoint_blocks), reverse=True) if hybrid else []
+    ttl_of: dict[int, int] = {}  # deepest usable checkpoint (pure MLA: block count) -> the longest TTL
     for upto, ttl_ms in spans:
-        k = next((c for c in have if c <= upto), 0)
+        k = next((c for c in have if c <= upto), 0) if hybrid else min(upto, len(hashes))
         if k and ttl_ms:
             ttl_of[k] = max(ttl_of.get(k, 0), ttl_ms)
 
     async def pin(k: int, ttl_ms: int) -> tuple[int, bool]:
-        for c in [c for c in have if c <= k][:2]:  # the checkpoint asked for, then one shallower
-            keys = [mla_key(h) for h in hashes[:c]] + [kda_key(hashes[c - 1])]
+        # hybrid: the checkpoint asked for, then one shallower; pure MLA: the blocks, once
+        for c in [c for c in have if c <= k][:2] if hybrid else [k]:
+            keys = [mla_key(h) for h in hashes[:c]] + ([kda_key(hashes[c - 1])] if hybrid else [])
             try:
                 async with asyncio.timeout(timeout_s):
                     result = await store.pin(keys, ttl_ms, route, session)
