@@ -27,6 +27,8 @@ def final_chunk(r: DecodeResult) -> decode_pb2.GenerateChunk:
         blocks_pushed=r.blocks_pushed,
         checkpoint_pushed=r.checkpoint_pushed,
         decode_s=r.decode_s,
+        retained_tokens=r.retained.tokens,
+        retention_refused=r.retained.refused,
     )
     return decode_pb2.GenerateChunk(final=True, finish_reason=r.finish_reason, usage=usage, text=r.text)
 

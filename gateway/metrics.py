@@ -143,7 +143,8 @@ class GatewayMetrics:
         )
         self.retained_tokens = Counter(
             "kvpool_retained_tokens",
-            "prompt tokens pinned for the clients' retention hints",
+            "tokens pinned for the clients' retention hints (a request's: the most its prefill or decode "
+            "kept, the prompt's and, retaining the whole prompt, the answer's full blocks)",
             ("tier",),
             registry=r,
         )

@@ -90,6 +90,9 @@ class Generation:
         self.t_first = time.monotonic()
         self.token_ids: list[int] = []
         self.usage = Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=reply.usage.cached_tokens)
+        # the retention hints' pins: prefill's (the prompt's spans), then decode's (its answer's chain) joins
+        self.retained_tokens = reply.usage.retained_tokens
+        self.retention_refused = reply.usage.retention_refused
         self._closed = False
         self._excluded: set[str] = set()
         self._open(plan.decode, svc.left(deadline, "decode"))
@@ -146,7 +149,7 @@ class Generation:
             self.close()
 
     def _finish(self, final: decode_pb2.GenerateChunk) -> None:
-        u, p = self.usage, self.reply.usage
+        u, p, d = self.usage, self.reply.usage, final.usage
         u.completion_tokens = final.usage.completion_tokens or len(self.token_ids)
         u.finish_reason = final.finish_reason or "length"
         u.extra = {
@@ -159,11 +162,15 @@ class Generation:
             "ttft_s": round(self.t_first - self.t0, 6),
             "cache_error": p.cache_error or None,
         }
+        # what either side kept pinned, the most of the two (decode's chain extends prefill's whole prompt);
+        # refused if either was
+        self.retained_tokens = max(self.retained_tokens, d.retained_tokens)
+        self.retention_refused = self.retention_refused or d.retention_refused
         if self.req.hints.retain:
             u.extra["retention"] = {
                 "tier": self.req.hints.tier,
-                "retained_tokens": p.retained_tokens,
-                "refused": p.retention_refused,
+                "retained_tokens": self.retained_tokens,
+                "refused": self.retention_refused,
             }
         self.svc.record(self, time.monotonic())
 
@@ -253,6 +260,6 @@ class Dispatcher:
         if p.cache_error:
             m.transfer_failures.labels("store_unreachable").inc()
         if g.req.hints.retain:
-            outcome = "refused" if p.retention_refused else "retained" if p.retained_tokens else "none"
+            outcome = "refused" if g.retention_refused else "retained" if g.retained_tokens else "none"
             m.retention.labels(g.req.hints.tier, outcome).inc()
-            m.retained_tokens.labels(g.req.hints.tier).inc(p.retained_tokens)
+            m.retained_tokens.labels(g.req.hints.tier).inc(g.retained_tokens)

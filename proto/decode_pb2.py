@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.proto import prefill_pb2 as proto_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/decode.proto\x12\tkvpool.v1\x1a\x13proto/prefill.proto\"6\n\x0fGenerateRequest\x12#\n\x07handoff\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.Handoff\"\xe1\x01\n\x0b\x44\x65\x63odeUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0bresume_path\x18\x04 \x01(\t\x12\x19\n\x11recomputed_tokens\x18\x05 \x01(\r\x12\x15\n\rresume_reason\x18\x06 \x01(\t\x12\x15\n\rblocks_pushed\x18\x07 \x01(\r\x12\x19\n\x11\x63heckpoint_pushed\x18\x08 \x01(\r\x12\x10\n\x08\x64\x65\x63ode_s\x18\t \x01(\x01\"\x8b\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.kvpool.v1.DecodeUsage2L\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.kvpool.v1.GenerateRequest\x1a\x18.kvpool.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/decode.proto\x12\tkvpool.v1\x1a\x13proto/prefill.proto\"6\n\x0fGenerateRequest\x12#\n\x07handoff\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.Handoff\"\x95\x02\n\x0b\x44\x65\x63odeUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0bresume_path\x18\x04 \x01(\t\x12\x19\n\x11recomputed_tokens\x18\x05 \x01(\r\x12\x15\n\rresume_reason\x18\x06 \x01(\t\x12\x15\n\rblocks_pushed\x18\x07 \x01(\r\x12\x19\n\x11\x63heckpoint_pushed\x18\x08 \x01(\r\x12\x10\n\x08\x64\x65\x63ode_s\x18\t \x01(\x01\x12\x17\n\x0fretained_tokens\x18\n \x01(\r\x12\x19\n\x11retention_refused\x18\x0b \x01(\x08\"\x8b\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.kvpool.v1.DecodeUsage2L\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.kvpool.v1.GenerateRequest\x1a\x18.kvpool.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=54
   _globals['_GENERATEREQUEST']._serialized_end=108
   _globals['_DECODEUSAGE']._serialized_start=111
-  _globals['_DECODEUSAGE']._serialized_end=336
-  _globals['_GENERATECHUNK']._serialized_start=339
-  _globals['_GENERATECHUNK']._serialized_end=478
-  _globals['_DECODE']._serialized_start=480
-  _globals['_DECODE']._serialized_end=556
+  _globals['_DECODEUSAGE']._serialized_end=388
+  _globals['_GENERATECHUNK']._serialized_start=391
+  _globals['_GENERATECHUNK']._serialized_end=530
+  _globals['_DECODE']._serialized_start=532
+  _globals['_DECODE']._serialized_end=608
 # @@protoc_insertion_point(module_scope)

@@ -13,7 +13,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, handoff: _Optional[_Union[_prefill_pb2.Handoff, _Mapping]] = ...) -> None: ...
 
 class DecodeUsage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "resume_path", "recomputed_tokens", "resume_reason", "blocks_pushed", "checkpoint_pushed", "decode_s")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "resume_path", "recomputed_tokens", "resume_reason", "blocks_pushed", "checkpoint_pushed", "decode_s", "retained_tokens", "retention_refused")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class DecodeUsage(_message.Message):
     BLOCKS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PUSHED_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_REFUSED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -32,7 +34,9 @@ class DecodeUsage(_message.Message):
     blocks_pushed: int
     checkpoint_pushed: int
     decode_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., resume_path: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., resume_reason: _Optional[str] = ..., blocks_pushed: _Optional[int] = ..., checkpoint_pushed: _Optional[int] = ..., decode_s: _Optional[float] = ...) -> None: ...
+    retained_tokens: int
+    retention_refused: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., resume_path: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., resume_reason: _Optional[str] = ..., blocks_pushed: _Optional[int] = ..., checkpoint_pushed: _Optional[int] = ..., decode_s: _Optional[float] = ..., retained_tokens: _Optional[int] = ..., retention_refused: _Optional[bool] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("index", "token_id", "text", "final", "finish_reason", "usage")

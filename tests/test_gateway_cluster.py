@@ -6,6 +6,7 @@ driven with the official ``openai`` client. One cluster for the whole module: it
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -420,6 +421,109 @@ def test_cache_hints_pin_the_chain_refuse_over_budget_and_an_ended_session_relea
     )
     metrics = httpx.get(up.url + "/metrics", timeout=5).text
     assert 'kvpool_retention_requests_total{outcome="refused",tier="1h"}' in metrics
+
+
+def test_decodes_pin_of_its_answer_is_in_the_usage_and_so_is_its_refusal(
+    up: UpProcess, client: openai.OpenAI
+) -> None:
+    """Whole-prompt retention with an answer that crosses a block boundary: decode pins the chain up to its
+    end-of-output checkpoint, and the usage's ``retained_tokens`` is that, past prefill's prompt. A tenant
+    whose pin budget holds prefill's pin but not decode's longer one is told ``refused`` (decode's), with
+    prefill's tokens retained."""
+    system = "Decode pins the answer it writes back after the prompt, when the client asks it to. " * 3
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Go on, please: what does that pin keep, and for how long?"},
+    ]
+    master = up.service("master")["address"]
+    previous = cluster_auth.secret()
+    cluster_auth.configure(cluster_auth.read_secret_file(up.state["secret_file"]))
+
+    def pinned() -> int:
+        return master_wire.call_blocking(master, "Stats", master_pb2.StatsRequest(), 5.0).pinned_bytes
+
+    def turn(salt: str, key: str, max_tokens: int) -> tuple[int, dict]:
+        body = {"cache_salt": salt, "prompt_cache_key": key, "prompt_cache_retention": "in_memory"}
+        r = chat(client, messages, max_tokens=max_tokens, extra_body={**body, "ignore_eos": True})
+        assert r.usage.completion_tokens == max_tokens
+        return r.usage.prompt_tokens, r.model_extra["kvpool"]["retention"]
+
+    def end(salt: str, key: str) -> None:
+        request = master_pb2.PinRequest(session=key, end_session=True, tenant=salt)
+        assert master_wire.call_blocking(master, "Pin", request, 5.0).pinned > 0
+
+    try:
+        before = pinned()
+        n, short = turn("dec-a", "dec-short", 2)  # the answer ends in the prompt's last block: prefill's pin
+        prompt_only = pinned() - before
+        answered = (n + 32 - 1) // 64 * 64  # the end-of-output checkpoint of a 32-token answer
+        assert n // 64 * 64 < answered, n  # the premise: the answer closes a block
+        assert short == {"tier": "5m", "retained_tokens": n // 64 * 64, "refused": False}  # in_memory: 5m
+        end("dec-a", "dec-short")
+        _, long = turn("dec-a", "dec-long", 32)
+        assert long["retained_tokens"] == answered and not long["refused"], long
+        whole = pinned() - before
+        assert whole > prompt_only > 0
+        end("dec-a", "dec-long")
+        # pins may take half a tenant's quota: this one's half holds the prompt's chain, not the answer's
+        quota = master_pb2.SetQuotaRequest(tenant="dec-q", max_bytes=prompt_only + whole)
+        master_wire.call_blocking(master, "SetQuota", quota, 5.0)
+        _, refused = turn("dec-q", "dec-refused", 32)
+        assert refused["refused"] and refused["retained_tokens"] == n // 64 * 64, refused
+        end("dec-q", "dec-refused")
+    finally:
+        cluster_auth.configure(previous)
+
+
+def test_a_pure_mla_model_pins_its_blocks_without_checkpoints(up: UpProcess) -> None:
+    """A pure-MLA spec (no KDA layer: a prefix is usable at any block) through prefill and decode engines on
+    this cluster's store: each span pins its MLA blocks, decode pins its answer's whole chain, and no
+    checkpoint is written or needed; the usage fields say so and the session's end releases those blocks."""
+    from dataclasses import replace
+
+    from kvpool.decode.server import final_chunk
+    from kvpool.kvstore.client.async_client import AsyncStoreClient
+    from kvpool.kvstore.keys import kda_key, mla_key
+    from kvpool.model.config import MLA
+    from kvpool.model.tiny import build_tiny, tiny_config
+    from kvpool.worker.handoff import PrefillRequest, RetainSpan
+    from kvpool.worker.sampling import SamplingParams
+
+    from kvpool.colocated import Colocated
+
+    model = build_tiny(config=replace(tiny_config(), layer_types=(MLA,) * 4))
+    assert not model.cache_schema(64).kda_layers
+    prompt = [(i * 37) % 1000 + 3 for i in range(150)]  # 2 full blocks
+    retain = (RetainSpan(100, 3_600_000), RetainSpan(0, 300_000))  # a breakpoint in block 1, the whole prompt
+    sampling = SamplingParams(max_tokens=60, ignore_eos=True)  # 150 + 59 consumed: the answer closes block 3
+    master = up.service("master")["address"]
+    previous = cluster_auth.secret()
+    cluster_auth.configure(cluster_auth.read_secret_file(up.state["secret_file"]))
+
+    async def go():
+        async with AsyncStoreClient(master, "tcp") as store:
+            colo = Colocated(model, store)
+            request = PrefillRequest("mla-1", prompt, "mla-t", sampling, session="mla-conv", retain=retain)
+            try:
+                done = await colo.complete(request)
+                chain = [bytes(h) for h in done.prefill.handoff.block_hashes]
+                exists = await store.batch_exists([*map(kda_key, chain), *map(mla_key, chain)])
+                return done, exists
+            finally:
+                colo.close()
+
+    try:
+        done, exists = asyncio.run(go())
+        assert done.prefill.checkpoints_pushed == [] and done.decode.checkpoint_pushed == 0
+        assert exists == [False, False, True, True]  # the prompt's blocks, no checkpoint
+        assert (done.prefill.retained.tokens, done.prefill.retained.refused) == (128, False)
+        assert done.decode.blocks_pushed == 1 and done.decode.retained.tokens == 192
+        usage = final_chunk(done.decode).usage
+        assert (usage.retained_tokens, usage.retention_refused) == (192, False)
+        request = master_pb2.PinRequest(session="mla-conv", end_session=True, tenant="mla-t")
+        assert master_wire.call_blocking(master, "Pin", request, 5.0).pinned == 3  # blocks 0-2, nothing else
+    finally:
+        cluster_auth.configure(previous)
 
 
 def _schemathesis(up: UpProcess, phases: str, examples: int) -> str:
