@@ -153,8 +153,9 @@ def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
         "--pin-share",
         type=float,
         default=d.pin_share,
-        help="soft pins (operators' and clients' retention hints) may hold at most this share of the DRAM "
-        "capacity and of each tenant's quota; a pin past it pins nothing and is counted (default 0.5)",
+        help="clients' retention pins may hold at most this share of the DRAM capacity and of each tenant's "
+        "quota, times the share they earn by being read (kvpool_master_pin_budget_earned); a pin past it "
+        "pins nothing and is counted; operators' pins are not budgeted (default 0.5)",
     )
     sh = p.add_argument_group("master shards (docs/design/sharding.md)")
     sh.add_argument("--shards", type=int, default=1, help="how many master shards the fleet has (default 1)")

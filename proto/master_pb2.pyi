@@ -307,7 +307,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired", "admission_rate", "rss_bytes", "index_slots", "max_objects", "pinned_bytes", "pins_refused")
+    __slots__ = ("objects", "bytes", "capacity_bytes", "evictions", "evicted_bytes", "nodes", "active_leases", "pending_puts", "bytes_per_tier", "bytes_per_tenant", "policy", "counters", "demotions", "expired", "admission_rate", "rss_bytes", "index_slots", "max_objects", "pinned_bytes", "pins_refused", "pin_budget_earned")
     class BytesPerTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +349,7 @@ class StatsReply(_message.Message):
     MAX_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PINS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PIN_BUDGET_EARNED_FIELD_NUMBER: _ClassVar[int]
     objects: int
     bytes: int
     capacity_bytes: int
@@ -369,4 +370,5 @@ class StatsReply(_message.Message):
     max_objects: int
     pinned_bytes: int
     pins_refused: int
-    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ..., admission_rate: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., index_slots: _Optional[int] = ..., max_objects: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pins_refused: _Optional[int] = ...) -> None: ...
+    pin_budget_earned: float
+    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., active_leases: _Optional[int] = ..., pending_puts: _Optional[int] = ..., bytes_per_tier: _Optional[_Mapping[str, int]] = ..., bytes_per_tenant: _Optional[_Mapping[str, int]] = ..., policy: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., demotions: _Optional[int] = ..., expired: _Optional[int] = ..., admission_rate: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., index_slots: _Optional[int] = ..., max_objects: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., pins_refused: _Optional[int] = ..., pin_budget_earned: _Optional[float] = ...) -> None: ...

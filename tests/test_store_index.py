@@ -487,3 +487,37 @@ def test_pins_are_held_per_session_and_budgeted() -> None:
     idx.expire()  # the operator's deadline passed, the session's did not: a7 stays pinned for c5
     assert [idx.get(k).pinned for k in (b"a4", b"a7")] == [False, True] and idx.stats().pinned_bytes == 100
     assert idx.verify() == []
+
+
+def test_pins_earn_their_budget_by_being_read() -> None:
+    """Clients' pins keep their budget only while pinned objects are read at least as densely (blocks
+    served per byte held) as the rest: pins nobody reads lose it, so new session pins are refused (the
+    object stays cached, ranked by the policy), while operators' pins are never refused; with nothing
+    pinned the budget is tried again. (``kvstore/index/pin_budget.py``.)"""
+    clock = Clock()
+    idx = make(clock, cap=100_000, pin_share=0.5)
+    pinned, busy = chain(4, "pinned"), chain(4, "busy")
+    put_chain(idx, pinned, checkpoints=(4,))
+    put_chain(idx, busy, checkpoints=(4,))
+    pin_keys = [mla_key(h) for h in pinned] + [kda_key(pinned[-1])]
+    assert idx.pin(pin_keys, 600_000, session="s1") == 5
+    assert idx.pin_budget.earned == 1.0
+    for _ in range(60):  # every lookup reads the unpinned chain: the pins hold what nobody reads
+        assert idx.match_prefix(busy, touch=True).usable_blocks == 4
+    assert idx.pin_budget.earned == 0.0
+    late = chain(2, "late")
+    put_chain(idx, late, checkpoints=(2,))
+    late_keys = [mla_key(h) for h in late] + [kda_key(late[-1])]
+    assert idx.pin(late_keys, 600_000, session="s2") == 0, "no budget earned: refused, counted"
+    assert idx.stats().pins_refused == 1 and late_keys[0] in idx
+    assert idx.pin(late_keys, 600_000) == 3, "an operator's pin is never budgeted"
+    idx.pin(late_keys, 0)
+    for _ in range(150):  # now the pinned chain is what writers read: pins pay (the sums forget slowly)
+        assert idx.match_prefix(pinned, touch=True).usable_blocks == 4
+    assert idx.pin_budget.earned == 1.0
+    assert idx.pin(late_keys, 600_000, session="s2") == 3
+    assert idx.end_session("", "s1") == 5 and idx.end_session("", "s2") == 3
+    idx.pin_budget.earned = 0.0
+    idx.match_prefix(busy, touch=True)  # nothing pinned: no evidence, the budget is tried again
+    assert idx.pin_budget.earned > 0.0
+    assert idx.verify() == []

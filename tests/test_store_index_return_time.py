@@ -9,7 +9,7 @@ from kvpool.kvstore.index.eviction import HybridPolicy
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.recency_guard import RecencyGuard
 from kvpool.kvstore.index.records import ObjectKind
-from kvpool.kvstore.index.return_time import BEYOND, READ, ReturnTimeModel, request_class
+from kvpool.kvstore.index.return_time import BEYOND, HINT, READ, ReturnTimeModel, hinted_class, request_class
 from kvpool.kvstore.keys import kda_key, mla_key
 
 from tests.harness.chains import chain
@@ -207,3 +207,31 @@ def test_the_worked_example_of_the_design_note(w: float, first: int) -> None:
     expect_a = w * (np.log2(0.01) + 0.5 * np.log2(20) - np.log2(429 << 20)) + (1 - w) * -np.log2(40.0)
     assert scores[0] == pytest.approx(expect_a)
     assert int(np.argmin(scores)) == first
+
+
+def test_a_clients_hint_classes_its_checkpoint_granted_or_refused_and_holds_through_reads() -> None:
+    """A retention hint is evidence about the chain's return: the checkpoint it names takes the hinted
+    class of its TTL tier even when the pin is refused (pin budget 0), keeps it when a later turn reads it,
+    and the blocks beyond it (a reply's) do not inherit it."""
+    assert hinted_class(5, 300_000) == 5 + HINT and hinted_class(5 + HINT, 3_600_000) == 5 + 2 * HINT
+    m = ReturnTimeModel()
+    assert m.class_of_put(b"x" * 32, 5 + 2 * HINT) == 5 + BEYOND
+    clock = Clock(100.0)
+    policy = HybridPolicy(min_observations=8)
+    idx = PrefixIndex(policy, clock=clock, pin_share=0.0)
+    idx.add_node("n", 100_000)
+    hs = chain(6, "conv")
+    idx.match_prefix(hs[:4], touch=True)
+    _put(idx, hs[:4])
+    ck = kda_key(hs[3])
+    slot = idx._slot[ck]
+    before = int(policy._klass[slot])
+    assert before < HINT
+    keys = [mla_key(h) for h in hs[:4]] + [ck]
+    assert idx.pin(keys, 300_000, session="s") == 0 and idx.stats().pins_refused == 1
+    assert int(policy._klass[slot]) == before + HINT, "a refused pin still tells when the chain returns"
+    clock.t += 30.0
+    assert idx.match_prefix(hs, touch=True).usable_blocks == 4  # the next turn reads it
+    assert int(policy._klass[slot]) // HINT == 1, "the hint holds through the read"
+    idx.pin(keys, 3_600_000, session="s")
+    assert int(policy._klass[slot]) // HINT == 2

@@ -68,5 +68,8 @@ class LabelsPolicy(HybridPolicy):
         now = float(cols.last_use[slot])  # set to the insert's clock before the hook
         self._klass[slot] = WILL_READ if self.oracle.read_after(key[1:], now) else WILL_NOT
 
+    def on_hint(self, cols: PolicyColumns, slots: Sequence[int], ttl_ms: int) -> None:
+        """A client's hint changes nothing: the classes are the oracle's labels."""
+
     def class_after_read(self, block_hash: bytes, request_class: int, now: float) -> int:
         return WILL_READ if self.oracle.read_after(block_hash, now) else WILL_NOT

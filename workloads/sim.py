@@ -476,6 +476,7 @@ def simulate(
         shard_bytes_written=r.shard_bytes_written,
         hints=r.hints.to_dict(),
         pinned_bytes=sum(idx.stats().pinned_bytes for idx in r.shard_indexes) if r.hints.pins else 0,
+        pin_budget_earned=min(idx.pin_budget.earned for idx in r.shard_indexes),
     )
 
 

@@ -90,6 +90,7 @@ class SimResult:
     shard_bytes_written: list[int]  # per master shard: bytes its chains wrote
     hints: dict[str, int] = field(default_factory=dict)  # sim.HintTally: pins, pins_refused, sessions...
     pinned_bytes: int = 0  # index bytes still pinned at the end (in capacity units)
+    pin_budget_earned: float = 1.0  # the least share of the pin budget a shard's pins had earned at the end
 
     def shards(self) -> dict[str, Any]:
         """Per-shard load and its spread (coefficient of variation = population stdev / mean; 0 = even)."""
@@ -118,7 +119,11 @@ class SimResult:
             "duration_s": self.duration_s,
             "pins": self.hints.get("pins", 0),
             "pins_refused": self.hints.get("pins_refused", 0),
-            "hints": {**self.hints, "pinned_bytes_at_end": self.pinned_bytes},
+            "hints": {
+                **self.hints,
+                "pinned_bytes_at_end": self.pinned_bytes,
+                "pin_budget_earned_at_end": round(self.pin_budget_earned, 3),
+            },
             "config": {
                 "spec": c.spec.name,
                 "policy": c.policy,

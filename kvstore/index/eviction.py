@@ -29,7 +29,7 @@ from typing import Protocol
 
 import numpy as np
 from kvpool.kvstore.index.recency_guard import RecencyGuard
-from kvpool.kvstore.index.return_time import READ, ReturnTimeModel, request_class
+from kvpool.kvstore.index.return_time import HINT, READ, ReturnTimeModel, hinted_class, request_class
 
 KIND_MLA = 1
 SLOT_LIVE = 1  # mirrors records.SLOT_LIVE (this module stays free of the index's imports)
@@ -187,7 +187,7 @@ class HybridPolicy(LRUPolicy):
         self.min_observations = min_observations
         self.model = ReturnTimeModel(prior=prior)
         self.guard = RecencyGuard(initial=initial_weight, step=guard_step)
-        self._klass = np.zeros(1024, dtype=np.uint8)
+        self._klass = np.zeros(1024, dtype=np.uint16)
 
     # ------------------------------------------------------------------ hooks (called by the index)
 
@@ -198,7 +198,7 @@ class HybridPolicy(LRUPolicy):
     def on_insert(self, cols: PolicyColumns, slot: int, key: bytes, kind: int, anchor_slot: int) -> None:
         """An object took ``slot``: give it its class (its ticket's, or its anchor's beyond the prompt)."""
         if slot >= len(self._klass):
-            klass = np.zeros(max(slot + 1, len(self._klass) * 3 // 2), dtype=np.uint8)
+            klass = np.zeros(max(slot + 1, len(self._klass) * 3 // 2), dtype=np.uint16)
             klass[: len(self._klass)] = self._klass
             self._klass = klass
         anchor = int(self._klass[anchor_slot]) if 0 <= anchor_slot < len(self._klass) else None
@@ -229,11 +229,20 @@ class HybridPolicy(LRUPolicy):
             deep = g
         cls = request_class(deep, len(block_hashes), gap)
         if checkpoint_slot >= 0:
-            self._klass[checkpoint_slot] = self.class_after_read(block_hashes[usable - 1], cls, now)
+            hint = HINT * (int(self._klass[checkpoint_slot]) // HINT)  # a client's hint holds through reads
+            self._klass[checkpoint_slot] = self.class_after_read(block_hashes[usable - 1], cls, now) + hint
         model.ticket(block_hashes[run:], cls)
         held = cols.size[np.asarray(mla_slots, dtype=np.int64)].tolist() if len(mla_slots) else []
         ck_size = int(cols.size[checkpoint_slot]) if checkpoint_slot >= 0 else 0
         self.guard.lookup(block_hashes, usable, joint, held, ck_size)
+
+    def on_hint(self, cols: PolicyColumns, slots: Sequence[int], ttl_ms: int) -> None:
+        """A client asked to retain the chains these checkpoints close for ``ttl_ms`` (a session pin,
+        granted or refused): their class takes the hint's tier, so the model learns how hinted chains
+        return apart from the rest."""
+        for slot in slots:
+            if slot < len(self._klass) and int(cols.kind[slot]) == KIND_KDA:
+                self._klass[slot] = hinted_class(int(self._klass[slot]), ttl_ms)
 
     def admission_floor(self) -> float:
         """The least sampling rate admission may use. Refusals are predictions too, and they cost hits

@@ -81,6 +81,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 from kvpool.kvstore.index.admission import Admission, AdmissionConfig
 from kvpool.kvstore.index.eviction import EvictionPolicy, make_policy
+from kvpool.kvstore.index.pin_budget import PinBudget
 from kvpool.kvstore.index.records import (
     DEPTH_MAX,
     MAX_INTERNED,
@@ -179,6 +180,7 @@ class PrefixIndex:
         self._pinned_bytes: dict[int, int] = {}  # tenant id -> bytes of its pinned objects
         self._pinned_total = 0
         self._pins_refused = 0
+        self.pin_budget = PinBudget()  # the share of ``pin_share`` clients' pins have earned (pin_budget)
         self._pin_heap: list[tuple[float, int, str]] = []  # (deadline, slot, session); stale entries skipped
         self._ttl: dict[int, float] = {}  # slot -> expiry deadline
         self._ttl_heap: list[tuple[float, int, bytes]] = []
@@ -576,6 +578,10 @@ class PrefixIndex:
             if self._learner is not None:
                 self.admission.floor = self._learner.admission_floor()
             self.admission.on_lookup(block_hashes, run, self._capacity_of())
+        if touch:  # what pins are worth: the blocks a writer is served through a pinned checkpoint or not
+            from_pinned = ck is not None and bool(self._cols.flags[slots[-1]] & SLOT_PINNED)
+            held = sum(self._tenant_bytes.values())
+            self.pin_budget.lookup(usable, from_pinned, self._pinned_total, held)
         if touch and usable:
             self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())
         return PrefixMatch(usable, run, tuple(checkpoints), used, ck, tuple(slots))
@@ -680,6 +686,8 @@ class PrefixIndex:
                 self._unpin(slot, session)
             return len(slots)
         c = self._cols
+        if session and self._learner is not None:  # granted or not, the hint tells when the chain returns
+            self._learner.on_hint(c, slots, ttl_ms)
         new: dict[int, int] = {}  # tenant id -> bytes this call pins that were not pinned
         for slot in dict.fromkeys(slots):
             if slot not in self._pins:
@@ -709,11 +717,12 @@ class PrefixIndex:
         total = sum(new.values())
         if not total:
             return True
-        if self._pinned_total + total > self.pin_share * self._capacity_of(Tier.DRAM):
+        share = self.pin_share * self.pin_budget.earned
+        if self._pinned_total + total > share * self._capacity_of(Tier.DRAM):
             return False
         for tid, extra in new.items():
             quota = self._quota.get(tid, 0)
-            if quota and self._pinned_bytes.get(tid, 0) + extra > self.pin_share * quota:
+            if quota and self._pinned_bytes.get(tid, 0) + extra > share * quota:
                 return False
         return True
 
@@ -740,6 +749,7 @@ class PrefixIndex:
             soft_pins=len(self._pins),
             pinned_bytes=self._pinned_total,
             pins_refused=self._pins_refused,
+            pin_budget_earned=self.pin_budget.earned,
             evictions=self._evictions,
             evicted_bytes=self._evicted_bytes,
             demotions=self._demotions,

@@ -166,6 +166,7 @@ class IndexStats:
     soft_pins: int
     pinned_bytes: int
     pins_refused: int
+    pin_budget_earned: float  # the share of pin_share new session pins may fill (pin_budget.PinBudget)
     evictions: int
     evicted_bytes: int
     demotions: int

@@ -15,7 +15,9 @@ Mechanism:
    missing block hashes are *ticketed* with it; a checkpoint or MLA block put under a ticket takes its
    class, an unticketed one (a reply's blocks, decode's end-of-output checkpoint) inherits its anchor's
    class with the *beyond the prompt* bit set. A checkpoint that is read takes its reader's class with
-   the *read* bit: its next return is that of a re-read chain.
+   the *read* bit: its next return is that of a re-read chain. A checkpoint a client names in a
+   retention hint (a pin, granted or refused) takes the *hinted* bit of its TTL tier: the client says it
+   will come back, and how often that is true, and how soon, is learned like everything else.
 2. **Observations** (ages are seconds since the object's last use): a read of a cached checkpoint is a
    return at its age; an evicted checkpoint becomes a *ghost* (its hash, class and last use, no bytes)
    and a later lookup through its block is a return too (the deepest one on the lookup's path: the read
@@ -45,11 +47,14 @@ HORIZON_BIN = BINS - 1  # reads later than the start of the last bin do not coun
 NEW_BUCKETS = (1, 3, 7, 15)  # blocks to compute: <= 1, 2-3, 4-7, 8-15, 16+
 CONTINUATION = 1
 GAP_BUCKETS = (20.0, 120.0)  # seconds since the chain's previous read: none, < 20 s, 20-120 s, longer
+LONG_HINT_MS = 600_000  # a retention hint longer than 10 min is a "long" one (a shared prefix, not a turn)
 # class = cont (0/1) + 2 x new bucket (0..4) + READ x read + BEYOND x beyond the prompt + GAP x gap bucket
+#         + HINT x hint tier (0 none, 1 short, 2 long)
 READ = 10
 BEYOND = 20
 GAP = 40
-CLASSES = GAP * (len(GAP_BUCKETS) + 2)
+HINT = GAP * (len(GAP_BUCKETS) + 2)
+CLASSES = HINT * 3
 RATE_FLOOR = 1e-12  # reads per second below which every rate is the same (log2 stays finite)
 
 
@@ -74,6 +79,11 @@ def request_class(deep: int, looked_up: int, gap_s: float | None = None) -> int:
     cont = CONTINUATION if deep > 0 and 2 * deep >= looked_up else 0
     gap = 0 if gap_s is None else 1 + sum(gap_s >= b for b in GAP_BUCKETS)
     return cont + 2 * bucket + GAP * gap
+
+
+def hinted_class(cls: int, ttl_ms: int) -> int:
+    """``cls`` with the hint tier of a client's retention hint of ``ttl_ms`` (replacing any earlier one)."""
+    return cls % HINT + HINT * (2 if ttl_ms > LONG_HINT_MS else 1)
 
 
 class ReturnTimeModel:
@@ -141,7 +151,8 @@ class ReturnTimeModel:
             return cls
         if anchor_class is None:
             return BEYOND
-        return (anchor_class % READ) + BEYOND + GAP * (anchor_class // GAP)
+        base = anchor_class % HINT  # a hint names its own checkpoints: the reply's are not hinted
+        return (base % READ) + BEYOND + GAP * (base // GAP)
 
     def ghost(self, block_hash: bytes, cls: int, last_use: float, now: float) -> None:
         """A checkpoint left the cache unread since ``last_use``: remember it (oldest forgotten first, each

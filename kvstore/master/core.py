@@ -654,6 +654,7 @@ class MasterCore:
             max_objects=self.config.max_objects,
             pinned_bytes=st.pinned_bytes,
             pins_refused=st.pins_refused,
+            pin_budget_earned=st.pin_budget_earned,
         )
 
     def sweep(self) -> None:

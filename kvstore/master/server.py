@@ -34,6 +34,7 @@ _GAUGES = (
     ("index_slots", "object slots the index has allocated"),
     ("max_objects", "the index's object cap (0 = none)"),
     ("pinned_bytes", "bytes held by soft pins (operators' and clients' retention)"),
+    ("pin_budget_earned", "share of --pin-share clients' pins have earned by being read (0..1)"),
 )
 _COUNTERS = (
     ("evictions", "objects dropped by pressure"),

@@ -339,8 +339,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--pin-share",
         type=float,
         default=0.5,
-        help="pinned bytes stay within this share of the DRAM capacity; a pin past it is refused and "
-        "counted (default 0.5)",
+        help="clients' pinned bytes stay within this share of the DRAM capacity, times the share pins earn "
+        "by being read (kvstore/index/pin_budget.py); a pin past it is refused and counted (default 0.5)",
     )
     r.add_argument(
         "--supersede",

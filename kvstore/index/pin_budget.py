@@ -1,0 +1,53 @@
+"""How much of its pin budget the clients' retention pins have *earned*: the share of ``pin_share`` that new
+session pins may fill, learned from what pinned objects are read compared with what the policy keeps.
+
+Why: a client's retention hint carries information the store cannot see (the session will come back), and
+the default policy uses it as evidence (the hinted class of ``return_time``). A *pin* goes further: it takes
+the object out of the ranking for its TTL. That pays when what clients pin is read more per byte than what
+the policy would keep in its place (a repository every coding session reads), and costs hits when it is
+not (on generated conversations at 29 GiB, pins of every turn held by whichever sessions asked first cost
+the default 7 to 12 points of token hit against the same hints used as evidence only). Which case holds
+depends on the traffic and the cache size, so it is measured, not configured.
+
+Mechanism: at every writer's lookup, the blocks it was served count towards the pinned objects when the
+checkpoint that served them was pinned, towards the rest otherwise (moving sums over about the last 500
+lookups). Their densities, blocks served per byte held, are compared; ``earned`` moves by ``step`` towards
+1 while pins are read at least as densely as the rest and towards 0 otherwise. The index grants a new
+session pin only while the pinned bytes stay within ``earned`` x ``pin_share`` of the DRAM (and of the
+tenant's quota). Pins already granted are never revoked: they stay to their TTL or their session's end.
+While nothing is pinned there is no evidence either way, and ``earned`` creeps back up, so pins are tried
+again (exploration); an operator's pins (no session) are never budgeted and count as pinned here too.
+"""
+
+from __future__ import annotations
+
+import math
+
+RECENT = 0.002  # weight of one lookup in the moving sums (about the last 500 lookups)
+
+
+class PinBudget:
+    """The earned share of the clients' pin budget (module docstring)."""
+
+    __slots__ = ("_recent", "earned", "step")
+
+    def __init__(self, step: float = 0.02, initial: float = 1.0) -> None:
+        for name, v in (("step", step), ("initial", initial)):
+            if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ValueError(f"pin budget {name} must be in [0, 1], got {v!r}")
+        self.step = step
+        self.earned = initial
+        self._recent = [0.0, 0.0]  # moving sums of blocks served: from pinned checkpoints, from the rest
+
+    def lookup(self, served: int, from_pinned: bool, pinned_bytes: int, held_bytes: int) -> None:
+        """A writer's lookup was served ``served`` blocks, through a pinned checkpoint or not, while
+        ``pinned_bytes`` of the ``held_bytes`` the index holds were pinned."""
+        r = self._recent
+        r[0] += RECENT * ((served if from_pinned else 0) - r[0])
+        r[1] += RECENT * ((0 if from_pinned else served) - r[1])
+        if pinned_bytes <= 0:
+            self.earned = min(1.0, self.earned + self.step)  # nothing pinned: no evidence, try pins again
+            return
+        rest = max(held_bytes - pinned_bytes, 1)
+        pays = r[0] * rest >= r[1] * pinned_bytes  # r0 / pinned >= r1 / rest, without dividing
+        self.earned = min(1.0, max(0.0, self.earned + (self.step if pays else -self.step)))
