@@ -7,7 +7,9 @@ eviction round over a million objects is a handful of array operations, not a Py
 Contract: ``scores(cols, slots, now)`` returns one float per slot, **lower = evicted first**; ties break by
 slot order (the index uses a stable sort), so a policy is deterministic for a given clock. ``touch`` is
 called when an object is inserted or really used (a fetch, never a probe), and may update ``last_use``
-and ``freq`` only.
+and ``freq`` only. A policy may add ``score_one(cols, slot, now) -> float``, the very value ``scores``
+gives that slot alone, without building arrays: the eviction pass scores anchors one at a time as their
+last dependent goes.
 
 Policies (pick by name with :func:`make_policy`):
 
@@ -271,17 +273,25 @@ class HybridPolicy(LRUPolicy):
         live = np.flatnonzero(((cols.flags[:n] & SLOT_LIVE) != 0) & (cols.kind[:n] == KIND_KDA))
         self.model.rebuild(now, self._klass[live], now - cols.last_use[live])
 
+    def score_one(self, cols: PolicyColumns, slot: int, now: float) -> float:
+        """``scores`` of one slot (the module's contract): the common case, an anchor the eviction pass
+        just exposed, is a dead block, scored without the vector path's dozen array operations."""
+        if cols.kind[slot] == KIND_MLA and cols.deps[slot] == 0:
+            return self._dead_score(cols, slot, now)
+        return float(self.scores(cols, np.array([slot]), now)[0])
+
+    def _dead_score(self, cols: PolicyColumns, slot: int, now: float) -> float:
+        """The score of a dead MLA block alone (the vector path's value, computed with scalars)."""
+        rec = -math.log2(max(now - float(cols.last_use[slot]), MIN_AGE_S))
+        if self.guard.w > 0 and self.model.observed >= self.min_observations:
+            rec -= self.guard.w * math.log2(max(int(cols.size[slot]), 1))
+        return rec - DEAD_FIRST
+
     def scores(self, cols: PolicyColumns, slots: np.ndarray, now: float) -> np.ndarray:
         w = self.guard.w
         model = self.model
         if len(slots) == 1 and cols.kind[slots[0]] == KIND_MLA and cols.deps[slots[0]] == 0:
-            # the common single score: an anchor the eviction pass just exposed, a dead block (same value
-            # as the vector path below, without its dozen array operations)
-            s0 = int(slots[0])
-            rec = -math.log2(max(now - float(cols.last_use[s0]), MIN_AGE_S))
-            if w > 0 and model.observed >= self.min_observations:
-                rec -= w * math.log2(max(int(cols.size[s0]), 1))
-            return np.array([rec - DEAD_FIRST])
+            return np.array([self._dead_score(cols, int(slots[0]), now)])  # as score_one
         age = np.maximum(now - cols.last_use[slots], MIN_AGE_S)
         rec = -np.log2(age)
         kind = cols.kind[slots]

@@ -107,11 +107,18 @@ from kvpool.kvstore.index.records import (
     Tier,
     UnknownKeyError,
     UnknownNodeError,
-    anchor_of,
 )
 from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, block_tag
 
 _TAG_OF_KIND = {ObjectKind.MLA: MLA_TAG, ObjectKind.KDA: KDA_TAG}
+# Hot paths (insert, eviction, drop) name kinds and tiers through these module constants and write plain
+# ints into the numpy columns: an attribute of an enum class, ``Tier(x)``, and any numpy operation given an
+# IntEnum (numpy probes the enum class for dunders through ``EnumType.__getattr__``) each cost a few hundred
+# ns, paid a million times per simulated trace (the simulator runs this very index).
+_MLA, _KDA, _TAIL = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL
+_DRAM, _SSD = Tier.DRAM, Tier.SSD
+_MLA_I, _KDA_I, _TAIL_I = int(_MLA), int(_KDA), int(_TAIL)
+_TIER_OF: dict[int, Tier] = {int(t): t for t in Tier}  # a tier column value -> its member
 
 
 INITIAL_SLOTS = 1024
@@ -289,10 +296,11 @@ class PrefixIndex:
         TTL, checksum), else ``BadObjectError``: the master checks a PutStart with it before anything else."""
         if not key or len(key) > MAX_KEY_BYTES:
             raise BadObjectError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-        try:
-            kind = ObjectKind(kind)
-        except ValueError:
-            raise BadObjectError(f"unknown object kind {kind}") from None
+        if type(kind) is not ObjectKind:  # a wire int (a PutStart); a member is already its own kind
+            try:
+                kind = ObjectKind(kind)
+            except ValueError:
+                raise BadObjectError(f"unknown object kind {kind}") from None
         tag = _TAG_OF_KIND.get(kind)
         if block_tag(key) != tag:  # the key's tag is the kind's one truth (module docstring)
             if tag is None:
@@ -300,7 +308,7 @@ class PrefixIndex:
             raise BadObjectError(f"{kind.name} key must be {tag!r} + {HASH_BYTES}-byte hash")
         if size <= 0:
             raise BadObjectError(f"size must be > 0, got {size}")
-        if kind == ObjectKind.TAIL and ttl_ms <= 0:
+        if kind is _TAIL and ttl_ms <= 0:
             raise BadObjectError("a request tail must have a TTL")
         if ttl_ms < 0 or checksum < 0 or checksum >= 1 << 64:
             raise BadObjectError("ttl_ms and checksum must be non-negative (checksum < 2^64)")
@@ -347,16 +355,20 @@ class PrefixIndex:
         the object, so admission control does not turn it away (the policy still ranks it).
         """
         kind = self.check_object(key, kind, size, ttl_ms, checksum)
-        if key in self._slot or key in self._pending:
-            raise DuplicateKeyError(key, key in self._pending)
+        committed, pending_puts = self._slot, self._pending
+        if key in committed or key in pending_puts:
+            raise DuplicateKeyError(key, key in pending_puts)
         now = self._clock()
         self._retire_due(now)
         learner = self._learner
-        if evict and learner is not None and kind in (ObjectKind.MLA, ObjectKind.KDA):
-            learner.on_put(key, size, self._capacity_of())  # before admission: LRU would store it
-        if evict and admit and self.admission is not None and kind in (ObjectKind.MLA, ObjectKind.KDA):
-            self._admit(key, kind, size, parent)
-        tid = self._tenant_id(tenant)
+        if evict and (kind is _MLA or kind is _KDA):
+            if learner is not None:
+                learner.on_put(key, size, self._capacity_of())  # before admission: LRU would store it
+            if admit and self.admission is not None:
+                self._admit(key, kind, size, parent)
+        tid = self._tenant_ids.get(tenant)
+        if tid is None:
+            tid = self._tenant_id(tenant)
         quota = self._quota.get(tid, 0) if evict else 0
         if quota:
             if size > quota:
@@ -370,8 +382,10 @@ class PrefixIndex:
                     )
         if node_id is None:
             node_id = self._place(size, tier, avoid_node)
-        node = self._node(node_id)
-        nid = self._node_ids[node_id]
+        nid = self._node_ids.get(node_id)
+        node = None if nid is None else self._nodes.get(nid)
+        if node is None:
+            raise UnknownNodeError(f"unknown node {node_id!r}")
         if size > node.capacity[tier]:
             raise CapacityError(f"object of {size} bytes exceeds {tier.name} capacity of node {node_id!r}")
         # the object cap; an adoption (evict=False) may pass it: evict() trims in policy order once all is in
@@ -383,16 +397,17 @@ class PrefixIndex:
                     f"the index holds {self.max_objects} objects (its cap), all pinned, leased, pending or "
                     "anchoring others"
                 )
-        cap = node.capacity[tier]
-        if not (self._make_room(nid, tier, size, now) if evict else node.used[tier] + size <= cap):
+        used = node.used
+        if used[tier] + size > node.capacity[tier] and not (evict and self._make_room(nid, tier, size, now)):
             raise CapacityError(
-                f"node {node_id!r} {tier.name}: {node.used[tier]} of {node.capacity[tier]} bytes held by "
+                f"node {node_id!r} {tier.name}: {used[tier]} of {node.capacity[tier]} bytes held by "
                 f"pinned/leased/pending objects; cannot fit {size}"
             )
         slot = self._alloc_slot()
         c = self._cols
-        c.kind[slot] = kind
-        c.tier[slot] = tier
+        kind_i = int(kind)
+        c.kind[slot] = kind_i
+        c.tier[slot] = int(tier)
         c.flags[slot] = SLOT_LIVE | (SLOT_PENDING if pending else 0)
         c.tenant[slot] = tid
         c.node[slot] = nid
@@ -402,21 +417,22 @@ class PrefixIndex:
         c.last_use[slot] = now
         c.freq[slot] = 1.0  # a write is the first use, identical under every policy (no per-insert call)
         deps = c.deps[slot] = self._orphans.pop(key, 0)
-        self._link_anchor(slot, key, kind, parent)
-        (self._pending if pending else self._slot)[key] = slot
+        a = self._link_anchor(slot, key, kind, parent)
+        (pending_puts if pending else committed)[key] = slot
         self._keys[slot] = key
         if learner is not None:
-            anchor = self._anchors[slot]
-            a = self._find(anchor) if anchor is not None else None
-            learner.on_insert(c, slot, key, int(kind), -1 if a is None else a)
+            if a is None and self._anchors[slot] is not None:  # an orphan, unless it hangs on itself now
+                a = self._find(self._anchors[slot])  # type: ignore[arg-type]
+            learner.on_insert(c, slot, key, kind_i, -1 if a is None else a)
         if not pending:
-            self._mark_checkpoint(slot, key, deps)
-        node.used[tier] += size
+            self._mark_checkpoint(slot, key, kind_i, deps)
+        used[tier] += size
         self._tenant_bytes[tid] = self._tenant_bytes.get(tid, 0) + size
         if ttl_ms:
             self._set_ttl(slot, key, now + ttl_ms / 1000.0)
         if evict:
-            self._evict_pool(nid, tier, now, protect=slot)
+            if used[tier] > self.high_watermark * node.capacity[tier]:  # _evict_pool's test, inlined
+                self._evict_pool(nid, tier, now, protect=slot)
             if (
                 self.max_objects
                 and len(self._slot) + len(self._pending) > self.high_watermark * self.max_objects
@@ -431,10 +447,7 @@ class PrefixIndex:
         adm = self.admission
         assert adm is not None
         h = key[1:]
-        if kind == ObjectKind.MLA:
-            hangs_on = parent if block_tag(parent) == MLA_TAG else b""
-        else:
-            hangs_on = MLA_TAG + h
+        hangs_on = MLA_TAG + h if kind is _KDA else (parent if block_tag(parent) == MLA_TAG else b"")
 
         def chain_refused() -> bool:
             return bool(hangs_on) and self._find(hangs_on) is None and adm.was_refused(hangs_on[1:])
@@ -454,11 +467,11 @@ class PrefixIndex:
             self._cols.checksum[slot] = checksum
         self._cols.flags[slot] &= ~np.uint8(SLOT_PENDING)
         self._slot[key] = slot
-        self._mark_checkpoint(slot, key, int(self._cols.deps[slot]))
+        self._mark_checkpoint(slot, key, int(self._cols.kind[slot]), int(self._cols.deps[slot]))
         now = self._clock()
         self._cols.last_use[slot] = now  # recency counts from visibility; the write was the one use
         # never evict what was just written: the writer has not even been told it succeeded
-        self._evict_pool(int(self._cols.node[slot]), Tier(int(self._cols.tier[slot])), now, protect=slot)
+        self._evict_pool(int(self._cols.node[slot]), _TIER_OF[int(self._cols.tier[slot])], now, protect=slot)
 
     def remove(self, key: bytes, reason: str = "removed") -> bool:
         """Drop an object (committed or pending) regardless of pins; False if it was not indexed."""
@@ -935,25 +948,30 @@ class PrefixIndex:
     ) -> None:
         """Walk candidates in policy order, merging in anchors that become leaves as their last
         dependent goes, until ``over()`` is False. ``act(slot)`` evicts/demotes; True if it dropped it."""
-        order, scores = candidates
+        # Python lists and ints: a pass walks hundreds of slots one by one, and numpy scalars are slow
+        # there (the columns are not resized during a pass: nothing is inserted)
+        order, scores = candidates[0].tolist(), candidates[1].tolist()
+        c, anchors, committed, policy = self._cols, self._anchors, self._slot, self.policy
+        # the exposed anchor's score, as ``scores`` would give it alone (a policy's scalar path if it has one)
+        one = getattr(policy, "score_one", None)
         exposed: list[tuple[float, int]] = []
-        i = 0
+        i, n = 0, len(order)
         while over():
-            if exposed and (i >= len(order) or exposed[0][0] < scores[i]):
+            if exposed and (i >= n or exposed[0][0] < scores[i]):
                 slot = heapq.heappop(exposed)[1]
-            elif i < len(order):
-                slot = int(order[i])
+            elif i < n:
+                slot = order[i]
                 i += 1
             else:
                 return
-            if not self._cols.flags[slot] & SLOT_LIVE:
+            if not c.flags[slot] & SLOT_LIVE:
                 continue
-            anchor = self._anchors[slot]
+            anchor = anchors[slot]
             if not act(slot) or anchor is None:
                 continue
-            a = self._slot.get(anchor)
+            a = committed.get(anchor)
             if a is not None and self._evictable_leaf(a) and exposable(a):
-                score = float(self.policy.scores(self._cols, np.array([a]), now)[0])
+                score = one(c, a, now) if one is not None else float(policy.scores(c, np.array([a]), now)[0])
                 heapq.heappush(exposed, (score, a))
 
     def _evict_pool(self, nid: int, tier: Tier, now: float, protect: int = -1) -> None:
@@ -976,8 +994,9 @@ class PrefixIndex:
         leaves (an object with dependents is never dropped by pressure)."""
         c, n = self._cols, self._n
         node = self._nodes[nid]
-        demote = tier == Tier.DRAM and node.capacity[Tier.SSD] > 0
-        mask = (c.node[:n] == nid) & (c.tier[:n] == tier)
+        demote = tier is _DRAM and node.capacity[_SSD] > 0
+        tier_i = int(tier)
+        mask = (c.node[:n] == nid) & (c.tier[:n] == tier_i)
         if not demote:
             mask &= c.deps[:n] == 0
         if 0 <= protect < n:
@@ -985,20 +1004,20 @@ class PrefixIndex:
         candidates = self._candidates(mask, now)
 
         def act(slot: int) -> bool:
-            if int(c.tier[slot]) != tier:
+            if c.tier[slot] != tier_i:
                 return False  # already demoted earlier in this pass
             size = int(c.size[slot])
-            if demote and c.kind[slot] != ObjectKind.TAIL and self._make_room(nid, Tier.SSD, size, now):
+            if demote and c.kind[slot] != _TAIL_I and self._make_room(nid, _SSD, size, now):
                 if not c.flags[slot] & SLOT_LIVE:  # SSD eviction cannot touch DRAM slots, but be safe
                     return False
-                c.tier[slot] = Tier.SSD
-                node.used[Tier.DRAM] -= size
-                node.used[Tier.SSD] += size
+                c.tier[slot] = int(_SSD)
+                node.used[_DRAM] -= size
+                node.used[_SSD] += size
                 self._demotions += 1
                 if self._keep_events:
                     key = self._keys[slot]
                     assert key is not None
-                    self._events.append(Removal(key, node.node_id, Tier.DRAM, size, "demoted", True))
+                    self._events.append(Removal(key, node.node_id, _DRAM, size, "demoted", True))
                 return False
             if c.deps[slot]:
                 return False  # demotion impossible and it still has dependents: keep it
@@ -1010,7 +1029,7 @@ class PrefixIndex:
 
         def exposable(slot: int) -> bool:
             # when demoting, every object in the pool is a candidate already
-            return not demote and int(c.node[slot]) == nid and int(c.tier[slot]) == tier and slot != protect
+            return not demote and c.node[slot] == nid and c.tier[slot] == tier_i and slot != protect
 
         self._drain(candidates, lambda: node.used[tier] > target, act, exposable, now)
 
@@ -1042,16 +1061,14 @@ class PrefixIndex:
     def _learn_eviction(self, slot: int, size: int) -> None:
         """Tell admission and a learning policy an MLA block or checkpoint left by pressure (and whether it
         was ever read)."""
-        adm, c = self.admission, self._cols
-        if self._learner is not None:
-            key = self._keys[slot]
-            assert key is not None
-            self._learner.on_evict(c, slot, key, self._clock())
-        if adm is None or c.kind[slot] not in (ObjectKind.MLA, ObjectKind.KDA):
-            return
-        key = self._keys[slot]
+        adm, c, key = self.admission, self._cols, self._keys[slot]
         assert key is not None
-        adm.evicted(key[1:], size, self._capacity_of(), unread=float(c.freq[slot]) <= 1.0)
+        if self._learner is not None:
+            self._learner.on_evict(c, slot, key, self._clock())
+        if adm is None:
+            return
+        if int(c.kind[slot]) in (_MLA_I, _KDA_I):
+            adm.evicted(key[1:], size, self._capacity_of(), unread=float(c.freq[slot]) <= 1.0)
 
     def _evict_tenant(self, tid: int, target: int, now: float) -> None:
         """Drop the tenant's own evictable leaves (any pool) until it holds at most ``target`` bytes."""
@@ -1076,18 +1093,19 @@ class PrefixIndex:
         slot = self._slot.get(key)
         return self._pending.get(key) if slot is None else slot
 
-    def _mark_checkpoint(self, slot: int, key: bytes, deps: int) -> None:
-        """Keep the SLOT_CKPT bit true as ``key`` becomes committed (``deps``: its dependents now): set on an
-        MLA block whose checkpoint is committed, or on the committed MLA block of a checkpoint.
+    def _mark_checkpoint(self, slot: int, key: bytes, kind: int, deps: int) -> None:
+        """Keep the SLOT_CKPT bit true as ``key`` (of ``kind``) becomes committed (``deps``: its dependents
+        now): set on an MLA block whose checkpoint is committed, or on the committed MLA block of a
+        checkpoint.
 
-        A pending or fresh slot never has the bit (insert writes the flags, _drop clears them). A checkpoint
-        depends on its MLA block (one kind per key tag), so a block without dependents has none: the common
-        insert (a new leaf block) builds and hashes no second key."""
-        tag = block_tag(key)
-        if tag == MLA_TAG:
+        A pending or fresh slot never has the bit (insert writes the flags, _drop clears them). The kind
+        stands for the key's tag (an MLA or KDA object has its tag, check_object), and a checkpoint depends
+        on its MLA block, so a block without dependents has none: the common insert (a new leaf block)
+        builds and hashes no second key."""
+        if kind == _MLA_I:
             if deps and KDA_TAG + key[1:] in self._slot:
                 self._cols.flags[slot] |= np.uint8(SLOT_CKPT)
-        elif tag == KDA_TAG:
+        elif kind == _KDA_I:
             m = self._slot.get(MLA_TAG + key[1:])
             if m is not None:
                 self._cols.flags[m] |= np.uint8(SLOT_CKPT)
@@ -1103,12 +1121,20 @@ class PrefixIndex:
         self._n += 1
         return self._n - 1
 
-    def _link_anchor(self, slot: int, key: bytes, kind: ObjectKind, parent: bytes) -> None:
-        anchor = anchor_of(key, kind, parent)
+    def _link_anchor(self, slot: int, key: bytes, kind: ObjectKind, parent: bytes) -> int | None:
+        """Record what ``slot`` depends on (its anchor: counted as a dependent, or as an orphan's wait) and
+        its depth; returns the anchor's slot (None: a root or an orphan)."""
+        # a checkpoint depends on its own MLA block (its key is KDA_TAG + h: kinds agree with key tags),
+        # anything else on its parent if it names one
+        anchor = MLA_TAG + key[1:] if kind is _KDA else (parent or None)
         c = self._cols
-        depth = 1 if kind == ObjectKind.MLA else 0
+        step = 1 if kind is _MLA else 0
+        depth = step
+        a = None
         if anchor is not None:
-            a = self._find(anchor)
+            a = self._slot.get(anchor)
+            if a is None:
+                a = self._pending.get(anchor)
             if a is None:
                 anchor = bytes(anchor)
                 self._orphans[anchor] = self._orphans.get(anchor, 0) + 1
@@ -1116,9 +1142,10 @@ class PrefixIndex:
             else:
                 anchor = self._keys[a]  # share the bytes object
                 c.deps[a] += 1
-                depth = min(int(c.depth[a]) + (1 if kind == ObjectKind.MLA else 0), DEPTH_MAX)
+                depth = min(int(c.depth[a]) + step, DEPTH_MAX)
         c.depth[slot] = depth
         self._anchors[slot] = anchor
+        return a
 
     def _set_ttl(self, slot: int, key: bytes, deadline: float) -> None:
         self._ttl[slot] = deadline
@@ -1153,13 +1180,15 @@ class PrefixIndex:
         committed = self._slot.pop(key, None) is not None
         if not committed:
             self._pending.pop(key, None)
-        if committed and block_tag(key) == KDA_TAG:
+        if committed and c.kind[slot] == _KDA_I:  # the kind is the key's tag (check_object)
             m = self._slot.get(MLA_TAG + key[1:])
             if m is not None:
                 c.flags[m] &= ~np.uint8(SLOT_CKPT)
         anchor = self._anchors[slot]
         if anchor is not None:
-            a = self._find(anchor)
+            a = self._slot.get(anchor)
+            if a is None:
+                a = self._pending.get(anchor)
             if a is not None:
                 c.deps[a] -= 1
             else:
@@ -1171,14 +1200,15 @@ class PrefixIndex:
         if c.deps[slot]:
             self._orphans[key] = int(c.deps[slot])
         size = int(c.size[slot])
-        tier = Tier(int(c.tier[slot]))
+        tier = _TIER_OF[int(c.tier[slot])]
         nid = int(c.node[slot])
         node = self._nodes.get(nid)
         if node is not None:
             node.used[tier] -= size
         tid = int(c.tenant[slot])
         self._tenant_bytes[tid] -= size
-        self._unpin(slot)
+        if slot in self._pins:
+            self._unpin(slot)
         self._ttl.pop(slot, None)
         c.flags[slot] = 0
         c.deps[slot] = 0

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import numpy as np
 from kvpool.kvstore.errors import StoreError
-from kvpool.kvstore.keys import MLA_TAG
 
 MAX_KEY_BYTES = 1024
 MAX_INTERNED = 0xFFFF
@@ -228,10 +227,3 @@ class Columns:
             col[: self.capacity] = getattr(self, name)
             setattr(self, name, col)
         self.capacity = new
-
-
-def anchor_of(key: bytes, kind: ObjectKind, parent: bytes) -> bytes | None:
-    """The key this object depends on (see module docstring), or None for a root."""
-    if kind == ObjectKind.KDA:  # its key is KDA_TAG + h (the index checks kinds against key tags)
-        return MLA_TAG + key[1:]
-    return parent or None
