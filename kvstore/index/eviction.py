@@ -203,7 +203,7 @@ class HybridPolicy(LRUPolicy):
             klass = np.zeros(max(slot + 1, len(self._klass) * 3 // 2), dtype=np.uint16)
             klass[: len(self._klass)] = self._klass
             self._klass = klass
-        anchor = int(self._klass[anchor_slot]) if 0 <= anchor_slot < len(self._klass) else None
+        anchor = self._klass.item(anchor_slot) if 0 <= anchor_slot < len(self._klass) else None
         self._klass[slot] = self.model.class_of_put(key[1:], anchor)
 
     def on_lookup(
@@ -261,8 +261,8 @@ class HybridPolicy(LRUPolicy):
 
     def on_evict(self, cols: PolicyColumns, slot: int, key: bytes, now: float) -> None:
         """An object left by pressure: a checkpoint becomes a ghost whose return (or not) is observed."""
-        if int(cols.kind[slot]) == KIND_KDA:
-            self.model.ghost(key[1:], int(self._klass[slot]), float(cols.last_use[slot]), now)
+        if cols.kind.item(slot) == KIND_KDA:
+            self.model.ghost(key[1:], self._klass.item(slot), cols.last_use.item(slot), now)
 
     # ------------------------------------------------------------------ ranking
 
@@ -276,15 +276,16 @@ class HybridPolicy(LRUPolicy):
     def score_one(self, cols: PolicyColumns, slot: int, now: float) -> float:
         """``scores`` of one slot (the module's contract): the common case, an anchor the eviction pass
         just exposed, is a dead block, scored without the vector path's dozen array operations."""
-        if cols.kind[slot] == KIND_MLA and cols.deps[slot] == 0:
+        if cols.kind.item(slot) == KIND_MLA and cols.deps.item(slot) == 0:
             return self._dead_score(cols, slot, now)
         return float(self.scores(cols, np.array([slot]), now)[0])
 
     def _dead_score(self, cols: PolicyColumns, slot: int, now: float) -> float:
         """The score of a dead MLA block alone (the vector path's value, computed with scalars)."""
-        rec = -math.log2(max(now - float(cols.last_use[slot]), MIN_AGE_S))
-        if self.guard.w > 0 and self.model.observed >= self.min_observations:
-            rec -= self.guard.w * math.log2(max(int(cols.size[slot]), 1))
+        rec = -math.log2(max(now - cols.last_use.item(slot), MIN_AGE_S))
+        w = self.guard.w
+        if w > 0 and self.model.observed >= self.min_observations:
+            rec -= w * math.log2(max(cols.size.item(slot), 1))
         return rec - DEAD_FIRST
 
     def scores(self, cols: PolicyColumns, slots: np.ndarray, now: float) -> np.ndarray:

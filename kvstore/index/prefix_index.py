@@ -935,8 +935,8 @@ class PrefixIndex:
 
     def _evictable_leaf(self, slot: int) -> bool:
         c = self._cols
-        free = (c.flags[slot] & (SLOT_LIVE | SLOT_PENDING | SLOT_PINNED)) == SLOT_LIVE
-        return bool(free and not c.leases[slot] and not c.deps[slot])
+        free = (c.flags.item(slot) & (SLOT_LIVE | SLOT_PENDING | SLOT_PINNED)) == SLOT_LIVE
+        return free and not c.leases.item(slot) and not c.deps.item(slot)
 
     def _drain(
         self,
@@ -964,7 +964,7 @@ class PrefixIndex:
                 i += 1
             else:
                 return
-            if not c.flags[slot] & SLOT_LIVE:
+            if not c.flags.item(slot) & SLOT_LIVE:
                 continue
             anchor = anchors[slot]
             if not act(slot) or anchor is None:
@@ -1004,11 +1004,11 @@ class PrefixIndex:
         candidates = self._candidates(mask, now)
 
         def act(slot: int) -> bool:
-            if c.tier[slot] != tier_i:
+            if c.tier.item(slot) != tier_i:
                 return False  # already demoted earlier in this pass
-            size = int(c.size[slot])
-            if demote and c.kind[slot] != _TAIL_I and self._make_room(nid, _SSD, size, now):
-                if not c.flags[slot] & SLOT_LIVE:  # SSD eviction cannot touch DRAM slots, but be safe
+            size = c.size.item(slot)
+            if demote and c.kind.item(slot) != _TAIL_I and self._make_room(nid, _SSD, size, now):
+                if not c.flags.item(slot) & SLOT_LIVE:  # SSD eviction cannot touch DRAM slots, but be safe
                     return False
                 c.tier[slot] = int(_SSD)
                 node.used[_DRAM] -= size
@@ -1019,7 +1019,7 @@ class PrefixIndex:
                     assert key is not None
                     self._events.append(Removal(key, node.node_id, _DRAM, size, "demoted", True))
                 return False
-            if c.deps[slot]:
+            if c.deps.item(slot):
                 return False  # demotion impossible and it still has dependents: keep it
             self._evictions += 1
             self._evicted_bytes += size
@@ -1029,7 +1029,7 @@ class PrefixIndex:
 
         def exposable(slot: int) -> bool:
             # when demoting, every object in the pool is a candidate already
-            return not demote and c.node[slot] == nid and c.tier[slot] == tier_i and slot != protect
+            return not demote and c.node.item(slot) == nid and c.tier.item(slot) == tier_i and slot != protect
 
         self._drain(candidates, lambda: node.used[tier] > target, act, exposable, now)
 
@@ -1043,7 +1043,7 @@ class PrefixIndex:
         candidates = self._candidates(mask, now)
 
         def act(slot: int) -> bool:
-            size = int(c.size[slot])
+            size = c.size.item(slot)
             self._evictions += 1
             self._evicted_bytes += size
             self._learn_eviction(slot, size)
@@ -1067,8 +1067,8 @@ class PrefixIndex:
             self._learner.on_evict(c, slot, key, self._clock())
         if adm is None:
             return
-        if int(c.kind[slot]) in (_MLA_I, _KDA_I):
-            adm.evicted(key[1:], size, self._capacity_of(), unread=float(c.freq[slot]) <= 1.0)
+        if c.kind.item(slot) in (_MLA_I, _KDA_I):
+            adm.evicted(key[1:], size, self._capacity_of(), unread=c.freq.item(slot) <= 1.0)
 
     def _evict_tenant(self, tid: int, target: int, now: float) -> None:
         """Drop the tenant's own evictable leaves (any pool) until it holds at most ``target`` bytes."""
@@ -1102,13 +1102,14 @@ class PrefixIndex:
         stands for the key's tag (an MLA or KDA object has its tag, check_object), and a checkpoint depends
         on its MLA block, so a block without dependents has none: the common insert (a new leaf block)
         builds and hashes no second key."""
+        flags = self._cols.flags
         if kind == _MLA_I:
             if deps and KDA_TAG + key[1:] in self._slot:
-                self._cols.flags[slot] |= np.uint8(SLOT_CKPT)
+                flags[slot] = flags.item(slot) | SLOT_CKPT
         elif kind == _KDA_I:
             m = self._slot.get(MLA_TAG + key[1:])
             if m is not None:
-                self._cols.flags[m] |= np.uint8(SLOT_CKPT)
+                flags[m] = flags.item(m) | SLOT_CKPT
 
     def _alloc_slot(self) -> int:
         if self._free:
@@ -1141,8 +1142,8 @@ class PrefixIndex:
                 depth = 0  # unknown until the chain is complete; policies treat 0 as 1
             else:
                 anchor = self._keys[a]  # share the bytes object
-                c.deps[a] += 1
-                depth = min(int(c.depth[a]) + step, DEPTH_MAX)
+                c.deps[a] = c.deps.item(a) + 1
+                depth = min(c.depth.item(a) + step, DEPTH_MAX)
         c.depth[slot] = depth
         self._anchors[slot] = anchor
         return a
@@ -1180,32 +1181,33 @@ class PrefixIndex:
         committed = self._slot.pop(key, None) is not None
         if not committed:
             self._pending.pop(key, None)
-        if committed and c.kind[slot] == _KDA_I:  # the kind is the key's tag (check_object)
+        if committed and c.kind.item(slot) == _KDA_I:  # the kind is the key's tag (check_object)
             m = self._slot.get(MLA_TAG + key[1:])
             if m is not None:
-                c.flags[m] &= ~np.uint8(SLOT_CKPT)
+                c.flags[m] = c.flags.item(m) & ~SLOT_CKPT
         anchor = self._anchors[slot]
         if anchor is not None:
             a = self._slot.get(anchor)
             if a is None:
                 a = self._pending.get(anchor)
             if a is not None:
-                c.deps[a] -= 1
+                c.deps[a] = c.deps.item(a) - 1
             else:
                 left = self._orphans[anchor] - 1
                 if left:
                     self._orphans[anchor] = left
                 else:
                     del self._orphans[anchor]
-        if c.deps[slot]:
-            self._orphans[key] = int(c.deps[slot])
-        size = int(c.size[slot])
-        tier = _TIER_OF[int(c.tier[slot])]
-        nid = int(c.node[slot])
+        deps = c.deps.item(slot)
+        if deps:
+            self._orphans[key] = deps
+        size = c.size.item(slot)
+        tier = _TIER_OF[c.tier.item(slot)]
+        nid = c.node.item(slot)
         node = self._nodes.get(nid)
         if node is not None:
             node.used[tier] -= size
-        tid = int(c.tenant[slot])
+        tid = c.tenant.item(slot)
         self._tenant_bytes[tid] -= size
         if slot in self._pins:
             self._unpin(slot)
@@ -1214,7 +1216,7 @@ class PrefixIndex:
         c.deps[slot] = 0
         self._keys[slot] = None
         self._anchors[slot] = None
-        if not c.leases[slot]:
+        if not c.leases.item(slot):
             self._free.append(slot)
         event = Removal(key, self._node_names[nid], tier, size, reason, demoted)
         if emit and self._keep_events:

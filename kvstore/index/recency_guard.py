@@ -66,7 +66,8 @@ class RecencyGuard:
             return  # EXISTS: no touch, as the master answers a duplicate put
         lru[key] = size
         self._bytes += size
-        self._trim()
+        if capacity > 0 and self._bytes > self.fill * capacity:  # _trim's own test, without the call
+            self._trim()
 
     def _trim(self) -> None:
         lru = self._lru
