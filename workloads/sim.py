@@ -46,7 +46,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import CapacityError, NotAdmittedError, ObjectKind, StoreIndexError, Tier
+from kvpool.kvstore.index.records import (
+    PUT_NO_ROOM,
+    PUT_NOT_ADMITTED,
+    PUT_OK,
+    ObjectKind,
+    StoreIndexError,
+    Tier,
+)
 from kvpool.workloads import trace
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.checkpoints import checkpoint_positions
@@ -59,6 +66,7 @@ from kvpool.workloads.trace import Request, arrival_ordered
 
 INFINITE = 1 << 62
 NODE = "sim"
+_MLA, _KDA = ObjectKind.MLA, ObjectKind.KDA  # (an enum class's attributes are slow to read per block)
 
 
 class _Clock:
@@ -235,44 +243,49 @@ class _Replay:
         exists stays as it is (the master answers EXISTS without a touch)."""
         idx, spec, req, chain = self.shard_indexes[st.shard], self.spec, st.req, st.chain
         keys = [b"M" + h for h in chain.hashes]
-        written: list[tuple[bytes, int, bool]] = []  # key, real bytes, is checkpoint
         positions: list[int] = []
         # a client's retention hint covers prefill's puts (any span) and decode's (a whole-prompt one):
         # admission control does not turn them away, the pin that follows decides how long they stay
         hinted = self.config.hints
         by_prefill = hinted and bool(req.retention_ms or req.prefix_retention_ms)
         by_decode = hinted and bool(req.retention_ms)
+        # every put of the request, in order (parent = previous block): the index skips what exists
+        puts: list[tuple[bytes, ObjectKind, int, bytes, bool]] = []
+        reals: list[int] = []  # real bytes of each put (its size in the index may be in blocks)
+        mla_bytes, in_blocks, prompt_blocks = spec.mla_bytes_per_token, self.in_blocks, chain.prompt_blocks
+        for j, (key, tokens) in enumerate(zip(keys, chain.block_tokens, strict=True)):
+            real = tokens * mla_bytes
+            admit = not (by_decode if j >= prompt_blocks else by_prefill)
+            puts.append((key, _MLA, 1 if in_blocks else real, keys[j - 1] if j else b"", admit))
+            reals.append(real)
+        if spec.hybrid:
+            ck = self.config.checkpoints
+            with_output = ck.end_of_output and self.config.store_output and req.output_tokens is not None
+            positions = checkpoint_positions(
+                ck, with_output, req.input_length, self.block_size, chain, st.run, st.usable
+            )
+            if self.config.hints and req.prefix_retention_ms:
+                # a retained prefix (a cache_control breakpoint) is where the client will come back:
+                # prefill writes a checkpoint there when it computes that boundary
+                mark = req.retained_prefix_tokens // self.block_size
+                if st.usable < mark <= chain.full_prompt_blocks and mark not in positions:
+                    positions = sorted([*positions, mark])
+            for c in positions:
+                admit = not (by_decode if c > chain.full_prompt_blocks else by_prefill)
+                puts.append((b"K" + chain.hashes[c - 1], _KDA, self.kda_size, b"", admit))
+                reals.append(spec.kda_bytes_per_checkpoint)
         try:
-            for j, key in enumerate(keys):
-                if key in idx:
-                    continue
-                real = chain.block_tokens[j] * spec.mla_bytes_per_token
-                parent = keys[j - 1] if j else b""
-                size = 1 if self.in_blocks else real
-                admit = not (by_decode if j >= chain.prompt_blocks else by_prefill)
-                if self._insert(idx, key, ObjectKind.MLA, size, req.tenant, parent, admit):
-                    written.append((key, real, False))
-            if spec.hybrid:
-                ck = self.config.checkpoints
-                with_output = ck.end_of_output and self.config.store_output and req.output_tokens is not None
-                positions = checkpoint_positions(
-                    ck, with_output, req.input_length, self.block_size, chain, st.run, st.usable
-                )
-                if self.config.hints and req.prefix_retention_ms:
-                    # a retained prefix (a cache_control breakpoint) is where the client will come back:
-                    # prefill writes a checkpoint there when it computes that boundary
-                    mark = req.retained_prefix_tokens // self.block_size
-                    if st.usable < mark <= chain.full_prompt_blocks and mark not in positions:
-                        positions = sorted([*positions, mark])
-                for c in positions:
-                    key = b"K" + chain.hashes[c - 1]
-                    admit = not (by_decode if c > chain.full_prompt_blocks else by_prefill)
-                    if key not in idx and self._insert(
-                        idx, key, ObjectKind.KDA, self.kda_size, req.tenant, b"", admit
-                    ):
-                        written.append((key, spec.kda_bytes_per_checkpoint, True))
+            outcomes = idx.insert_chain(puts, node_id=NODE, tenant=req.tenant)
         except StoreIndexError as e:
             raise ReplayError(f"request {req.request_id}: the index refused an object ({e})") from e
+        written: list[tuple[bytes, int, bool]] = []  # key, real bytes, is checkpoint
+        for (key, kind, _, _, _), real, outcome in zip(puts, reals, outcomes, strict=True):
+            if outcome == PUT_OK:
+                written.append((key, real, kind is _KDA))
+            elif outcome == PUT_NOT_ADMITTED:
+                self.not_admitted += 1
+            elif outcome == PUT_NO_ROOM:
+                self.refused += 1
         for key, real, is_ck in written:
             self.real_size[key] = real
             self.owner[key] = st.owners
@@ -385,29 +398,6 @@ class _Replay:
             t.pins_refused += 1
             return False
         t.objects_pinned += pinned
-        return True
-
-    def _insert(
-        self,
-        idx: PrefixIndex,
-        key: bytes,
-        kind: ObjectKind,
-        size: int,
-        tenant: str,
-        parent: bytes,
-        admit: bool = True,
-    ) -> bool:
-        """Insert, or count a refusal when the index cannot hold the object (as a master's put would fail:
-        the request still runs, the object is simply not cached). ``admit=False``: a retention hint covers
-        it, admission control does not apply."""
-        try:
-            idx.insert(key, kind, size, node_id=NODE, tenant=tenant, parent=parent, admit=admit)
-        except NotAdmittedError:
-            self.not_admitted += 1
-            return False
-        except CapacityError:
-            self.refused += 1
-            return False
         return True
 
 

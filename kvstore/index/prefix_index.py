@@ -13,6 +13,9 @@ API (all sizes in bytes, all durations in ms, ``now`` always from ``clock()`` in
                ttl_ms=0, pending=False, evict=True, avoid_node=None) -> node_id
                                                         # placed by free space; pending=True: invisible
                                                         # until commit()
+    idx.insert_chain([(key, kind, size, parent, admit), ...], node_id=..., tenant="") -> list[int]
+                                                        # a writer's puts in order, as insert; an outcome
+                                                        # each (records.PUT_*): exists, not admitted, no room
     idx.commit(key); idx.remove(key, reason="removed") -> bool; idx.promote(key) -> bool
     idx.reserve(objects)                                # size once for a bulk load (a node's inventory)
     idx.match_prefix(block_hashes, require_checkpoint=True, touch=False) -> PrefixMatch
@@ -86,6 +89,10 @@ from kvpool.kvstore.index.records import (
     DEPTH_MAX,
     MAX_INTERNED,
     MAX_KEY_BYTES,
+    PUT_EXISTS,
+    PUT_NO_ROOM,
+    PUT_NOT_ADMITTED,
+    PUT_OK,
     SLOT_CKPT,
     SLOT_LIVE,
     SLOT_PENDING,
@@ -355,17 +362,85 @@ class PrefixIndex:
         the object, so admission control does not turn it away (the policy still ranks it).
         """
         kind = self.check_object(key, kind, size, ttl_ms, checksum)
+        if key in self._slot or key in self._pending:
+            raise DuplicateKeyError(key, key in self._pending)
+        placed = self._insert(
+            key,
+            kind,
+            size,
+            node_id,
+            tier,
+            tenant,
+            parent,
+            checksum,
+            ttl_ms,
+            pending,
+            evict,
+            avoid_node,
+            admit,
+        )
+        if placed is None:
+            raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
+        return placed
+
+    def insert_chain(
+        self, objects: Iterable[tuple[bytes, ObjectKind, int, bytes, bool]], *, node_id: str, tenant: str = ""
+    ) -> list[int]:
+        """A writer's puts of one request, in order: each ``(key, kind, size, parent, admit)`` indexed as
+        ``insert(key, kind, size, node_id=node_id, tenant=tenant, parent=parent, admit=admit)`` would (the
+        same checks, the same eviction before and after each), except that the answers a writer counts
+        rather than fails on are outcomes, one per object (``records.PUT_*``): a key already committed is
+        left as it is (EXISTS, no touch), and a refusal by admission or for room (``NotAdmittedError``,
+        ``CapacityError``) puts nothing. Any other error is raised, as by ``insert``.
+
+        Why: the simulator stores a whole request's chain (hundreds of thousands of puts per trace); one
+        call per request spares it an exception per refusal and a call and an argument dict per object."""
+        out: list[int] = []
+        committed, check = self._slot, self.check_object
+        for key, kind, size, parent, admit in objects:
+            kind = check(key, kind, size, 0, 0)
+            if key in committed:
+                out.append(PUT_EXISTS)
+                continue
+            if key in self._pending:
+                raise DuplicateKeyError(key, True)
+            try:
+                placed = self._insert(
+                    key, kind, size, node_id, _DRAM, tenant, parent, 0, 0, False, True, None, admit
+                )
+            except CapacityError:
+                out.append(PUT_NO_ROOM)
+                continue
+            out.append(PUT_NOT_ADMITTED if placed is None else PUT_OK)
+        return out
+
+    def _insert(
+        self,
+        key: bytes,
+        kind: ObjectKind,
+        size: int,
+        node_id: str | None,
+        tier: Tier,
+        tenant: str,
+        parent: bytes,
+        checksum: int,
+        ttl_ms: int,
+        pending: bool,
+        evict: bool,
+        avoid_node: str | None,
+        admit: bool,
+    ) -> str | None:
+        """``insert`` of a checked object whose key is not indexed: the node id, or None when admission
+        turns it away (before anything is reserved)."""
         committed, pending_puts = self._slot, self._pending
-        if key in committed or key in pending_puts:
-            raise DuplicateKeyError(key, key in pending_puts)
         now = self._clock()
         self._retire_due(now)
         learner = self._learner
         if evict and (kind is _MLA or kind is _KDA):
             if learner is not None:
                 learner.on_put(key, size, self._capacity_of())  # before admission: LRU would store it
-            if admit and self.admission is not None:
-                self._admit(key, kind, size, parent)
+            if admit and self.admission is not None and not self._admit(key, kind, size, parent):
+                return None
         tid = self._tenant_ids.get(tenant)
         if tid is None:
             tid = self._tenant_id(tenant)
@@ -440,10 +515,10 @@ class PrefixIndex:
                 self._evict_objects(int(self.low_watermark * self.max_objects), now, protect=slot)
         return node_id
 
-    def _admit(self, key: bytes, kind: ObjectKind, size: int, parent: bytes) -> None:
-        """Raise NotAdmittedError when admission turns the object away. Unticketed objects follow their
-        chain: an MLA block whose parent, or a checkpoint whose own block, was refused and is not cached
-        is refused too (it could never be part of a usable prefix)."""
+    def _admit(self, key: bytes, kind: ObjectKind, size: int, parent: bytes) -> bool:
+        """Whether admission lets the object in. Unticketed objects follow their chain: an MLA block whose
+        parent, or a checkpoint whose own block, was refused and is not cached is refused too (it could
+        never be part of a usable prefix)."""
         adm = self.admission
         assert adm is not None
         h = key[1:]
@@ -452,8 +527,7 @@ class PrefixIndex:
         def chain_refused() -> bool:
             return bool(hangs_on) and self._find(hangs_on) is None and adm.was_refused(hangs_on[1:])
 
-        if not adm.admit(h, size, chain_refused):
-            raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
+        return adm.admit(h, size, chain_refused)
 
     def commit(self, key: bytes, checksum: int | None = None) -> None:
         """Make a pending object visible (second phase of a put); ``checksum`` when the writer declares it
