@@ -5,7 +5,7 @@ the delay relays); the gateway stays on 127.0.0.1. Faults are ``kvpool chaos`` a
 What every case asserts: the answer is token-for-token the cold answer (greedy), the request finishes
 within the deadlines that bound it (docs/design/multihost.md), and once the fault heals, cache hits
 return within ``HEAL_S``. The module runs twice: workers on the tcp data plane, then on ucx (the cases that
-involve no worker's data plane run on the tcp cluster only).
+involve no worker's data plane, a partitioned master's included, run on the tcp cluster only).
 
 This box must be able to build namespaces (root, ``ip``, ``iptables``); if it cannot, the cases fail with
 the reason rather than skip.
@@ -224,6 +224,10 @@ def test_a_node_partitioned_mid_get_costs_a_deadline_and_a_recompute_never_a_wro
     cluster.wait_for_hits(prompt, cold)
 
 
+# tcp only: a partitioned master cuts the control plane (the same master_wire client whichever data plane the
+# workers use), so no get or put reaches a node's transport; the ucx client against a partitioned master is
+# test_a_partitioned_master_costs_a_client_one_deadline[ucx], and ucx under node faults the other ucx cases
+@pytest.mark.parametrize("cluster", ["tcp"], indirect=True)
 def test_a_partitioned_master_fails_puts_fast_and_counted_and_answers_stay_identical(
     cluster: NetnsCluster,
 ) -> None:
