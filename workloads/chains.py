@@ -45,7 +45,7 @@ class ChainBuilder:
         self.fingerprint = model_fingerprint(spec_name)
         self.block_size = block_size
         self._roots: dict[str, bytes] = {}
-        self._id_hash: dict[tuple[str, int], bytes] = {}
+        self._id_hash: dict[str, dict[int, bytes]] = {}  # tenant -> trace id -> h (no tuple key per block)
 
     def _root(self, tenant: str) -> bytes:
         root = self._roots.get(tenant)
@@ -76,15 +76,15 @@ class ChainBuilder:
     def _id_chain(self, req: Request) -> Chain:
         assert req.hash_ids is not None
         root = self._root(req.tenant)
-        memo = self._id_hash
-        tenant = req.tenant
+        memo = self._id_hash.get(req.tenant)
+        if memo is None:
+            memo = self._id_hash[req.tenant] = {}
         hashes: list[bytes] = []
         parent = root
         for hid in req.hash_ids:
-            h = memo.get((tenant, hid))
+            h = memo.get(hid)
             if h is None:
-                h = hashlib.sha256(parent + _TRACE_ROOT + hid.to_bytes(8, "little")).digest()
-                memo[(tenant, hid)] = h
+                h = memo[hid] = hashlib.sha256(parent + _TRACE_ROOT + hid.to_bytes(8, "little")).digest()
             hashes.append(h)
             parent = h
         n = len(hashes)

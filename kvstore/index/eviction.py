@@ -223,19 +223,20 @@ class HybridPolicy(LRUPolicy):
         model = self.model
         deep, gap = usable, None
         if checkpoint_slot >= 0:
-            gap = now - float(cols.last_use[checkpoint_slot])
-            model.observe(int(self._klass[checkpoint_slot]), gap, True)
+            gap = now - cols.last_use.item(checkpoint_slot)
+            model.observe(self._klass.item(checkpoint_slot), gap, True)
         g = model.deepest_ghost(block_hashes, usable)
         if g > usable:
             gap = model.ghost_returned(block_hashes[g - 1], now)
             deep = g
         cls = request_class(deep, len(block_hashes), gap)
         if checkpoint_slot >= 0:
-            hint = HINT * (int(self._klass[checkpoint_slot]) // HINT)  # a client's hint holds through reads
+            hint = HINT * (self._klass.item(checkpoint_slot) // HINT)  # a client's hint holds through reads
             self._klass[checkpoint_slot] = self.class_after_read(block_hashes[usable - 1], cls, now) + hint
         model.ticket(block_hashes[run:], cls)
-        held = cols.size[np.asarray(mla_slots, dtype=np.int64)].tolist() if len(mla_slots) else []
-        ck_size = int(cols.size[checkpoint_slot]) if checkpoint_slot >= 0 else 0
+        size = cols.size.item
+        held = [size(s) for s in mla_slots]  # O(run) in Python as the guard's own walk, without 3 array calls
+        ck_size = size(checkpoint_slot) if checkpoint_slot >= 0 else 0
         self.guard.lookup(block_hashes, usable, joint, held, ck_size)
 
     def on_hint(self, cols: PolicyColumns, slots: Sequence[int], ttl_ms: int) -> None:

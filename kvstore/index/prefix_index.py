@@ -390,18 +390,18 @@ class PrefixIndex:
         ``insert(key, kind, size, node_id=node_id, tenant=tenant, parent=parent, admit=admit)`` would (the
         same checks, the same eviction before and after each), except that the answers a writer counts
         rather than fails on are outcomes, one per object (``records.PUT_*``): a key already committed is
-        left as it is (EXISTS, no touch), and a refusal by admission or for room (``NotAdmittedError``,
-        ``CapacityError``) puts nothing. Any other error is raised, as by ``insert``.
+        left as it is, unchecked (EXISTS, no touch), and a refusal by admission or for room
+        (``NotAdmittedError``, ``CapacityError``) puts nothing. Any other error is raised, as by ``insert``.
 
         Why: the simulator stores a whole request's chain (hundreds of thousands of puts per trace); one
         call per request spares it an exception per refusal and a call and an argument dict per object."""
         out: list[int] = []
         committed, check = self._slot, self.check_object
         for key, kind, size, parent, admit in objects:
-            kind = check(key, kind, size, 0, 0)
             if key in committed:
                 out.append(PUT_EXISTS)
                 continue
+            kind = check(key, kind, size, 0, 0)
             if key in self._pending:
                 raise DuplicateKeyError(key, True)
             try:

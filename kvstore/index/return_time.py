@@ -34,6 +34,7 @@ Pure and clock-free (ages are given), so the master and the simulator learn alik
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -66,9 +67,18 @@ EDGES = _edges()  # EDGES[b] = start of bin b (seconds)
 MIDS = np.concatenate((EDGES[1:2] / 2, np.sqrt(EDGES[1:-1] * EDGES[2:]), EDGES[-1:] * 1.41))
 
 
+_EDGE_LIST: list[float] = EDGES.tolist()
+_HORIZON_S = _EDGE_LIST[HORIZON_BIN]
+
+
 def age_bins(ages: np.ndarray) -> np.ndarray:
     """Bin index of each age (seconds), vectorised."""
     return np.minimum(np.searchsorted(EDGES, ages, side="right") - 1, BINS - 1)
+
+
+def age_bin(age: float) -> int:
+    """``age_bins`` of one age, by bisection over the same edges (no arrays: one observation at a time)."""
+    return min(bisect.bisect_right(_EDGE_LIST, age) - 1, BINS - 1)
 
 
 def request_class(deep: int, looked_up: int, gap_s: float | None = None) -> int:
@@ -126,7 +136,7 @@ class ReturnTimeModel:
     def observe(self, cls: int, age: float, returned: bool) -> None:
         """One object of class ``cls`` was read at ``age`` seconds (``returned``) or is known to have gone
         unread for ``age`` seconds (censored)."""
-        b = int(age_bins(np.array([max(age, 0.0)]))[0])
+        b = age_bin(max(age, 0.0))
         if returned and b >= HORIZON_BIN:
             returned = False  # past the horizon: counts as never within it
         self._ends[cls, b] += 1.0
@@ -165,10 +175,10 @@ class ReturnTimeModel:
             row = self._g_free.pop()
         g[block_hash] = row
         self._g_cls[row], self._g_t[row], self._g_live[row] = cls, last_use, True
-        horizon = EDGES[HORIZON_BIN]
+        g_t = self._g_t
         while g:
             h, oldest = next(iter(g.items()))
-            if now - self._g_t[oldest] < horizon:
+            if now - g_t.item(oldest) < _HORIZON_S:
                 break
             self._forget(h, now)
 
@@ -176,7 +186,7 @@ class ReturnTimeModel:
         row = self._ghosts.pop(block_hash)
         self._g_live[row] = False
         self._g_free.append(row)
-        self.observe(int(self._g_cls[row]), now - float(self._g_t[row]), returned=False)
+        self.observe(self._g_cls.item(row), now - self._g_t.item(row), returned=False)
 
     def deepest_ghost(self, block_hashes: Sequence[bytes], start: int) -> int:
         """Blocks closed by the deepest ghost checkpoint among ``block_hashes[start:]`` (0 if none)."""
@@ -193,8 +203,8 @@ class ReturnTimeModel:
         row = self._ghosts.pop(block_hash)
         self._g_live[row] = False
         self._g_free.append(row)
-        age = now - float(self._g_t[row])
-        self.observe(int(self._g_cls[row]), age, returned=True)
+        age = now - self._g_t.item(row)
+        self.observe(self._g_cls.item(row), age, returned=True)
         return age
 
     # ------------------------------------------------------------------ estimate
