@@ -70,8 +70,12 @@ _MLA, _KDA = ObjectKind.MLA, ObjectKind.KDA  # (an enum class's attributes are s
 
 
 class _Clock:
+    """The simulated time, set per request. The index reads it through ``read``, a plain closure: it asks
+    several times per put, and an instance's ``__call__`` costs twice a function's."""
+
     def __init__(self) -> None:
         self.now = 0.0
+        self.read: Callable[[], float] = lambda: self.now
 
     def __call__(self) -> float:
         return self.now
@@ -139,7 +143,7 @@ class _Replay:
                 LabelsPolicy(oracle) if oracle is not None else config.policy,
                 high_watermark=config.high_watermark,
                 low_watermark=config.low_watermark,
-                clock=self.clock,
+                clock=self.clock.read,
                 keep_events=True,
                 admission=config.admission if config.policy in ("hybrid", *YARDSTICKS) else None,
                 pin_share=config.pin_share,
@@ -286,11 +290,12 @@ class _Replay:
                 self.not_admitted += 1
             elif outcome == PUT_NO_ROOM:
                 self.refused += 1
+        real_size, owner, owners = self.real_size, self.owner, st.owners
         for key, real, is_ck in written:
-            self.real_size[key] = real
-            self.owner[key] = st.owners
+            real_size[key] = real
+            owner[key] = owners
             self.shard_bytes_written[st.shard] += real
-            for into in st.owners:
+            for into in owners:
                 if is_ck:
                     into.kda_bytes_written += real
                     into.checkpoints_written += 1
@@ -300,10 +305,10 @@ class _Replay:
             if ev.demoted:  # DRAM -> SSD: still cached
                 self.demotions += 1
                 continue
-            size = self.real_size.pop(ev.key, 0)
+            size = real_size.pop(ev.key, 0)
             self.objects_evicted += 1
             self.bytes_evicted += size
-            for into in self.owner.pop(ev.key, ()):
+            for into in owner.pop(ev.key, ()):
                 into.bytes_evicted += size
         if self.config.hints and req.has_hints:
             self._honour_hints(idx, st, keys, positions)

@@ -132,9 +132,10 @@ class Admission:
         now = self._clock()
         self._expire(now)
         until = now + self.config.ticket_ms / 1000.0
+        ticket, tickets, expiry = (verdict, until), self._tickets, self._expiry.append
         for h in block_hashes[run:]:
-            self._tickets[h] = (verdict, until)
-            self._expiry.append((until, h))
+            tickets[h] = ticket
+            expiry((until, h))
 
     # ------------------------------------------------------------------ deciding
 

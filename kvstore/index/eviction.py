@@ -277,12 +277,9 @@ class HybridPolicy(LRUPolicy):
     def score_one(self, cols: PolicyColumns, slot: int, now: float) -> float:
         """``scores`` of one slot (the module's contract): the common case, an anchor the eviction pass
         just exposed, is a dead block, scored without the vector path's dozen array operations."""
-        if cols.kind.item(slot) == KIND_MLA and cols.deps.item(slot) == 0:
-            return self._dead_score(cols, slot, now)
-        return float(self.scores(cols, np.array([slot]), now)[0])
-
-    def _dead_score(self, cols: PolicyColumns, slot: int, now: float) -> float:
-        """The score of a dead MLA block alone (the vector path's value, computed with scalars)."""
+        if cols.kind.item(slot) != KIND_MLA or cols.deps.item(slot):
+            return float(self.scores(cols, np.array([slot]), now)[0])
+        # a dead block: the vector path's value, computed with scalars
         rec = -math.log2(max(now - cols.last_use.item(slot), MIN_AGE_S))
         w = self.guard.w
         if w > 0 and self.model.observed >= self.min_observations:
@@ -293,7 +290,7 @@ class HybridPolicy(LRUPolicy):
         w = self.guard.w
         model = self.model
         if len(slots) == 1 and cols.kind[slots[0]] == KIND_MLA and cols.deps[slots[0]] == 0:
-            return np.array([self._dead_score(cols, int(slots[0]), now)])  # as score_one
+            return np.array([self.score_one(cols, int(slots[0]), now)])  # a dead block: score_one's path
         age = np.maximum(now - cols.last_use[slots], MIN_AGE_S)
         rec = -np.log2(age)
         kind = cols.kind[slots]

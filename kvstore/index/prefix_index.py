@@ -1007,11 +1007,6 @@ class PrefixIndex:
         order = np.argsort(scores, kind="stable")
         return cand[order], scores[order]
 
-    def _evictable_leaf(self, slot: int) -> bool:
-        c = self._cols
-        free = (c.flags.item(slot) & (SLOT_LIVE | SLOT_PENDING | SLOT_PINNED)) == SLOT_LIVE
-        return free and not c.leases.item(slot) and not c.deps.item(slot)
-
     def _drain(
         self,
         candidates: tuple[np.ndarray, np.ndarray],
@@ -1026,6 +1021,8 @@ class PrefixIndex:
         # there (the columns are not resized during a pass: nothing is inserted)
         order, scores = candidates[0].tolist(), candidates[1].tolist()
         c, anchors, committed, policy = self._cols, self._anchors, self._slot, self.policy
+        flags, leases, deps = c.flags.item, c.leases.item, c.deps.item
+        movable = SLOT_LIVE | SLOT_PENDING | SLOT_PINNED
         # the exposed anchor's score, as ``scores`` would give it alone (a policy's scalar path if it has one)
         one = getattr(policy, "score_one", None)
         exposed: list[tuple[float, int]] = []
@@ -1038,13 +1035,20 @@ class PrefixIndex:
                 i += 1
             else:
                 return
-            if not c.flags.item(slot) & SLOT_LIVE:
+            if not flags(slot) & SLOT_LIVE:
                 continue
             anchor = anchors[slot]
             if not act(slot) or anchor is None:
                 continue
             a = committed.get(anchor)
-            if a is not None and self._evictable_leaf(a) and exposable(a):
+            # the anchor is now an evictable leaf: live, committed, unpinned, unleased, no dependents
+            if (
+                a is not None
+                and (flags(a) & movable) == SLOT_LIVE
+                and not leases(a)
+                and not deps(a)
+                and exposable(a)
+            ):
                 score = one(c, a, now) if one is not None else float(policy.scores(c, np.array([a]), now)[0])
                 heapq.heappush(exposed, (score, a))
 

@@ -148,9 +148,10 @@ class ReturnTimeModel:
     def ticket(self, block_hashes: Sequence[bytes], cls: int) -> None:
         """The request of class ``cls`` will write these blocks (and checkpoints keyed by them)."""
         t = self._tickets
+        to_end = t.move_to_end
         for h in block_hashes:
             t[h] = cls
-            t.move_to_end(h)
+            to_end(h)
         while len(t) > self.ticket_entries:
             t.popitem(last=False)
 
