@@ -254,14 +254,13 @@ class _Replay:
         by_prefill = hinted and bool(req.retention_ms or req.prefix_retention_ms)
         by_decode = hinted and bool(req.retention_ms)
         # every put of the request, in order (parent = previous block): the index skips what exists
-        puts: list[tuple[bytes, ObjectKind, int, bytes, bool]] = []
-        reals: list[int] = []  # real bytes of each put (its size in the index may be in blocks)
-        mla_bytes, in_blocks, prompt_blocks = spec.mla_bytes_per_token, self.in_blocks, chain.prompt_blocks
-        for j, (key, tokens) in enumerate(zip(keys, chain.block_tokens, strict=True)):
-            real = tokens * mla_bytes
-            admit = not (by_decode if j >= prompt_blocks else by_prefill)
-            puts.append((key, _MLA, 1 if in_blocks else real, keys[j - 1] if j else b"", admit))
-            reals.append(real)
+        n, total = chain.prompt_blocks, len(keys)
+        reals = [t * spec.mla_bytes_per_token for t in chain.block_tokens]  # real bytes of each put
+        sizes = [1] * total if self.in_blocks else list(reals)  # its size in the index
+        parents = [b"", *keys][:total]
+        admits = [not by_prefill] * n + [not by_decode] * (total - n)
+        puts: list[tuple[bytes, ObjectKind, int, bytes, bool]]
+        puts = list(zip(keys, [_MLA] * total, sizes, parents, admits, strict=True))
         if spec.hybrid:
             ck = self.config.checkpoints
             with_output = ck.end_of_output and self.config.store_output and req.output_tokens is not None

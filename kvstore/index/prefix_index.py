@@ -622,10 +622,12 @@ class PrefixIndex:
         False so that probing never keeps objects alive.
         """
         # One dict probe per block: whether KDA_TAG + h is committed too is the SLOT_CKPT bit of the MLA slot,
-        # read for the whole run with one numpy gather (half the key building and hashing of probing both).
-        get = self._slot.get
+        # read as the run is walked (half the key building and hashing of probing both; a scalar read per
+        # block costs less than the four array calls of a gather for runs up to about a hundred blocks).
+        get, flag = self._slot.get, self._cols.flags.item
         keys: list[bytes] = []
         found: list[int] = []
+        checkpoints: list[int] = []  # block counts c whose block h_{c-1} has a committed checkpoint
         for h in block_hashes:
             if len(h) != HASH_BYTES:
                 raise BadObjectError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
@@ -635,12 +637,9 @@ class PrefixIndex:
                 break
             keys.append(mk)
             found.append(s)
+            if flag(s) & SLOT_CKPT:
+                checkpoints.append(len(found))
         run = len(keys)
-        if run:
-            mla = np.array(found, dtype=np.int64)
-            checkpoints = (np.flatnonzero(self._cols.flags[mla] & SLOT_CKPT) + 1).tolist()
-        else:
-            checkpoints = []
         if require_checkpoint:
             usable = checkpoints[-1] if checkpoints else 0
             ck = KDA_TAG + keys[usable - 1][1:] if usable else None
