@@ -139,12 +139,17 @@ class Admission:
 
     # ------------------------------------------------------------------ deciding
 
-    def admit(self, block_hash: bytes, size: int, chain_refused: Callable[[], bool]) -> bool:
-        """Whether an MLA block or checkpoint of ``block_hash`` (``size`` bytes) may be written.
-        ``chain_refused`` says, for an unticketed object, whether what it hangs on was refused and is not
-        cached."""
+    def admit(
+        self, block_hash: bytes, size: int, hangs_on: bytes, find: Callable[[bytes], object | None]
+    ) -> bool:
+        """Whether an MLA block or checkpoint of ``block_hash`` (``size`` bytes) may be written. An
+        unticketed object follows its chain: refused when ``hangs_on`` (the key of its parent block, or of
+        a checkpoint's own block; b"" for none) was refused and is not cached (``find`` gives None)."""
         ticket = self._tickets.get(block_hash)
-        ok = ticket[0] if ticket is not None and ticket[1] >= self._clock() else not chain_refused()
+        if ticket is not None and ticket[1] >= self._clock():
+            ok = ticket[0]
+        else:
+            ok = not (hangs_on and find(hangs_on) is None and self.was_refused(hangs_on[1:]))
         if ok:
             self.admitted += 1
         else:

@@ -523,11 +523,7 @@ class PrefixIndex:
         assert adm is not None
         h = key[1:]
         hangs_on = MLA_TAG + h if kind is _KDA else (parent if block_tag(parent) == MLA_TAG else b"")
-
-        def chain_refused() -> bool:
-            return bool(hangs_on) and self._find(hangs_on) is None and adm.was_refused(hangs_on[1:])
-
-        return adm.admit(h, size, chain_refused)
+        return adm.admit(h, size, hangs_on, self._find)
 
     def commit(self, key: bytes, checksum: int | None = None) -> None:
         """Make a pending object visible (second phase of a put); ``checksum`` when the writer declares it
