@@ -157,6 +157,13 @@ def _add_master_parser(store_sub: argparse._SubParsersAction) -> None:
         "quota, times the share they earn by being read (kvpool_master_pin_budget_earned); a pin past it "
         "pins nothing and is counted; operators' pins are not budgeted (default 0.5)",
     )
+    p.add_argument(
+        "--pin-budget-step",
+        type=float,
+        default=d.pin_budget_step,
+        help="how fast clients' pins earn or lose their budget, per writer's lookup, by being read as "
+        "densely as the rest of the cache; 0 keeps the whole --pin-share (a fixed budget) (default 0.02)",
+    )
     sh = p.add_argument_group("master shards (docs/design/sharding.md)")
     sh.add_argument("--shards", type=int, default=1, help="how many master shards the fleet has (default 1)")
     sh.add_argument("--shard", type=int, default=0, help="the shard this master serves, 0..SHARDS-1")
@@ -274,6 +281,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
         state_path=args.state_file,
         max_objects=args.max_objects,
         pin_share=args.pin_share,
+        pin_budget_step=args.pin_budget_step,
         shards=ShardSet(args.shards, args.shard_depth),
         shard=args.shard,
     )

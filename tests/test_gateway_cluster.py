@@ -30,6 +30,8 @@ MODEL = "tiny"
 CONFIG = """
 [cluster]
 ready_timeout_s = 120
+[master]
+pin_budget_step = 0.0  # a fixed pin budget: the cases below check its arithmetic (what pins earn: unit tests)
 [prefill]
 count = 2
 [decode]
@@ -375,6 +377,7 @@ def test_cache_hints_pin_the_chain_refuse_over_budget_and_an_ended_session_relea
 
     try:
         before = stats().pinned_bytes
+        assert stats().pin_budget_earned == 1.0  # kvpool up's [master] pin_budget_step = 0 reached the master
         r = chat(client, messages, max_tokens=2, extra_body={"cache_salt": "hints-a", **hints})
         retention = r.model_extra["kvpool"]["retention"]
         assert retention["tier"] == "1h" and not retention["refused"]

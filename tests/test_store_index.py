@@ -521,3 +521,22 @@ def test_pins_earn_their_budget_by_being_read() -> None:
     idx.match_prefix(busy, touch=True)  # nothing pinned: no evidence, the budget is tried again
     assert idx.pin_budget.earned > 0.0
     assert idx.verify() == []
+
+
+def test_pure_mla_pins_earn_their_budget_and_a_fixed_budget_never_moves() -> None:
+    """A pure-MLA hit has no checkpoint: the block that makes it usable (the run's deepest) is what a pin
+    holds, so reads of a pinned pure-MLA chain count for the pins. With ``pin_budget_step=0`` the budget is
+    the whole ``pin_share``, whatever is read."""
+    for step in (0.02, 0.0):
+        idx = make(Clock(), cap=100_000, pin_share=0.5, pin_budget_step=step)
+        pinned, other = chain(4, "mla-pinned"), chain(4, "mla-other")
+        put_chain(idx, pinned)
+        put_chain(idx, other)
+        assert idx.pin([mla_key(h) for h in pinned], 600_000, session="s") == 4
+        for _ in range(60):
+            assert idx.match_prefix(pinned, require_checkpoint=False, touch=True).usable_blocks == 4
+        assert idx.pin_budget.earned == 1.0, "the pinned chain is what is read: pins keep their budget"
+        for _ in range(200):
+            idx.match_prefix(other, require_checkpoint=False, touch=True)
+        # now the rest is what is read: an earning budget falls, a fixed one stays
+        assert idx.stats().pin_budget_earned == (1.0 if step == 0 else 0.0), step

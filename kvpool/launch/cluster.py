@@ -270,7 +270,11 @@ class Cluster:
             policy=m.get("policy", "hybrid"),
             heartbeat_ms=int(m.get("heartbeat_ms", 500)),
             node_timeout_ms=int(m.get("node_timeout_ms", 3000)),
-            extra=["--max-objects", str(int(m.get("max_objects", 0)))],
+            extra=[
+                *("--max-objects", str(int(m.get("max_objects", 0)))),
+                *("--pin-share", str(float(m.get("pin_share", 0.5)))),
+                *("--pin-budget-step", str(float(m.get("pin_budget_step", 0.02)))),
+            ],
         )
 
     def _shard_flags(self, shard: int | None) -> list[str]:

@@ -61,9 +61,10 @@ Rules:
   is not enough the insert raises :class:`QuotaExceededError`.
 - **Pins** (an operator's system prompt, a client's retention hint) are held per (tenant, session) with a
   deadline each; an object stays pinned while any holder holds it. Clients' (session) pins are budgeted so
-  they can never starve the cache: a tenant's pinned bytes stay within ``pin_share`` x its quota, all
-  pinned bytes within ``pin_share`` x the DRAM capacity (an operator's pin counts there but is never
-  refused). A session pin past the budget pins nothing and is counted
+  they can never starve the cache: a tenant's pinned bytes stay within ``pin_share`` x ``earned`` x its
+  quota, all pinned bytes within ``pin_share`` x ``earned`` x the DRAM capacity (an operator's pin counts
+  there but is never refused), where ``earned`` (``pin_budget``, 0..1) follows whether pinned objects are
+  read as densely as the rest. A session pin past the budget pins nothing and is counted
   (``pins_refused``): a hint is a request, never a reason to fail one. ``end_session`` releases what a
   session (a conversation, an agent run) holds the moment the client says it is over.
 
@@ -146,6 +147,7 @@ class PrefixIndex:
         admission: AdmissionConfig | None = None,
         max_objects: int = 0,
         pin_share: float = 0.5,
+        pin_budget_step: float = 0.02,
     ) -> None:
         if not 0.0 <= pin_share <= 1.0:
             raise ValueError(f"pin_share must be in [0, 1], got {pin_share}")
@@ -194,7 +196,7 @@ class PrefixIndex:
         self._pinned_bytes: dict[int, int] = {}  # tenant id -> bytes of its pinned objects
         self._pinned_total = 0
         self._pins_refused = 0
-        self.pin_budget = PinBudget()  # the share of ``pin_share`` clients' pins have earned (pin_budget)
+        self.pin_budget = PinBudget(pin_budget_step)  # the share of ``pin_share`` clients' pins have earned
         self._pin_heap: list[tuple[float, int, str]] = []  # (deadline, slot, session); stale entries skipped
         self._ttl: dict[int, float] = {}  # slot -> expiry deadline
         self._ttl_heap: list[tuple[float, int, bytes]] = []
@@ -660,10 +662,14 @@ class PrefixIndex:
             if self._learner is not None:
                 self.admission.floor = self._learner.admission_floor()
             self.admission.on_lookup(block_hashes, run, self._capacity_of())
-        if touch:  # what pins are worth: the blocks a writer is served through a pinned checkpoint or not
-            from_pinned = ck is not None and bool(self._cols.flags[slots[-1]] & SLOT_PINNED)
-            held = sum(self._tenant_bytes.values())
-            self.pin_budget.lookup(usable, from_pinned, self._pinned_total, held)
+        if touch:
+            # what pins are worth: the blocks a writer is served through a pinned object or not (the one that
+            # makes the hit usable: the checkpoint, or a pure-MLA run's deepest block), against DRAM held,
+            # where pins compete (pinned objects are never demoted)
+            from_pinned = bool(slots) and self._cols.flags.item(slots[-1]) & SLOT_PINNED != 0
+            pinned = self._pinned_total
+            dram = sum(node.used[_DRAM] for node in self._nodes.values()) if pinned else 0
+            self.pin_budget.lookup(usable, from_pinned, pinned, dram)
         if touch and usable:
             self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())
         return PrefixMatch(usable, run, tuple(checkpoints), used, ck, tuple(slots))
@@ -759,9 +765,9 @@ class PrefixIndex:
         """Soft-pin the committed objects among ``keys`` for ``ttl_ms`` on behalf of ``session`` (each
         object's tenant's session): they are not evicted while any holder pins them. A session's pin (a
         client's hint) is budgeted, all or nothing: when the newly pinned bytes would pass the pin budget
-        (module docstring) nothing is pinned, 0 is returned and ``pins_refused`` counts it; an operator's pin
-        (no session) is not. ``ttl_ms=0`` drops this session's pins on ``keys``. Returns how many objects
-        were found (and pinned or unpinned)."""
+        (module docstring: ``pin_share`` x what pins earned) nothing is pinned, 0 is returned and
+        ``pins_refused`` counts it; an operator's pin (no session) is not. ``ttl_ms=0`` drops this session's
+        pins on ``keys``. Returns how many objects were found (and pinned or unpinned)."""
         slots = [s for s in (self._slot.get(k) for k in keys) if s is not None]
         if not ttl_ms:
             for slot in slots:

@@ -108,7 +108,9 @@ class MasterConfig:
     sweep_ms: int = 100  # how often sweep() runs; a longer gap is treated as a master stall
     state_path: Path | None = None  # quotas and pins persisted here (JSON), None = not persisted
     max_objects: int = 0  # object cap of the index (0 = none): bounds the master's memory under churn
-    pin_share: float = 0.5  # pinned bytes <= this share of DRAM and of each tenant's quota
+    # clients' pinned bytes <= this share x what pins earned (0..1) of DRAM and of each tenant's quota
+    pin_share: float = 0.5
+    pin_budget_step: float = 0.02  # how fast pins earn or lose that share; 0: fixed (pin_budget.py)
     shards: ShardSet = field(default_factory=ShardSet)  # the fleet's master shards (kvstore/shards.py)
     shard: int = 0  # the one this master serves
 
@@ -129,6 +131,8 @@ class MasterConfig:
             raise ValueError("max_objects must be >= 0 (0 = no cap)")
         if not 0.0 <= self.pin_share <= 1.0:
             raise ValueError(f"pin_share must be in [0, 1], got {self.pin_share}")
+        if not 0.0 <= self.pin_budget_step <= 1.0:
+            raise ValueError(f"pin_budget_step must be in [0, 1], got {self.pin_budget_step}")
         if not 0 <= self.shard < self.shards.count:
             raise ValueError(
                 f"shard {self.shard} is not one of {self.shards.describe()} (0..{self.shards.count - 1})"
@@ -195,6 +199,7 @@ class MasterCore:
             clock=clock,
             max_objects=self.config.max_objects,
             pin_share=self.config.pin_share,
+            pin_budget_step=self.config.pin_budget_step,
         )
         self.instance = secrets.token_hex(4)  # lease/put ids of an earlier master life never match
         self._nodes: dict[str, NodeRecord] = {}
