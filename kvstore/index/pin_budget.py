@@ -6,17 +6,20 @@ the default policy uses it as evidence (the hinted class of ``return_time``). A 
 the object out of the ranking for its TTL. That pays when what clients pin is read more per byte than what
 the policy would keep in its place (a repository every coding session reads), and costs hits when it is
 not (on the generated mix at 29 GiB, conversation pins of every turn, held by whichever sessions asked
-first, gave the default 43.3 % token hit where the same hints used as evidence only gave 55.6 %). Which case
-holds depends on the traffic and the cache size, so it is measured, not configured.
+first within a fixed half of DRAM, gave the default 42.5 % token hit where the same hints used as evidence
+only gave 54.9 %). Which case holds depends on the traffic and the cache size, so it is measured, not
+configured.
 
 Mechanism: at every writer's lookup, the blocks it was served count towards the pinned objects when the
-checkpoint that served them was pinned, towards the rest otherwise (moving sums over about the last 500
-lookups). Their densities, blocks served per byte held, are compared; ``earned`` moves by ``step`` towards
-1 while pins are read at least as densely as the rest and towards 0 otherwise. The index grants a new
-session pin only while the pinned bytes stay within ``earned`` x ``pin_share`` of the DRAM (and of the
+object that made the hit usable (its checkpoint; a pure-MLA run's deepest block) was pinned, towards the
+rest otherwise (moving sums over about the last 500 lookups). Their densities, blocks served per byte of
+DRAM held (where pins compete), are compared; ``earned`` moves by ``step`` towards 1 while pins are read
+at least as densely as the rest and towards 0 otherwise (``step`` 0: a fixed budget). The index grants a
+new session pin only while the pinned bytes stay within ``earned`` x ``pin_share`` of the DRAM (and of the
 tenant's quota). Pins already granted are never revoked: they stay to their TTL or their session's end.
 While nothing is pinned there is no evidence either way, and ``earned`` creeps back up, so pins are tried
-again (exploration); an operator's pins (no session) are never budgeted and count as pinned here too.
+again (exploration). One value per index, for every tenant; an operator's pins (no session) are never
+budgeted but count as pinned here too.
 """
 
 from __future__ import annotations
