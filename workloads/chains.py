@@ -13,10 +13,12 @@ Two sources, one shape (a list of 32-byte hashes h_0..h_{n-1} plus tokens per bl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from array import array
 from dataclasses import dataclass
 
-from kvpool.cache.hashing import hash_blocks, root_hash
+from kvpool.cache.hashing import canonical_tokens, check_block_size, hash_block, root_hash
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.trace import Request
 
@@ -46,6 +48,8 @@ class ChainBuilder:
         self.block_size = block_size
         self._roots: dict[str, bytes] = {}
         self._id_hash: dict[str, dict[int, bytes]] = {}  # tenant -> trace id -> h (no tuple key per block)
+        # (parent h, SHA-256 of the block's tokens as 64-bit words) -> h: turns re-send their history
+        self._block_hash: dict[tuple[bytes, bytes], bytes] = {}
 
     def _root(self, tenant: str) -> bytes:
         root = self._roots.get(tenant)
@@ -70,8 +74,39 @@ class ChainBuilder:
         full = len(toks) // b
         if with_output and req.output_tokens:
             toks = toks + req.output_tokens[:-1]  # decode never feeds its last sampled token
-        hashes = [bytes(h) for h in hash_blocks(toks, b, self._root(req.tenant))]
+        hashes = self._token_hashes(toks, self._root(req.tenant))
         return Chain(hashes, [b] * len(hashes), full, full)
+
+    def _token_hashes(self, toks: list[int], root: bytes) -> list[bytes]:
+        """``hash_blocks(toks, block_size, root)``, memoised per block: a conversation's turns re-send its
+        whole history, and hashing a block (canonical tokens, CBOR, SHA-256) costs ~50x looking it up.
+
+        The same hashes and the same errors: each block is hashed by ``hash_block`` (what ``hash_blocks``
+        chains) the first time its parent and tokens are seen, and looked up after; a block whose tokens
+        are not all plain ints in [0, 2^64) is never looked up (``hash_block`` checks it and raises as
+        ``hash_blocks`` would), and the partial tail, never hashed, is checked last, as in order."""
+        b = check_block_size(self.block_size)
+        end = len(toks) // b * b
+        memo = self._block_hash
+        out: list[bytes] = []
+        parent = root
+        for i in range(0, end, b):
+            block = toks[i : i + b]
+            words = None
+            if set(map(type, block)) == {int}:  # no bool, no numpy int: those take hash_block's checks
+                with contextlib.suppress(OverflowError):  # a negative or too large id: hash_block raises
+                    words = array("Q", block).tobytes()
+            if words is None:
+                h = bytes(hash_block(parent, block))
+            else:
+                key = (parent, hashlib.sha256(words).digest())
+                h = memo.get(key)
+                if h is None:
+                    h = memo[key] = bytes(hash_block(parent, block))
+            out.append(h)
+            parent = h
+        canonical_tokens(toks[end:])
+        return out
 
     def _id_chain(self, req: Request) -> Chain:
         assert req.hash_ids is not None
