@@ -214,7 +214,7 @@ def test_a_clients_hint_classes_its_checkpoint_granted_or_refused_and_holds_thro
     class of its TTL tier even when the pin is refused (pin budget 0), keeps it when a later turn reads it,
     and the blocks beyond it (a reply's) do not inherit it."""
     assert hinted_class(5, 300_000) == 5 + HINT and hinted_class(5 + HINT, 3_600_000) == 5 + 2 * HINT
-    assert hinted_class(5 + 2 * HINT, 300_000) == 5 + 2 * HINT, "a shorter hint does not shorten a longer one"
+    assert hinted_class(5 + 2 * HINT, 300_000) == 5 + HINT, "the latest hint is the client's current word"
     m = ReturnTimeModel()
     assert m.class_of_put(b"x" * 32, 5 + 2 * HINT) == 5 + BEYOND
     clock = Clock(100.0)

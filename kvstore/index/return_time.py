@@ -92,9 +92,10 @@ def request_class(deep: int, looked_up: int, gap_s: float | None = None) -> int:
 
 
 def hinted_class(cls: int, ttl_ms: int) -> int:
-    """``cls`` with the hint tier of a client's retention hint of ``ttl_ms``; a longer tier already given
-    stays (a prefix one session keeps for an hour is not made short by another's 5-minute turn)."""
-    return cls % HINT + HINT * max(cls // HINT, 2 if ttl_ms > LONG_HINT_MS else 1)
+    """``cls`` with the hint tier of a client's retention hint of ``ttl_ms``, replacing an earlier tier: the
+    latest hint is the client's current word (keeping the longer tier instead cost the generated mix 1.5
+    points of token hit at 29 GiB: 54.43 % against 55.92 %)."""
+    return cls % HINT + HINT * (2 if ttl_ms > LONG_HINT_MS else 1)
 
 
 class ReturnTimeModel:
