@@ -5,9 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import UnknownPolicyError
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import (
+    PUT_EXISTS,
+    PUT_NO_ROOM,
+    PUT_NOT_ADMITTED,
+    PUT_OK,
     BadObjectError,
     CapacityError,
     DuplicateKeyError,
@@ -540,3 +545,35 @@ def test_pure_mla_pins_earn_their_budget_and_a_fixed_budget_never_moves() -> Non
             idx.match_prefix(other, require_checkpoint=False, touch=True)
         # now the rest is what is read: an earning budget falls, a fixed one stays
         assert idx.stats().pin_budget_earned == (1.0 if step == 0 else 0.0), step
+
+
+def test_insert_chain_answers_what_a_writer_counts_as_outcomes_and_raises_the_rest() -> None:
+    """The simulator's bulk put: per object the outcome ``insert`` would give, with EXISTS, NOT_ADMITTED
+    and NO_ROOM as answers (not exceptions); a pending key or a malformed object raises as ``insert`` does,
+    after the objects before it were put."""
+    idx = make(Clock(), cap=100)
+    hs = chain(3, "bulk")
+    m = [mla_key(h) for h in hs]
+    idx.insert(m[0], MLA, 10, node_id="n0")
+    out = idx.insert_chain(
+        [(m[0], MLA, 10, b"", True), (m[1], MLA, 10, m[0], True), (m[2], MLA, 500, m[1], True)], node_id="n0"
+    )
+    assert out == [PUT_EXISTS, PUT_OK, PUT_NO_ROOM], "500 bytes fit no pool of 100"
+    assert m[1] in idx and m[2] not in idx
+    refusing = make(
+        Clock(), cap=100, policy="depth", admission=AdmissionConfig(initial_rate=0.0, min_rate=0.0)
+    )
+    other = [mla_key(h) for h in chain(2, "refused")]
+    refusing.match_prefix([k[1:] for k in other], touch=True)  # a new chain sampled at rate 0: refused
+    assert refusing.insert_chain([(other[0], MLA, 10, b"", True)], node_id="n0") == [PUT_NOT_ADMITTED]
+    assert refusing.insert_chain([(other[0], MLA, 10, b"", False)], node_id="n0") == [PUT_OK], "retained"
+    idx.insert(b"pending-key", BLOB, 5, node_id="n0", pending=True)
+    with pytest.raises(DuplicateKeyError):
+        idx.insert_chain(
+            [(mla_key(chain(1, "x")[0]), MLA, 5, b"", True), (b"pending-key", BLOB, 5, b"", True)],
+            node_id="n0",
+        )
+    assert mla_key(chain(1, "x")[0]) in idx, "what came before the raise was put"
+    with pytest.raises(BadObjectError):
+        idx.insert_chain([(b"Mshort", MLA, 5, b"", True)], node_id="n0")
+    assert idx.verify() == []

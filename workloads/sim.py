@@ -147,6 +147,7 @@ class _Replay:
                 keep_events=True,
                 admission=config.admission if config.policy in ("hybrid", *YARDSTICKS) else None,
                 pin_share=config.pin_share,
+                pin_budget_step=config.pin_budget_step,
             )
             for _ in range(shards.count)
         ]

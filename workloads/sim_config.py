@@ -35,6 +35,7 @@ class SimConfig:
     shards: ShardSet = field(default_factory=ShardSet)  # master shards, each with its slice of the capacity
     hints: bool = True  # honour the requests' retention hints (pins, session ends); False ignores them
     pin_share: float = 0.5  # pinned bytes stay within this share of the DRAM capacity (the index's budget)
+    pin_budget_step: float = 0.02  # how fast pins earn or lose that share (0: fixed; index/pin_budget.py)
     # a session's new chain pin releases its previous chain (the serving path keeps every turn's pin until
     # its TTL or the session's end: False models it; True is what a store could do instead)
     supersede: bool = False
@@ -60,6 +61,8 @@ class SimConfig:
             raise ReplayError(f"block size must be a positive multiple of 64, got {bs}")
         if not 0.0 <= self.pin_share <= 1.0:
             raise ReplayError(f"pin share must be in [0, 1], got {self.pin_share!r}")
+        if not 0.0 <= self.pin_budget_step <= 1.0:
+            raise ReplayError(f"pin budget step must be in [0, 1], got {self.pin_budget_step!r}")
         self.ttft.check()
         if self.capacity is not None and self.capacity < self.shards.count:
             raise ReplayError(f"capacity {self.capacity} cannot be split between {self.shards.count} shards")

@@ -370,16 +370,16 @@ class PrefixIndex:
             key,
             kind,
             size,
-            node_id,
-            tier,
-            tenant,
-            parent,
-            checksum,
-            ttl_ms,
-            pending,
-            evict,
-            avoid_node,
-            admit,
+            node_id=node_id,
+            tier=Tier(tier),  # a plain int is a tier too; the hot paths compare members by identity
+            tenant=tenant,
+            parent=parent,
+            checksum=checksum,
+            ttl_ms=ttl_ms,
+            pending=pending,
+            evict=evict,
+            avoid_node=avoid_node,
+            admit=admit,
         )
         if placed is None:
             raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
@@ -393,7 +393,8 @@ class PrefixIndex:
         same checks, the same eviction before and after each), except that the answers a writer counts
         rather than fails on are outcomes, one per object (``records.PUT_*``): a key already committed is
         left as it is, unchecked (EXISTS, no touch), and a refusal by admission or for room
-        (``NotAdmittedError``, ``CapacityError``) puts nothing. Any other error is raised, as by ``insert``.
+        (``NotAdmittedError``, ``CapacityError``) puts nothing. Any other error is raised, as by ``insert``,
+        with the objects before it already put.
 
         Why: the simulator stores a whole request's chain (hundreds of thousands of puts per trace); one
         call per request spares it an exception per refusal and a call and an argument dict per object."""
@@ -408,7 +409,19 @@ class PrefixIndex:
                 raise DuplicateKeyError(key, True)
             try:
                 placed = self._insert(
-                    key, kind, size, node_id, _DRAM, tenant, parent, 0, 0, False, True, None, admit
+                    key,
+                    kind,
+                    size,
+                    node_id=node_id,
+                    tier=_DRAM,
+                    tenant=tenant,
+                    parent=parent,
+                    checksum=0,
+                    ttl_ms=0,
+                    pending=False,
+                    evict=True,
+                    avoid_node=None,
+                    admit=admit,
                 )
             except CapacityError:
                 out.append(PUT_NO_ROOM)
@@ -421,6 +434,7 @@ class PrefixIndex:
         key: bytes,
         kind: ObjectKind,
         size: int,
+        *,
         node_id: str | None,
         tier: Tier,
         tenant: str,

@@ -132,6 +132,7 @@ def _sim_config(args: argparse.Namespace, spec: Any, policy: str, capacity: int 
         shards=_shards(args),
         hints=args.hints,
         pin_share=args.pin_share,
+        pin_budget_step=args.pin_budget_step,
         supersede=args.supersede,
     )
 
@@ -213,9 +214,11 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
             raise ReplayError(
                 "a sweep needs capacities: --capacity-blocks or --capacity-bytes (a list or 'auto')"
             )
-        if args.pin_share != 0.5 or args.supersede or (args.checkpoint_sweep is not None and not args.hints):
+        one_run = args.pin_share != 0.5 or args.pin_budget_step != 0.02 or args.supersede
+        if one_run or (args.checkpoint_sweep is not None and not args.hints):
             raise ReplayError(
-                "--pin-share, --supersede (and --no-hints with --checkpoint-sweep) apply to one simulation"
+                "--pin-share, --pin-budget-step, --supersede (and --no-hints with --checkpoint-sweep) apply "
+                "to one simulation"
             )
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -341,6 +344,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.5,
         help="clients' pinned bytes stay within this share of the DRAM capacity, times the share pins earn "
         "by being read (kvstore/index/pin_budget.py); a pin past it is refused and counted (default 0.5)",
+    )
+    r.add_argument(
+        "--pin-budget-step",
+        type=float,
+        default=0.02,
+        help="how fast clients' pins earn or lose their budget per writer's lookup, as the master's flag of "
+        "that name; 0 keeps the whole --pin-share (default 0.02)",
     )
     r.add_argument(
         "--supersede",
