@@ -383,6 +383,13 @@ def _add_node_parser(store_sub: argparse._SubParsersAction) -> None:
         "absent or negative = off)",
     )
     p.add_argument("--node-id", default=None, help="stable node id (default hostname-grpcport)")
+    p.add_argument(
+        "--shard-register-wait-s",
+        type=float,
+        default=10.0,
+        help="with master shards: seconds to wait for every shard to have the node before reporting ready "
+        "(the rest keep trying in the background; a dead shard never keeps the node from the others)",
+    )
     p.add_argument("--max-object", type=_size, default=None, help="largest object (default: capacity)")
     p.add_argument(
         "--frame-timeout",
@@ -426,6 +433,7 @@ def _run_node(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         master=None if args.no_master else args.master,
         shard_depth=args.shard_depth,
+        shard_register_wait_s=args.shard_register_wait_s,
         host=args.host,
         grpc_port=args.port,
         tcp_port=args.tcp_port,

@@ -236,14 +236,16 @@ def test_a_node_joining_late_is_used_by_every_shard(fleet: Fleet, tmp_path: Path
 
 
 def test_a_node_starts_while_a_shard_is_down_and_one_with_other_parameters_does_not(tmp_path: Path) -> None:
-    """A dead shard never keeps a node from the others: it is ready within SHARD_REGISTER_WAIT_S and the
+    """A dead shard never keeps a node from the others: it is ready within --shard-register-wait-s and the
     live shard uses it. A node whose shard parameters differ from the masters' exits with both named."""
     live = start_master(tmp_path / "live", "--shards", "2", "--shard", "0")
     dead_port = ha_cluster.free_port()  # nobody listens there
     node = None
     try:
         spec = f"{live.address};127.0.0.1:{dead_port}"
-        node = start_node(tmp_path / "n", spec, "16MiB", "tcp", prefault=False)
+        node = start_node(
+            tmp_path / "n", spec, "16MiB", "tcp", "--shard-register-wait-s", "1", prefault=False
+        )
 
         async def nodes() -> int:
             async with AsyncStoreClient(spec, "tcp") as c:

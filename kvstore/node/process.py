@@ -72,7 +72,6 @@ RESERVATION_REAP_S = 5.0
 SERVICE_NAME = "kvpool.v1.StorageNode"
 MAX_KEYS_PER_CALL = 100_000
 MASTER_CALL_TIMEOUT_S = 5.0
-SHARD_REGISTER_WAIT_S = 10.0  # with master shards: how long start() waits for every shard to have the node
 
 
 @dataclass
@@ -82,6 +81,8 @@ class NodeConfig:
     capacity: int = 1 << 30
     master: str | None = None  # HOST:PORT (A,B: an HA group; G0;G1: shards); None = standalone
     shard_depth: int = DEFAULT_DEPTH  # with master shards: blocks of a chain that choose its shard
+    # with master shards: how long start() waits for every shard to have the node before it is ready anyway
+    shard_register_wait_s: float = 10.0
     host: str = "127.0.0.1"
     grpc_port: int = 0
     tcp_port: int = 0
@@ -466,7 +467,7 @@ class StorageNode:
                 for shard, group in enumerate(groups)
             ]
             # each shard on its own: heartbeats start as soon as that shard has the node. One master: ready
-            # once it has the node (as always). Shards: ready once each has it or after SHARD_REGISTER_WAIT_S,
+            # once it has the node (as always). Shards: ready once each has it or after shard_register_wait_s,
             # the rest keep trying in the background, so a dead shard never keeps the node from the others
             first = []
             for m in self.masters:
@@ -476,7 +477,7 @@ class StorageNode:
                 )
                 first.append(task)
             self._registrations = first
-            timeout = None if len(first) == 1 else SHARD_REGISTER_WAIT_S
+            timeout = None if len(first) == 1 else cfg.shard_register_wait_s
             await asyncio.wait(first, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
             for task in first:
                 if task.done() and not task.cancelled() and task.exception() is not None:
