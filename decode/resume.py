@@ -59,6 +59,7 @@ async def resume(
             deferred,
             timeout_s=timeout_s,
             route=store.route_of(handoff.block_hashes),
+            resume=True,  # prefill made this request's writer's lookup: decode's teaches the store nothing
         )
         error = stats.error
     start = prefix.n_tokens if prefix is not None else 0
@@ -93,6 +94,7 @@ async def _from_tail(
         require_checkpoint=False,
         timeout_s=timeout_s,
         route=store.route_of(handoff.block_hashes),
+        resume=True,  # prefill made this request's writer's lookup: decode's teaches the store nothing
     )
     (tail, why), (prefix, stats) = await asyncio.gather(tail_fetch, blocks_fetch)
     if tail is None:

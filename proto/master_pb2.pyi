@@ -183,7 +183,7 @@ class PutCommitBatchReply(_message.Message):
     def __init__(self, errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms", "counts_only", "route", "shard_set")
+    __slots__ = ("block_hashes", "tenant", "require_checkpoint", "acquire", "lease_ms", "counts_only", "route", "shard_set", "resume")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class MatchPrefixRequest(_message.Message):
     COUNTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     SHARD_SET_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tenant: str
     require_checkpoint: bool
@@ -200,7 +201,8 @@ class MatchPrefixRequest(_message.Message):
     counts_only: bool
     route: bytes
     shard_set: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., counts_only: _Optional[bool] = ..., route: _Optional[bytes] = ..., shard_set: _Optional[str] = ...) -> None: ...
+    resume: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ..., require_checkpoint: _Optional[bool] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., counts_only: _Optional[bool] = ..., route: _Optional[bytes] = ..., shard_set: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixReply(_message.Message):
     __slots__ = ("usable_blocks", "mla_run_blocks", "lease_id", "checkpoint_blocks", "usable_blocks_on_ssd", "nodes", "node", "size", "checksum", "tier")

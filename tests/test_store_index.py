@@ -528,6 +528,42 @@ def test_pins_earn_their_budget_by_being_read() -> None:
     assert idx.verify() == []
 
 
+def test_a_resume_read_is_touched_and_leased_but_teaches_the_index_nothing() -> None:
+    """Decode's read of the chain prefill just wrote (``writer=False``; the master's ``resume``) keeps its
+    objects warm like any fetch, but it is no writer's lookup: no ticket for what it lacks, no shadow-LRU or
+    admission sample, and blocks it is served through a pin do not count for the pin budget (a fresh pin
+    would be credited with a read on every hinted request). A writer's read of the same chain is all of
+    those."""
+    clock = Clock()
+    idx = make(clock, cap=100_000, policy="hybrid", pin_share=0.5, admission=AdmissionConfig())
+    fresh, busy = chain(6, "fresh"), chain(4, "busy")
+    put_chain(idx, fresh[:4], checkpoints=(4,))
+    put_chain(idx, busy, checkpoints=(4,))
+    assert idx.pin([mla_key(h) for h in fresh[:4]] + [kda_key(fresh[3])], 600_000, session="s") == 5
+    policy, admission = idx.policy, idx.admission
+    assert admission is not None
+
+    def learned() -> tuple:
+        m, g = policy.model, policy.guard
+        return (m.observed, dict(m._tickets), g.ours, g.shadow, list(g._recent), dict(admission._tickets))
+
+    for _ in range(60):
+        clock.advance(1.0)
+        assert idx.match_prefix(busy, touch=True).usable_blocks == 4
+        before = learned()
+        m = idx.match_prefix(fresh, require_checkpoint=False, touch=True, writer=False)
+        assert m.mla_run_blocks == 4 and learned() == before
+        assert idx.get(mla_key(fresh[3])).last_use == clock()  # touched: used now
+    assert idx.pin_budget.earned == 0.0, "only decode read the pinned chain: its pin earned nothing"
+    assert idx.pin_budget._recent[0] == 0.0  # no block counted as served through a pin
+    before = learned()
+    idx.match_prefix(fresh, touch=True)  # a writer's lookup of the same chain: every hook hears it
+    after = learned()
+    assert fresh[4] in after[1] and fresh[4] not in before[1] and after[0] > before[0]
+    assert idx.pin_budget._recent[0] > 0.0
+    assert idx.verify() == []
+
+
 def test_pure_mla_pins_earn_their_budget_and_a_fixed_budget_never_moves() -> None:
     """A pure-MLA hit has no checkpoint: the block that makes it usable (the run's deepest) is what a pin
     holds, so reads of a pinned pure-MLA chain count for the pins. With ``pin_budget_step=0`` the budget is

@@ -211,8 +211,8 @@ def test_the_worked_example_of_the_design_note(w: float, first: int) -> None:
 
 def test_a_clients_hint_classes_its_checkpoint_granted_or_refused_and_holds_through_reads() -> None:
     """A retention hint is evidence about the chain's return: the checkpoint it names takes the hinted
-    class of its TTL tier even when the pin is refused (pin budget 0), keeps it when a later turn reads it,
-    and the blocks beyond it (a reply's) do not inherit it."""
+    class of its TTL tier whether the pin is granted or refused (pin budget 0), keeps it when a later turn
+    reads it, and a put classed from it as its anchor (a reply's block) does not inherit it."""
     assert hinted_class(5, 300_000) == 5 + HINT and hinted_class(5 + HINT, 3_600_000) == 5 + 2 * HINT
     assert hinted_class(5 + 2 * HINT, 300_000) == 5 + HINT, "the latest hint is the client's current word"
     m = ReturnTimeModel()
@@ -236,3 +236,10 @@ def test_a_clients_hint_classes_its_checkpoint_granted_or_refused_and_holds_thro
     assert int(policy._klass[slot]) // HINT == 1, "the hint holds through the read"
     idx.pin(keys, 3_600_000, session="s")
     assert int(policy._klass[slot]) // HINT == 2
+    granting = HybridPolicy(min_observations=8)
+    granted = PrefixIndex(granting, clock=clock, pin_share=0.5)
+    granted.add_node("n", 100_000)
+    granted.match_prefix(hs[:4], touch=True)
+    _put(granted, hs[:4])
+    assert granted.pin(keys, 300_000, session="s") == 5, "within the budget: granted"
+    assert int(granting._klass[granted._slot[ck]]) == before + HINT, "a granted pin's hint is evidence too"

@@ -57,9 +57,11 @@ class CacheStore(Protocol):
         acquire: bool = False,
         lease_ms: int | None = None,
         route: bytes | None = None,
+        resume: bool = False,
     ) -> LocatedPrefix:
         """Joint-rule prefix match (overview §3); ``acquire`` read-pins the usable objects under a lease.
-        ``route``: the request's chain route (``route_of``), with master shards."""
+        ``route``: the request's chain route (``route_of``), with master shards. ``resume``: decode's read
+        of what prefill just stored, not a writer's lookup (the store learns nothing from it)."""
         ...
 
     def route_of(self, block_hashes: Sequence[bytes]) -> bytes:
@@ -258,6 +260,7 @@ async def fetch_prefix(
     lease_ms: int = DEFAULT_LEASE_MS,
     require_checkpoint: bool | None = None,
     route: bytes | None = None,
+    resume: bool = False,
 ) -> tuple[PrefixState | None, FetchStats]:
     """Resume point for a prompt whose full-block hashes are ``hashes`` (pass only blocks you may skip).
 
@@ -269,7 +272,8 @@ async def fetch_prefix(
     ``require_checkpoint=False`` fetches the plain MLA run (a decode node that holds the KDA state at the
     prompt end in the request tail); the default follows the model (joint rule iff it has KDA layers).
     ``route``: the request's chain route (``CacheStore.route_of`` of the whole prompt), since ``hashes`` may
-    be only its head.
+    be only its head. ``resume``: decode's fetch of what prefill stored for this request (the store then
+    counts it as no writer's lookup: docs/design/eviction.md §1.3).
     """
     t0 = time.perf_counter()
     stats = FetchStats(asked_blocks=len(hashes))
@@ -287,6 +291,7 @@ async def fetch_prefix(
                 acquire=True,
                 lease_ms=lease_ms,
                 route=route,
+                resume=resume,
             )
     except Exception as exc:
         stats.error = f"match_prefix: {type(exc).__name__}: {exc}"

@@ -77,9 +77,6 @@ class _Clock:
         self.now = 0.0
         self.read: Callable[[], float] = lambda: self.now
 
-    def __call__(self) -> float:
-        return self.now
-
 
 @dataclass(slots=True)
 class HintTally:

@@ -691,18 +691,20 @@ class AsyncStoreClient:
         acquire: bool = False,
         lease_ms: int | None = None,
         route: bytes | None = None,
+        resume: bool = False,
     ) -> LocatedPrefix:
         """Usable prefix, MLA run and locations in one call; after ``acquire`` call ``release(lease_id)``.
         ``route``: with master shards, the route of the request's whole chain when ``block_hashes`` is only
-        its head (default: the route of ``block_hashes``)."""
+        its head (default: the route of ``block_hashes``). ``resume``: decode reading what prefill just
+        stored for the same request, not a writer's lookup (the index learns nothing from it)."""
         ask = (block_hashes, tenant, require_checkpoint, acquire, lease_ms)
         seen = self._generation
         try:
-            return await self._match_prefix(*ask, route)
+            return await self._match_prefix(*ask, route, resume)
         except (ShardSetError, WrongShardError):
             if not await self._follow(seen):
                 raise
-        return await self._match_prefix(*ask, None)  # the caller's route was computed with the old set
+        return await self._match_prefix(*ask, None, resume)  # the caller's route was from the old set
 
     async def _match_prefix(
         self,
@@ -712,6 +714,7 @@ class AsyncStoreClient:
         acquire: bool,
         lease_ms: int | None,
         route: bytes | None,
+        resume: bool,
     ) -> LocatedPrefix:
         if not route:  # None or b"": the route of the hashes themselves
             route = self.shards.route_of_chain(block_hashes)
@@ -724,6 +727,7 @@ class AsyncStoreClient:
             lease_ms=lease_ms or self.lease_ms,
             route=route if self.shards.sharded else b"",
             shard_set=self._shard_set,
+            resume=resume,
         )
         reply = await self._timed("match_prefix", self.link(shard).match_prefix(req))
         self._leased(shard, reply.lease_id)

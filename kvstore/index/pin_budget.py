@@ -34,12 +34,11 @@ class PinBudget:
 
     __slots__ = ("_recent", "earned", "step")
 
-    def __init__(self, step: float = 0.02, initial: float = 1.0) -> None:
-        for name, v in (("step", step), ("initial", initial)):
-            if not (math.isfinite(v) and 0.0 <= v <= 1.0):
-                raise ValueError(f"pin budget {name} must be in [0, 1], got {v!r}")
+    def __init__(self, step: float = 0.02) -> None:
+        if not (math.isfinite(step) and 0.0 <= step <= 1.0):
+            raise ValueError(f"pin budget step must be in [0, 1], got {step!r}")
         self.step = step
-        self.earned = initial
+        self.earned = 1.0  # clients are trusted first (starting at 0 cost the generated mix 2 points)
         self._recent = [0.0, 0.0]  # moving sums of blocks served: from pinned checkpoints, from the rest
 
     def lookup(self, served: int, from_pinned: bool, pinned_bytes: int, held_bytes: int) -> None:

@@ -627,12 +627,21 @@ class PrefixIndex:
         return list(self._pending)
 
     def match_prefix(
-        self, block_hashes: Sequence[bytes], *, require_checkpoint: bool = True, touch: bool = False
+        self,
+        block_hashes: Sequence[bytes],
+        *,
+        require_checkpoint: bool = True,
+        touch: bool = False,
+        writer: bool = True,
     ) -> PrefixMatch:
         """Longest usable prefix of a hash chain (joint rule), the plain MLA run and the checkpoints in it.
 
         ``touch=True`` marks the usable objects as used (recency/frequency); plain lookups must leave it
-        False so that probing never keeps objects alive.
+        False so that probing never keeps objects alive. A touching lookup is a *writer's* (prefill's fetch:
+        it will put what it missed) unless ``writer=False``: decode resuming what prefill just stored for
+        the same request. Only a writer's lookup teaches the policy, admission and the pin budget (a return
+        observed, tickets, the shadow LRU's score, blocks served through pins); decode's read of a chain
+        written a moment ago is none of those, and would credit every fresh pin with a read.
         """
         # One dict probe per block: whether KDA_TAG + h is committed too is the SLOT_CKPT bit of the MLA slot,
         # read as the run is walked (half the key building and hashing of probing both; a scalar read per
@@ -662,7 +671,8 @@ class PrefixIndex:
         slots = found[:usable]
         if ck is not None:
             slots.append(self._slot[ck])
-        if touch and self._learner is not None:  # before the touch: the read's age is the return time
+        learn = touch and writer
+        if learn and self._learner is not None:  # before the touch: the read's age is the return time
             self._learner.on_lookup(
                 self._cols,
                 block_hashes,
@@ -673,11 +683,11 @@ class PrefixIndex:
                 self._clock(),
                 found,
             )
-        if touch and self.admission is not None:  # the writer's fetch: it will put what it missed
+        if learn and self.admission is not None:  # the writer's fetch: it will put what it missed
             if self._learner is not None:
                 self.admission.floor = self._learner.admission_floor()
             self.admission.on_lookup(block_hashes, run, self._capacity_of())
-        if touch:
+        if learn:
             # what pins are worth: the blocks a writer is served through a pinned object or not (the one that
             # makes the hit usable: the checkpoint, or a pure-MLA run's deepest block), against DRAM held,
             # where pins compete (pinned objects are never demoted)

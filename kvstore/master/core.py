@@ -503,7 +503,9 @@ class MasterCore:
             )
         lease_ms = self._lease_ms(req.lease_ms)
         try:
-            m = self.index.match_prefix(hashes, require_checkpoint=req.require_checkpoint, touch=req.acquire)
+            m = self.index.match_prefix(
+                hashes, require_checkpoint=req.require_checkpoint, touch=req.acquire, writer=not req.resume
+            )
         except BadObjectError as exc:
             raise BadRequestError(str(exc)) from None
         reply = master_pb2.MatchPrefixReply(
@@ -512,6 +514,7 @@ class MasterCore:
             checkpoint_blocks=m.checkpoint_blocks,
         )
         self.count("match_prefix")
+        self.count("match_prefix_resume", int(req.resume))  # decode's reads, which teach the index nothing
         self.count("match_blocks_asked", len(hashes))
         self.count("match_blocks_usable", m.usable_blocks)
         self.count("match_blocks_lost_to_checkpoint", m.blocks_lost_to_checkpoint)

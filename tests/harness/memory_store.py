@@ -69,6 +69,7 @@ class MemoryStore:
         acquire: bool = False,
         lease_ms: int | None = None,
         route: bytes | None = None,
+        resume: bool = False,  # learning is the real master's: nothing to tell apart here
     ) -> LocatedPrefix:
         await self._wait()
         run, checkpoints = 0, []
