@@ -84,14 +84,21 @@ class Child:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+    """Whether a process with this pid exists and has not exited (one we may not signal counts as alive).
+    A zombie, killed but not yet reaped by its parent (``kvpool up`` reaps its services on its next
+    round), has exited: not alive, though signal 0 still finds it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # reaped since; without procfs (not Linux) signal 0 is all there is to know
+        return not os.path.isdir("/proc/self")
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"  # the state follows "(comm) "
 
 
 def _child_setup_fn() -> Callable[[], None]:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kvpool.runtime.spawn import LaunchError, wait_ready
+from kvpool.runtime.spawn import LaunchError, pid_alive, wait_ready
 
 from kvpool.launch.cluster import Cluster
 from kvpool.launch.config import load_config
@@ -48,6 +48,24 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     launcher.wait(10)
     assert _gone(child_pid, 10), "child outlived its launcher"
     assert (tmp_path / "sleeper.log").exists()
+
+
+def test_a_killed_child_not_yet_reaped_is_not_alive() -> None:
+    """``kvpool status`` calls a service ``down`` when its process has exited, also while it is a zombie
+    its parent has not reaped yet (it called such a service ``unhealthy`` for a moment after a kill -9)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert pid_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_bytes().split(b") ")[1][:1] != b"Z":
+            assert time.monotonic() < deadline, "the killed child never became a zombie"
+            time.sleep(0.01)
+        assert not pid_alive(child.pid), "a zombie has exited"
+    finally:
+        child.kill()
+        child.wait()
+    assert not pid_alive(child.pid)
 
 
 def test_a_child_that_exits_early_fails_fast_with_its_log(tmp_path: Path) -> None:
