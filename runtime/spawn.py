@@ -98,7 +98,8 @@ def pid_alive(pid: int) -> bool:
             stat = f.read()
     except OSError:  # reaped since; without procfs (not Linux) signal 0 is all there is to know
         return not os.path.isdir("/proc/self")
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"  # the state follows "(comm) "
+    state = stat[stat.rfind(b")") + 2 :][:1]  # the field after "(comm) ", which may hold ")" itself
+    return state != b"Z"
 
 
 def _child_setup_fn() -> Callable[[], None]:

@@ -534,13 +534,13 @@ def test_a_pure_mla_model_pins_its_blocks_without_checkpoints(up: UpProcess) -> 
         cluster_auth.configure(previous)
 
 
-def _schemathesis(up: UpProcess, phases: str, examples: int) -> str:
+def _schemathesis(up: UpProcess, phases: str, examples: int) -> list[str]:
     """``schemathesis run`` of ``phases`` with every check (``--max-examples`` bounds fuzzing only: coverage
     runs every case the schema defines), as two processes side by side: chat completions in one, every
     other operation in the other (about half the requests each; the server's workers then generate for
     both at once). Processes, not ``--workers``: schemathesis' threads race in hypothesis' lambda
     descriptions on Python 3.11 (``SystemError: AST constructor recursion depth mismatch``). Fails the
-    test on any failure; returns both outputs."""
+    test on any failure; returns each run's output."""
     exe = Path(sys.executable).with_name("schemathesis")
     chat = "/v1/chat/completions"
     common = [
@@ -575,7 +575,7 @@ def _schemathesis(up: UpProcess, phases: str, examples: int) -> str:
     for run, (out, err) in zip(runs, finished, strict=True):
         assert run.returncode == 0, out[-4000:] + err[-2000:]
         assert " passed" in out and "failed" not in out.split("SUMMARY")[-1], out[-2000:]
-    return "\n".join(out for out, _ in finished)
+    return [out for out, _ in finished]
 
 
 @pytest.mark.slow
@@ -583,9 +583,9 @@ def test_schemathesis_coverage_and_fuzzing_find_no_5xx_or_contract_violations(up
     """Both phases in each run (one schema load): coverage's boundary and negative cases derived from the
     schema (~630 requests, most of the time the server generating), then 25 fuzzed examples per operation
     (~100 requests)."""
-    out = _schemathesis(up, "coverage,fuzzing", 25)
-    for part in out.split("SUMMARY")[:-1]:
-        assert "Coverage (in" in part and "Fuzzing (in" in part, part[-2000:]
+    for out in _schemathesis(up, "coverage,fuzzing", 25):
+        phases = out.split("SUMMARY")[0]
+        assert "Coverage (in" in phases and "Fuzzing (in" in phases, phases[-2000:]
 
 
 def test_demo_chats(up: UpProcess) -> None:

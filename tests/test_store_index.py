@@ -529,7 +529,7 @@ def test_pins_earn_their_budget_by_being_read() -> None:
 
 
 def test_a_resume_read_is_touched_and_leased_but_teaches_the_index_nothing() -> None:
-    """Decode's read of the chain prefill just wrote (``writer=False``; the master's ``resume``) keeps its
+    """Decode's read of the chain prefill just wrote (``resume``, as the master is asked) keeps its
     objects warm like any fetch, but it is no writer's lookup: no ticket for what it lacks, no shadow-LRU or
     admission sample, and blocks it is served through a pin do not count for the pin budget (a fresh pin
     would be credited with a read on every hinted request). A writer's read of the same chain is all of
@@ -551,7 +551,7 @@ def test_a_resume_read_is_touched_and_leased_but_teaches_the_index_nothing() -> 
         clock.advance(1.0)
         assert idx.match_prefix(busy, touch=True).usable_blocks == 4
         before = learned()
-        m = idx.match_prefix(fresh, require_checkpoint=False, touch=True, writer=False)
+        m = idx.match_prefix(fresh, require_checkpoint=False, touch=True, resume=True)
         assert m.mla_run_blocks == 4 and learned() == before
         assert idx.get(mla_key(fresh[3])).last_use == clock()  # touched: used now
     assert idx.pin_budget.earned == 0.0, "only decode read the pinned chain: its pin earned nothing"

@@ -632,14 +632,14 @@ class PrefixIndex:
         *,
         require_checkpoint: bool = True,
         touch: bool = False,
-        writer: bool = True,
+        resume: bool = False,
     ) -> PrefixMatch:
         """Longest usable prefix of a hash chain (joint rule), the plain MLA run and the checkpoints in it.
 
         ``touch=True`` marks the usable objects as used (recency/frequency); plain lookups must leave it
         False so that probing never keeps objects alive. A touching lookup is a *writer's* (prefill's fetch:
-        it will put what it missed) unless ``writer=False``: decode resuming what prefill just stored for
-        the same request. Only a writer's lookup teaches the policy, admission and the pin budget (a return
+        it will put what it missed) unless ``resume``: decode reading what prefill just stored for the
+        same request. Only a writer's lookup teaches the policy, admission and the pin budget (a return
         observed, tickets, the shadow LRU's score, blocks served through pins); decode's read of a chain
         written a moment ago is none of those, and would credit every fresh pin with a read.
         """
@@ -671,7 +671,7 @@ class PrefixIndex:
         slots = found[:usable]
         if ck is not None:
             slots.append(self._slot[ck])
-        learn = touch and writer
+        learn = touch and not resume
         if learn and self._learner is not None:  # before the touch: the read's age is the return time
             self._learner.on_lookup(
                 self._cols,

@@ -504,7 +504,7 @@ class MasterCore:
         lease_ms = self._lease_ms(req.lease_ms)
         try:
             m = self.index.match_prefix(
-                hashes, require_checkpoint=req.require_checkpoint, touch=req.acquire, writer=not req.resume
+                hashes, require_checkpoint=req.require_checkpoint, touch=req.acquire, resume=req.resume
             )
         except BadObjectError as exc:
             raise BadRequestError(str(exc)) from None
