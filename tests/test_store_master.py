@@ -365,6 +365,32 @@ def test_kvpool_cli_health_metrics_and_clean_sigterm(tmp_path: Path) -> None:
     assert master.terminate() == 0
 
 
+def _demotions_failed_back(master: MasterProcess, n: ProbeNode, puts: int) -> None:
+    """Await (bounded) the state every failed demotion must leave: nothing counted on SSD, each demoted
+    object dropped from the index and deleted on its node. The master counts a demotion on SSD when it
+    orders it and the orders of consecutive puts reach the node one call after another, so the state is
+    awaited as a whole, never judged from a snapshot taken between two of those calls."""
+    last: dict[str, object] = {}
+
+    def settled() -> bool:
+        demoted, deleted = n.orders("demote"), set(n.orders("delete"))
+        st = master.stats()
+        last.update(ssd=st.bytes_per_tier["SSD"], objects=st.objects, demoted=len(demoted))
+        last.update(failed=st.counters.get("demotions_failed", 0), deleted=len(set(demoted) & deleted))
+        return (
+            bool(demoted)
+            and st.bytes_per_tier["SSD"] == 0
+            and st.objects == puts - len(demoted)
+            and last["failed"] == len(demoted)
+            and set(demoted) <= deleted
+        )
+
+    try:
+        wait_until(settled, timeout_s=DEADLINE_S)
+    except TimeoutError:
+        pytest.fail(f"failed demotions never settled: {last}")
+
+
 def test_failed_demotion_drops_the_object_and_orders_delete(master: MasterProcess) -> None:
     """A node whose SSD refuses a demotion keeps the bytes in DRAM: the master must not count them on SSD."""
     n = ProbeNode("tiered", master, dram=1000, ssd=10_000)
@@ -374,18 +400,28 @@ def test_failed_demotion_drops_the_object_and_orders_delete(master: MasterProces
     try:
         for i in range(12):
             put(master, meta(f"o{i}".encode(), 100))
-
-        def settled() -> bool:  # every demotion ordered so far has failed back and been deleted
-            demoted = n.orders("demote")
-            failed = master.stats().counters.get("demotions_failed", 0)
-            return bool(demoted) and failed == len(demoted) and set(demoted) <= set(n.orders("delete"))
-
-        wait_until(settled, timeout_s=3.0)
-        demoted = n.orders("demote")
-        st = master.stats()
-        assert st.bytes_per_tier["SSD"] == 0 and st.objects == 12 - len(demoted)
+        _demotions_failed_back(master, n, puts=12)
     finally:
         n.close()
+
+
+def test_a_demotion_call_that_times_out_is_uncounted_like_a_refusal(tmp_path: Path) -> None:
+    """A node that never answers a demotion may still hold the bytes in DRAM: the master must not keep
+    counting them on SSD (it used to, until the node registered again)."""
+    m = MasterProcess(tmp_path, *FAST, "--node-call-timeout-ms", "200")
+    n = ProbeNode("hung", m, dram=1000, ssd=10_000)
+    n.recorder.stall.add("demote")
+    n.recorder.stall_s = 0.6
+    try:
+        n.register()
+        n.start_heartbeats()
+        for i in range(12):
+            put(m, meta(f"o{i}".encode(), 100))
+        _demotions_failed_back(m, n, puts=12)
+        assert m.stats().counters.get("node_demote_failed", 0) >= 1
+    finally:
+        n.close()
+        m.kill()
 
 
 def test_the_client_link_drives_the_same_master(master: MasterProcess, node: ProbeNode) -> None:

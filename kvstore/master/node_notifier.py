@@ -36,7 +36,8 @@ class _NodeWorker:
 
 class NodeNotifier:
     """Delivers :class:`PendingActions` to nodes; ``count(name, n)`` records outcomes and ``on_missing``
-    hears which keys a node could not act on (e.g. a demotion its SSD had no room for)."""
+    hears which keys a node could not act on (e.g. a demotion its SSD had no room for, or a demotion call
+    that failed: the node may not have moved them)."""
 
     def __init__(
         self,
@@ -137,11 +138,22 @@ class NodeNotifier:
                     worker.address,
                     exc.code().name,
                 )
+                if action == NodeAction.DEMOTE:
+                    # The index counted these keys on SSD when it ordered the demotion; a call that was not
+                    # answered may or may not have moved them. Treated as refused (dropped and deleted), the
+                    # master's per-tier bytes stay true either way; left alone, they would count on SSD
+                    # bytes the node may still hold in DRAM until it registers again.
+                    self._report_missing(worker, action, chunk)
                 continue
             self._count(f"node_{action.value}_done", reply.done)
             self._count(f"node_{action.value}_missing", len(reply.missing))
-            if reply.missing and self._on_missing is not None:
-                try:
-                    self._on_missing(worker.node_id, action, list(reply.missing))
-                except Exception:  # reconciliation is best effort; the worker must keep draining
-                    log.exception("handling missing keys from %s failed", worker.address)
+            if reply.missing:
+                self._report_missing(worker, action, list(reply.missing))
+
+    def _report_missing(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes]) -> None:
+        if self._on_missing is None:
+            return
+        try:
+            self._on_missing(worker.node_id, action, keys)
+        except Exception:  # reconciliation is best effort; the worker must keep draining
+            log.exception("handling missing keys from %s failed", worker.address)

@@ -60,8 +60,12 @@ class _Recorder(node_pb2_grpc.StorageNodeServicer):
         self.lock = threading.Lock()
         self.calls: list[tuple[str, bytes]] = []
         self.refuse: set[str] = set()  # actions answered with every key "missing" (e.g. a full SSD)
+        self.stall: set[str] = set()  # actions recorded, then answered only after ``stall_s`` (a hung node)
+        self.stall_s = 0.0
 
     def _record(self, action: str, request: node_pb2.KeysRequest) -> node_pb2.KeysReply:
+        if action in self.stall:
+            time.sleep(self.stall_s)
         with self.lock:
             self.calls.extend((action, k) for k in request.keys)
             if action in self.refuse:
