@@ -116,6 +116,15 @@ class NotLeaderError(StoreUnavailableError):
 LEADER_HINT = "leader="  # how a NotLeaderError's message names the leader: "... leader=HOST:PORT ..."
 
 
+class UnauthenticatedError(StoreUnavailableError):
+    """The peer refused this process's connection: it presented no cluster secret, or another one. Nothing
+    it sent was executed. Retrying cannot help; the operator must give this process the cluster's secret
+    (the message says where this process looked for it)."""
+
+    code = 19
+    grpc_status = "UNAUTHENTICATED"
+
+
 class StaleEpochError(StoreError):
     """HA fencing: a node refused an order or a put from a master whose leadership epoch is older than the
     newest the node has seen (a deposed leader that has not noticed yet). Nothing was done."""
@@ -179,6 +188,7 @@ _BY_CODE: dict[int, type[StoreError]] = {
         ShardSetError,
         WrongShardError,
         StaleReadError,
+        UnauthenticatedError,
     )
 }
 

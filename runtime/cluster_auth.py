@@ -76,19 +76,41 @@ def load_secret(environ: dict[str, str] | None = None) -> bytes | None:
 
 
 _SECRET: list[bytes | None] = []
+_SOURCE: list[str] = []  # where _SECRET came from, for error messages
 
 
 def secret() -> bytes | None:
     """This process's secret (read from the environment once, unless :func:`configure` set it)."""
     if not _SECRET:
         _SECRET.append(load_secret())
+        _SOURCE[:] = [_environment_source()]
     return _SECRET[0]
 
 
-def configure(key: bytes | None) -> None:
+def configure(key: bytes | None, source: str = "set by this process") -> None:
     """Set this process's secret explicitly (a client of a cluster whose secret it read from a file, and
-    tests); servers and channels made afterwards use it."""
+    tests); servers and channels made afterwards use it. ``source`` says where it was read from."""
     _SECRET[:] = [key]
+    _SOURCE[:] = [source if key else "none configured"]
+
+
+def _environment_source() -> str:
+    if os.environ.get(ENV_FILE):
+        return f"{ENV_FILE}={os.environ[ENV_FILE]}"
+    return ENV_VALUE if os.environ.get(ENV_VALUE) else "none configured"
+
+
+def own_secret_advice() -> str:
+    """What a refused client should be told about its own side: which secret it presented and where such a
+    secret is read from, so an operator fixes the configuration instead of looking for a crash."""
+    key = secret()
+    where = f"{ENV_FILE} (a file) or {ENV_VALUE} (the value)"
+    if key is None:
+        return f"this process has no cluster secret: neither {ENV_FILE} nor {ENV_VALUE} is set; set {where}"
+    return (
+        f"this process's cluster secret (from {_SOURCE[0] if _SOURCE else 'unknown'}) is not the cluster's; "
+        f"set {where} to the secret the cluster was started with"
+    )
 
 
 def read_secret_file(path: str) -> bytes:
@@ -233,18 +255,29 @@ class HelloCheck:
 
     def verify(self, data: bytes, peer: str) -> bool:
         """True to serve the connection; False (counted, logged once per peer) to close it."""
+        return self.refusal(data, peer) is None
+
+    def refusal(self, data: bytes, peer: str) -> str | None:
+        """None to serve the connection; else why it is refused (counted, logged once per peer), for the
+        answer a listener sends before it closes the connection."""
         why = self._problem(data)
-        if why is None:
-            return True
-        count_rejection(self.listener, peer, why)
-        return False
+        if why is not None:
+            count_rejection(self.listener, peer, why)
+        return why
+
+    @staticmethod
+    def cannot_be_hello(data: bytes) -> bool:
+        """The first bytes of a connection already show it is no hello (a client without a secret sends
+        its first frame at once): refuse now rather than wait for 56 bytes that may never come."""
+        head = data[: len(HELLO_MAGIC)]
+        return not HELLO_MAGIC.startswith(head)
 
     def _problem(self, data: bytes) -> str | None:
         if len(data) != HELLO_SIZE:
-            return "no hello"
+            return "no hello (the connection did not start with the cluster handshake: no cluster secret)"
         magic, stamp, nonce, mac = HELLO.unpack(data)
         if magic != HELLO_MAGIC:
-            return "no hello (the connection did not start with the cluster handshake)"
+            return "no hello (the connection did not start with the cluster handshake: no cluster secret)"
         want = hmac.new(self.key, struct.pack("<Q", stamp) + nonce, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, want):
             return "wrong cluster secret"

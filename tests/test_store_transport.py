@@ -19,10 +19,10 @@ from kvpool.kvstore.errors import (
     CorruptObjectError,
     ObjectNotFoundError,
     ObjectTooLargeError,
-    StoreError,
     StoreUnavailableError,
     TransportTimeoutError,
     TransportUnavailableError,
+    UnauthenticatedError,
 )
 from kvpool.kvstore.protocol.data_frame import HEADER_SIZE, decode_header
 from kvpool.kvstore.transport.base import Deadlines
@@ -411,7 +411,8 @@ def test_pooled_connection_to_a_restarted_node_is_replaced(tmp_path, choice):
 @pytest.mark.parametrize("choice", ["tcp", "ucx"])
 def test_a_node_with_a_cluster_secret_serves_only_clients_that_hold_it(tmp_path, choice):
     """tcp and ucx start with the 56-byte hello; a client without the secret writes nothing and is told so
-    by a closed connection within its deadline, a client with it is served as usual."""
+    (UnauthenticatedError naming where it reads its secret) within its deadline, a client with it is served
+    as usual."""
     from kvpool.runtime import cluster_auth
     from kvpool.runtime.spawn import spawn
 
@@ -425,8 +426,9 @@ def test_a_node_with_a_cluster_secret_serves_only_clients_that_hold_it(tmp_path,
     meta = meta_for(data)
 
     async def stranger(sel):
-        with pytest.raises(StoreError):
+        with pytest.raises(UnauthenticatedError) as err:
             await sel.for_node(node_proc.endpoint).put(node_proc.endpoint, "x", meta, data)
+        assert "no cluster secret" in str(err.value) and cluster_auth.ENV_VALUE in str(err.value)
 
     async def member(sel):
         t = sel.for_node(node_proc.endpoint)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from kvpool.kvstore.client.async_client import RPC_SHARE_OF_BUDGET, AsyncStoreClient
+from kvpool.kvstore.errors import StoreError, UnauthenticatedError
 from kvpool.kvstore.shards import add_depth_flag
 from kvpool.model.hybrid import HybridModel
 from kvpool.model.loader import load_model
@@ -107,6 +108,30 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
         )
     )
     return Runtime(model, store, tokenizer)
+
+
+STORE_CHECK_TIMEOUT_S = 3.0
+
+
+async def store_refusal(store: AsyncStoreClient | None) -> UnauthenticatedError | None:
+    """One Stats call to every master shard at start. A master that refuses this worker's cluster secret is
+    a configuration error that no retry fixes (every push and fetch would be a silent miss), so the worker
+    stops with the master's reason; a master that is down or slow is not one (the worker serves without
+    its cache until the master is back), so anything else is let through."""
+    if store is None:
+        return None
+    calls = [store.stats(shard) for shard in range(store.shards.count)]
+    try:
+        async with asyncio.timeout(STORE_CHECK_TIMEOUT_S):
+            results = await asyncio.gather(*calls, return_exceptions=True)
+    except TimeoutError:
+        return None
+    for result in results:
+        if isinstance(result, UnauthenticatedError):
+            return result
+        if isinstance(result, BaseException) and not isinstance(result, StoreError):
+            log.warning("store check at start failed: %s: %s", type(result).__name__, result)
+    return None
 
 
 async def serve_worker(

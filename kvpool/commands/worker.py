@@ -37,6 +37,7 @@ from kvpool.worker.process import (
     build_runtime,
     ready_fields,
     serve_worker,
+    store_refusal,
 )
 
 
@@ -75,6 +76,11 @@ async def serve(args: argparse.Namespace, roles: tuple[str, ...]) -> int:
         rt = build_runtime(args)
     except (ValueError, OSError) as exc:  # bad --model / --block-size / policy: a message, not a traceback
         print(f"kvpool {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    refused = await store_refusal(rt.store)
+    if refused is not None and rt.store is not None:  # no or another secret: say so, never miss mutely
+        print(f"kvpool {args.command}: the store refused this worker: {refused}", file=sys.stderr)
+        await rt.store.close()
         return 2
     runner = ModelRunner(rt.model)
     metrics_on = args.metrics_port is not None and args.metrics_port >= 0

@@ -23,7 +23,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError, Message
-from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, NotLeaderError, StoreError
+from kvpool.kvstore.errors import (
+    BadRequestError,
+    CapacityExceededError,
+    NotLeaderError,
+    StoreError,
+    UnauthenticatedError,
+)
 from kvpool.kvstore.master.core import MasterCore
 from kvpool.kvstore.master.node_notifier import NodeNotifier
 from kvpool.kvstore.protocol.master_wire import (
@@ -38,6 +44,7 @@ from kvpool.kvstore.protocol.master_wire import (
     WireMethod,
     encode,
     no_delay,
+    refusal_frame,
 )
 from kvpool.proto import master_pb2
 from kvpool.runtime import cluster_auth
@@ -72,6 +79,7 @@ class _ServerConnection(asyncio.Protocol):
         # with a cluster secret: the connection's first bytes must be the hello; nothing runs before it
         self._hello: bytearray | None = bytearray() if server.auth is not None else None
         self._frame_timer: asyncio.TimerHandle | None = None
+        self._refused = False  # the hello failed: the refusal was sent, nothing more is read
         self._out: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -79,6 +87,9 @@ class _ServerConnection(asyncio.Protocol):
         self.transport = transport
         no_delay(transport)
         self.server.connections.add(self)
+        if self._hello is not None:  # the hello is bounded like a frame: a peer that stalls in it is closed
+            loop = asyncio.get_running_loop()
+            self._frame_timer = loop.call_later(self.server.frame_timeout_s, self._frame_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -94,18 +105,23 @@ class _ServerConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:  # drained and dropped until the peer closes
+            return
         if self._hello is not None:
             need = HELLO_SIZE - len(self._hello)
             self._hello += data[:need]
             data = data[need:]
-            if len(self._hello) < HELLO_SIZE:
+            auth = self.server.auth
+            assert auth is not None
+            if len(self._hello) < HELLO_SIZE and not auth.cannot_be_hello(bytes(self._hello)):
                 return
-            assert self.server.auth is not None
-            if not self.server.auth.verify(bytes(self._hello), self._peer()):
+            why = auth.refusal(bytes(self._hello), self._peer())
+            if why is not None:
                 self.server.count("wire_auth_rejected")
-                self.abort()
+                self._refuse(why)
                 return
             self._hello = None
+            self._cancel_timer()
             if not data:
                 return
         try:
@@ -153,6 +169,21 @@ class _ServerConnection(asyncio.Protocol):
         out, self._out = self._out, []
         if out and self.transport is not None and not self.transport.is_closing():
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def _refuse(self, why: str) -> None:
+        """Answer the connection-level refusal frame (``master_wire.refusal_frame``: the client raises
+        UnauthenticatedError with this reason) and close once it is written; nothing the peer sent ran."""
+        self._cancel_timer()
+        self._refused = True
+        if self.transport is None:
+            return
+        reason = f"the master refused the connection: {why}"
+        self.transport.write(refusal_frame(UnauthenticatedError.code, reason))
+        # Half-close and drain: closing with the peer's pipelined frame unread would reset the connection,
+        # and a reset can discard the refusal before the peer reads it. The peer closes on the refusal;
+        # one that does not is cut off after the frame deadline.
+        self.transport.write_eof()
+        self._frame_timer = asyncio.get_running_loop().call_later(self.server.frame_timeout_s, self.abort)
 
     def _frame_expired(self) -> None:
         self._frame_timer = None

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from kvpool.kvstore.errors import BadRequestError, StoreError
+from kvpool.kvstore.errors import BadRequestError, StoreError, UnauthenticatedError
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.node.tcp_server import TcpDataServer
@@ -212,7 +212,8 @@ class MasterRegistration:
         while True:
             try:
                 return await self.register()
-            except BadRequestError as exc:  # e.g. ShardSetError: retrying cannot help, the operator must
+            except (BadRequestError, UnauthenticatedError) as exc:
+                # e.g. ShardSetError, or no / another cluster secret: retrying cannot help, the operator must
                 log.error("RegisterNode at %s refused: %s", self.address, exc)
                 raise
             except StoreError as exc:

@@ -27,6 +27,7 @@ from kvpool.kvstore.errors import (
     StoreError,
     TransportTimeoutError,
     TransportUnavailableError,
+    UnauthenticatedError,
 )
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.protocol.data_frame import (
@@ -173,19 +174,39 @@ class TcpDataServer:
 
     async def _authenticated(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bool:
         """The connection's first bytes are the cluster hello (``runtime.cluster_auth``), within the frame
-        deadline; anything else closes it before a frame is read."""
+        deadline; anything else is answered with an ``UnauthenticatedError`` frame (the client raises it,
+        saying where it reads its secret) and closed before a frame is read."""
         assert self.auth is not None
         hello = bytearray(cluster_auth.HELLO_SIZE)
+        view = memoryview(hello)
+        magic = len(cluster_auth.HELLO_MAGIC)
         try:
             async with asyncio.timeout(self.frame_timeout_s):
-                await recv_exactly_into(loop, conn, memoryview(hello))
+                await recv_exactly_into(loop, conn, view[:magic])
+                if not cluster_auth.HelloCheck.cannot_be_hello(bytes(hello[:magic])):  # else refuse now
+                    await recv_exactly_into(loop, conn, view[magic:])
+                else:
+                    hello = hello[:magic]
         except (TimeoutError, ProtocolError):
             hello = bytearray()
         peer = ":".join(map(str, conn.getpeername()[:2])) if conn.fileno() >= 0 else "?"
-        if self.auth.verify(bytes(hello), peer):
+        why = self.auth.refusal(bytes(hello), peer)
+        if why is None:
             return True
         self.store.count("auth_rejected")
+        refused = UnauthenticatedError(f"the storage node refused the connection: {why}")
+        await self._send_error(conn, 0, refused)
+        await self._drain_until_closed(loop, conn)
         return False
+
+    async def _drain_until_closed(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        """Half-close, then read and drop until the peer closes (bounded by the frame deadline): closing with
+        the peer's request unread would reset the connection, and a reset can discard the answer sent."""
+        with contextlib.suppress(OSError, TimeoutError):
+            conn.shutdown(socket.SHUT_WR)
+            async with asyncio.timeout(self.frame_timeout_s):
+                while await loop.sock_recv(conn, 1 << 16):
+                    pass
 
     async def _send_error(self, conn: socket.socket, op: int, exc: StoreError, request_id: int = 0) -> None:
         with contextlib.suppress(OSError, TimeoutError):

@@ -14,7 +14,7 @@ import contextlib
 import logging
 
 import numpy as np
-from kvpool.kvstore.errors import BadRequestError, ProtocolError, StoreError
+from kvpool.kvstore.errors import BadRequestError, ProtocolError, StoreError, UnauthenticatedError
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.protocol.data_frame import (
     CONTROL_SIZE,
@@ -105,9 +105,12 @@ class UcxDataServer:
             await ep.recv(hello)
         except Exception:
             hello = np.zeros(0, np.uint8)
-        if self.auth.verify(hello.tobytes(), "ucx peer"):
+        why = self.auth.refusal(hello.tobytes(), "ucx peer")
+        if why is None:
             return True
         self.store.count("auth_rejected")
+        refused = UnauthenticatedError(f"the storage node refused the connection: {why}")
+        await self._reply(ep, error_frame(OP_PING, refused.code, str(refused)))  # the client raises it
         return False
 
     async def _reply(self, ep, frame: Frame) -> None:  # type: ignore[no-untyped-def]

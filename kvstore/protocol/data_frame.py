@@ -25,6 +25,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from kvpool.kvstore.errors import StoreError, UnauthenticatedError, error_for_code
+from kvpool.runtime import cluster_auth
+
 MAGIC = b"KVP1"
 HEADER = struct.Struct("<4sBBHHHIQQQQ")
 HEADER_SIZE = HEADER.size  # 48
@@ -148,3 +151,12 @@ class ShmExtent:
 def error_frame(op: int, code: int, message: str, request_id: int = 0) -> Frame:
     """A response frame reporting ``code`` with a (truncated) message."""
     return Frame(op | RESPONSE, code, b"", message.encode()[:MAX_AUX], request_id)
+
+
+def reported_error(frame: Frame) -> StoreError:
+    """The typed error a node's error response stands for. A refusal of this process's cluster secret gets
+    this process's side appended (which secret it has, where one is read from): the operator's fix."""
+    message = frame.aux.decode(errors="replace")
+    if frame.status == UnauthenticatedError.code:
+        message = f"{message}; {cluster_auth.own_secret_advice()}"
+    return error_for_code(frame.status, message)

@@ -18,7 +18,10 @@ method, a non-zero reserved field, a body over the cap (:data:`MAX_BODY`; :data:
 RegisterNode, which carries the node's whole inventory) or a frame not completed within ``frame_timeout_s``
 closes that connection (the server keeps serving others); a body that does not parse is answered
 ``BadRequestError``. With a cluster secret the connection's first bytes are the hello
-(``runtime.cluster_auth``).
+(``runtime.cluster_auth``); a connection without it (or with a wrong one) gets one *refusal frame* before the
+server closes it: method 0, request_id 0 (no request uses either), ``status`` = ``UnauthenticatedError``'s
+code, body = why. Every call waiting on that connection raises ``UnauthenticatedError``, naming where this
+process reads its secret, instead of a bare "connection lost".
 
 This module is the contract plus its two clients: :class:`MasterWireClient` (asyncio, multiplexed, what
 :class:`~kvpool.kvstore.protocol.master_link.MasterLink` uses) and :func:`call_blocking` (one call on its own
@@ -40,6 +43,7 @@ from kvpool.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
     TransportTimeoutError,
+    UnauthenticatedError,
     error_for_code,
 )
 from kvpool.proto import master_pb2
@@ -111,6 +115,24 @@ METHODS: dict[str, WireMethod] = {
 BY_ID: dict[int, WireMethod] = {m.method_id: m for m in METHODS.values()}
 
 
+REFUSAL_METHOD_ID = 0  # a connection-level refusal frame (never a request): see the module docstring
+
+
+def refusal_frame(status: int, reason: str) -> bytes:
+    """The frame a server sends before closing a connection it refuses (bad or missing hello)."""
+    return encode(REFUSAL_METHOD_ID, status, 0, reason.encode("utf-8", "replace")[:MAX_ERROR_BYTES])
+
+
+def refusal_error(status: int, payload: bytes, address: str) -> StoreUnavailableError:
+    """The typed error a refusal frame stands for, with this process's side of the story appended (which
+    secret it presented, where a secret is read from)."""
+    reason = payload.decode("utf-8", "replace")
+    error = error_for_code(status, f"master {address}: {reason}; {cluster_auth.own_secret_advice()}")
+    if not isinstance(error, StoreUnavailableError):  # a refusal only ever means: not served here
+        return StoreUnavailableError(str(error))
+    return error
+
+
 class WireFrameError(ValueError):
     """The bytes are not a valid master wire frame: the connection they came on is closed."""
 
@@ -127,6 +149,10 @@ def decode_header(
     magic, method_id, status, reserved, request_id, body_len = HEADER.unpack_from(buf, offset)
     if magic != MAGIC or reserved != 0:
         raise WireFrameError(f"bad header {bytes(buf[offset : offset + HEADER_SIZE]).hex()}")
+    if method_id == REFUSAL_METHOD_ID and request_id == 0 and status != STATUS_OK:
+        if body_len > MAX_ERROR_BYTES:
+            raise WireFrameError(f"refusal frame body_len {body_len} exceeds {MAX_ERROR_BYTES}")
+        return method_id, status, request_id, body_len
     method = BY_ID.get(method_id)
     if method is None:
         raise WireFrameError(f"unknown method id {method_id}")
@@ -216,8 +242,10 @@ def parse_reply(method: WireMethod, status: int, payload: bytes) -> Any:
 class _ClientConnection(asyncio.Protocol):
     """One multiplexed connection: replies resolve the pending futures by request_id."""
 
-    def __init__(self) -> None:
+    def __init__(self, address: str) -> None:
+        self.address = address  # for error messages
         self.frames = FrameBuffer()
+        self.refused: StoreUnavailableError | None = None  # the server's refusal, once it came
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self.closed = False
@@ -240,7 +268,10 @@ class _ClientConnection(asyncio.Protocol):
             self.fail(StoreUnavailableError(f"master wire: bad reply frame: {exc}"))
             return
         pending = self.pending
-        for _method_id, status, request_id, body in frames:
+        for method_id, status, request_id, body in frames:
+            if method_id == REFUSAL_METHOD_ID:  # the server refused this connection (cluster secret)
+                self.fail(refusal_error(status, body, self.address))
+                return
             fut = pending.pop(request_id, None)
             if fut is not None and not fut.done():  # a reply to a call that timed out is dropped
                 fut.set_result((status, body))
@@ -257,7 +288,12 @@ class _ClientConnection(asyncio.Protocol):
             blocked.set_result(None)
 
     def fail(self, error: StoreUnavailableError) -> None:
-        """Close the connection; every call waiting on it gets ``error``."""
+        """Close the connection; every call waiting on it gets ``error`` (the server's refusal, once it came,
+        stays the reason: the close that follows it is no news)."""
+        if self.refused is not None:
+            error = self.refused
+        elif isinstance(error, UnauthenticatedError):
+            self.refused = error
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
@@ -331,8 +367,8 @@ class MasterWireClient:
         try:
             if conn.write_blocked is not None:  # the master is not reading: wait, bounded, for room
                 await asyncio.wait_for(asyncio.shield(conn.write_blocked), max(deadline - loop.time(), 0.0))
-            if conn.closed:  # lost before this request went out
-                raise StoreUnavailableError(f"master wire: connection to {self.address} lost")
+            if conn.closed:  # lost (or refused) before this request went out
+                raise conn.refused or StoreUnavailableError(f"master wire: connection to {self.address} lost")
             request_id, fut = conn.send(method.method_id, body)
             error = TransportTimeoutError(
                 f"master {name}: no reply from {self.address} within {timeout_s:.3f}s"
@@ -374,9 +410,8 @@ class MasterWireClient:
         loop = asyncio.get_running_loop()
         generation = self._generation
         try:
-            _transport, conn = await asyncio.wait_for(
-                loop.create_connection(_ClientConnection, self.host, self.port), timeout_s
-            )
+            connect = loop.create_connection(lambda: _ClientConnection(self.address), self.host, self.port)
+            _transport, conn = await asyncio.wait_for(connect, timeout_s)
         except TimeoutError as exc:
             raise StoreUnavailableError(
                 f"master wire: connecting to {self.address} timed out ({timeout_s:.3f}s)"
@@ -419,7 +454,9 @@ def call_blocking(
                     raise StoreUnavailableError(f"master {name}: {address} closed the connection")
                 got = frames.feed(data)
                 if got:
-                    _method_id, status, _request_id, payload = got[0]
+                    method_id, status, _request_id, payload = got[0]
+                    if method_id == REFUSAL_METHOD_ID:
+                        raise refusal_error(status, payload, address)
                     return parse_reply(method, status, payload)
     except StoreError:  # the master's answer, or raised above (both OSError subclasses, kept as they are)
         raise

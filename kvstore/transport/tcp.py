@@ -24,7 +24,6 @@ from kvpool.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
     TransportTimeoutError,
-    error_for_code,
 )
 from kvpool.kvstore.protocol.data_frame import (
     HEADER_SIZE,
@@ -35,6 +34,7 @@ from kvpool.kvstore.protocol.data_frame import (
     FrameError,
     decode_header,
     encode,
+    reported_error,
 )
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
@@ -162,7 +162,7 @@ class TcpTransport(Transport):
             await recv_exactly_into(loop, conn.sock, memoryview(var))
             frame.aux = bytes(var[key_len:])
         if frame.status:
-            raise error_for_code(frame.status, frame.aux.decode(errors="replace"))
+            raise reported_error(frame)
         if frame.op != (op | RESPONSE) or frame.request_id != rid:
             raise ProtocolError(f"response out of order (op {frame.op}, id {frame.request_id}, wanted {rid})")
         return frame

@@ -21,7 +21,6 @@ from kvpool.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
     TransportUnavailableError,
-    error_for_code,
 )
 from kvpool.kvstore.protocol.data_frame import (
     CONTROL_SIZE,
@@ -32,6 +31,7 @@ from kvpool.kvstore.protocol.data_frame import (
     Frame,
     decode_control,
     encode_control,
+    reported_error,
 )
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
@@ -303,7 +303,7 @@ class UcxTransport(Transport):
             await ep.recv(reply)
             first = decode_control(reply)
             if first.status not in (STATUS_READY, STATUS_OK):
-                raise error_for_code(first.status, first.aux.decode(errors="replace"))
+                raise reported_error(first)
             if first.status == STATUS_OK:  # duplicate: nothing to send
                 return 0
             if meta.size:
@@ -311,7 +311,7 @@ class UcxTransport(Transport):
             await ep.recv(reply)
             final = decode_control(reply)
             if final.status != STATUS_OK:
-                raise error_for_code(final.status, final.aux.decode(errors="replace"))
+                raise reported_error(final)
             return meta.size
 
         self.bytes_out += await self._exchange(node, meta.size, body)
@@ -326,7 +326,7 @@ class UcxTransport(Transport):
             await ep.recv(reply)
             head = decode_control(reply)
             if head.status != STATUS_OK:
-                raise error_for_code(head.status, head.aux.decode(errors="replace"))
+                raise reported_error(head)
             if head.payload_len > len(out):
                 raise ProtocolError(f"node announced {head.payload_len} B for a {len(out)} B buffer")
             if head.payload_len:

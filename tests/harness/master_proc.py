@@ -31,10 +31,12 @@ DEADLINE_S = 5.0
 class MasterProcess:
     """``kvpool store master`` in a child process, called through :meth:`call`."""
 
-    def __init__(self, log_dir: Path, *flags: str, via_kvpool_cli: bool = False) -> None:
+    def __init__(
+        self, log_dir: Path, *flags: str, via_kvpool_cli: bool = False, env: dict[str, str] | None = None
+    ) -> None:
         # the full `kvpool` CLI also imports the model (torch): seconds per start; same code path otherwise
         entry = ["kvpool", "store", "master"] if via_kvpool_cli else ["kvpool.kvstore.cli", "master"]
-        self.child = spawn("master", [*entry, "--port", "0", *flags], log_dir, timeout_s=30.0)
+        self.child = spawn("master", [*entry, "--port", "0", *flags], log_dir, timeout_s=30.0, env=env)
         self.proc = self.child.popen
         self.log_path = self.child.log_path
         self.metrics_port: int | None = self.child.ready.get("metrics_port")
