@@ -1,5 +1,5 @@
-"""Trace records and reading their two on-disk forms: Mooncake FAST'25 JSONL and kvpool's richer JSONL
-(writing them is ``trace_write``).
+"""Trace records and reading their on-disk forms: Mooncake FAST'25 JSONL, kvpool's richer JSONL (writing
+them is ``trace_write``) and kvpool's columnar Parquet form (``trace_columnar``, read through here too).
 
 Mooncake lines are ``{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`` with one id
 per 512-token block, chained (equal id => equal block *and* equal prefix). They carry no tokens, tenants
@@ -312,13 +312,25 @@ def read_kvpool(path: str | Path) -> list[Request]:
 
 
 def read_trace(path: str | Path, workload: str | None = None) -> list[Request]:
-    """Either format, decided per line: a line with ``timestamp`` and no ``arrival_ms`` is Mooncake."""
+    """Any of the three forms: a Parquet trace (``trace_columnar``, by its first bytes; its records are
+    kvpool ones, ``workload`` is theirs), else JSONL of either format, decided per line: a line with
+    ``timestamp`` and no ``arrival_ms`` is Mooncake."""
+    from kvpool.workloads.trace_columnar import is_parquet, read_parquet
+
+    if is_parquet(path):
+        return read_parquet(path)
     return list(iter_trace(path, workload))
 
 
 def iter_trace(path: str | Path, workload: str | None = None) -> Iterator[Request]:
-    """The records of :func:`read_trace` one at a time, read as they are consumed (a trace larger than
-    memory can be replayed; see :func:`arrival_ordered`)."""
+    """The records of :func:`read_trace` one at a time, read as they are consumed (a JSONL trace larger
+    than memory can be replayed; see :func:`arrival_ordered`). A Parquet trace is read whole (columnar:
+    a tenth of the JSONL's memory) and then yielded."""
+    from kvpool.workloads.trace_columnar import is_parquet, read_parquet
+
+    if is_parquet(path):
+        yield from read_parquet(path)
+        return
     name = workload or _stem(path)
     for i, (n, obj) in enumerate(_json_lines(path)):
         if "timestamp" in obj and "arrival_ms" not in obj:
@@ -354,6 +366,6 @@ def arrival_ordered(requests: Iterable[Request], window: int = REORDER_WINDOW) -
 
 def _stem(path: str | Path) -> str:
     name = Path(path).name
-    for suffix in (".gz", ".jsonl", ".json"):
+    for suffix in (".gz", ".parquet", ".jsonl", ".json"):
         name = name.removesuffix(suffix)
     return name.removesuffix("_trace") or "trace"

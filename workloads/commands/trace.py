@@ -12,21 +12,25 @@ from kvpool.workloads.errors import ReplayError
 
 @guard
 def cmd_trace_convert(args: argparse.Namespace) -> int:
-    """Convert between Mooncake and kvpool JSONL."""
+    """Convert between Mooncake JSONL, kvpool JSONL and kvpool Parquet (columnar)."""
     from kvpool.workloads.synthetic_tokens import with_synthetic_tokens
     from kvpool.workloads.trace import read_trace, resolve_trace
+    from kvpool.workloads.trace_columnar import write_parquet
     from kvpool.workloads.trace_write import write_kvpool, write_mooncake
 
+    to = args.to or ("parquet" if str(args.output).endswith(".parquet") else None)
+    if to is None:
+        raise ReplayError("give --to parquet|kvpool|mooncake (an OUT ending in .parquet says parquet)")
     reqs = read_trace(resolve_trace(args.input))
-    if args.to == "mooncake":
+    if to == "mooncake":
         n = write_mooncake(reqs, args.output, args.block_size)
     else:
         if args.synth_tokens:
             if not args.vocab:
                 raise ReplayError("--synth-tokens needs --vocab V")
             reqs = list(with_synthetic_tokens(reqs, args.vocab, args.seed))
-        n = write_kvpool(reqs, args.output)
-    print(f"wrote {n} records to {args.output} ({args.to})", file=sys.stderr)
+        n = write_parquet(reqs, args.output) if to == "parquet" else write_kvpool(reqs, args.output)
+    print(f"wrote {n} records to {args.output} ({to})", file=sys.stderr)
     return 0
 
 
@@ -117,10 +121,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     t = subparsers.add_parser("trace", help="trace tools: convert, generate, stats")
     tsub = t.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
-    c = tsub.add_parser("convert", help="Mooncake <-> kvpool JSONL (see docs/design/workloads.md for losses)")
-    c.add_argument("input")
+    c = tsub.add_parser(
+        "convert", help="Mooncake JSONL <-> kvpool JSONL <-> Parquet (docs/design/workloads.md: losses)"
+    )
+    c.add_argument("input", help="a trace in any form (bundled name, JSONL, .gz, Parquet)")
     c.add_argument("output")
-    c.add_argument("--to", choices=("kvpool", "mooncake"), required=True, help="output format")
+    c.add_argument(
+        "--to",
+        choices=("parquet", "kvpool", "mooncake"),
+        help="output format (default: parquet when OUT ends in .parquet); parquet is columnar kvpool",
+    )
     c.add_argument("--block-size", type=int, default=512, help="mooncake: tokens per hash id")
     c.add_argument("--synth-tokens", action="store_true", help="kvpool: fill tokens from hash ids")
     c.add_argument("--vocab", type=int, help="vocabulary for --synth-tokens")
