@@ -51,16 +51,17 @@ class PointProgress:
     def begin(self) -> None:
         self._point = time.monotonic()
 
-    def finished(self, label: str, capacity_bytes: int | None) -> None:
+    def finished(self, label: str, capacity_bytes: int | None, seconds: float | None = None) -> None:
+        """One point done; ``seconds`` is its own time when it ran elsewhere (a worker of a parallel sweep:
+        the ETA, mean wall time per point so far x points left, then counts the workers' overlap)."""
         self.done += 1
         if not self.enabled:
             return
         now = time.monotonic()
         eta = (now - self._start) / self.done * max(self.total - self.done, 0)
         cap = "unbounded" if capacity_bytes is None else f"{capacity_bytes / 2**30:,.1f} GiB"
-        self.stream.write(
-            f"[{self.done}/{self.total}] {label} @ {cap}: {now - self._point:.1f} s, ETA {_duration(eta)}\n"
-        )
+        took = now - self._point if seconds is None else seconds
+        self.stream.write(f"[{self.done}/{self.total}] {label} @ {cap}: {took:.1f} s, ETA {_duration(eta)}\n")
         self.stream.flush()
 
 

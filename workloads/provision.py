@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.parallel import run_points
 from kvpool.workloads.pricing import PriceProfile, price_result
 from kvpool.workloads.progress import PointProgress
 from kvpool.workloads.provider_cost import ProviderInputs
@@ -85,9 +86,11 @@ def provision(
     profile: PriceProfile | None = None,
     points: PointProgress | None = None,
     progress: Callable[[str], Callable[[int, int], None] | None] | None = None,
+    jobs: int | None = 1,
 ) -> dict[str, Any]:
-    """Simulate every (DRAM, SSD = ratio x DRAM) point; return the rows, the cheapest mix meeting
-    ``target`` and the cheapest DRAM-only one (None where no point meets it)."""
+    """Simulate every (DRAM, SSD = ratio x DRAM) point (``jobs`` at once, in a process pool; None: the
+    machine's cores); return the rows, the cheapest mix meeting ``target`` and the cheapest DRAM-only one
+    (None where no point meets it)."""
     target.check()
     provider.check()
     if not dram_caps or not ssd_ratios:
@@ -96,36 +99,26 @@ def provision(
         raise ReplayError(f"SSD ratios must be >= 0, got {list(ssd_ratios)}")
     base = ttft or TtftModel()
     model = TtftModel(base.dram_gbps, base.ssd_gbps, base.network_gbps, provider.gpu_flops, provider.mfu)
-    rows = []
-    for dram in dram_caps:
-        for ratio in ssd_ratios:
-            ssd = int(dram * ratio)
+    grid = [(dram, ratio) for dram in dram_caps for ratio in ssd_ratios]
+    shared = (requests, spec, policy, block_size, model, provider, target, profile)
+    if jobs == 1:  # here, with the per-request progress bars
+        rows = []
+        for dram, ratio in grid:
             if points is not None:
                 points.begin()
-            cfg = SimConfig(spec=spec, policy=policy, capacity=dram, block_size=block_size, ssd_capacity=ssd,
-                            ttft=model)  # fmt: skip
-            res = simulate(requests, cfg, progress(f"{policy} {dram / 2**30:.0f}+{ssd / 2**30:.0f} GiB")
-                           if progress else None)  # fmt: skip
-            d = res.to_dict(per_request=profile is not None)
-            row = {
-                "dram_bytes": dram,
-                "ssd_bytes": ssd,
-                "ssd_ratio": ratio,
-                "token_hit_rate": d["token_hit_rate"],
-                "dram_token_hit_rate": d["dram_token_hit_rate"],
-                "ssd_token_hit_rate": d["ssd_token_hit_rate"],
-                "ttft_ms": d[f"ttft_est_ms_{target.quantile}"],
-                "ttft_nocache_ms": d[f"ttft_nocache_ms_{target.quantile}"],
-                "duration_s": d["duration_s"],
-                **mix_cost(spec, provider, d, dram, ssd),
-            }
-            if profile is not None:
-                bill = price_result(profile, d)
-                row["user_cost_usd"], row["user_savings_usd"] = bill["cost_usd"], bill["savings_usd"]
-            row["meets_target"] = target.met(row)
-            rows.append(row)
+            ssd = int(dram * ratio)
+            bar = progress(f"{policy} {dram / 2**30:.0f}+{ssd / 2**30:.0f} GiB") if progress else None
+            rows.append(_grid_point(shared, (dram, ratio), bar))
             if points is not None:
                 points.finished(f"{policy} + SSD {ssd / 2**30:,.0f} GiB", dram)
+    else:
+
+        def done(_: int, row: dict[str, Any], seconds: float) -> None:
+            if points is not None:
+                label = f"{policy} + SSD {row['ssd_bytes'] / 2**30:,.0f} GiB"
+                points.finished(label, row["dram_bytes"], seconds)
+
+        rows = run_points(_grid_point, shared, grid, jobs, done)
     feasible = [r for r in rows if r["meets_target"]]
     dram_only = [r for r in feasible if r["ssd_bytes"] == 0]
     return {
@@ -136,3 +129,33 @@ def provision(
         "best": min(feasible, key=lambda r: r["total_usd"]) if feasible else None,
         "best_dram_only": min(dram_only, key=lambda r: r["total_usd"]) if dram_only else None,
     }
+
+
+def _grid_point(
+    shared: tuple[Any, ...], point: tuple[int, float], bar: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
+    """One (DRAM, SSD ratio) point of the grid as its row: a whole simulation (one task of the pool)."""
+    requests, spec, policy, block_size, model, provider, target, profile = shared
+    dram, ratio = point
+    ssd = int(dram * ratio)
+    cfg = SimConfig(
+        spec=spec, policy=policy, capacity=dram, block_size=block_size, ssd_capacity=ssd, ttft=model
+    )
+    d = simulate(requests, cfg, bar).to_dict(per_request=profile is not None)
+    row = {
+        "dram_bytes": dram,
+        "ssd_bytes": ssd,
+        "ssd_ratio": ratio,
+        "token_hit_rate": d["token_hit_rate"],
+        "dram_token_hit_rate": d["dram_token_hit_rate"],
+        "ssd_token_hit_rate": d["ssd_token_hit_rate"],
+        "ttft_ms": d[f"ttft_est_ms_{target.quantile}"],
+        "ttft_nocache_ms": d[f"ttft_nocache_ms_{target.quantile}"],
+        "duration_s": d["duration_s"],
+        **mix_cost(spec, provider, d, dram, ssd),
+    }
+    if profile is not None:
+        bill = price_result(profile, d)
+        row["user_cost_usd"], row["user_savings_usd"] = bill["cost_usd"], bill["savings_usd"]
+    row["meets_target"] = target.met(row)
+    return row

@@ -76,8 +76,10 @@ def build_report(
     profile_file: str | None = None,
     progress: Callable[[str], Any] | None = None,
     show_points: bool = True,
+    jobs: int | None = None,
 ) -> Path:
-    """Run everything and write ``out`` (HTML) plus CSV/PNG files beside it; returns ``out``."""
+    """Run everything and write ``out`` (HTML) plus CSV/PNG files beside it; returns ``out``. ``jobs``:
+    sweep points at once in a process pool (None: the machine's cores; 1: one after the other)."""
     spec = get_spec(spec_name)
     profiles, provider_defaults = load_profiles(profile_file)
     provider = ProviderInputs(**{k: getattr(provider_defaults, k) for k in ProviderInputs.__slots__})
@@ -106,13 +108,14 @@ def build_report(
         caps = [c * full_block for c in auto_capacities(hi, points, lo)]
         cks = [parse_checkpoints(c) for c in CHECKPOINT_POLICIES]
         tally = PointProgress((len(policies) + len(cks) + 2) * len(caps), show_points)
-        prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress, tally)
-        crow = checkpoint_sweep(reqs, spec, caps, "bytes", "hybrid", cks, bs, progress, tally)
+        prow = capacity_sweep(reqs, spec, caps, "bytes", policies, CheckpointPolicy(), bs, progress, tally,
+                              jobs=jobs)  # fmt: skip
+        crow = checkpoint_sweep(reqs, spec, caps, "bytes", "hybrid", cks, bs, progress, tally, jobs)
         for name, rows, group in (("policy", prow, "policy"), ("checkpoints", crow, "checkpoints")):
             write_csv(rows, out.parent / f"{stem}_{name}.csv")
             plot_rows(rows, out.parent / f"{stem}_{name}.png", group, "token_hit_rate",
                       f"{stem}: token hit rate vs capacity ({spec.name})")  # fmt: skip
-        curves = price_curves(reqs, spec, caps, provider, user_profile, bs, DEFAULT_POLICY, tally)
+        curves = price_curves(reqs, spec, caps, provider, user_profile, bs, DEFAULT_POLICY, tally, jobs)
         plot_price_curves(curves, out.parent / f"{stem}_price.png", f"{stem}: cost vs capacity ({spec.name})")
         row, res = summary_row(stem, reqs, spec, curves, prow, profiles, bs, DEFAULT_POLICY)
         summary.append(row)

@@ -34,10 +34,11 @@ def price_curves(
     block_size: int,
     policy: str,
     points: PointProgress | None = None,
+    jobs: int | None = 1,
 ) -> dict[str, Any]:
     """Provider cost and user bill at every DRAM capacity, without and with a ``SSD_RATIO`` x SSD tier."""
     return provision(requests, spec, caps, [0, SSD_RATIO], provider, Target(token_hit=0.0), None, policy,
-                     block_size, profile, points)  # fmt: skip
+                     block_size, profile, points, jobs=jobs)  # fmt: skip
 
 
 def summary_row(

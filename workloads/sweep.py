@@ -1,13 +1,17 @@
 """Capacity sweeps: hit rate vs cache capacity per eviction policy (with the offline optimum as the
 physical limit) and per checkpoint policy (in K3 bytes), written as CSV rows and PNG plots.
 
-Every point is an independent :func:`simulate` run (a fresh index), so rows are reproducible one by one.
+Every point is an independent :func:`simulate` run (a fresh index), so rows are reproducible one by one
+and run side by side in a process pool (``workloads/parallel.py``); an LRU sweep that the one-pass curve
+computes exactly (``workloads/lru_curve.py``: pure MLA, evict-to-fit watermarks) takes one pass instead.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,8 +20,10 @@ from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.labels import YARDSTICKS
+from kvpool.workloads.lru_curve import lru_curve, refusal
 from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
 from kvpool.workloads.optimum import optimum
+from kvpool.workloads.parallel import run_points
 from kvpool.workloads.progress import PointProgress
 from kvpool.workloads.sim import SimConfig, effective_block_size, simulate
 from kvpool.workloads.specs import ModelSpec
@@ -99,27 +105,106 @@ def capacity_sweep(
     progress: ProgressFactory | None = None,
     points: PointProgress | None = None,
     hints: bool = True,
+    jobs: int | None = 1,
+    watermarks: tuple[float, float] = (0.95, 0.85),
 ) -> list[dict[str, Any]]:
     """One row per (policy, capacity); ``reference`` and ``bound`` run the offline schedules of
     ``kvpool.workloads.offline`` (real bytes), ``optimum`` the MLA-only MIN (unit blocks, checkpoints
     free). ``hints``: the online policies honour the requests' retention hints (the offline ones need
-    none: they know the future)."""
-    check_policies(policies)
+    none: they know the future). ``watermarks``: (high, low) of the online policies' index. ``jobs``:
+    points at once in a process pool (None: the machine's cores); LRU points that the one-pass curve
+    (``lru_curve``) computes exactly are not simulated at all."""
+    tasks = [(p, checkpoints, cap) for p in policies for cap in capacities]
+    return _sweep(requests, spec, unit, tasks, block_size, progress, points, hints, jobs, watermarks)
+
+
+def _sweep(
+    requests: Sequence[Request],
+    spec: ModelSpec,
+    unit: str,
+    tasks: Sequence[tuple[str, CheckpointPolicy, int]],
+    block_size: int | None,
+    progress: ProgressFactory | None,
+    points: PointProgress | None,
+    hints: bool,
+    jobs: int | None,
+    watermarks: tuple[float, float],
+) -> list[dict[str, Any]]:
+    """Rows of (policy, checkpoint policy, capacity) tasks, in their order: the one-pass LRU curve where
+    it is exact, then every other point, in a pool when ``jobs`` != 1."""
+    check_policies([t[0] for t in tasks])
     bs = effective_block_size(requests, spec, block_size)
     full_block_bytes = spec.mla_bytes_per_token * bs
-    rows = []
-    for policy in policies:
-        for cap in capacities:
-            label = f"{policy} @ {cap} {unit}"
-            prog = progress(label) if progress else None
-            cap_bytes = cap * full_block_bytes if unit == "blocks" else cap
+    rows: list[dict[str, Any] | None] = [None] * len(tasks)
+    rows_by_curve = _one_pass(requests, spec, unit, tasks, bs, hints, watermarks)
+    for i, (row, seconds) in rows_by_curve.items():
+        rows[i] = row
+        if points is not None:
+            points.finished(f"lru one pass ({tasks[i][2]} {unit})", int(row["capacity_bytes"]), seconds)
+    todo = [i for i in range(len(tasks)) if rows[i] is None]
+    specs = [(*tasks[i], unit, bs, hints, watermarks) for i in todo]
+
+    def done(k: int, row: dict[str, Any], seconds: float | None) -> None:
+        rows[todo[k]] = row
+        if points is not None:
+            policy, ck = specs[k][0], specs[k][1]
+            ck_label = "" if policy in (*OFFLINE_POLICIES, "optimum") else f" ({ck.label})"
+            points.finished(f"{policy}{ck_label}", int(row["capacity_bytes"]), seconds)
+
+    if jobs == 1:  # here, with the per-request progress bars
+        for k, (policy, ck, cap, *_) in enumerate(specs):
+            prog = progress(f"{policy} @ {cap} {unit}") if progress else None
             if points is not None:
                 points.begin()
-            rows.append(_point(requests, spec, policy, checkpoints, cap, unit, cap_bytes, bs, prog, hints))
-            if points is not None:
-                ck_label = "" if policy in (*OFFLINE_POLICIES, "optimum") else f" ({checkpoints.label})"
-                points.finished(f"{policy}{ck_label}", cap_bytes)
-    return rows
+            cap_bytes = cap * full_block_bytes if unit == "blocks" else cap
+            row = _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, prog, hints, watermarks)
+            done(k, row, None)
+    else:
+        run_points(_task, (requests, spec), specs, jobs, done)
+    return [r for r in rows if r is not None]
+
+
+def _one_pass(
+    requests: Sequence[Request],
+    spec: ModelSpec,
+    unit: str,
+    tasks: Sequence[tuple[str, CheckpointPolicy, int]],
+    bs: int,
+    hints: bool,
+    watermarks: tuple[float, float],
+) -> dict[int, tuple[dict[str, Any], float]]:
+    """Rows (and the pass's seconds, shared) of the LRU tasks that the one-pass curve computes exactly;
+    ``KVPOOL_LRU_ONE_PASS=0`` turns it off (to time or check the per-point path)."""
+    lru = [i for i, t in enumerate(tasks) if t[0] == "lru"]
+    if not lru or os.environ.get("KVPOOL_LRU_ONE_PASS", "1") == "0":
+        return {}
+    cfg = SimConfig(spec=spec, policy="lru", capacity_unit=unit, block_size=bs, hints=hints,
+                    high_watermark=watermarks[0], low_watermark=watermarks[1])  # fmt: skip
+    if refusal(cfg, requests) is not None:
+        return {}
+    start = time.monotonic()
+    by_ck: dict[str, list[int]] = {}
+    for i in lru:
+        by_ck.setdefault(tasks[i][1].label, []).append(i)
+    out: dict[int, tuple[dict[str, Any], float]] = {}
+    for idxs in by_ck.values():  # checkpoint policies do not apply to a pure-MLA spec: one pass serves all
+        curve, _ = lru_curve(requests, cfg, [tasks[i][2] for i in idxs], bs)
+        seconds = time.monotonic() - start
+        for i in idxs:
+            point = curve.get(tasks[i][2])
+            if point is not None:
+                row = _row(spec, "lru", "n/a", point.capacity, unit, int(point.capacity_bytes or 0),
+                           point.to_dict())  # fmt: skip
+                out[i] = (row, seconds)
+    return out
+
+
+def _task(shared: tuple[Sequence[Request], ModelSpec], task: tuple[Any, ...]) -> dict[str, Any]:
+    """One sweep point in a worker of the pool (no per-request progress bar there)."""
+    requests, spec = shared
+    policy, ck, cap, unit, bs, hints, watermarks = task
+    cap_bytes = cap * spec.mla_bytes_per_token * bs if unit == "blocks" else cap
+    return _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, None, hints, watermarks)
 
 
 def _point(
@@ -133,6 +218,7 @@ def _point(
     bs: int,
     prog: Callable[[int, int], None] | None,
     hints: bool = True,
+    watermarks: tuple[float, float] = (0.95, 0.85),
 ) -> dict[str, Any]:
     """One sweep row: an offline schedule, the MLA-only optimum, or a simulation."""
     if policy in OFFLINE_POLICIES:
@@ -145,7 +231,8 @@ def _point(
         d["duration_s"] = _duration(requests)
         return _row(spec, "optimum", "n/a", cap, unit, cap_bytes, d)
     cfg = SimConfig(spec=spec, policy=policy, capacity=cap, capacity_unit=unit, block_size=bs,
-                    checkpoints=checkpoints, hints=hints)  # fmt: skip
+                    checkpoints=checkpoints, hints=hints, high_watermark=watermarks[0],
+                    low_watermark=watermarks[1])  # fmt: skip
     d = simulate(requests, cfg, prog).to_dict()
     return _row(spec, policy, checkpoints.label if spec.hybrid else "n/a", cap, unit, cap_bytes, d)
 
@@ -160,16 +247,13 @@ def checkpoint_sweep(
     block_size: int | None = None,
     progress: ProgressFactory | None = None,
     points: PointProgress | None = None,
+    jobs: int | None = 1,
 ) -> list[dict[str, Any]]:
     """One row per (checkpoint policy, capacity) for a hybrid spec under one eviction policy."""
     if not spec.hybrid:
         raise ReplayError(f"spec {spec.name} has no KDA layers: checkpoint policies do not apply")
-    rows = []
-    for ck in checkpoint_policies:
-        rows.extend(
-            capacity_sweep(requests, spec, capacities, unit, [policy], ck, block_size, progress, points)
-        )
-    return rows
+    tasks = [(policy, ck, cap) for ck in checkpoint_policies for cap in capacities]
+    return _sweep(requests, spec, unit, tasks, block_size, progress, points, True, jobs, (0.95, 0.85))
 
 
 def _duration(requests: Sequence[Request]) -> float:

@@ -142,6 +142,27 @@ def progress_factory(args: argparse.Namespace) -> Callable[[str], Any]:
     return lambda label: Progress(label, enabled)
 
 
+def add_jobs_flag(p: argparse.ArgumentParser) -> None:
+    """``--jobs N``: sweep points at once in a process pool (default: the machine's cores)."""
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=None,
+        help="sweep points run side by side in this many processes (default: the machine's cores; 1: "
+        "one after the other, with per-request progress bars)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def add_progress_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument(

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from kvpool.workloads.commands.common import (
+    add_jobs_flag,
     add_progress_flags,
     add_provider_flags,
     add_tier_flags,
@@ -65,7 +66,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
     out = provision(
         reqs, spec, caps, ratios, provider_inputs(args, defaults), target, ttft_model(args), args.policy, bs,
         get_profile(args.profile, args.profile_file), PointProgress(len(caps) * len(ratios),
-        args.progress is not False), progress_factory(args),
+        args.progress is not False), progress_factory(args), args.jobs,
     )  # fmt: skip
     if args.json:
         print_json(out)
@@ -124,5 +125,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_provider_flags(p)
     add_tier_flags(p, with_compute=False)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_jobs_flag(p)
     add_progress_flags(p)
     p.set_defaults(func=cmd_provision)

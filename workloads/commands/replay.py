@@ -14,6 +14,7 @@ from typing import Any
 from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, ShardSetError
 from kvpool.workloads.commands.common import (
     STREAM_ABOVE_BYTES,
+    add_jobs_flag,
     add_progress_flags,
     add_tier_flags,
     guard,
@@ -225,11 +226,12 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         if args.checkpoint_sweep is not None:
             cks = [parse_checkpoints(t) for t in args.checkpoint_sweep.split(";") if t.strip()]
             points = PointProgress(len(cks) * len(caps), args.progress is not False)
-            rows = checkpoint_sweep(reqs, spec, caps, unit, policies[0], cks, bs, progress, points)
+            rows = checkpoint_sweep(reqs, spec, caps, unit, policies[0], cks, bs, progress, points, args.jobs)
             group, name = "checkpoints", "checkpoint_sweep"
         else:
             points = PointProgress(len(policies) * len(caps), args.progress is not False)
-            rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress, points, args.hints)
+            rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress, points, args.hints,
+                                  args.jobs, (args.high_watermark, args.low_watermark))  # fmt: skip
             group, name = "policy", "policy_sweep"
         write_csv(rows, out_dir / f"{name}.csv")
         metric = "token_hit_rate"
@@ -358,6 +360,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a session's new retention pin releases its previous chain (what a store could do; the "
         "serving path keeps each turn's pin until its TTL or the session's end)",
     )
+    add_jobs_flag(r)
     add_tier_flags(r, with_compute=True)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     r.add_argument("--out", help="write the full result (with per-request detail, for `kvpool price`) here")

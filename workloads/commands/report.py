@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvpool.workloads.commands.common import add_progress_flags, guard, progress_factory
+from kvpool.workloads.commands.common import add_jobs_flag, add_progress_flags, guard, progress_factory
 
 
 @guard
@@ -23,6 +23,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         profile_file=args.profile_file,
         progress=progress_factory(args),
         show_points=args.progress is not False,
+        jobs=args.jobs,
     )
     print(f"wrote {path}")
     return 0
@@ -50,5 +51,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--profile-file",
         help="TOML file with [profiles.NAME] and [provider] tables (default: shipped profiles)",
     )
+    add_jobs_flag(rep)
     add_progress_flags(rep)
     rep.set_defaults(func=cmd_report)
