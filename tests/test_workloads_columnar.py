@@ -18,6 +18,13 @@ from kvpool.workloads.trace_columnar import read_parquet, write_parquet
 from kvpool.workloads.trace_write import write_kvpool
 
 
+def test_rows_are_built_in_the_request_field_order() -> None:
+    from kvpool.workloads.trace import Request
+    from kvpool.workloads.trace_columnar import ROW_ORDER
+
+    assert tuple(f.name for f in dataclasses.fields(Request)) == ROW_ORDER
+
+
 def _kvpool_records():
     reqs = generate("chat", 60, 2.0, seed=3, vocab=1000)
     # hints, extra fields and a request without tokens: every optional column has rows with and without
