@@ -6,6 +6,7 @@ on the worked example of docs/design/workloads.md §3b, computed there by hand."
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from kvpool.kvstore.index import prefix_index
@@ -57,6 +58,11 @@ def test_worked_example_equals_the_hand_computation_and_the_simulator() -> None:
     reqs = [_req(i, ids) for i, ids in enumerate(EXAMPLE)]
     points = _check(reqs, list(BY_HAND), "blocks")
     assert {c: (p["usable_blocks"], p["cached_tokens"]) for c, p in points.items()} == BY_HAND
+    doc = (Path(__file__).resolve().parent.parent / "docs/design/workloads.md").read_text(encoding="utf-8")
+    prompt = sum(r.input_length for r in reqs)
+    shares = " / ".join(f"{BY_HAND[c][1] / prompt:.1%}".rstrip("%") for c in sorted(BY_HAND))
+    assert "Usable blocks 4 / 5 / 6, i.e. 2,048 / 2,560 / 3,072 cached of 6,644 prompt tokens" in doc
+    assert f"({shares} %)" in doc
 
 
 def test_conversation_blocks_every_point_equals_simulate() -> None:
