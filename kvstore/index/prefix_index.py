@@ -86,6 +86,7 @@ import numpy as np
 from kvpool.kvstore.index.admission import Admission, AdmissionConfig
 from kvpool.kvstore.index.eviction import EvictionPolicy, make_policy
 from kvpool.kvstore.index.pin_budget import PinBudget
+from kvpool.kvstore.index.pin_table import PinTable
 from kvpool.kvstore.index.records import (
     DEPTH_MAX,
     MAX_INTERNED,
@@ -191,13 +192,9 @@ class PrefixIndex:
         self._capacity_memo: dict[Tier, int] = {}
         self._node_names: list[str] = []
         self._node_ids: dict[str, int] = {}
-        self._pins: dict[int, dict[str, float]] = {}  # slot -> {session: deadline} ("" = no session)
-        self._sessions: dict[tuple[int, str], set[int]] = {}  # (tenant id, session) -> slots it pins
-        self._pinned_bytes: dict[int, int] = {}  # tenant id -> bytes of its pinned objects
-        self._pinned_total = 0
+        self._pins = PinTable()
         self._pins_refused = 0
         self.pin_budget = PinBudget(pin_budget_step)  # the share of ``pin_share`` clients' pins have earned
-        self._pin_heap: list[tuple[float, int, str]] = []  # (deadline, slot, session); stale entries skipped
         self._ttl: dict[int, float] = {}  # slot -> expiry deadline
         self._ttl_heap: list[tuple[float, int, bytes]] = []
         self._leases: dict[int, tuple[float, np.ndarray]] = {}
@@ -258,7 +255,7 @@ class PrefixIndex:
         self._n = 0
         self._free, self._keys, self._anchors = [], [], []
         self._slot, self._pending, self._orphans = {}, {}, {}
-        self._pins, self._sessions, self._pin_heap, self._ttl, self._ttl_heap = {}, {}, [], {}, []
+        self._pins, self._ttl, self._ttl_heap = PinTable(), {}, []
 
     def _place(self, size: int, tier: Tier = Tier.DRAM, avoid: str | None = None) -> str:
         """The node with the most free bytes in ``tier`` whose capacity can hold ``size``; ``avoid`` is
@@ -450,7 +447,7 @@ class PrefixIndex:
         turns it away (before anything is reserved)."""
         committed, pending_puts = self._slot, self._pending
         now = self._clock()
-        if self._lease_heap or self._pin_heap or self._ttl_heap:  # else nothing can be due
+        if self._lease_heap or self._pins.has_deadlines or self._ttl_heap:  # else nothing can be due
             self._retire_due(now)
         learner = self._learner
         if evict and (kind is _MLA or kind is _KDA):
@@ -692,7 +689,7 @@ class PrefixIndex:
             # makes the hit usable: the checkpoint, or a pure-MLA run's deepest block), against DRAM held,
             # where pins compete (pinned objects are never demoted)
             from_pinned = bool(slots) and self._cols.flags.item(slots[-1]) & SLOT_PINNED != 0
-            pinned = self._pinned_total
+            pinned = self._pins.total_bytes
             dram = sum(node.used[_DRAM] for node in self._nodes.values()) if pinned else 0
             self.pin_budget.lookup(usable, from_pinned, pinned, dram)
         if touch and usable:
@@ -811,18 +808,8 @@ class PrefixIndex:
             return 0
         until = self._clock() + ttl_ms / 1000.0
         for slot in slots:
-            holders = self._pins.get(slot)
-            if holders is None:
-                holders = self._pins[slot] = {}
+            if self._pins.hold(slot, int(c.tenant[slot]), int(c.size[slot]), session, until):
                 c.flags[slot] |= np.uint8(SLOT_PINNED)
-                tid = int(c.tenant[slot])
-                self._pinned_bytes[tid] = self._pinned_bytes.get(tid, 0) + int(c.size[slot])
-                self._pinned_total += int(c.size[slot])
-            if until > holders.get(session, 0.0):
-                holders[session] = until
-                heapq.heappush(self._pin_heap, (until, slot, session))
-            if session:
-                self._sessions.setdefault((int(c.tenant[slot]), session), set()).add(slot)
         return len(slots)
 
     def _pin_fits(self, new: dict[int, int]) -> bool:
@@ -831,11 +818,11 @@ class PrefixIndex:
         if not total:
             return True
         share = self.pin_share * self.pin_budget.earned
-        if self._pinned_total + total > share * self._capacity_of(Tier.DRAM):
+        if self._pins.total_bytes + total > share * self._capacity_of(Tier.DRAM):
             return False
         for tid, extra in new.items():
             quota = self._quota.get(tid, 0)
-            if quota and self._pinned_bytes.get(tid, 0) + extra > share * quota:
+            if quota and self._pins.bytes_by_tenant.get(tid, 0) + extra > share * quota:
                 return False
         return True
 
@@ -843,7 +830,7 @@ class PrefixIndex:
         """Release every pin ``session`` of ``tenant`` holds (objects another holder pins stay pinned);
         returns how many objects it held."""
         tid = self._tenant_ids.get(tenant)
-        slots = list(self._sessions.get((tid, session), ())) if tid is not None and session else []
+        slots = self._pins.session_slots(tid, session) if tid is not None and session else []
         for slot in slots:
             self._unpin(slot, session)
         return len(slots)
@@ -860,7 +847,7 @@ class PrefixIndex:
             nodes=len(self._nodes),
             active_leases=len(self._leases),
             soft_pins=len(self._pins),
-            pinned_bytes=self._pinned_total,
+            pinned_bytes=self._pins.total_bytes,
             pins_refused=self._pins_refused,
             pin_budget_earned=self.pin_budget.earned,
             evictions=self._evictions,
@@ -942,16 +929,7 @@ class PrefixIndex:
                     out.append(f"node {node.node_id} {tier.name}: {node.used[tier]} bytes counted")
         if {t: b for t, b in self._tenant_bytes.items() if b} != tenants:
             out.append("tenant bytes drifted")
-        if {t: b for t, b in self._pinned_bytes.items() if b} != pinned or self._pinned_total != sum(
-            pinned.values()
-        ):
-            out.append("pinned bytes drifted")
-        if any(
-            s not in self._pins or not sess or sess not in self._pins[s]
-            for (_, sess), m in self._sessions.items()
-            for s in m
-        ):
-            out.append("a session lists a slot it does not pin")
+        out.extend(self._pins.problems(pinned))
         if {s: int(c.deps[s]) for s in live if c.deps[s]} != deps:
             out.append("dependent counts drifted")
         if self._orphans != orphans:
@@ -1004,11 +982,8 @@ class PrefixIndex:
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lease_id = heapq.heappop(self._lease_heap)
             self.release(lease_id)
-        pins = self._pin_heap
-        while pins and pins[0][0] <= now:
-            until, slot, session = heapq.heappop(pins)
-            if self._pins.get(slot, {}).get(session) == until:  # else renewed, released or the slot reused
-                self._unpin(slot, session)
+        for slot, session in self._pins.due(now):
+            self._unpin(slot, session)
         removed: list[Removal] = []
         heap = self._ttl_heap
         while heap and heap[0][0] <= now:
@@ -1259,23 +1234,9 @@ class PrefixIndex:
     def _unpin(self, slot: int, session: str | None = None) -> None:
         """Drop ``session``'s pin on ``slot`` (every holder's when None); the object is unpinned, and its
         bytes leave the pin budget, once no holder is left."""
-        holders = self._pins.get(slot)
-        if holders is None:
-            return
         c = self._cols
-        tid = int(c.tenant[slot])
-        for s in list(holders) if session is None else [session]:
-            if holders.pop(s, None) is not None and s:
-                members = self._sessions.get((tid, s))
-                if members is not None:
-                    members.discard(slot)
-                    if not members:
-                        del self._sessions[(tid, s)]
-        if not holders:
-            del self._pins[slot]
+        if self._pins.release(slot, int(c.tenant[slot]), int(c.size[slot]), session):
             c.flags[slot] &= ~np.uint8(SLOT_PINNED)
-            self._pinned_bytes[tid] -= int(c.size[slot])
-            self._pinned_total -= int(c.size[slot])
 
     def _drop(self, slot: int, reason: str, *, emit: bool, demoted: bool = False) -> Removal:
         """Remove a live slot from every structure; the slot is recycled once no lease refers to it."""
