@@ -20,7 +20,8 @@ from kvpool.workloads.pricing import get_profile, price_result
 from kvpool.workloads.sim import SimConfig, simulate
 from kvpool.workloads.sim_result import SimResult
 from kvpool.workloads.specs import get_spec
-from kvpool.workloads.trace import RETENTION_TIERS_MS, Request, kvpool_record, read_kvpool, read_mooncake
+from kvpool.workloads.trace import Request, kvpool_record, read_kvpool, read_mooncake
+from kvpool.workloads.trace_record import RETENTION_TIERS_MS
 from kvpool.workloads.trace_write import to_kvpool_dict, write_kvpool, write_mooncake
 from kvpool.workloads.workload_params import make_params
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from kvpool.workloads.errors import GeneratorParamError
-from kvpool.workloads.trace import RETENTION_TIERS_MS, Request
+from kvpool.workloads.trace_record import RETENTION_TIERS_MS, Request
 from kvpool.workloads.workload_params import (
     PARAMS,
     AgentLoopParams,

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 from kvpool.workloads.errors import TraceFormatError
-from kvpool.workloads.trace import MOONCAKE_BLOCK, Request
+from kvpool.workloads.trace_record import MOONCAKE_BLOCK, Request
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -29,11 +29,7 @@ from typing import Any
 
 import numpy as np
 from kvpool.workloads.errors import TraceFormatError
-from kvpool.workloads.trace import (
-    KVPOOL_FORMAT,
-    MAX_CACHE_KEY_CHARS,
-    Request,
-)
+from kvpool.workloads.trace_record import KVPOOL_FORMAT, MAX_CACHE_KEY_CHARS, Request
 
 PARQUET_MAGIC = b"PAR1"
 FORMAT_KEY = b"kvpool.format"

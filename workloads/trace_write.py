@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 from kvpool.workloads.errors import TraceFormatError
-from kvpool.workloads.trace import KVPOOL_FORMAT, MOONCAKE_BLOCK, Request, open_text
+from kvpool.workloads.trace import open_text
+from kvpool.workloads.trace_record import KVPOOL_FORMAT, MOONCAKE_BLOCK, Request
 
 
 def to_kvpool_dict(req: Request) -> dict[str, Any]:
