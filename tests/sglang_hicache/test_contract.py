@@ -238,7 +238,10 @@ def test_killed_storage_node_gives_misses(store_dir, file_dir):
     from tests.harness.store_procs import start_master, start_node
     from tests.sglang_hicache.conftest import storage_config
 
-    master = start_master(store_dir / "killed")
+    # a master that drops a silent node within ~1.5 s instead of 5 (the default)
+    master = start_master(
+        store_dir / "killed", "--heartbeat-ms", "300", "--node-timeout-ms", "1500", "--sweep-ms", "300"
+    )
     node = start_node(store_dir / "killed", master.address, "64MiB", "tcp,shm", prefault=False)
     made = []
     try:
