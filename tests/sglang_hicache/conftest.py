@@ -18,6 +18,16 @@ import pytest
 
 collect_ignore_glob = [] if os.environ.get("KVPOOL_VLLM_TESTS") == "1" else ["test_*.py"]
 
+if not collect_ignore_glob:
+    # Importing SGLang sets third-party cache directories in os.environ (TORCHINDUCTOR_CACHE_DIR, ...). The
+    # vLLM suite runs in the same pytest process and its engines are children that inherit os.environ:
+    # import SGLang once here, at collection, and put the environment back as it was.
+    _environ = dict(os.environ)
+    import sglang  # noqa: F401
+
+    os.environ.clear()
+    os.environ.update(_environ)
+
 MODULE = "kvpool.integrations.sglang.hicache"
 
 
