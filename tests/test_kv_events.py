@@ -264,28 +264,38 @@ def test_a_new_ha_leader_core_is_a_new_incarnation() -> None:
     from kvpool.kvstore.master.kv_events_config import KvEventsConfig
     from kvpool.kvstore.master.server import MasterServer
 
-    async def run() -> tuple[str, str, list[tuple[bytes, int, list[str]]]]:
-        events = KvEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", heartbeat_ms=0)
+    async def run() -> tuple[str, str, tuple[bytes, int, list[str]]]:
+        # heartbeats on: the first one received proves the subscription is live (ZMQ drops what a publisher
+        # sends before a subscriber has joined), so nothing below waits a fixed time for anything
+        events = KvEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", heartbeat_ms=50)
         server = MasterServer(MasterConfig(), kv_events=events)
         await server.start()
         assert server.kv_events is not None
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(server.kv_events.endpoint)
-        await asyncio.sleep(0.3)
-        first = server.kv_events.topic
-        server.replace_core(MasterCore(MasterConfig(), epoch=7))  # what HaMaster._elected does
-        await asyncio.sleep(0.3)
-        got = []
-        while sock.poll(0):
+
+        async def next_batch(deadline: float) -> tuple[bytes, int, list[str]]:
+            while not sock.poll(0):  # the loop must keep running: the publisher's heartbeats are on it
+                assert time.monotonic() < deadline, "no batch from the publisher in time"
+                await asyncio.sleep(0.01)
             tpc, seq, payload = sock.recv_multipart()
             _, evs, _ = msgpack.unpackb(payload)
-            got.append((tpc, decode_seq(seq), [e["type"] for e in evs]))
-        second = server.kv_events.topic
-        sock.close(0)
-        await server.stop()
-        return first, second, got
+            return tpc, decode_seq(seq), [e["type"] for e in evs]
 
-    first, second, got = asyncio.run(run())
+        try:
+            deadline = time.monotonic() + 20.0
+            first = server.kv_events.topic
+            assert (await next_batch(deadline))[0] == first.encode()  # subscribed
+            server.replace_core(MasterCore(MasterConfig(), epoch=7))  # what HaMaster._elected does
+            second = server.kv_events.topic
+            while (batch := await next_batch(deadline))[0] != second.encode():
+                pass  # the first life's heartbeats still in flight
+            return first, second, batch
+        finally:
+            sock.close(0)
+            await server.stop()
+
+    first, second, batch = asyncio.run(run())
     assert first != second and second.endswith(".7")
-    assert got == [(second.encode(), 0, ["AllBlocksCleared"])]
+    assert batch == (second.encode(), 0, ["AllBlocksCleared"])  # the new life's first batch
