@@ -100,15 +100,25 @@ def _environment_source() -> str:
     return ENV_VALUE if os.environ.get(ENV_VALUE) else "none configured"
 
 
-def own_secret_advice() -> str:
-    """What a refused client should be told about its own side: which secret it presented and where such a
-    secret is read from, so an operator fixes the configuration instead of looking for a crash."""
-    key = secret()
+_NOT_GIVEN = object()
+
+
+def refusal_advice(reason: str, key: Any = _NOT_GIVEN) -> str:
+    """What a refused client should be told about its own side, by the listener's ``reason``: for a missing
+    or wrong secret, which secret it presented (``key``, default this process's) and where one is read
+    from, so an operator fixes the configuration instead of looking for a crash; for a stale hello, the
+    clock; a replayed one is the network's doing and worth a retry."""
+    if "stale hello" in reason:
+        return f"this host's clock and the listener's differ by more than {HELLO_WINDOW_S:.0f} s: sync them"
+    if "replayed hello" in reason:
+        return "the listener saw this hello before (a replay); a new connection sends a new one"
+    key = secret() if key is _NOT_GIVEN else key
     where = f"{ENV_FILE} (a file) or {ENV_VALUE} (the value)"
     if key is None:
         return f"this process has no cluster secret: neither {ENV_FILE} nor {ENV_VALUE} is set; set {where}"
+    source = _SOURCE[0] if _SOURCE and key == _SECRET[0] else "given to this call"
     return (
-        f"this process's cluster secret (from {_SOURCE[0] if _SOURCE else 'unknown'}) is not the cluster's; "
+        f"the cluster secret this process presented (from {source}) is not the cluster's; "
         f"set {where} to the secret the cluster was started with"
     )
 
@@ -127,13 +137,27 @@ def rejection_counters() -> dict[str, int]:
 
 
 def count_rejection(listener: str, peer: str, why: str) -> None:
+    """Count a rejected peer; log it once per listener and peer *host* (``peer`` may carry the connection's
+    port, which every new connection changes: a scanner must not flood the log)."""
     rejected[listener] = rejected.get(listener, 0) + 1
-    key = f"{listener} {peer}"
+    key = f"{listener} {_host_of(peer)}"
     if key not in _logged:
         _logged[key] = None
         if len(_logged) > MAX_LOGGED_PEERS:
             _logged.popitem(last=False)
         log.warning("rejected unauthenticated %s peer %s: %s", listener, peer, why)
+
+
+def _host_of(peer: str) -> str:
+    """The host part of a peer as listeners name it: ``ipv4:1.2.3.4:5`` (gRPC), ``1.2.3.4:5``,
+    ``('1.2.3.4', 5)`` (a socket's peername), ``[::1]:5``; anything else as it is."""
+    text = peer
+    for prefix in ("ipv4:", "ipv6:"):
+        text = text.removeprefix(prefix)
+    if text.startswith("(") and "," in text:  # a peername tuple
+        return text.strip("()").split(",")[0].strip(" '")
+    host, sep, port = text.rpartition(":")
+    return host.strip("[]") if sep and port.isdigit() else text
 
 
 # -- gRPC ------------------------------------------------------------------------------------------------

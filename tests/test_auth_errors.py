@@ -43,9 +43,10 @@ def master(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def own_secret():
-    """Set this test process's secret (``None``: none) for one case; restored after."""
+    """Set this test process's secret (``None``: none) for one case; what it was is restored after."""
+    saved = (list(cluster_auth._SECRET), list(cluster_auth._SOURCE))
     yield cluster_auth.configure
-    cluster_auth.configure(None)
+    cluster_auth._SECRET[:], cluster_auth._SOURCE[:] = saved
 
 
 def test_a_client_without_the_secret_is_told_so_not_connection_lost(master, own_secret) -> None:
@@ -83,6 +84,23 @@ def test_a_client_with_another_secret_is_told_where_its_secret_came_from(
     assert "wrong cluster secret" in str(err.value) and str(wrong) in str(err.value)
 
 
+def test_a_stale_hello_is_told_to_check_the_clock_not_the_secret(master, own_secret) -> None:
+    own_secret(SECRET.encode())
+    stale = cluster_auth.hello(SECRET.encode(), now=lambda: 0.0)  # 1970: far outside the window
+    frame = master_wire.encode(9, 0, 1, STATS.SerializeToString())
+    with socket.create_connection(master_wire.split_address(master.address), timeout=5.0) as sock:
+        sock.sendall(stale + frame)
+        frames = master_wire.FrameBuffer()
+        got: list = []
+        while not got:
+            data = sock.recv(1 << 16)
+            assert data, "closed without the refusal frame"
+            got = frames.feed(data)
+    err = master_wire.refusal_error(got[0][1], got[0][3], master.address)
+    assert isinstance(err, UnauthenticatedError) and "stale hello" in str(err) and "clock" in str(err)
+    assert "not the cluster's" not in str(err)
+
+
 def test_a_refused_connection_runs_nothing_and_a_stalled_hello_is_cut_off(master) -> None:
     """The refusal comes before any frame is read (a pipelined PutStart does not run), and a peer that
     starts a hello and stalls is closed after the frame deadline, not held forever."""
@@ -102,18 +120,15 @@ def test_a_refused_connection_runs_nothing_and_a_stalled_hello_is_cut_off(master
     with socket.create_connection(master_wire.split_address(master.address), timeout=15.0) as sock:
         sock.sendall(cluster_auth.HELLO_MAGIC)  # a hello that never completes
         assert sock.recv(1) == b""  # closed by the master (frame deadline), before this recv's 15 s
-    cluster_auth.configure(SECRET.encode())
-    try:
-        assert call_blocking(master.address, "Stats", STATS).objects == 0
-    finally:
-        cluster_auth.configure(None)
+    # nothing the refused peers sent ran: the pipelined PutStarts placed nothing
+    assert call_blocking(master.address, "Stats", STATS, key=SECRET.encode()).objects == 0
 
 
 def test_a_storage_node_without_the_secret_stops_and_says_why(master, tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "kvpool.kvstore.cli", "node", "--master", master.address,
             "--capacity", "16MiB", "--transport", "tcp", "--no-prefault"]  # fmt: skip
     done = subprocess.run(argv, env=_env_without_secret(), capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "UnauthenticatedError" in done.stderr and "no cluster secret" in done.stderr, done.stderr[-2000:]
     assert cluster_auth.ENV_VALUE in done.stderr
 

@@ -120,17 +120,17 @@ async def store_refusal(store: AsyncStoreClient | None) -> UnauthenticatedError 
     its cache until the master is back), so anything else is let through."""
     if store is None:
         return None
-    calls = [store.stats(shard) for shard in range(store.shards.count)]
-    try:
-        async with asyncio.timeout(STORE_CHECK_TIMEOUT_S):
-            results = await asyncio.gather(*calls, return_exceptions=True)
-    except TimeoutError:
-        return None
-    for result in results:
-        if isinstance(result, UnauthenticatedError):
-            return result
-        if isinstance(result, BaseException) and not isinstance(result, StoreError):
-            log.warning("store check at start failed: %s: %s", type(result).__name__, result)
+    calls = [asyncio.ensure_future(store.stats(shard)) for shard in range(store.shards.count)]
+    done, pending = await asyncio.wait(calls, timeout=STORE_CHECK_TIMEOUT_S)  # a slow shard hides no refusal
+    for call in pending:
+        call.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for call in done:
+        error = call.exception()
+        if isinstance(error, UnauthenticatedError):
+            return error
+        if error is not None and not isinstance(error, StoreError):
+            log.warning("store check at start failed: %s: %s", type(error).__name__, error)
     return None
 
 

@@ -121,34 +121,40 @@ class NodeNotifier:
     async def _deliver(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes], epoch: int) -> None:
         for start in range(0, len(keys), MAX_KEYS_PER_NODE_CALL):
             chunk = keys[start : start + MAX_KEYS_PER_NODE_CALL]
-            method = {
-                NodeAction.DELETE: worker.stub.Delete,
-                NodeAction.DEMOTE: worker.stub.Demote,
-                NodeAction.PROMOTE: worker.stub.Promote,
-            }[action]
-            try:
-                order = node_pb2.KeysRequest(keys=chunk, epoch=epoch, shard=self.shard)
-                reply = await method(order, timeout=self.timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                self._count(f"node_{action.value}_failed", len(chunk))
-                log.warning(
-                    "%s of %d keys on %s failed: %s",
-                    action.value,
-                    len(chunk),
-                    worker.address,
-                    exc.code().name,
-                )
-                if action == NodeAction.DEMOTE:
-                    # The index counted these keys on SSD when it ordered the demotion; a call that was not
-                    # answered may or may not have moved them. Treated as refused (dropped and deleted), the
-                    # master's per-tier bytes stay true either way; left alone, they would count on SSD
-                    # bytes the node may still hold in DRAM until it registers again.
+            order = node_pb2.KeysRequest(keys=chunk, epoch=epoch, shard=self.shard)
+            reply = await self._call(worker, action, order)
+            if reply is None and action == NodeAction.DEMOTE:
+                # The index counted these keys on SSD when it ordered the demotion, and a call that was not
+                # answered may or may not have moved them. Demote is idempotent on the node (a key already
+                # on SSD is done), so it is asked once more; if that fails too, the keys are treated as
+                # refused (dropped and deleted): the master's per-tier bytes stay true either way, where
+                # left alone they would count on SSD bytes the node may hold in DRAM until it registers.
+                reply = await self._call(worker, action, order)
+                if reply is None:
                     self._report_missing(worker, action, chunk)
+            if reply is None:
                 continue
             self._count(f"node_{action.value}_done", reply.done)
             self._count(f"node_{action.value}_missing", len(reply.missing))
             if reply.missing:
                 self._report_missing(worker, action, list(reply.missing))
+
+    async def _call(
+        self, worker: _NodeWorker, action: NodeAction, order: node_pb2.KeysRequest
+    ) -> node_pb2.KeysReply | None:
+        """The node's answer to one order, or None (counted and logged) when the call failed."""
+        method = {
+            NodeAction.DELETE: worker.stub.Delete,
+            NodeAction.DEMOTE: worker.stub.Demote,
+            NodeAction.PROMOTE: worker.stub.Promote,
+        }[action]
+        try:
+            return await method(order, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._count(f"node_{action.value}_failed", len(order.keys))
+            count, code = len(order.keys), exc.code().name
+            log.warning("%s of %d keys on %s failed: %s", action.value, count, worker.address, code)
+            return None
 
     def _report_missing(self, worker: _NodeWorker, action: NodeAction, keys: list[bytes]) -> None:
         if self._on_missing is None:

@@ -96,13 +96,15 @@ class UcxDataServer:
                 self._handlers.discard(task)
 
     async def _authenticated(self, ep) -> bool:  # type: ignore[no-untyped-def]
-        """The endpoint's first message is the cluster hello (``runtime.cluster_auth``); a control frame
-        instead (larger than the hello: truncated) or a wrong MAC closes it before a frame is read."""
+        """The endpoint's first message is the cluster hello (``runtime.cluster_auth``), within the frame
+        deadline; a control frame instead (larger than the hello: truncated), a wrong MAC or silence is
+        answered with an ``UnauthenticatedError`` frame and closes it before a frame is read."""
         assert self.auth is not None
         hello = np.zeros(cluster_auth.HELLO_SIZE, np.uint8)
         try:
-            await until_message(ep)
-            await ep.recv(hello)
+            async with asyncio.timeout(self.frame_timeout_s):  # a peer that never sends it is closed
+                await until_message(ep)
+                await ep.recv(hello)
         except Exception:
             hello = np.zeros(0, np.uint8)
         why = self.auth.refusal(hello.tobytes(), "ucx peer")

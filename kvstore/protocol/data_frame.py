@@ -158,5 +158,5 @@ def reported_error(frame: Frame) -> StoreError:
     this process's side appended (which secret it has, where one is read from): the operator's fix."""
     message = frame.aux.decode(errors="replace")
     if frame.status == UnauthenticatedError.code:
-        message = f"{message}; {cluster_auth.own_secret_advice()}"
+        message = f"{message}; {cluster_auth.refusal_advice(message)}"
     return error_for_code(frame.status, message)

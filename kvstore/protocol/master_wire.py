@@ -123,11 +123,13 @@ def refusal_frame(status: int, reason: str) -> bytes:
     return encode(REFUSAL_METHOD_ID, status, 0, reason.encode("utf-8", "replace")[:MAX_ERROR_BYTES])
 
 
-def refusal_error(status: int, payload: bytes, address: str) -> StoreUnavailableError:
-    """The typed error a refusal frame stands for, with this process's side of the story appended (which
-    secret it presented, where a secret is read from)."""
+def refusal_error(status: int, payload: bytes, address: str, key: Any = None) -> StoreUnavailableError:
+    """The typed error a refusal frame stands for, with this process's side of the story appended
+    (``cluster_auth.refusal_advice``: for a secret problem, which secret it presented and where a secret is
+    read from). ``key``: the secret the connection presented, when not this process's."""
     reason = payload.decode("utf-8", "replace")
-    error = error_for_code(status, f"master {address}: {reason}; {cluster_auth.own_secret_advice()}")
+    advice = cluster_auth.refusal_advice(reason) if key is None else cluster_auth.refusal_advice(reason, key)
+    error = error_for_code(status, f"master {address}: {reason}; {advice}")
     if not isinstance(error, StoreUnavailableError):  # a refusal only ever means: not served here
         return StoreUnavailableError(str(error))
     return error
@@ -456,7 +458,7 @@ def call_blocking(
                 if got:
                     method_id, status, _request_id, payload = got[0]
                     if method_id == REFUSAL_METHOD_ID:
-                        raise refusal_error(status, payload, address)
+                        raise refusal_error(status, payload, address, key)
                     return parse_reply(method, status, payload)
     except StoreError:  # the master's answer, or raised above (both OSError subclasses, kept as they are)
         raise
