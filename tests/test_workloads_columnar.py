@@ -90,9 +90,17 @@ def _write_table(path: Path, **columns) -> None:
         (dict(request_id=["a", "b"], arrival_ms=[1, 2], input_length=[10, 10], output_length=[1, 1],
               hash_ids=[[1], [2, -5][1:]]), "row 2: field 'hash_ids': must hold non-negative"),
         (dict(request_id=["a"], arrival_ms=["soon"], input_length=[10], output_length=[1], hash_ids=[[1]]),
-         "column 'arrival_ms' is not"),
+         "column 'arrival_ms' holds string, not a number"),
+        (dict(request_id=["a"], arrival_ms=[1], input_length=["10"], output_length=[1], hash_ids=[[1]]),
+         "column 'input_length' holds string, not a integer"),
+        (dict(request_id=["a"], arrival_ms=[1], input_length=[True], output_length=[1], hash_ids=[[1]]),
+         "column 'input_length' holds bool"),
+        (dict(request_id=["a", "b"], arrival_ms=[1, 2], input_length=[10, 10], output_length=[1, 1],
+              hash_ids=[[1], [2]], tenant=["t", None]), "row 2: field 'tenant': missing (null)"),
         (dict(request_id=["a"], arrival_ms=[1], input_length=[10], output_length=[1], hash_ids=[[1]],
-              retention_tier=["1h"]), "row 1: "),
+              retention_tier=["7d"]), "row 1: field 'retention_tier'"),
+        (dict(request_id=["a"], arrival_ms=[1], input_length=[10], output_length=[1], hash_ids=[[1]],
+              retained_prefix_tokens=[999]), "row 1: "),
     ],
 )  # fmt: skip
 def test_a_bad_parquet_trace_names_the_file_row_and_field(tmp_path: Path, columns, message) -> None:
@@ -114,7 +122,7 @@ def test_a_truncated_parquet_file_is_one_clear_error(tmp_path: Path) -> None:
     assert str(cut) in str(err.value) and "unreadable Parquet file" in str(err.value)
 
 
-def test_convert_leaves_nothing_half_written_at_the_output(tmp_path: Path) -> None:
+def test_convert_leaves_nothing_half_written_at_the_output(tmp_path: Path, monkeypatch) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"oops": 1}\n')
     out = tmp_path / "out.parquet"
@@ -122,8 +130,49 @@ def test_convert_leaves_nothing_half_written_at_the_output(tmp_path: Path) -> No
     done = subprocess.run(argv, capture_output=True, text=True)
     assert done.returncode == 2 and f"{bad}:2:" in done.stderr
     assert list(tmp_path.iterdir()) == [bad]
-    reqs = read_trace(bundled_trace("synthetic"))[:3]
-    reqs[2] = dataclasses.replace(reqs[2], hash_ids=[2**64] * len(reqs[2].hash_ids))  # past int64
-    with pytest.raises(TraceFormatError):  # a write that fails leaves no file either
-        write_parquet(reqs, out)
-    assert list(tmp_path.iterdir()) == [bad]
+    # a write that fails part-way (after its first row group went to disk) leaves no file either
+    calls = []
+    real = pq.ParquetWriter.write_table
+
+    def failing(self, table, *args, **kwargs):
+        calls.append(table.num_rows)
+        if len(calls) == 2:
+            raise pa.ArrowIOError("disk full (simulated)")
+        return real(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", failing)
+    with pytest.raises(TraceFormatError, match="disk full"):
+        write_parquet(read_trace(bundled_trace("synthetic"))[:5], out, row_group=2)
+    assert calls == [2, 2] and list(tmp_path.iterdir()) == [bad]
+
+
+def test_an_empty_trace_and_typed_ids(tmp_path: Path) -> None:
+    out = tmp_path / "empty.parquet"
+    assert write_parquet([], out) == 0 and read_trace(out) == []
+    req = read_trace(bundled_trace("synthetic"))[0]
+    with pytest.raises(TraceFormatError, match="conversation_id 5 is not a string"):
+        write_parquet([dataclasses.replace(req, conversation_id=5)], out)  # type: ignore[arg-type]
+
+
+def test_a_tier_without_its_ttl_reads_as_jsonl_does(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    _write_table(path, request_id=["a"], arrival_ms=[1], input_length=[10], output_length=[1],
+                 hash_ids=[[1]], retention_tier=["5m"])  # fmt: skip
+    assert read_trace(path)[0].retention_ms == 300_000
+
+
+def test_a_parquet_trace_streams_in_batches_and_names_rows_across_them(tmp_path: Path, monkeypatch) -> None:
+    from kvpool.workloads import trace_columnar
+
+    reqs = read_trace(bundled_trace("synthetic"))[:10]
+    path = tmp_path / "t.parquet"
+    write_parquet(reqs, path)
+    monkeypatch.setattr(trace_columnar, "READ_BATCH_ROWS", 3)
+    assert list(trace_columnar.iter_parquet(path)) == reqs
+    table = pq.read_table(path)
+    lengths = table.column("input_length").to_pylist()
+    lengths[7] = -1
+    pq.write_table(table.set_column(table.schema.get_field_index("input_length"), "input_length",
+                                    pa.array(lengths, pa.int64())), path)  # fmt: skip
+    with pytest.raises(TraceFormatError, match="row 8: field 'input_length'"):
+        read_trace(path)

@@ -176,13 +176,13 @@ def read_trace(path: str | Path, workload: str | None = None) -> list[Request]:
 
 
 def iter_trace(path: str | Path, workload: str | None = None) -> Iterator[Request]:
-    """The records of :func:`read_trace` one at a time, read as they are consumed (a JSONL trace larger
-    than memory can be replayed; see :func:`arrival_ordered`). A Parquet trace is read whole (columnar:
-    a tenth of the JSONL's memory) and then yielded."""
-    from kvpool.workloads.trace_columnar import is_parquet, read_parquet
+    """The records of :func:`read_trace` one at a time, read as they are consumed (a trace larger than
+    memory can be replayed; see :func:`arrival_ordered`): JSONL line by line, Parquet a batch of rows at
+    a time."""
+    from kvpool.workloads.trace_columnar import is_parquet, iter_parquet
 
     if is_parquet(path):
-        yield from read_parquet(path)
+        yield from iter_parquet(path)
         return
     name = workload or _stem(path)
     for i, (n, obj) in enumerate(_json_lines(path)):

@@ -9,10 +9,16 @@ The file is a lossless form of the kvpool JSONL format (``trace``): one row per 
 columns of :data:`SCHEMA` (nullable where the record's field is optional) and ``kvpool.format`` =
 ``kvpool-trace/1`` in the file's metadata. A Mooncake trace converts with its request ids and workload made
 explicit, as ``trace convert --to kvpool`` writes them. ``arrival_ms`` is written as int64 when every
-arrival is an integer (Mooncake's are), so ints read back as ints.
+arrival is an integer (Mooncake's are), so ints read back as ints; in a trace that mixes integer and
+fractional arrivals all read back as floats (equal in value). Ids and names must be strings (a value that
+would change type on the way is refused at write). A null is the field left out: an optional field takes
+its default, a retention tier without its TTL the tier's standard one (as in JSONL); a null where a value
+is required (ids, arrival, lengths, tenant, workload) is an error.
 
-Reading checks what ``Request.validate`` checks, column-wise (one numpy pass per rule, so a bad row costs
-nothing until it is found), and names the file, the 1-based row and the field of the first bad record.
+Reading checks each column's own type first (a string "10" is no integer, a bool no number: no parsing or
+coercion), then what ``Request.validate`` checks, column-wise (one numpy pass per rule), and names the
+file, the 1-based row and the field of the first bad record. It goes a batch of rows at a time, so a
+trace larger than memory streams (``iter_parquet``).
 A truncated or foreign file is one ``TraceFormatError`` naming the file. Writing goes to a temporary file
 beside the target, renamed over it once complete: nothing half-written is ever at the output path.
 """
@@ -23,13 +29,13 @@ import gc
 import itertools
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from kvpool.workloads.errors import TraceFormatError
-from kvpool.workloads.trace_record import KVPOOL_FORMAT, MAX_CACHE_KEY_CHARS, Request
+from kvpool.workloads.trace_record import KVPOOL_FORMAT, MAX_CACHE_KEY_CHARS, Request, tier_ms
 
 PARQUET_MAGIC = b"PAR1"
 FORMAT_KEY = b"kvpool.format"
@@ -99,83 +105,146 @@ def is_parquet(path: str | Path) -> bool:
 
 
 def write_parquet(requests: Iterable[Request], path: str | Path, row_group: int = 131_072) -> int:
-    """Write ``requests`` as a Parquet trace at ``path`` (atomically); returns the number of rows."""
+    """Write ``requests`` as a Parquet trace at ``path`` (atomically), ``row_group`` rows at a time (each
+    group's id columns built from one offsets and one values array); returns the number of rows."""
     pa, pq = _pa()
     reqs = list(requests)
-    integer_arrivals = all(type(r.arrival_ms) is int for r in reqs)
-    columns: dict[str, list[Any]] = {
-        "request_id": [r.request_id for r in reqs],
-        "arrival_ms": [r.arrival_ms for r in reqs],
-        "tenant": [r.tenant for r in reqs],
-        "workload": [r.workload for r in reqs],
-        "conversation_id": [r.conversation_id for r in reqs],
-        "session_end": [r.session_end for r in reqs],
-        "extra": [json.dumps(r.extra, separators=(",", ":")) if r.extra else None for r in reqs],
-    }
-    for name in INT_FIELDS:
-        columns[name] = [getattr(r, name) for r in reqs]
-    for name in ("cache_key", "retention_tier", "prefix_retention_tier"):
-        columns[name] = [getattr(r, name) for r in reqs]
+    for req in reqs:  # a file of typed columns: what would change type on the way is refused, not coerced
+        for name in ("request_id", "tenant", "workload", "conversation_id"):
+            value = getattr(req, name)
+            if value is not None and not isinstance(value, str):
+                message = f"request {req.request_id!r}: {name} {value!r} is not a string"
+                raise TraceFormatError(message, str(path))
+    sch = schema(all(type(r.arrival_ms) is int for r in reqs))
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        arrays = {name: pa.array(values) for name, values in columns.items()}
-        for name in LIST_FIELDS:
-            arrays[name] = _list_column(pa, [getattr(r, name) for r in reqs])
-        sch = schema(integer_arrivals)
-        table = pa.table([arrays[f.name].cast(f.type) for f in sch], schema=sch)
-        pq.write_table(table, tmp, row_group_size=row_group, compression="zstd")
+        with pq.ParquetWriter(tmp, sch, compression="zstd") as writer:
+            for start in range(0, max(len(reqs), 1), row_group):
+                writer.write_table(_table(pa, sch, reqs[start : start + row_group]))
         os.replace(tmp, target)
     except (pa.ArrowException, OverflowError) as exc:
         raise TraceFormatError(f"cannot write Parquet: {exc}", str(path)) from None
+    except OSError as exc:
+        raise TraceFormatError(f"cannot write: {exc.strerror or exc}", str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
     return len(reqs)
 
 
+def _table(pa: Any, sch: Any, reqs: Sequence[Request]) -> Any:
+    """One row group of ``reqs`` as an Arrow table of schema ``sch``."""
+    arrays: dict[str, Any] = {
+        "request_id": pa.array([r.request_id for r in reqs], pa.string()),
+        "arrival_ms": pa.array([r.arrival_ms for r in reqs], sch.field("arrival_ms").type),
+        "session_end": pa.array([r.session_end for r in reqs], pa.bool_()),
+        "extra": pa.array(
+            [json.dumps(r.extra, separators=(",", ":")) if r.extra else None for r in reqs], pa.string()
+        ),
+    }
+    for name in ("tenant", "workload", *OPTIONAL_STRINGS[:-1]):
+        arrays[name] = pa.array([getattr(r, name) for r in reqs], pa.string())
+    for name in INT_FIELDS:
+        arrays[name] = pa.array([getattr(r, name) for r in reqs], pa.int64())
+    for name in LIST_FIELDS:
+        arrays[name] = _list_column(pa, [getattr(r, name) for r in reqs])
+    return pa.table([arrays[f.name] for f in sch], schema=sch)
+
+
 def _list_column(pa: Any, lists: Sequence[list[int] | None]) -> Any:
     """``list<int64>`` built from one offsets array and one values array (not one Python list per row)."""
     lengths = np.fromiter((0 if v is None else len(v) for v in lists), np.int64, len(lists))
-    offsets = np.zeros(len(lists) + 1, np.int32 if lengths.sum() < 2**31 else np.int64)
+    total = int(lengths.sum())
+    if total >= 2**31:
+        raise TraceFormatError(f"{total} ids in one row group; write smaller row groups")
+    offsets = np.zeros(len(lists) + 1, np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.fromiter((x for v in lists if v for x in v), np.int64, int(lengths.sum()))
-    mask = pa.array([v is None for v in lists])
-    offsets_array = pa.array(offsets)
-    if offsets.dtype == np.int64:
-        return pa.LargeListArray.from_arrays(offsets_array, pa.array(values), mask=mask).cast(
-            pa.list_(pa.int64())
-        )
-    return pa.ListArray.from_arrays(offsets_array, pa.array(values), mask=mask)
+    values = np.fromiter((x for v in lists if v for x in v), np.int64, total)
+    mask = pa.array([v is None for v in lists], pa.bool_())
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=mask)
+
+
+READ_BATCH_ROWS = 65_536
 
 
 def read_parquet(path: str | Path) -> list[Request]:
     """Every record of a Parquet trace, checked column-wise; errors name the file, row and field."""
+    return list(iter_parquet(path))
+
+
+def iter_parquet(path: str | Path) -> Iterator[Request]:
+    """The records of a Parquet trace, read :data:`READ_BATCH_ROWS` rows at a time (a trace larger than
+    memory streams, as a JSONL one does), each batch checked before any of its records is yielded."""
     pa, pq = _pa()
     where = str(path)
     try:
-        table = pq.read_table(path)
+        pf = pq.ParquetFile(path)
+        fmt = (pf.schema_arrow.metadata or {}).get(FORMAT_KEY)
+        if fmt is not None and fmt != KVPOOL_FORMAT.encode():
+            raise TraceFormatError(f"unsupported format {fmt.decode(errors='replace')!r}", where)
+        first = 0
+        for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS):
+            table = pa.Table.from_batches([batch])
+            cols = _columns(table, where)
+            _check(cols, table.num_rows, where, first)
+            yield from _build(cols, table.num_rows, where, first)
+            first += table.num_rows
     except (pa.ArrowException, OSError) as exc:
         raise TraceFormatError(f"unreadable Parquet file ({exc})", where) from None
-    fmt = (table.schema.metadata or {}).get(FORMAT_KEY)
-    if fmt is not None and fmt != KVPOOL_FORMAT.encode():
-        raise TraceFormatError(f"unsupported format {fmt.decode(errors='replace')!r}", where)
-    cols = _columns(table, where)
-    n = table.num_rows
-    _check(cols, n, where)
+
+
+def parquet_memory_estimate(path: str | Path) -> int:
+    """Bytes the trace takes once loaded, roughly: Python ints and lists cost ~6x Arrow's uncompressed
+    columns (8-byte ids become list slots and int objects)."""
+    _, pq = _pa()
+    meta = pq.ParquetFile(path).metadata
+    return 6 * sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+
+
+def _build(cols: dict[str, Any], n: int, where: str, first: int) -> list[Request]:
     # Millions of new lists and records trip the cyclic collector every few hundred allocations, and each
     # pass walks everything built so far (40 % of a load measured); nothing built here forms a cycle.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _requests(cols, n, where)
+        return _requests(cols, n, where, first)
     finally:
         if was_enabled:
             gc.enable()
 
 
+_INTEGER, _NUMBER, _STRING, _BOOL, _IDS = "integer", "number", "string", "bool", "list of integers"
+
+
+def _kind_of(name: str) -> str:
+    if name in LIST_FIELDS:
+        return _IDS
+    if name in INT_FIELDS:
+        return _INTEGER
+    if name == "arrival_ms":
+        return _NUMBER
+    return _BOOL if name == "session_end" else _STRING
+
+
+def _type_is(pa: Any, kind: str, t: Any) -> bool:
+    """Whether Arrow type ``t`` holds ``kind`` as it is (no parsing or coercion: a string "10" is not an
+    integer, a bool is not one, as ``Request.validate`` says of JSON values)."""
+    if pa.types.is_null(t):
+        return True  # a column with no value at all: the field left out of every row
+    if kind == _INTEGER:
+        return pa.types.is_integer(t)
+    if kind == _NUMBER:
+        return pa.types.is_integer(t) or pa.types.is_floating(t)
+    if kind == _STRING:
+        return pa.types.is_string(t) or pa.types.is_large_string(t)
+    if kind == _BOOL:
+        return pa.types.is_boolean(t)
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
 def _columns(table: Any, where: str) -> dict[str, Any]:
-    """Each known column as Python/numpy values, cast to its schema type (a column that cannot be is an
-    error naming it); absent optional columns read as null."""
+    """Each known column cast to its schema type once its own type was checked (a column that holds
+    something else is an error naming it); absent columns read as None (the field left out)."""
     pa, _ = _pa()
     names = set(table.column_names)
     for need in ("request_id", "arrival_ms", "input_length", "output_length"):
@@ -189,15 +258,20 @@ def _columns(table: Any, where: str) -> dict[str, Any]:
         if field.name not in names:
             out[field.name] = None
             continue
+        column = table.column(field.name)
+        kind = _kind_of(field.name)
+        if not _type_is(pa, kind, column.type):
+            raise TraceFormatError(f"column {field.name!r} holds {column.type}, not a {kind}", where)
         try:
-            column = table.column(field.name).cast(field.type)
+            column = column.cast(field.type)
         except (pa.ArrowException, ValueError) as exc:
-            raise TraceFormatError(f"column {field.name!r} is not {field.type}: {exc}", where) from None
+            raise TraceFormatError(f"column {field.name!r} does not fit {field.type}: {exc}", where) from None
         out[field.name] = column.combine_chunks() if field.name in LIST_FIELDS else column
     return out
 
 
 def _fail(where: str, row: int, field: str, message: str) -> TraceFormatError:
+    """The error for 0-based file row ``row``."""
     return TraceFormatError(f"row {row + 1}: field {field!r}: {message}", where)
 
 
@@ -207,27 +281,29 @@ def _ints(column: Any, default: int, n: int) -> np.ndarray:
         return np.full(n, default, np.int64)
     if column.null_count:
         column = column.fill_null(default)
-    return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return np.array(column.to_numpy(zero_copy_only=False), np.int64)  # a writable copy
 
 
-def _check(cols: dict[str, Any], n: int, where: str) -> None:
+def _check(cols: dict[str, Any], n: int, where: str, first: int = 0) -> None:
     """``Request.validate``'s rules over whole columns; the first failing row is named."""
-    for name in ("request_id", "arrival_ms", "input_length", "output_length"):
-        if cols[name].null_count:
+    for name in ("request_id", "arrival_ms", "input_length", "output_length", "tenant", "workload"):
+        if cols[name] is not None and cols[name].null_count:
             row = int(np.flatnonzero(cols[name].is_null().to_numpy(zero_copy_only=False))[0])
-            raise _fail(where, row, name, "missing (null)")
+            raise _fail(where, first + row, name, "missing (null)")
     arrival = cols["arrival_ms"].to_numpy(zero_copy_only=False).astype(np.float64)
     bad = ~np.isfinite(arrival) | (arrival < 0)
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
-        raise _fail(where, row, "arrival_ms", f"must be finite and >= 0, got {arrival[row]!r}")
+        raise _fail(where, first + row, "arrival_ms", f"must be finite and >= 0, got {arrival[row]!r}")
     ints = {name: _ints(cols[name], 512 if name == "block_size" else 0, n) for name in INT_FIELDS}
     for name, values in ints.items():
         if (values < 0).any():
             row = int(np.flatnonzero(values < 0)[0])
-            raise _fail(where, row, name, f"must be a non-negative integer, got {int(values[row])}")
+            got = int(values[row])
+            raise _fail(where, first + row, name, f"must be a non-negative integer, got {got}")
     if (ints["block_size"] == 0).any():
-        raise _fail(where, int(np.flatnonzero(ints["block_size"] == 0)[0]), "block_size", "must be positive")
+        row = int(np.flatnonzero(ints["block_size"] == 0)[0])
+        raise _fail(where, first + row, "block_size", "must be positive")
     present = {}
     for name in LIST_FIELDS:
         column = cols[name]
@@ -239,11 +315,11 @@ def _check(cols: dict[str, Any], n: int, where: str) -> None:
         if (values < 0).any():
             offsets = column.offsets.to_numpy(zero_copy_only=False)
             row = int(np.searchsorted(offsets, int(np.flatnonzero(values < 0)[0]), side="right") - 1)
-            raise _fail(where, row, name, "must hold non-negative integers")
+            raise _fail(where, first + row, name, "must hold non-negative integers")
     neither = ~present["hash_ids"] & ~present["tokens"]
     if neither.any():
         row = int(np.flatnonzero(neither)[0])
-        raise _fail(where, row, "hash_ids", "a record needs 'tokens' or 'hash_ids'")
+        raise _fail(where, first + row, "hash_ids", "a record needs 'tokens' or 'hash_ids'")
     lengths = {name: _lengths(cols[name], n) for name in LIST_FIELDS}
     rules = (
         ("tokens", present["tokens"] & (lengths["tokens"] != ints["input_length"]), "input_length"),
@@ -261,7 +337,8 @@ def _check(cols: dict[str, Any], n: int, where: str) -> None:
     for name, wrong, against in rules:
         if wrong.any():
             row = int(np.flatnonzero(wrong)[0])
-            raise _fail(where, row, name, f"{int(lengths[name][row])} values, {against} says otherwise")
+            count = int(lengths[name][row])
+            raise _fail(where, first + row, name, f"{count} values, {against} says otherwise")
     if cols["cache_key"] is not None and cols["cache_key"].null_count < n:
         import pyarrow.compute as pc
 
@@ -269,7 +346,7 @@ def _check(cols: dict[str, Any], n: int, where: str) -> None:
         bad = (sizes <= 0) | (sizes > MAX_CACHE_KEY_CHARS)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise _fail(where, row, "cache_key", f"must be 1 to {MAX_CACHE_KEY_CHARS} characters")
+            raise _fail(where, first + row, "cache_key", f"must be 1 to {MAX_CACHE_KEY_CHARS} characters")
 
 
 def _lengths(column: Any, n: int) -> np.ndarray:
@@ -300,13 +377,30 @@ def _strings(column: Any, default: str | None, n: int) -> list[Any]:
     return [default if v is None else v for v in values]
 
 
-def _requests(cols: dict[str, Any], n: int, where: str) -> list[Request]:
+def _requests(cols: dict[str, Any], n: int, where: str, first: int = 0) -> list[Request]:
     """The rows as :class:`Request` objects: each field turned into one Python list, then zipped (a row
     costs one constructor call). Rows with hints also pass ``Request.validate`` (their pair rules)."""
     ints = {name: _ints(cols[name], 512 if name == "block_size" else 0, n) for name in INT_FIELDS}
     text = {name: _strings(cols[name], None, n) for name in OPTIONAL_STRINGS}
     ends = [False] * n if cols["session_end"] is None else cols["session_end"].fill_null(False).to_pylist()
-    hinted = (ints["retention_ms"] | ints["prefix_retention_ms"]).astype(bool) | np.asarray(ends, bool)
+    tiers = (("retention_tier", "retention_ms"), ("prefix_retention_tier", "prefix_retention_ms"))
+    for tier_name, ms_name in tiers:
+        # a tier whose TTL is left out (null) names its standard TTL, as in JSONL (``tier_ms``)
+        ms_column = cols[ms_name]
+        if ms_column is None:
+            left_out = np.ones(n, bool)
+        else:
+            left_out = ms_column.is_null().to_numpy(zero_copy_only=False)
+        for i in np.flatnonzero(left_out).tolist():
+            tier = text[tier_name][i]
+            if tier is not None:
+                try:
+                    ints[ms_name][i] = tier_ms(tier)
+                except TraceFormatError as exc:
+                    raise _fail(where, first + i, tier_name, str(exc)) from None
+    hinted = (ints["retention_ms"] | ints["prefix_retention_ms"] | ints["retained_prefix_tokens"]).astype(
+        bool
+    ) | np.asarray(ends, bool)
     for name in ("retention_tier", "prefix_retention_tier"):
         hinted |= np.fromiter((v is not None for v in text[name]), bool, n)
     extras: list[dict[str, Any]] = [{} for _ in range(n)]  # one dict per record, as JSONL reading gives
@@ -315,9 +409,9 @@ def _requests(cols: dict[str, Any], n: int, where: str) -> list[Request]:
             try:
                 fields = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise _fail(where, i, "extra", f"not a JSON object ({exc.msg})") from None
+                raise _fail(where, first + i, "extra", f"not a JSON object ({exc.msg})") from None
             if not isinstance(fields, dict):
-                raise _fail(where, i, "extra", "not a JSON object")
+                raise _fail(where, first + i, "extra", "not a JSON object")
             extras[i] = fields
     rows = zip(
         _strings(cols["request_id"], None, n),
@@ -347,5 +441,5 @@ def _requests(cols: dict[str, Any], n: int, where: str) -> list[Request]:
         try:
             out[i].validate()
         except TraceFormatError as exc:
-            raise TraceFormatError(f"row {i + 1}: {exc}", where) from None
+            raise TraceFormatError(f"row {first + i + 1}: {exc}", where) from None
     return out
