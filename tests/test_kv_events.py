@@ -290,7 +290,8 @@ def test_a_new_ha_leader_core_is_a_new_incarnation() -> None:
             server.replace_core(MasterCore(MasterConfig(), epoch=7))  # what HaMaster._elected does
             second = server.kv_events.topic
             while (batch := await next_batch(deadline))[0] != second.encode():
-                pass  # the first life's heartbeats still in flight
+                # the first life's batches still in flight: its heartbeats (or its batch 0), nothing new
+                assert batch[0] == first.encode() and batch[2] in ([], ["AllBlocksCleared"]), batch
             return first, second, batch
         finally:
             sock.close(0)

@@ -409,7 +409,11 @@ def test_a_demotion_call_that_times_out_is_uncounted_like_a_refusal(tmp_path: Pa
     """A node that never answers a demotion may still hold the bytes in DRAM: the master must not keep
     counting them on SSD (it used to, until the node registered again)."""
     m = MasterProcess(tmp_path, *FAST, "--node-call-timeout-ms", "200")
-    n = ProbeNode("hung", m, dram=1000, ssd=10_000)
+    try:
+        n = ProbeNode("hung", m, dram=1000, ssd=10_000)
+    except BaseException:
+        m.kill()
+        raise
     n.recorder.stall.add("demote")
     n.recorder.stall_s = 0.6
     try:

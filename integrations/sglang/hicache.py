@@ -194,7 +194,11 @@ class KvpoolHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of ``keys``, from the first, are stored (the leading run)."""
-        found = self._exists([self.keys.object_key(k)[0] for k in keys])
+        try:  # a key SGLang never sends (not a str) is a miss too, never an exception in the engine
+            wanted = [self.keys.object_key(k)[0] for k in keys]
+        except Exception as exc:
+            return self._failed("batch_exists", exc, 0)
+        found = self._exists(wanted)
         return found.index(False) if False in found else len(found)
 
     # ------------------------------------------------------------------ zero-copy v1
@@ -233,9 +237,12 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         """The usable prefix under every pool's hit policy, with every restorable length (SGLang intersects
         those across ranks: a trailing-pages pool leaves holes)."""
         transfers = list(pool_transfers or [])
-        wanted = [self.keys.object_key(k)[0] for k in keys]
-        for t in transfers:
-            wanted += [self.keys.object_key(k, _name(t.name))[0] for k in keys]
+        try:  # unusable keys or pool names are a miss, never an exception in the engine
+            wanted = [self.keys.object_key(k)[0] for k in keys]
+            for t in transfers:
+                wanted += [self.keys.object_key(k, _name(t.name))[0] for k in keys]
+        except Exception as exc:
+            return self._failed("batch_exists_v2", exc, PoolTransferResult(0, {}, []))
         found = self._exists(wanted)
         n = len(keys)
         kv_pages = found.index(False) if False in found[:n] else n

@@ -62,7 +62,7 @@ class _Recorder(node_pb2_grpc.StorageNodeServicer):
         self.lock = threading.Lock()
         self.calls: list[tuple[str, bytes]] = []
         self.refuse: set[str] = set()  # actions answered with every key "missing" (e.g. a full SSD)
-        self.stall: set[str] = set()  # actions recorded, then answered only after ``stall_s`` (a hung node)
+        self.stall: set[str] = set()  # actions answered (and recorded) only after ``stall_s``: a hung node
         self.stall_s = 0.0
 
     def _record(self, action: str, request: node_pb2.KeysRequest) -> node_pb2.KeysReply:
