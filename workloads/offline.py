@@ -79,6 +79,34 @@ class _Plan:
     next_use: list[list[int]]  # per block of the chain: the next request whose lookup includes it
     stops: list[list[bool]]  # per block j: a later lookup includes block j and then leaves this chain
     block_size: int
+    spec: str = ""
+    store_output: bool = True
+
+    def check(
+        self, requests: Sequence[Request], spec: ModelSpec, block_size: int | None, store_output: bool
+    ) -> None:
+        """A plan handed in must be the one these arguments would build (trace, spec, blocks, outputs)."""
+        bs = effective_block_size(requests, spec, block_size)
+        if (self.spec, self.block_size, self.store_output, len(self.requests)) != (
+            spec.name,
+            bs,
+            store_output,
+            len(requests),
+        ):
+            raise ReplayError(
+                f"offline plan built for spec {self.spec!r}, {self.block_size}-token blocks, "
+                f"store_output={self.store_output}, {len(self.requests)} requests; asked for {spec.name!r}, "
+                f"{bs}, {store_output}, {len(requests)}"
+            )
+
+
+def offline_plan(
+    requests: Sequence[Request], spec: ModelSpec, block_size: int | None = None, store_output: bool = True
+) -> _Plan:
+    """The backward pass every capacity shares: chains, lookup caps, next uses and stops. It does not
+    depend on the capacity, so a sweep builds it once and hands it to :func:`reference` / :func:`bound`
+    at every point (``plan=``); the pool's forked workers inherit it."""
+    return _plan(requests, spec, block_size, store_output)
 
 
 def _plan(requests: Sequence[Request], spec: ModelSpec, block_size: int | None, store_output: bool) -> _Plan:
@@ -107,7 +135,7 @@ def _plan(requests: Sequence[Request], spec: ModelSpec, block_size: int | None, 
         for j, h in enumerate(hashes[:cap]):
             seen[h] = i
             after.setdefault(h, set()).add(hashes[j + 1] if j + 1 < cap else None)
-    return _Plan(ordered, chains, caps, next_use, stops, bs)
+    return _Plan(ordered, chains, caps, next_use, stops, bs, spec.name, store_output)
 
 
 def _counters(
@@ -136,6 +164,19 @@ def _total(per_workload: dict[str, Counters]) -> Counters:
 def _check_capacity(capacity_bytes: int | None) -> None:
     if capacity_bytes is not None and (type(capacity_bytes) is not int or capacity_bytes <= 0):
         raise ReplayError(f"capacity must be a positive number of bytes, got {capacity_bytes!r}")
+
+
+def _given_or_built(
+    plan: _Plan | None,
+    requests: Sequence[Request],
+    spec: ModelSpec,
+    block_size: int | None,
+    store_output: bool,
+) -> _Plan:
+    if plan is None:
+        return _plan(requests, spec, block_size, store_output)
+    plan.check(requests, spec, block_size, store_output)
+    return plan
 
 
 class _BeladyCache:
@@ -197,10 +238,12 @@ def reference(
     block_size: int | None = None,
     store_output: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    plan: _Plan | None = None,
 ) -> OfflineResult:
-    """The feasible offline schedule described in the module docstring, at ``capacity_bytes``."""
+    """The feasible offline schedule described in the module docstring, at ``capacity_bytes``; ``plan``:
+    :func:`offline_plan` of the same arguments, built once for many capacities (else built here)."""
     _check_capacity(capacity_bytes)
-    plan = _plan(requests, spec, block_size, store_output)
+    plan = _given_or_built(plan, requests, spec, block_size, store_output)
     cache = _BeladyCache(NEVER if capacity_bytes is None else capacity_bytes)
     kda = spec.kda_bytes_per_checkpoint
     groups: tuple[dict[str, Counters], dict[str, Counters]] = ({}, {})
@@ -255,11 +298,13 @@ def bound(
     block_size: int | None = None,
     store_output: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    plan: _Plan | None = None,
 ) -> OfflineResult:
     """The upper bound described in the module docstring: MIN over the blocks lookups count, at
-    ``floor((C - K) / full block bytes)`` blocks (no hits at all when C < K)."""
+    ``floor((C - K) / full block bytes)`` blocks (no hits at all when C < K); ``plan`` as for
+    :func:`reference`."""
     _check_capacity(capacity_bytes)
-    plan = _plan(requests, spec, block_size, store_output)
+    plan = _given_or_built(plan, requests, spec, block_size, store_output)
     block_bytes = plan.block_size * spec.mla_bytes_per_token
     if capacity_bytes is None:
         slots = NEVER
@@ -320,9 +365,11 @@ def run_offline(
     block_size: int | None = None,
     store_output: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    plan: _Plan | None = None,
 ) -> OfflineResult:
-    """``policy`` is one of :data:`OFFLINE_POLICIES`."""
+    """``policy`` is one of :data:`OFFLINE_POLICIES`; ``plan``: :func:`offline_plan`, shared across
+    capacities."""
     if policy not in OFFLINE_POLICIES:
         raise ReplayError(f"unknown offline policy {policy!r}; choose one of {list(OFFLINE_POLICIES)}")
     fn = reference if policy == "reference" else bound
-    return fn(requests, capacity_bytes, spec, block_size, store_output, progress)
+    return fn(requests, capacity_bytes, spec, block_size, store_output, progress, plan)

@@ -21,7 +21,7 @@ from kvpool.worker.checkpoint_policy import CheckpointPolicy
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.labels import YARDSTICKS
 from kvpool.workloads.lru_curve import lru_curve, refusal
-from kvpool.workloads.offline import OFFLINE_POLICIES, run_offline
+from kvpool.workloads.offline import OFFLINE_POLICIES, offline_plan, run_offline
 from kvpool.workloads.optimum import optimum
 from kvpool.workloads.parallel import run_points
 from kvpool.workloads.progress import PointProgress
@@ -143,13 +143,25 @@ def _sweep(
             points.finished(f"lru one pass ({tasks[i][2]} {unit})", int(row["capacity_bytes"]), seconds)
     todo = [i for i in range(len(tasks)) if rows[i] is None]
     specs = [(*tasks[i], unit, bs, hints, watermarks) for i in todo]
+    # the offline schedules' backward pass (chains, next uses, stops) does not depend on the capacity:
+    # built once here, read by every offline point (forked workers inherit it)
+    plan = offline_plan(requests, spec, bs) if any(s[0] in OFFLINE_POLICIES for s in specs) else None
+
+    took: dict[int, float | None] = {}
+    shown = [0]  # points reported so far, in task order
 
     def done(k: int, row: dict[str, Any], seconds: float | None) -> None:
+        """Keep the row; report finished points in task order (a point that finishes before an earlier
+        one waits for it), so the lines read the same whichever worker is faster, e.g. an offline point
+        on the shared plan overtaking a simulation."""
         rows[todo[k]] = row
-        if points is not None:
-            policy, ck = specs[k][0], specs[k][1]
+        took[k] = seconds
+        while points is not None and shown[0] in took:
+            j = shown[0]
+            policy, ck = specs[j][0], specs[j][1]
             ck_label = "" if policy in (*OFFLINE_POLICIES, "optimum") else f" ({ck.label})"
-            points.finished(f"{policy}{ck_label}", int(row["capacity_bytes"]), seconds)
+            points.finished(f"{policy}{ck_label}", int(rows[todo[j]]["capacity_bytes"]), took.pop(j))
+            shown[0] += 1
 
     if jobs == 1:  # here, with the per-request progress bars
         for k, (policy, ck, cap, *_) in enumerate(specs):
@@ -157,10 +169,10 @@ def _sweep(
             if points is not None:
                 points.begin()
             cap_bytes = cap * full_block_bytes if unit == "blocks" else cap
-            row = _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, prog, hints, watermarks)
+            row = _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, prog, hints, watermarks, plan)
             done(k, row, None)
     else:
-        run_points(_task, (requests, spec), specs, jobs, done)
+        run_points(_task, (requests, spec, plan), specs, jobs, done)
     return [r for r in rows if r is not None]
 
 
@@ -199,12 +211,13 @@ def _one_pass(
     return out
 
 
-def _task(shared: tuple[Sequence[Request], ModelSpec], task: tuple[Any, ...]) -> dict[str, Any]:
-    """One sweep point in a worker of the pool (no per-request progress bar there)."""
-    requests, spec = shared
+def _task(shared: tuple[Sequence[Request], ModelSpec, Any], task: tuple[Any, ...]) -> dict[str, Any]:
+    """One sweep point in a worker of the pool (no per-request progress bar there); ``shared`` is the
+    trace, the spec and the offline plan (None when the sweep has no offline point)."""
+    requests, spec, plan = shared
     policy, ck, cap, unit, bs, hints, watermarks = task
     cap_bytes = cap * spec.mla_bytes_per_token * bs if unit == "blocks" else cap
-    return _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, None, hints, watermarks)
+    return _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, None, hints, watermarks, plan)
 
 
 def _point(
@@ -219,10 +232,12 @@ def _point(
     prog: Callable[[int, int], None] | None,
     hints: bool = True,
     watermarks: tuple[float, float] = (0.95, 0.85),
+    plan: Any = None,
 ) -> dict[str, Any]:
-    """One sweep row: an offline schedule, the MLA-only optimum, or a simulation."""
+    """One sweep row: an offline schedule (on ``plan``, :func:`offline_plan`, when given), the MLA-only
+    optimum, or a simulation."""
     if policy in OFFLINE_POLICIES:
-        d = run_offline(policy, requests, cap_bytes, spec, bs, progress=prog).to_dict()
+        d = run_offline(policy, requests, cap_bytes, spec, bs, progress=prog, plan=plan).to_dict()
         d["duration_s"] = _duration(requests)
         return _row(spec, policy, "offline", cap, unit, cap_bytes, d)
     if policy == "optimum":
