@@ -84,19 +84,24 @@ def test_a_client_with_another_secret_is_told_where_its_secret_came_from(
     assert "wrong cluster secret" in str(err.value) and str(wrong) in str(err.value)
 
 
-def test_a_stale_hello_is_told_to_check_the_clock_not_the_secret(master, own_secret) -> None:
-    own_secret(SECRET.encode())
-    stale = cluster_auth.hello(SECRET.encode(), now=lambda: 0.0)  # 1970: far outside the window
-    frame = master_wire.encode(9, 0, 1, STATS.SerializeToString())
-    with socket.create_connection(master_wire.split_address(master.address), timeout=5.0) as sock:
-        sock.sendall(stale + frame)
+def _first_answer(address: str, payload: bytes) -> tuple[int, int, int, bytes]:
+    """Send ``payload`` on a fresh raw connection to the master wire; the first frame it answers."""
+    with socket.create_connection(master_wire.split_address(address), timeout=5.0) as sock:
+        sock.sendall(payload)
         frames = master_wire.FrameBuffer()
         got: list = []
         while not got:
             data = sock.recv(1 << 16)
             assert data, "closed without the refusal frame"
             got = frames.feed(data)
-    err = master_wire.refusal_error(got[0][1], got[0][3], master.address)
+    return got[0]
+
+
+def test_a_stale_hello_is_told_to_check_the_clock_not_the_secret(master, own_secret) -> None:
+    own_secret(SECRET.encode())
+    stale = cluster_auth.hello(SECRET.encode(), now=lambda: 0.0)  # 1970: far outside the window
+    _, status, _, body = _first_answer(master.address, stale + master_wire.encode(9, 0, 1, b""))
+    err = master_wire.refusal_error(status, body, master.address)
     assert isinstance(err, UnauthenticatedError) and "stale hello" in str(err) and "clock" in str(err)
     assert "not the cluster's" not in str(err)
 
@@ -107,16 +112,8 @@ def test_a_refused_connection_runs_nothing_and_a_stalled_hello_is_cut_off(master
     meta = master_pb2.PutStartRequest().meta
     meta.key, meta.size, meta.checksum = b"M" + os.urandom(32), 64, 1
     put = master_wire.encode(1, 0, 1, master_pb2.PutStartRequest(meta=meta).SerializeToString())
-    with socket.create_connection(master_wire.split_address(master.address), timeout=5.0) as sock:
-        sock.sendall(put * 3)
-        frames = master_wire.FrameBuffer()
-        got: list = []
-        while not got:
-            data = sock.recv(1 << 16)
-            assert data, "closed without the refusal frame"
-            got = frames.feed(data)
-        method_id, status, request_id, _body = got[0]
-        assert (method_id, status, request_id) == (0, UnauthenticatedError.code, 0)
+    method_id, status, request_id, _body = _first_answer(master.address, put * 3)
+    assert (method_id, status, request_id) == (0, UnauthenticatedError.code, 0)
     with socket.create_connection(master_wire.split_address(master.address), timeout=15.0) as sock:
         sock.sendall(cluster_auth.HELLO_MAGIC)  # a hello that never completes
         assert sock.recv(1) == b""  # closed by the master (frame deadline), before this recv's 15 s
