@@ -205,6 +205,8 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         args.capacity_blocks if unit == "blocks" else args.capacity_bytes, unit, reqs, spec, bs
     )
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if args.sample is not None:
+        return _replay_sampled(args, reqs, spec, policies, caps, unit, bs)
     ck = parse_checkpoints(args.checkpoints)
     progress = progress_factory(args)
     sweep = args.checkpoint_sweep is not None or len(policies) > 1 or (caps is not None and len(caps) > 1)
@@ -262,6 +264,51 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
     if cfg.shards.sharded:
         one_master = simulate(reqs, dataclasses.replace(cfg, shards=ShardSet()), progress("one master"))
     return _emit(args, result, one_master)
+
+
+def _replay_sampled(
+    args: argparse.Namespace,
+    reqs: list,
+    spec: Any,
+    policies: list[str],
+    caps: list[int] | None,
+    unit: str,
+    bs: int,
+) -> int:
+    """``--sample R``: the one-pass LRU curve of a sample by chain root at capacities scaled by R."""
+    from kvpool.workloads.sampled import MEASURED_ERROR, SAMPLE_NOTE, check_rate, sampled_lru_curve
+
+    rate = check_rate(args.sample)
+    if policies != ["lru"]:
+        raise ReplayError(f"--sample takes --policy lru (the one-pass curve), got --policy {args.policy}")
+    if caps is None:
+        raise ReplayError(
+            "--sample needs capacities: --capacity-blocks or --capacity-bytes (a list or 'auto')"
+        )
+    if args.checkpoint_sweep is not None or _shards(args).sharded:
+        raise ReplayError("--sample runs the one-pass LRU curve: not with --checkpoint-sweep or --shards")
+    cfg = _sim_config(args, spec, "lru", None, unit, bs)
+    res = sampled_lru_curve(reqs, cfg, caps, bs, rate, args.sample_salt, args.sample_by, args.sample_depth)
+    d = res.to_dict()
+    d["measured_error"] = MEASURED_ERROR
+    if args.json:
+        print_json(d)
+        return 0
+    print(
+        f"sample rate {rate:g} by {res.by} (depth {res.depth}), salt {res.salt}: {res.sampled_requests} of "
+        f"{res.requests} requests"
+    )
+    head = f"{'capacity':>14}{'GiB':>10}{'sampled at':>12}{'block hit':>11}{'token hit':>11}"
+    print(head)
+    print("-" * len(head))
+    for p in d["points"]:
+        print(
+            f"{p['capacity']!s:>14}{p['capacity_bytes'] / 2**30:>10.1f}{p['sampled_capacity']!s:>12}"
+            f"{p['block_hit_rate']:>11.2%}{p['token_hit_rate']:>11.2%}"
+        )
+    print(f"note: {SAMPLE_NOTE}" if rate < 1 else "note: rate 1 keeps every request: the exact curve")
+    print(f"measured error: {MEASURED_ERROR}")
+    return 0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -359,6 +406,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="a session's new retention pin releases its previous chain (what a store could do; the "
         "serving path keeps each turn's pin until its TTL or the session's end)",
+    )
+    r.add_argument(
+        "--sample",
+        type=float,
+        metavar="R",
+        help="LRU curve from a sample of rate R in (0, 1] by chain root, at capacities x R (SHARDS): "
+        "estimates, printed with their measured error",
+    )
+    r.add_argument("--sample-salt", type=int, default=0, help="--sample: hash salt (default 0)")
+    r.add_argument(
+        "--sample-by",
+        choices=("root", "session"),
+        default="root",
+        help="--sample: by the first blocks of the chain (default) or by conversation / session key",
+    )
+    r.add_argument(
+        "--sample-depth",
+        type=int,
+        default=1,
+        help="--sample by root: blocks past the first in the root (default 1)",
     )
     add_jobs_flag(r)
     add_tier_flags(r, with_compute=True)
