@@ -107,15 +107,17 @@ def capacity_sweep(
     hints: bool = True,
     jobs: int | None = 1,
     watermarks: tuple[float, float] = (0.95, 0.85),
+    ray: str | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (policy, capacity); ``reference`` and ``bound`` run the offline schedules of
     ``kvpool.workloads.offline`` (real bytes), ``optimum`` the MLA-only MIN (unit blocks, checkpoints
     free). ``hints``: the online policies honour the requests' retention hints (the offline ones need
     none: they know the future). ``watermarks``: (high, low) of the online policies' index. ``jobs``:
     points at once in a process pool (None: the machine's cores); LRU points that the one-pass curve
-    (``lru_curve``) computes exactly are not simulated at all."""
+    (``lru_curve``) computes exactly are not simulated at all. ``ray``: a Ray address (or ``auto``) runs the
+    points as Ray tasks instead (``workloads/parallel_ray.py``), same rows."""
     tasks = [(p, checkpoints, cap) for p in policies for cap in capacities]
-    return _sweep(requests, spec, unit, tasks, block_size, progress, points, hints, jobs, watermarks)
+    return _sweep(requests, spec, unit, tasks, block_size, progress, points, hints, jobs, watermarks, ray)
 
 
 def _sweep(
@@ -129,6 +131,7 @@ def _sweep(
     hints: bool,
     jobs: int | None,
     watermarks: tuple[float, float],
+    ray: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of (policy, checkpoint policy, capacity) tasks, in their order: the one-pass LRU curve where
     it is exact, then every other point, in a pool when ``jobs`` != 1."""
@@ -163,7 +166,12 @@ def _sweep(
             points.finished(f"{policy}{ck_label}", int(rows[todo[j]]["capacity_bytes"]), took.pop(j))
             shown[0] += 1
 
-    if jobs == 1:  # here, with the per-request progress bars
+    if ray is not None:
+        from kvpool.workloads.parallel_ray import run_points_ray
+
+        if specs:
+            run_points_ray(_task, (requests, spec, plan), specs, ray, done)
+    elif jobs == 1:  # here, with the per-request progress bars
         for k, (policy, ck, cap, *_) in enumerate(specs):
             prog = progress(f"{policy} @ {cap} {unit}") if progress else None
             if points is not None:

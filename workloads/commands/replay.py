@@ -233,7 +233,7 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         else:
             points = PointProgress(len(policies) * len(caps), args.progress is not False)
             rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress, points, args.hints,
-                                  args.jobs, (args.high_watermark, args.low_watermark))  # fmt: skip
+                                  args.jobs, (args.high_watermark, args.low_watermark), args.ray)  # fmt: skip
             group, name = "policy", "policy_sweep"
         write_csv(rows, out_dir / f"{name}.csv")
         metric = "token_hit_rate"
@@ -428,6 +428,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="--sample by root: blocks past the first in the root (default 1)",
     )
     add_jobs_flag(r)
+    r.add_argument(
+        "--ray",
+        metavar="auto|ADDRESS",
+        help="run the sweep's points as Ray tasks on this cluster (needs kvpool[ray]); same rows as --jobs",
+    )
     add_tier_flags(r, with_compute=True)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     r.add_argument("--out", help="write the full result (with per-request detail, for `kvpool price`) here")

@@ -1,0 +1,85 @@
+"""``--ray`` (the optional extra ``kvpool[ray]``): without Ray installed (as ``make test`` leaves it) the
+flag is one clear error naming it and the install; a local stand-in for Ray gives the local pool's rows
+(task order, the shared data handed once). The real cluster check is scripts/ray_check.sh."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from typing import Any
+
+import pytest
+from kvpool.worker.checkpoint_policy import CheckpointPolicy
+from kvpool.workloads import parallel_ray
+from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.specs import get_spec
+from kvpool.workloads.sweep import capacity_sweep
+from kvpool.workloads.trace import bundled_trace, read_mooncake
+
+from kvpool.commands.main import main
+
+GiB = 2**30
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray is installed here")
+def test_without_ray_the_flag_names_the_extra(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    args = ["replay", "conversation", "--limit", "100", "--policy", "lru,bound", "--capacity-bytes",
+            "29GiB,89GiB", "--ray", "auto", "--no-progress", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--ray" in err and "kvpool[ray]" in err
+
+
+class _Ref:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _FakeRay(types.ModuleType):
+    """Just enough of Ray's API, run in this process: put once, remote, wait, get."""
+
+    def __init__(self) -> None:
+        super().__init__("ray")
+        self.puts = 0
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def put(self, value: Any) -> Any:
+        self.puts += 1
+        return _Ref(value)
+
+    def remote(self, **_: Any) -> Any:
+        def wrap(fn: Any) -> Any:
+            return types.SimpleNamespace(remote=lambda f, ref, t: _Ref(fn(f, ref.value, t)))
+
+        return wrap
+
+    def wait(self, refs: list[Any], num_returns: int = 1) -> tuple[list[Any], list[Any]]:
+        return refs[-num_returns:], refs[:-num_returns]  # finish out of order on purpose
+
+    def get(self, ref: Any) -> Any:
+        return ref.value
+
+
+def test_ray_tasks_give_the_local_rows_with_the_trace_put_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    reqs = sorted(read_mooncake(bundled_trace("conversation")), key=lambda r: r.arrival_ms)[:400]
+    k3 = get_spec("k3")
+    args = (reqs, k3, [29 * GiB, 89 * GiB], "bytes", ["lru", "reference"], CheckpointPolicy(), 512)
+    local = capacity_sweep(*args, jobs=1)
+    remote = capacity_sweep(*args, ray="auto")
+    assert remote == local and fake.puts == 1
+
+
+def test_an_address_that_does_not_answer_is_an_error_within_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hang = types.ModuleType("ray")
+    hang.is_initialized = lambda: False  # type: ignore[attr-defined]
+    hang.init = lambda **_: __import__("time").sleep(30)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray", hang)
+    with pytest.raises(ReplayError, match=r"--ray 10\.0\.0\.1:6379: no Ray cluster answered within 0\.3 s"):
+        parallel_ray.connect("10.0.0.1:6379", timeout_s=0.3)

@@ -1,0 +1,79 @@
+"""Sweep points as Ray tasks (``--ray auto|ADDRESS``, the optional extra ``kvpool[ray]``): the same contract
+as :func:`kvpool.workloads.parallel.run_points`, on a Ray cluster instead of local processes.
+
+One task per point (a whole simulation, seconds each: Ray's own guidance is that tasks under ~10 ms do not
+pay); the shared data (the trace, the spec, the offline plan) is put in Ray's object store **once** and
+every task receives it by reference; results come back in task order, so the rows equal the local pool's.
+Connecting has a deadline: an address that does not answer is one ReplayError naming ``--ray``, not a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvpool.workloads.errors import ReplayError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+CONNECT_TIMEOUT_S = 30.0
+
+
+def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Any:
+    """``ray.init(address=...)`` within ``timeout_s`` (``auto``: the cluster this machine is part of), or a
+    ReplayError naming ``--ray``. Returns the ``ray`` module."""
+    try:
+        import ray
+    except ImportError:
+        raise ReplayError("--ray needs Ray: pip install 'kvpool[ray]'") from None
+    if ray.is_initialized():
+        return ray
+    box: dict[str, BaseException | None] = {"error": None}
+
+    def init() -> None:
+        try:
+            ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        except BaseException as e:  # reported to the caller below
+            box["error"] = e
+
+    t = threading.Thread(target=init, name="ray-connect", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise ReplayError(f"--ray {address}: no Ray cluster answered within {timeout_s:g} s")
+    if box["error"] is not None:
+        raise ReplayError(f"--ray {address}: cannot connect ({box['error']})") from None
+    return ray
+
+
+def _call(fn: Callable[[Any, T], R], shared: Any, task: T) -> tuple[R, float]:
+    start = time.monotonic()
+    return fn(shared, task), time.monotonic() - start
+
+
+def run_points_ray(
+    fn: Callable[[Any, T], R],
+    shared: Any,
+    tasks: Sequence[T],
+    address: str,
+    done: Callable[[int, R, float], None] | None = None,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+) -> list[R]:
+    """``[fn(shared, t) for t in tasks]`` as Ray tasks (one CPU each), ``shared`` put once in the object
+    store; ``done(i, result, seconds)`` here as each finishes. ``fn`` must be importable by the workers."""
+    ray = connect(address, timeout_s)
+    ref = ray.put(shared)
+    remote = ray.remote(num_cpus=1)(_call)
+    pending = {remote.remote(fn, ref, t): i for i, t in enumerate(tasks)}
+    results: list[Any] = [None] * len(tasks)
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for r in ready:
+            i = pending.pop(r)
+            results[i], seconds = ray.get(r)
+            if done is not None:
+                done(i, results[i], seconds)
+    return results
