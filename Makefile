@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # so a log shows progress without pages of output, and a failing pip still fails the step (pipefail).
 PIP_PROGRESS := { grep --line-buffered -E '^(Collecting|Successfully installed)' || true; } | sed -u 's/^/    /'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kvstore/index/prefix_index.pyx kvstore/index/key_table.h
 	@echo "[1/4] system packages (scripts/sysdeps.sh)"
 	bash scripts/sysdeps.sh
 	@echo "[2/4] virtual environment $(VENV) with current pip and setuptools"

@@ -1,4 +1,5 @@
-"""The project builds without setuptools warnings, and the wheel carries the shipped data files."""
+"""The project builds without setuptools warnings, and the wheel carries the shipped data files and the
+compiled index."""
 
 from __future__ import annotations
 
@@ -26,3 +27,6 @@ def test_the_wheel_builds_without_warnings_and_ships_its_data(tmp_path: Path) ->
     names = set(zipfile.ZipFile(wheel).namelist())
     for data in ("pricing.toml", "conversation_trace.jsonl.gz", "synthetic_trace.jsonl.gz", "NOTICE"):
         assert f"kvpool/workloads/data/{data}" in names
+    # the index core is compiled from its source, and the wheel ships the module, not the build's by-products
+    assert any(n.startswith("kvpool/kvstore/index/prefix_index.") and n.endswith(".so") for n in names), names
+    assert "kvpool/kvstore/index/prefix_index.cpp" not in names

@@ -225,7 +225,8 @@ def test_a_clients_hint_classes_its_checkpoint_granted_or_refused_and_holds_thro
     idx.match_prefix(hs[:4], touch=True)
     _put(idx, hs[:4])
     ck = kda_key(hs[3])
-    slot = idx._slot[ck]
+    slot = idx.match_prefix(hs[:4]).slots[-1]  # the checkpoint closing the match
+    assert idx.match_prefix(hs[:4]).checkpoint_key == ck
     before = int(policy._klass[slot])
     assert before < HINT
     keys = [mla_key(h) for h in hs[:4]] + [ck]
@@ -242,4 +243,5 @@ def test_a_clients_hint_classes_its_checkpoint_granted_or_refused_and_holds_thro
     granted.match_prefix(hs[:4], touch=True)
     _put(granted, hs[:4])
     assert granted.pin(keys, 300_000, session="s") == 5, "within the budget: granted"
-    assert int(granting._klass[granted._slot[ck]]) == before + HINT, "a granted pin's hint is evidence too"
+    granted_slot = granted.match_prefix(hs[:4]).slots[-1]
+    assert int(granting._klass[granted_slot]) == before + HINT, "a granted pin's hint is evidence too"

@@ -116,7 +116,8 @@ def test_the_curve_never_runs_the_index(monkeypatch: pytest.MonkeyPatch) -> None
         raise AssertionError("the one-pass curve must not simulate")
 
     monkeypatch.setattr(sim, "simulate", boom)
-    monkeypatch.setattr(prefix_index.PrefixIndex, "__init__", boom)
+    monkeypatch.setattr(sim, "PrefixIndex", boom)
+    monkeypatch.setattr(prefix_index, "PrefixIndex", boom)
     reqs = [_req(i, ids) for i, ids in enumerate(EXAMPLE)]
     points, _ = lru_curve(reqs, _exact(), [4, 5, 8], 512)
     assert points[8].total.cached_tokens == 6 * 512

@@ -5,7 +5,7 @@ Why: a sweep of 20 LRU capacities is 20 replays through the index; a stack algor
 capacity from one pass, because the cache at capacity C is always "the most recent items that fit in C"
 for one recency order shared by all capacities.
 
-What the simulated store's LRU does (``workloads/sim.py`` over ``kvstore/index/prefix_index.py``):
+What the simulated store's LRU does (``workloads/sim.py`` over ``kvstore/index/prefix_index.pyx``):
 
 - a request looks up blocks [0, cap) (``cap = (L - 1) // B``: never the block of the last prompt token),
   touches the MLA run it found (pure MLA: the usable prefix is the run), then puts its whole chain in

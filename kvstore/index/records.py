@@ -207,6 +207,8 @@ class Columns:
         ("size", np.uint64),
         ("checksum", np.uint64),
         ("last_use", np.float64),
+        ("entry", np.int32),  # the compiled index: the slot's key in its key table
+        ("anchor", np.int32),  # the compiled index: the key entry of what the slot depends on (-1: none)
     )
 
     kind: np.ndarray
@@ -221,6 +223,8 @@ class Columns:
     size: np.ndarray
     checksum: np.ndarray
     last_use: np.ndarray
+    entry: np.ndarray
+    anchor: np.ndarray
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

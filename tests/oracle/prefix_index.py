@@ -1,4 +1,8 @@
-"""PrefixIndex: the master's in-memory object index, prefix matcher, pin table and byte-based evictor.
+"""The oracle of the compiled prefix index: the plain-Python ``PrefixIndex`` the master and the simulator
+ran on until the core (``kvstore/index/prefix_index.pyx``) replaced it, kept as it was (commit ce7b766) so
+that the differential and trace-equality tests (tests/test_index_core_*.py) hold the core to its answers.
+
+PrefixIndex: the master's in-memory object index, prefix matcher, pin table and byte-based evictor.
 
 Pure and deterministic: no network, no threads, no wall clock (``clock`` is injected), so the master and
 the offline trace simulator (``kvpool replay --sim``) run the very same code and agree on hit rates. Not

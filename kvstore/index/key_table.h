@@ -1,0 +1,227 @@
+// The prefix index's key table: every key the index knows, in one flat open-addressing table.
+//
+// Why: the Python index kept three dicts of bytes objects (committed, pending, absent anchors with their
+// waiting dependents) and a list of key objects per slot: ~150 bytes and three Python objects per indexed
+// object. Here a key is an *entry*: its bytes inline (up to INLINE_BYTES; longer keys, which only request
+// tails and blobs may use, in a side map), the slot of the object indexed under it (-1: none) and how many
+// live objects wait for it as their anchor while it is absent. An entry lives while it names an object or
+// has waiters, so an object's anchor is an entry id (4 bytes), and dropping an object that anchors others
+// leaves its entry behind as the waiters' "orphan" record, found again when the key is put back.
+//
+// Layout: `buckets_` (power of two, load <= 3/4) holds {32 bits of the key's hash, entry id}; `entries_`
+// is a dense vector of entries with a free list. Lookup compares the stored hash bits first, then the key.
+// Deletion shifts the following run back (no tombstones: probe lengths never degrade).
+//
+// Errors: no function aborts or reads out of bounds on any input. An entry id from the caller is checked
+// (`valid`); a key longer than MAX_KEY_BYTES or a table past INT32 entries throws std::length_error, an
+// allocation failure std::bad_alloc (Cython turns both into Python exceptions, `except +`).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace kvpool {
+
+class KeyTable {
+ public:
+  static constexpr std::size_t INLINE_BYTES = 33;  // a block key: 1-byte tag + 32-byte hash
+  static constexpr std::size_t MAX_KEY_BYTES = 1024;
+
+  explicit KeyTable(std::uint64_t seed) : seed_(seed | 1) { buckets_.assign(16, Bucket{0, -1}); }
+
+  std::size_t size() const { return live_; }
+
+  bool valid(std::int32_t e) const {
+    return e >= 0 && static_cast<std::size_t>(e) < entries_.size() && entries_[e].len != FREE;
+  }
+
+  // The entry of `key`, or -1.
+  std::int32_t find(const std::uint8_t* key, std::size_t len) const {
+    if (len == 0 || len > MAX_KEY_BYTES) return -1;
+    const std::uint64_t h = hash(key, len);
+    const std::uint32_t tag = static_cast<std::uint32_t>(h >> 32);
+    std::size_t mask = buckets_.size() - 1;
+    for (std::size_t i = h & mask;; i = (i + 1) & mask) {
+      const Bucket& b = buckets_[i];
+      if (b.entry < 0) return -1;
+      if (b.tag == tag && same(b.entry, key, len)) return b.entry;
+    }
+  }
+
+  // The entry of `key`, added (slot -1, no waiters) if absent.
+  std::int32_t intern(const std::uint8_t* key, std::size_t len) {
+    if (len == 0 || len > MAX_KEY_BYTES) throw std::length_error("key length out of range");
+    std::int32_t e = find(key, len);
+    if (e >= 0) return e;
+    if ((live_ + 1) * 4 > buckets_.size() * 3) rehash(buckets_.size() * 2);
+    e = new_entry(key, len);
+    const std::uint64_t h = hash(key, len);
+    place(Bucket{static_cast<std::uint32_t>(h >> 32), e}, h);
+    ++live_;
+    return e;
+  }
+
+  // Forget an entry (its key leaves the table; the id is reused). A no-op for an invalid id.
+  void erase(std::int32_t e) {
+    if (!valid(e)) return;
+    const std::uint64_t h = hash(key_data(e), key_len(e));
+    std::size_t mask = buckets_.size() - 1;
+    std::size_t i = h & mask;
+    while (buckets_[i].entry != e) {
+      if (buckets_[i].entry < 0) return;  // not reachable: every valid entry has its bucket
+      i = (i + 1) & mask;
+    }
+    // backward-shift deletion: move each following bucket of the run into the hole if its home allows
+    for (std::size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
+      Bucket& b = buckets_[j];
+      if (b.entry < 0) break;
+      std::size_t home = hash(key_data(b.entry), key_len(b.entry)) & mask;
+      // b may move to i iff i lies cyclically in [home, j)
+      if (((j - home) & mask) >= ((j - i) & mask)) {
+        buckets_[i] = b;
+        i = j;
+      }
+    }
+    buckets_[i] = Bucket{0, -1};
+    Entry& en = entries_[e];
+    if (en.len == LONG) long_keys_.erase(e);
+    en.len = FREE;
+    en.slot = -1;
+    en.waiting = 0;
+    free_.push_back(e);
+    --live_;
+  }
+
+  std::int32_t slot(std::int32_t e) const { return valid(e) ? entries_[e].slot : -1; }
+  void set_slot(std::int32_t e, std::int32_t s) {
+    if (valid(e)) entries_[e].slot = s;
+  }
+  std::uint32_t waiting(std::int32_t e) const { return valid(e) ? entries_[e].waiting : 0; }
+  void set_waiting(std::int32_t e, std::uint32_t n) {
+    if (valid(e)) entries_[e].waiting = n;
+  }
+
+  std::size_t key_len(std::int32_t e) const {
+    if (!valid(e)) return 0;
+    const Entry& en = entries_[e];
+    return en.len == LONG ? long_keys_.at(e).size() : en.len;
+  }
+  const std::uint8_t* key_data(std::int32_t e) const {
+    if (!valid(e)) return nullptr;
+    const Entry& en = entries_[e];
+    if (en.len == LONG) return reinterpret_cast<const std::uint8_t*>(long_keys_.at(e).data());
+    return en.bytes;
+  }
+
+  // Entry ids ever handed out (valid or free): the bound of a scan over `valid` ids.
+  std::size_t id_bound() const { return entries_.size(); }
+
+  // Bytes held (the index's footprint report).
+  std::size_t memory_bytes() const {
+    std::size_t n = buckets_.capacity() * sizeof(Bucket) + entries_.capacity() * sizeof(Entry) +
+                    free_.capacity() * sizeof(std::int32_t);
+    for (const auto& kv : long_keys_) n += kv.second.capacity() + 64;
+    return n;
+  }
+
+  // Drop everything and give the memory back (the index emptied).
+  void clear() {
+    std::vector<Bucket>(16, Bucket{0, -1}).swap(buckets_);
+    std::vector<Entry>().swap(entries_);
+    std::vector<std::int32_t>().swap(free_);
+    long_keys_.clear();
+    live_ = 0;
+  }
+
+ private:
+  static constexpr std::uint8_t FREE = 0xFF;
+  static constexpr std::uint8_t LONG = 0xFE;
+
+  struct Bucket {
+    std::uint32_t tag;
+    std::int32_t entry;  // -1: empty
+  };
+  struct Entry {
+    std::uint8_t len;  // INLINE bytes used, LONG (key in long_keys_) or FREE
+    std::uint8_t bytes[INLINE_BYTES];
+    std::int32_t slot;
+    std::uint32_t waiting;
+  };
+
+  static std::uint64_t mix(std::uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+  }
+
+  std::uint64_t hash(const std::uint8_t* key, std::size_t len) const {
+    std::uint64_t h = seed_ ^ (len * 0x9e3779b97f4a7c15ULL);
+    std::size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+      std::uint64_t w;
+      std::memcpy(&w, key + i, 8);
+      h = mix(h ^ w) + 0x9e3779b97f4a7c15ULL;
+    }
+    std::uint64_t last = 0;
+    std::memcpy(&last, key + i, len - i);
+    return mix(h ^ last ^ (static_cast<std::uint64_t>(len - i) << 56));
+  }
+
+  bool same(std::int32_t e, const std::uint8_t* key, std::size_t len) const {
+    return key_len(e) == len && std::memcmp(key_data(e), key, len) == 0;
+  }
+
+  std::int32_t new_entry(const std::uint8_t* key, std::size_t len) {
+    std::int32_t e;
+    if (!free_.empty()) {
+      e = free_.back();
+      free_.pop_back();
+    } else {
+      if (entries_.size() >= static_cast<std::size_t>(INT32_MAX)) throw std::length_error("key table full");
+      entries_.push_back(Entry{});
+      e = static_cast<std::int32_t>(entries_.size() - 1);
+    }
+    Entry& en = entries_[e];
+    en.slot = -1;
+    en.waiting = 0;
+    if (len <= INLINE_BYTES) {
+      en.len = static_cast<std::uint8_t>(len);
+      std::memcpy(en.bytes, key, len);
+    } else {
+      en.len = LONG;
+      long_keys_[e] = std::string(reinterpret_cast<const char*>(key), len);
+    }
+    return e;
+  }
+
+  void place(Bucket b, std::uint64_t h) {
+    std::size_t mask = buckets_.size() - 1;
+    std::size_t i = h & mask;
+    while (buckets_[i].entry >= 0) i = (i + 1) & mask;
+    buckets_[i] = b;
+  }
+
+  void rehash(std::size_t n) {
+    std::vector<Bucket> old(n, Bucket{0, -1});
+    old.swap(buckets_);
+    for (const Bucket& b : old) {
+      if (b.entry >= 0) place(b, hash(key_data(b.entry), key_len(b.entry)));
+    }
+  }
+
+  std::uint64_t seed_;
+  std::vector<Bucket> buckets_;
+  std::vector<Entry> entries_;
+  std::vector<std::int32_t> free_;
+  std::unordered_map<std::int32_t, std::string> long_keys_;
+  std::size_t live_ = 0;
+};
+
+}  // namespace kvpool
