@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import ObjectKind, Tier
+from kvpool.kvstore.index.records import ObjectKind
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG, TAIL_TAG
 
 from tests.oracle.prefix_index import PrefixIndex as OraclePrefixIndex
@@ -120,7 +120,9 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
     """Run one operation; the answer in a comparable form (slots included)."""
     name = op[0]
     if name == "insert":
-        _, kind, i, declared, bad_key, size, node, tier, tenant, parent, ttl, pending, evict, admit, checksum = op
+        _, kind, i, declared, bad_key, size, node, tier, tenant, parent, ttl, pending, evict, admit, checksum = (
+            op
+        )
         key = _key(kind, i) if bad_key is None else bad_key
         if kind == ObjectKind.TAIL and ttl == 0:
             ttl = 500
@@ -145,7 +147,7 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
         _, hs, require, touch, resume, bad = op
         hashes = [HASHES[i] for i in hs] + ([b"short"] if bad else [])
         m = idx.match_prefix(hashes, require_checkpoint=require, touch=touch, resume=resume)
-        return astuple(m) + (m.slots,)
+        return (*astuple(m), m.slots)
     if name == "lookup":
         return idx.lookup(op[1], touch=op[2])
     if name == "get":
@@ -187,7 +189,7 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
 def _outcome(idx: Any, op: tuple, leases: list[int]) -> tuple[str, Any]:
     try:
         return "ok", _apply(idx, op, leases)
-    except Exception as exc:  # noqa: BLE001 - the very point: the same typed error on both sides
+    except Exception as exc:  # the very point: the same typed error on both sides
         return "error", type(exc).__name__
 
 
@@ -196,7 +198,7 @@ def _state(idx: Any) -> tuple:
     for n in NODES:
         try:
             usage[n] = idx.node_usage(n)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             usage[n] = type(exc).__name__
     return (idx.stats(), usage, sorted(idx), sorted(idx.pending_keys()), len(idx))
 

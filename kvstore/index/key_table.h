@@ -8,9 +8,10 @@
 // has waiters, so an object's anchor is an entry id (4 bytes), and dropping an object that anchors others
 // leaves its entry behind as the waiters' "orphan" record, found again when the key is put back.
 //
-// Layout: `buckets_` (power of two, load <= 3/4) holds {32 bits of the key's hash, entry id}; `entries_`
-// is a dense vector of entries with a free list. Lookup compares the stored hash bits first, then the key.
-// Deletion shifts the following run back (no tombstones: probe lengths never degrade).
+// Layout: `buckets_` (power of two, load <= 3/4) holds {the high 32 bits of the key's hash, entry id}; a
+// key's home bucket is those bits modulo the table size, so growing and deleting never rehash a key.
+// `entries_` is a dense vector of entries with a free list. Lookup compares the stored hash bits first,
+// then the key. Deletion shifts the following run back (no tombstones: probe lengths never degrade).
 //
 // Errors: no function aborts or reads out of bounds on any input. An entry id from the caller is checked
 // (`valid`); a key longer than MAX_KEY_BYTES or a table past INT32 entries throws std::length_error, an
@@ -42,10 +43,9 @@ class KeyTable {
   // The entry of `key`, or -1.
   std::int32_t find(const std::uint8_t* key, std::size_t len) const {
     if (len == 0 || len > MAX_KEY_BYTES) return -1;
-    const std::uint64_t h = hash(key, len);
-    const std::uint32_t tag = static_cast<std::uint32_t>(h >> 32);
+    const std::uint32_t tag = tag_of(key, len);
     std::size_t mask = buckets_.size() - 1;
-    for (std::size_t i = h & mask;; i = (i + 1) & mask) {
+    for (std::size_t i = tag & mask;; i = (i + 1) & mask) {
       const Bucket& b = buckets_[i];
       if (b.entry < 0) return -1;
       if (b.tag == tag && same(b.entry, key, len)) return b.entry;
@@ -59,8 +59,7 @@ class KeyTable {
     if (e >= 0) return e;
     if ((live_ + 1) * 4 > buckets_.size() * 3) rehash(buckets_.size() * 2);
     e = new_entry(key, len);
-    const std::uint64_t h = hash(key, len);
-    place(Bucket{static_cast<std::uint32_t>(h >> 32), e}, h);
+    place(Bucket{tag_of(key, len), e});
     ++live_;
     return e;
   }
@@ -68,9 +67,8 @@ class KeyTable {
   // Forget an entry (its key leaves the table; the id is reused). A no-op for an invalid id.
   void erase(std::int32_t e) {
     if (!valid(e)) return;
-    const std::uint64_t h = hash(key_data(e), key_len(e));
     std::size_t mask = buckets_.size() - 1;
-    std::size_t i = h & mask;
+    std::size_t i = tag_of(key_data(e), key_len(e)) & mask;
     while (buckets_[i].entry != e) {
       if (buckets_[i].entry < 0) return;  // not reachable: every valid entry has its bucket
       i = (i + 1) & mask;
@@ -79,7 +77,7 @@ class KeyTable {
     for (std::size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
       Bucket& b = buckets_[j];
       if (b.entry < 0) break;
-      std::size_t home = hash(key_data(b.entry), key_len(b.entry)) & mask;
+      std::size_t home = b.tag & mask;
       // b may move to i iff i lies cyclically in [home, j)
       if (((j - home) & mask) >= ((j - i) & mask)) {
         buckets_[i] = b;
@@ -161,6 +159,10 @@ class KeyTable {
     return x;
   }
 
+  std::uint32_t tag_of(const std::uint8_t* key, std::size_t len) const {
+    return static_cast<std::uint32_t>(hash(key, len) >> 32);
+  }
+
   std::uint64_t hash(const std::uint8_t* key, std::size_t len) const {
     std::uint64_t h = seed_ ^ (len * 0x9e3779b97f4a7c15ULL);
     std::size_t i = 0;
@@ -201,9 +203,9 @@ class KeyTable {
     return e;
   }
 
-  void place(Bucket b, std::uint64_t h) {
+  void place(Bucket b) {
     std::size_t mask = buckets_.size() - 1;
-    std::size_t i = h & mask;
+    std::size_t i = b.tag & mask;
     while (buckets_[i].entry >= 0) i = (i + 1) & mask;
     buckets_[i] = b;
   }
@@ -212,7 +214,7 @@ class KeyTable {
     std::vector<Bucket> old(n, Bucket{0, -1});
     old.swap(buckets_);
     for (const Bucket& b : old) {
-      if (b.entry >= 0) place(b, hash(key_data(b.entry), key_len(b.entry)));
+      if (b.entry >= 0) place(b);
     }
   }
 

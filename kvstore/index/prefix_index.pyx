@@ -163,7 +163,7 @@ cdef unsigned char C_KDA_TAG = ord("K")
 
 _MLA, _KDA, _TAIL = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL
 _TAG_OF_KIND = {ObjectKind.MLA: MLA_TAG, ObjectKind.KDA: KDA_TAG}
-_TIER_OF = {int(t): t for t in Tier}
+_TIERS = (None, Tier.DRAM, Tier.SSD)  # a tier column value -> its member
 
 INITIAL_SLOTS = 1024
 
@@ -190,6 +190,23 @@ def check_object(key, kind, size, ttl_ms, checksum):
     if ttl_ms < 0 or checksum < 0 or checksum >= 1 << 64:
         raise BadObjectError("ttl_ms and checksum must be non-negative (checksum < 2^64)")
     return kind
+
+
+cdef inline int _block_kind(bytes key, kind, size) except -2:
+    """The kind of a plain block object (an MLA block or checkpoint with its key's tag, a positive int size,
+    no TTL or checksum asked) without the Python checks, or -1: then ``check_object`` decides (and words
+    the error). The simulator puts hundreds of thousands of these per trace."""
+    if type(size) is not int or size <= 0 or len(key) != 33:
+        return -1
+    cdef int k
+    if type(kind) is int or isinstance(kind, ObjectKind):
+        k = kind
+    else:
+        return -1
+    cdef unsigned char tag = (<const unsigned char*><const char*>key)[0]
+    if (k == K_MLA and tag == C_MLA_TAG) or (k == K_KDA and tag == C_KDA_TAG):
+        return k
+    return -1
 
 
 cdef inline bytes _as_key(object key):
@@ -221,7 +238,8 @@ cdef class PrefixIndex:
     cdef Py_ssize_t _n
     cdef Py_ssize_t _n_committed, _n_pending, _n_orphans
     cdef list _tenants
-    cdef dict _tenant_ids, _tenant_bytes, _quota
+    cdef dict _tenant_ids
+    cdef int64_t[::1] _tenant_used, _quota  # per tenant id: bytes indexed (all tiers, pending too), quota
     cdef object _pins
     cdef Py_ssize_t _pins_refused
     cdef dict _ttl
@@ -291,8 +309,8 @@ cdef class PrefixIndex:
         self._n_committed = self._n_pending = self._n_orphans = 0
         self._tenants = [""]
         self._tenant_ids = {"": 0}
-        self._tenant_bytes = {}
-        self._quota = {}
+        self._tenant_used = np.zeros(16, dtype=np.int64)
+        self._quota = np.zeros(16, dtype=np.int64)
         self._cap = np.zeros((16, N_TIERS), dtype=np.int64)
         self._used = np.zeros((16, N_TIERS), dtype=np.int64)
         self._node_present = np.zeros(16, dtype=np.uint8)
@@ -501,6 +519,11 @@ cdef class PrefixIndex:
             tid = len(self._tenants)
             self._tenants.append(tenant)
             self._tenant_ids[tenant] = tid
+            if tid >= self._quota.shape[0]:
+                used, quota = np.zeros(2 * tid, np.int64), np.zeros(2 * tid, np.int64)
+                used[:tid] = self._tenant_used
+                quota[:tid] = self._quota
+                self._tenant_used, self._quota = used, quota
         return tid
 
     check_object = staticmethod(check_object)
@@ -560,18 +583,21 @@ cdef class PrefixIndex:
         call per request spares it an exception per refusal and a call and an argument dict per object."""
         out = []
         cdef int32_t s
+        cdef int k
         for key, kind, size, parent, admit in objects:
             key = _as_key(key)
             s = self._find(key)
             if s >= 0 and not self._flags[s] & PENDING:
                 out.append(PUT_EXISTS)
                 continue
-            kind = check_object(key, kind, size, 0, 0)
+            k = _block_kind(key, kind, size)
+            if k < 0:
+                k = check_object(key, kind, size, 0, 0)
             if s >= 0:
                 raise DuplicateKeyError(key, True)
             try:
                 placed = self._insert(
-                    key, kind, size, node_id, T_DRAM, tenant, _as_key(parent) if parent else b"", 0, 0,
+                    key, k, size, node_id, T_DRAM, tenant, _as_key(parent) if parent else b"", 0, 0,
                     False, True, None, bool(admit),
                 )
             except CapacityError:
@@ -581,15 +607,14 @@ cdef class PrefixIndex:
         return out
 
     cdef object _insert(
-        self, bytes key, kind, int64_t size, node_id, int tier, tenant, bytes parent, uint64_t checksum,
+        self, bytes key, int kind_i, int64_t size, node_id, int tier, tenant, bytes parent, uint64_t checksum,
         int64_t ttl_ms, bint pending, bint evict, avoid_node, bint admit,
     ):
         """``insert`` of a checked object whose key is not indexed: the node id, or None when admission
         turns it away (before anything is reserved)."""
         cdef double now = self._clock()
-        if self._lease_heap or self._pins.has_deadlines or self._ttl_heap:  # else nothing can be due
+        if self._lease_heap or self._ttl_heap or self._pins.has_deadlines:  # else nothing can be due
             self._retire_due(now)
-        cdef int kind_i = kind
         learner = self._learner
         if evict and (kind_i == K_MLA or kind_i == K_KDA):
             if learner is not None:
@@ -598,15 +623,15 @@ cdef class PrefixIndex:
                 return None
         tid_o = self._tenant_ids.get(tenant)
         cdef int tid = self._tenant_id(tenant) if tid_o is None else tid_o
-        cdef int64_t quota = self._quota.get(tid, 0) if evict else 0
+        cdef int64_t quota = self._quota[tid] if evict else 0
         if quota:
             if size > quota:
                 raise QuotaExceededError(f"object of {size} bytes exceeds tenant {tenant!r} quota {quota}")
-            if self._tenant_bytes.get(tid, 0) + size > quota:
+            if self._tenant_used[tid] + size > quota:
                 self._evict_tenant(tid, quota - size, now)
-                if self._tenant_bytes.get(tid, 0) + size > quota:
+                if self._tenant_used[tid] + size > quota:
                     raise QuotaExceededError(
-                        f"tenant {tenant!r} holds {self._tenant_bytes.get(tid, 0)} of {quota} bytes, "
+                        f"tenant {tenant!r} holds {self._tenant_used[tid]} of {quota} bytes, "
                         f"all pinned or in use; cannot fit {size}"
                     )
         if node_id is None:
@@ -664,7 +689,7 @@ cdef class PrefixIndex:
         if not pending:
             self._mark_checkpoint(slot, key, kind_i, deps)
         self._used[nid, tier] += size
-        self._tenant_bytes[tid] = self._tenant_bytes.get(tid, 0) + size
+        self._tenant_used[tid] += size
         if ttl_ms:
             self._set_ttl(slot, now + ttl_ms / 1000.0)
         if evict:
@@ -760,7 +785,7 @@ cdef class PrefixIndex:
         cdef int32_t slot = self._find(_as_key(key))
         if slot < 0:
             return False
-        self._drop(slot, reason, False, False)
+        self._drop(slot, reason, False, False, False)
         self._release_storage_if_empty()
         return True
 
@@ -771,14 +796,11 @@ cdef class PrefixIndex:
         if max_bytes < 0:
             raise BadObjectError("quota must be >= 0")
         tid = self._tenant_id(tenant)
-        if max_bytes:
-            self._quota[tid] = max_bytes
-            if self._tenant_bytes.get(tid, 0) > max_bytes:
-                now = self._clock()
-                self._retire_due(now)
-                self._evict_tenant(tid, max_bytes, now)
-        else:
-            self._quota.pop(tid, None)
+        self._quota[tid] = max_bytes
+        if max_bytes and self._tenant_used[tid] > max_bytes:
+            now = self._clock()
+            self._retire_due(now)
+            self._evict_tenant(tid, max_bytes, now)
 
     def promote(self, key):
         """Move a committed SSD object back to DRAM on its node (promotion on a real hit), demoting or
@@ -1022,7 +1044,7 @@ cdef class PrefixIndex:
         if self._pins.total_bytes + total > share * self._capacity_of(T_DRAM):
             return False
         for tid, extra in new.items():
-            quota = self._quota.get(tid, 0)
+            quota = self._quota[tid]
             if quota and self._pins.bytes_by_tenant.get(tid, 0) + extra > share * quota:
                 return False
         return True
@@ -1070,7 +1092,9 @@ cdef class PrefixIndex:
             demotions=self._demotions,
             expired=self._expired,
             bytes_per_tier=tiers,
-            bytes_per_tenant={self._tenants[t]: b for t, b in self._tenant_bytes.items() if b},
+            bytes_per_tenant={
+                self._tenants[t]: self._tenant_used[t] for t in range(len(self._tenants)) if self._tenant_used[t]
+            },
             policy=self.policy.name,
             orphans=self._n_orphans,
         )
@@ -1134,7 +1158,7 @@ cdef class PrefixIndex:
                 t = int(tier)
                 if self._used[nid, t] != used.get((nid, t), 0) or self._used[nid, t] > self._cap[nid, t]:
                     out.append(f"node {self._node_names[nid]} {tier.name}: {self._used[nid, t]} bytes counted")
-        if {t: b for t, b in self._tenant_bytes.items() if b} != tenants:
+        if {t: self._tenant_used[t] for t in range(len(self._tenants)) if self._tenant_used[t]} != tenants:
             out.append("tenant bytes drifted")
         out.extend(self._pins.problems(pinned))
         if {s: self._deps[s] for s in live if self._deps[s]} != deps:
@@ -1275,7 +1299,7 @@ cdef class PrefixIndex:
             return self._used[nid, tier] > target
         if mode == FOR_OBJECTS:
             return self._n_committed + self._n_pending > target
-        return self._tenant_bytes.get(tid, 0) > target
+        return self._tenant_used[tid] > target
 
     cdef void _drain(
         self, cand_a, scores_a, int mode, int nid, int tier, int tid, int64_t target, bint demote,
@@ -1333,9 +1357,9 @@ cdef class PrefixIndex:
             self._evicted_bytes += size
             if mode == FOR_OBJECTS:
                 self._learn_eviction(slot, size)
-                self._drop(slot, "evicted", True, False)
+                self._drop(slot, "evicted", True, False, False)
             else:
-                self._drop(slot, "quota", True, False)
+                self._drop(slot, "quota", True, False, False)
             return True
         if self._tier[slot] != tier:
             return False  # already demoted earlier in this pass
@@ -1354,7 +1378,7 @@ cdef class PrefixIndex:
         self._evictions += 1
         self._evicted_bytes += size
         self._learn_eviction(slot, size)
-        self._drop(slot, "evicted", True, False)
+        self._drop(slot, "evicted", True, False, False)
         return True
 
     cdef void _learn_eviction(self, Py_ssize_t slot, int64_t size) except *:
@@ -1371,8 +1395,10 @@ cdef class PrefixIndex:
         if self._kind[slot] == K_MLA or self._kind[slot] == K_KDA:
             adm.evicted(key[1:], size, self._capacity_of(T_DRAM), unread=self._freq[slot] <= 1.0)
 
-    cdef object _drop(self, Py_ssize_t slot, reason, bint emit, bint demoted):
-        """Remove a live slot from every structure; the slot is recycled once no lease refers to it."""
+    cdef object _drop(self, Py_ssize_t slot, reason, bint emit, bint demoted, bint want=True):
+        """Remove a live slot from every structure; the slot is recycled once no lease refers to it. The
+        removal is returned when ``want`` (else None, unless it is emitted: an eviction's caller has no
+        use for it)."""
         cdef int32_t e = self._entry[slot], ea = self._anchor[slot], m, a
         cdef uint8_t buf[33]
         key = self._key(slot)
@@ -1404,22 +1430,24 @@ cdef class PrefixIndex:
             self._table.set_waiting(e, deps)
         self._forget_if_unused(e)
         cdef int64_t size = self._size[slot]
-        tier = _TIER_OF[self._tier[slot]]
+        tier = _TIERS[self._tier[slot]]
         cdef int nid = self._node[slot]
         if self._node_present[nid]:
             self._used[nid, self._tier[slot]] -= size
-        tid = self._tenant[slot]
-        self._tenant_bytes[tid] -= size
-        if slot in self._pins:
+        self._tenant_used[self._tenant[slot]] -= size
+        if self._flags[slot] & PINNED:  # the bit is the pin table's membership (verify)
             self._unpin(slot)
-        self._ttl.pop(slot, None)
+        if self._ttl:
+            self._ttl.pop(slot, None)
         self._flags[slot] = 0
         self._deps[slot] = 0
         self._entry[slot] = -1
         self._anchor[slot] = -1
         if not self._leases[slot]:
             self._free.push_back(slot)
-        event = Removal(key, self._node_names[nid], tier, size, reason, demoted)
+        if not want and not (emit and self._keep_events):
+            return None
+        event = tuple.__new__(Removal, (key, self._node_names[nid], tier, size, reason, demoted))
         if emit and self._keep_events:
             self._events.append(event)
         return event
