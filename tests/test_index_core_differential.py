@@ -120,9 +120,7 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
     """Run one operation; the answer in a comparable form (slots included)."""
     name = op[0]
     if name == "insert":
-        _, kind, i, declared, bad_key, size, node, tier, tenant, parent, ttl, pending, evict, admit, checksum = (
-            op
-        )
+        _, kind, i, declared, bad_key, size, node, tier, tenant, parent, ttl, pending, evict, admit, cksum = op
         key = _key(kind, i) if bad_key is None else bad_key
         if kind == ObjectKind.TAIL and ttl == 0:
             ttl = 500
@@ -130,7 +128,7 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
         parent = b"" if parent == key else parent  # SELF_PARENT
         return idx.insert(
             key, kind, size, node_id=node, tier=tier, tenant=tenant, parent=parent, ttl_ms=ttl,
-            pending=pending, evict=evict, admit=admit, checksum=checksum,
+            pending=pending, evict=evict, admit=admit, checksum=cksum,
         )  # fmt: skip
     if name == "chain":
         _, items, node, tenant = op
