@@ -120,8 +120,8 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
     """Run one operation; the answer in a comparable form (slots included)."""
     name = op[0]
     if name == "insert":
-        _, kind, i, declared, bad_key, size, node, tier, tenant, parent, ttl, pending, evict, admit, cksum = op
-        key = _key(kind, i) if bad_key is None else bad_key
+        _, kind, i, declared, bad, size, node, tier, tenant, parent, ttl, pending, evict, admit, cksum = op
+        key = _key(kind, i) if bad is None else bad
         if kind == ObjectKind.TAIL and ttl == 0:
             ttl = 500
         kind = kind if declared is None else declared
