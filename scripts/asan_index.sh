@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The compiled index under AddressSanitizer: builds kvstore/index/prefix_index.pyx with -fsanitize=address
+# into a scratch copy of the tree (laid out as kvpool/<package>/, the import paths), then runs the index's
+# tests there (differential against the oracle, trace equality, the index and master-core suites) with
+# libasan preloaded. Run once per change to the compiled code; exits non-zero on a test failure or an ASan
+# report (ASan aborts the process on the first bad access).
+#
+#   bash scripts/asan_index.sh            # uses .venv
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PY:-$ROOT/.venv/bin/python}
+WORK=$(mktemp -d /tmp/kvpool-asan-XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+"$PY" - "$ROOT" "$WORK/tree" <<'PY'
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(sys.argv[1]) / "scripts"))
+from lint_imports import build_mirror
+build_mirror(Path(sys.argv[2]))
+PY
+cp -r "$ROOT/workloads/data" "$WORK/tree/kvpool/workloads/"
+find "$WORK/tree" -name '*.so' -delete
+cp -r "$ROOT/tests" "$WORK/run_tests" && mkdir -p "$WORK/run" && mv "$WORK/run_tests" "$WORK/run/tests"
+(cd "$WORK/tree" && "$PY" - <<'PY'
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+flags = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1", "-std=c++17"]
+ext = Extension(
+    "kvpool.kvstore.index.prefix_index", ["kvpool/kvstore/index/prefix_index.pyx"],
+    include_dirs=["kvpool/kvstore/index"], language="c++", extra_compile_args=flags,
+    extra_link_args=["-fsanitize=address"],
+)
+setup(ext_modules=cythonize([ext], quiet=True), script_args=["build_ext", "--inplace", "-q"])
+PY
+)
+cd "$WORK/run"
+LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 PYTHONMALLOC=malloc \
+PYTHONPATH="$WORK/tree:$WORK/run" "$PY" - "$WORK" <<'PY'
+import sys
+
+import kvpool.kvstore.index.prefix_index as core
+import pytest
+
+assert core.__file__.startswith(sys.argv[1]), f"not the ASan build: {core.__file__}"
+print("ASan build:", core.__file__)
+sys.exit(pytest.main([
+    "-q", "-p", "no:cacheprovider", "--rootdir", ".",
+    "tests/test_index_core_differential.py", "tests/test_index_core_traces.py", "tests/test_store_index.py",
+    "tests/test_store_index_ckpt.py", "tests/test_store_index_policies.py", "tests/test_store_index_admission.py",
+    "tests/test_store_index_return_time.py", "tests/test_store_master_core.py",
+]))
+PY
