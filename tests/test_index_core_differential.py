@@ -84,7 +84,7 @@ ops = st.one_of(
         st.booleans(),
         st.booleans(),
         st.booleans(),
-        st.booleans(),  # a hash of the wrong length in the chain
+        st.sampled_from([0, 0, 0, 1, 2]),  # 1: a hash of the wrong length in the chain, 2: not bytes
     ),
     st.tuples(st.just("lookup"), st.lists(keys, max_size=4), st.booleans()),
     st.tuples(st.just("get"), keys),
@@ -143,7 +143,9 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
         return idx.commit(op[1], op[2])
     if name == "match":
         _, hs, require, touch, resume, bad = op
-        hashes = [HASHES[i] for i in hs] + ([b"short"] if bad else [])
+        hashes = [HASHES[i] for i in hs]
+        if bad:  # raised only if the walk reaches it
+            hashes.insert(len(hashes) // 2, b"short" if bad % 2 else 7)
         m = idx.match_prefix(hashes, require_checkpoint=require, touch=touch, resume=resume)
         return (*astuple(m), m.slots)
     if name == "lookup":

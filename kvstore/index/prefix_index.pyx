@@ -128,6 +128,7 @@ cdef extern from "key_table.h" namespace "kvpool":
         size_t size()
         cbool valid(int32_t e)
         int32_t find(const uint8_t* key, size_t length)
+        void find_many(const uint8_t* keys, size_t n, size_t length, int32_t* out) except +
         int32_t intern(const uint8_t* key, size_t length) except +
         void erase(int32_t e) except +
         int32_t slot(int32_t e)
@@ -857,28 +858,42 @@ cdef class PrefixIndex:
         observed, tickets, the shadow LRU's score, blocks served through pins); decode's read of a chain
         written a moment ago is none of those, and would credit every fresh pin with a read.
         """
-        # One probe per block: whether KDA_TAG + h is committed too is the SLOT_CKPT bit of the MLA slot
-        cdef uint8_t buf[33]
-        cdef int32_t e, s
+        # One probe per block, all of the chain's at once (``find_many``); whether KDA_TAG + h is committed
+        # too is the SLOT_CKPT bit of the MLA slot
+        cdef vector[uint8_t] keys
+        cdef vector[int32_t] entries
+        cdef int32_t s
+        cdef Py_ssize_t i, n
         cdef bytes hb
-        found = []
         hashes = []
-        checkpoints = []  # block counts c whose block h_{c-1} has a committed checkpoint
-        buf[0] = C_MLA_TAG
+        bad = None  # a malformed hash is an error only if the walk reaches it (a miss before it ends the walk)
         for h in block_hashes:
-            if len(h) != HASH_BYTES:
-                raise BadObjectError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
-            hb = _as_key(h)
-            memcpy(&buf[1], <const char*>hb, 32)
-            e = self._table.find(buf, 33)
-            s = self._table.slot(e) if e >= 0 else -1
-            if s < 0 or self._flags[s] & PENDING:
+            try:
+                if len(h) != HASH_BYTES:
+                    raise BadObjectError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
+                hb = _as_key(h)
+            except Exception as exc:
+                bad = exc
                 break
             hashes.append(hb)
+            keys.push_back(C_MLA_TAG)
+            keys.insert(keys.end(), <const uint8_t*><const char*>hb, <const uint8_t*><const char*>hb + 32)
+        n = len(hashes)
+        entries.resize(n)
+        if n:
+            self._table.find_many(keys.data(), n, 33, entries.data())
+        found = []
+        checkpoints = []  # block counts c whose block h_{c-1} has a committed checkpoint
+        for i in range(n):
+            s = self._table.slot(entries[i]) if entries[i] >= 0 else -1
+            if s < 0 or self._flags[s] & PENDING:
+                break
             found.append(s)
             if self._flags[s] & CKPT:
-                checkpoints.append(len(found))
+                checkpoints.append(i + 1)
         cdef Py_ssize_t run = len(found), usable
+        if bad is not None and run == n:
+            raise bad
         if require_checkpoint:
             usable = checkpoints[-1] if checkpoints else 0
             ck = KDA_TAG + hashes[usable - 1] if usable else None
