@@ -2,15 +2,18 @@
 //
 // Why: the Python index kept three dicts of bytes objects (committed, pending, absent anchors with their
 // waiting dependents) and a list of key objects per slot: ~150 bytes and three Python objects per indexed
-// object. Here a key is an *entry*: its bytes inline (up to INLINE_BYTES; longer keys, which only request
-// tails and blobs may use, in a side map), the slot of the object indexed under it (-1: none) and how many
-// live objects wait for it as their anchor while it is absent. An entry lives while it names an object or
-// has waiters, so an object's anchor is an entry id (4 bytes), and dropping an object that anchors others
-// leaves its entry behind as the waiters' "orphan" record, found again when the key is put back.
+// object. Here a key is an *entry* (40 bytes): its bytes inline (up to INLINE_BYTES; longer keys, which
+// only request tails and blobs may use, in a side map) and the slot of the object indexed under it (-1:
+// none); how many live objects wait for it as their anchor while it is absent is in a side map too (rare:
+// only explicit removal, expiry, node loss or an out-of-order put leave waiters). An entry lives while it
+// names an object or has waiters, so an object's anchor is an entry id (4 bytes), and dropping an object
+// that anchors others leaves its entry behind as the waiters' "orphan" record, found again when the key
+// is put back.
 //
 // Layout: `buckets_` (power of two, load <= 3/4) holds {the high 32 bits of the key's hash, entry id}; a
 // key's home bucket is those bits modulo the table size, so growing and deleting never rehash a key.
-// `entries_` is a dense vector of entries with a free list. Lookup compares the stored hash bits first,
+// Entries live in chunks of CHUNK (allocated as the table grows, never moved: no 2x growth slack, no
+// copy) and are reused through a free list. Lookup compares the stored hash bits first,
 // then the key. Deletion shifts the following run back (no tombstones: probe lengths never degrade).
 //
 // Errors: no function aborts or reads out of bounds on any input. An entry id from the caller is checked
@@ -20,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -37,7 +41,7 @@ class KeyTable {
   std::size_t size() const { return live_; }
 
   bool valid(std::int32_t e) const {
-    return e >= 0 && static_cast<std::size_t>(e) < entries_.size() && entries_[e].len != FREE;
+    return e >= 0 && static_cast<std::size_t>(e) < n_entries_ && at(e).len != FREE;
   }
 
   // The entry of `key`, or -1.
@@ -69,7 +73,7 @@ class KeyTable {
     }
     for (std::size_t k = 0; k < n; ++k) {
       const Bucket& b = buckets_[tags[k] & mask];
-      if (b.entry >= 0) __builtin_prefetch(&entries_[b.entry]);
+      if (b.entry >= 0) __builtin_prefetch(&at(b.entry));
     }
     for (std::size_t k = 0; k < n; ++k) {
       const std::uint8_t* key = keys + k * len;
@@ -118,43 +122,52 @@ class KeyTable {
       }
     }
     buckets_[i] = Bucket{0, -1};
-    Entry& en = entries_[e];
+    Entry& en = at(e);
     if (en.len == LONG) long_keys_.erase(e);
+    waiting_.erase(e);
     en.len = FREE;
     en.slot = -1;
-    en.waiting = 0;
     free_.push_back(e);
     --live_;
   }
 
-  std::int32_t slot(std::int32_t e) const { return valid(e) ? entries_[e].slot : -1; }
+  std::int32_t slot(std::int32_t e) const { return valid(e) ? at(e).slot : -1; }
   void set_slot(std::int32_t e, std::int32_t s) {
-    if (valid(e)) entries_[e].slot = s;
+    if (valid(e)) at(e).slot = s;
   }
-  std::uint32_t waiting(std::int32_t e) const { return valid(e) ? entries_[e].waiting : 0; }
+  std::uint32_t waiting(std::int32_t e) const {
+    if (waiting_.empty()) return 0;
+    auto it = waiting_.find(e);
+    return it == waiting_.end() ? 0 : it->second;
+  }
   void set_waiting(std::int32_t e, std::uint32_t n) {
-    if (valid(e)) entries_[e].waiting = n;
+    if (!valid(e)) return;
+    if (n)
+      waiting_[e] = n;
+    else
+      waiting_.erase(e);
   }
 
   std::size_t key_len(std::int32_t e) const {
     if (!valid(e)) return 0;
-    const Entry& en = entries_[e];
+    const Entry& en = at(e);
     return en.len == LONG ? long_keys_.at(e).size() : en.len;
   }
   const std::uint8_t* key_data(std::int32_t e) const {
     if (!valid(e)) return nullptr;
-    const Entry& en = entries_[e];
+    const Entry& en = at(e);
     if (en.len == LONG) return reinterpret_cast<const std::uint8_t*>(long_keys_.at(e).data());
     return en.bytes;
   }
 
   // Entry ids ever handed out (valid or free): the bound of a scan over `valid` ids.
-  std::size_t id_bound() const { return entries_.size(); }
+  std::size_t id_bound() const { return n_entries_; }
 
   // Bytes held (the index's footprint report).
   std::size_t memory_bytes() const {
-    std::size_t n = buckets_.capacity() * sizeof(Bucket) + entries_.capacity() * sizeof(Entry) +
-                    free_.capacity() * sizeof(std::int32_t);
+    std::size_t n = buckets_.capacity() * sizeof(Bucket) + chunks_.size() * CHUNK * sizeof(Entry) +
+                    chunks_.capacity() * sizeof(void*) + free_.capacity() * sizeof(std::int32_t) +
+                    waiting_.size() * 32;
     for (const auto& kv : long_keys_) n += kv.second.capacity() + 64;
     return n;
   }
@@ -162,9 +175,11 @@ class KeyTable {
   // Drop everything and give the memory back (the index emptied).
   void clear() {
     std::vector<Bucket>(16, Bucket{0, -1}).swap(buckets_);
-    std::vector<Entry>().swap(entries_);
+    std::vector<std::unique_ptr<Entry[]>>().swap(chunks_);
+    n_entries_ = 0;
     std::vector<std::int32_t>().swap(free_);
     long_keys_.clear();
+    waiting_.clear();
     live_ = 0;
   }
 
@@ -180,8 +195,14 @@ class KeyTable {
     std::uint8_t len;  // INLINE bytes used, LONG (key in long_keys_) or FREE
     std::uint8_t bytes[INLINE_BYTES];
     std::int32_t slot;
-    std::uint32_t waiting;
   };
+  static constexpr std::size_t CHUNK_BITS = 12;
+  static constexpr std::size_t CHUNK = std::size_t{1} << CHUNK_BITS;
+
+  Entry& at(std::int32_t e) { return chunks_[static_cast<std::size_t>(e) >> CHUNK_BITS][e & (CHUNK - 1)]; }
+  const Entry& at(std::int32_t e) const {
+    return chunks_[static_cast<std::size_t>(e) >> CHUNK_BITS][e & (CHUNK - 1)];
+  }
 
   static std::uint64_t mix(std::uint64_t x) {
     x ^= x >> 33;
@@ -219,13 +240,12 @@ class KeyTable {
       e = free_.back();
       free_.pop_back();
     } else {
-      if (entries_.size() >= static_cast<std::size_t>(INT32_MAX)) throw std::length_error("key table full");
-      entries_.push_back(Entry{});
-      e = static_cast<std::int32_t>(entries_.size() - 1);
+      if (n_entries_ >= static_cast<std::size_t>(INT32_MAX)) throw std::length_error("key table full");
+      if (n_entries_ == chunks_.size() * CHUNK) chunks_.emplace_back(new Entry[CHUNK]);
+      e = static_cast<std::int32_t>(n_entries_++);
     }
-    Entry& en = entries_[e];
+    Entry& en = at(e);
     en.slot = -1;
-    en.waiting = 0;
     if (len <= INLINE_BYTES) {
       en.len = static_cast<std::uint8_t>(len);
       std::memcpy(en.bytes, key, len);
@@ -253,7 +273,9 @@ class KeyTable {
 
   std::uint64_t seed_;
   std::vector<Bucket> buckets_;
-  std::vector<Entry> entries_;
+  std::vector<std::unique_ptr<Entry[]>> chunks_;
+  std::size_t n_entries_ = 0;
+  std::unordered_map<std::int32_t, std::uint32_t> waiting_;  // entry -> live dependents waiting for it
   std::vector<std::int32_t> free_;
   std::unordered_map<std::int32_t, std::string> long_keys_;
   std::size_t live_ = 0;
