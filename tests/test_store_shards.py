@@ -28,6 +28,7 @@ from kvpool.kvstore.errors import (
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.node.object_store import ObjectStore, checksum_of
 from kvpool.kvstore.node.pool import SharedPool
+from kvpool.kvstore.protocol.master_wire import call_blocking
 from kvpool.kvstore.shards import ShardSet
 from kvpool.proto import common_pb2, master_pb2, node_pb2, node_pb2_grpc
 from kvpool.runtime import cluster_auth
@@ -326,12 +327,31 @@ class HaFleet:
         self.addresses = [[f"127.0.0.1:{m.ready['port']}" for m in group] for group in self.groups]
         for group in self.addresses:
             ha_cluster.wait_for_leader(group, 30.0)
+        self._await_shard_maps(30.0)
         self.spec = ";".join(",".join(group) for group in self.addresses)
         self.children.append(start_node(base, self.spec, "64MiB", "tcp,shm", prefault=False))
 
     def _started(self, child: Child) -> Child:
         self.children.append(child)
         return child
+
+    def _await_shard_maps(self, timeout_s: float) -> None:
+        """Until every shard's leader's Describe names all the shards' leaders (a master reads them from
+        etcd once per lease period, after the elections): what a client with a stale shard set follows."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            leaders = [ha_cluster.leader_of(group) for group in self.addresses]
+            try:
+                maps = [
+                    call_blocking(a, "Describe", master_pb2.DescribeRequest(), 1.0).shard_masters if a else ""
+                    for a in leaders
+                ]
+            except StoreError:
+                maps = []
+            if maps and all(len(m.split(";")) == HA_SHARDS.count for m in maps if m) and all(maps):
+                return
+            time.sleep(0.1)
+        raise LaunchError(f"the masters did not all learn the shard leaders within {timeout_s:.0f}s")
 
     def _spawn(self, name: str, argv: list[str], base: Path) -> Child:
         return self._started(spawn(name, argv, base, 30.0))

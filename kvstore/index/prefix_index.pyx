@@ -89,10 +89,13 @@ import numpy as np
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from libcpp cimport bool as cbool
+from libcpp.pair cimport pair
+from libcpp.set cimport set as cset
 from libcpp.vector cimport vector
+from cython.operator cimport dereference as deref, preincrement as inc
 
 from kvpool.kvstore.index.admission import Admission, AdmissionConfig
-from kvpool.kvstore.index.eviction import make_policy
+from kvpool.kvstore.index.eviction import LRUPolicy, make_policy
 from kvpool.kvstore.index.pin_budget import PinBudget
 from kvpool.kvstore.index.pin_table import PinTable
 from kvpool.kvstore.index.records import (
@@ -147,6 +150,7 @@ cdef enum:
     PENDING = 2
     PINNED = 4
     CKPT = 8
+    ORDERED = 16  # the slot is in its pool's LRU order (``_order``); never seen outside this module
     MOVABLE = LIVE | PENDING | PINNED
     K_MLA = 1
     K_KDA = 2
@@ -215,10 +219,20 @@ cdef inline bytes _as_key(object key):
     return key if type(key) is bytes else bytes(key)
 
 
+ctypedef pair[double, int32_t] OrderKey  # (last_use, slot): LRU's score, ties by slot
+
+
 cdef class PrefixIndex:
     """Object index + prefix matcher + pins + eviction. See the module docstring for the rules."""
 
     cdef KeyTable* _table
+    # Under plain LRU, each pool's evictable leaves in eviction order, kept as they change (``_reorder``),
+    # so a pass walks the few it drops instead of scanning and sorting every slot (an evict-to-fit
+    # simulation runs one pass per put); anything else ranks by scanning (``_candidates``).
+    cdef bint _ordered
+    cdef vector[cset[OrderKey]] _order  # per pool: nid * N_TIERS + tier
+    cdef int _walking  # the pool a pass is walking (-1: none): leaves it exposes join after the pass
+    cdef vector[int32_t] _held_back
     cdef vector[int32_t] _free
     # columns (numpy, read by the policies) and their typed views (rebound whenever the columns grow)
     cdef public object _cols
@@ -292,6 +306,8 @@ cdef class PrefixIndex:
         if lease_ms <= 0:
             raise ValueError("lease_ms must be > 0")
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._ordered = type(self.policy) is LRUPolicy
+        self._walking = -1
         # a learning policy (``learns``: the default) is told of puts, writers' lookups and evictions
         self._learner = self.policy if getattr(self.policy, "learns", False) else None
         if admission is None and getattr(self.policy, "admits", False):
@@ -376,6 +392,43 @@ cdef class PrefixIndex:
         if e >= 0 and self._table.slot(e) < 0 and self._table.waiting(e) == 0:
             self._table.erase(e)
 
+    cdef inline bint _evictable_leaf(self, Py_ssize_t s):
+        return (self._flags[s] & MOVABLE) == LIVE and not self._leases[s] and not self._deps[s]
+
+    cdef void _reorder(self, Py_ssize_t s):
+        """Put ``s`` in or take it out of its pool's LRU order as it is now an evictable leaf or not. Call
+        after any change of its flags, leases or dependents; around a change of its last use, tier or node,
+        ``_unorder`` before and ``_reorder`` after. A leaf the walking pass exposes waits for its end."""
+        if not self._ordered:
+            return
+        cdef int pool = self._node[s] * N_TIERS + self._tier[s]
+        if self._evictable_leaf(s):
+            if not self._flags[s] & ORDERED:
+                if pool == self._walking:
+                    self._held_back.push_back(s)
+                    return
+                self._order[pool].insert(OrderKey(self._last_use[s], s))
+                self._flags[s] |= ORDERED
+        elif self._flags[s] & ORDERED:
+            self._order[pool].erase(OrderKey(self._last_use[s], s))
+            self._flags[s] &= ~ORDERED
+
+    cdef void _unorder(self, Py_ssize_t s):
+        if self._flags[s] & ORDERED:
+            self._order[self._node[s] * N_TIERS + self._tier[s]].erase(OrderKey(self._last_use[s], s))
+            self._flags[s] &= ~ORDERED
+
+    cdef void _touch(self, list slots) except *:
+        """The policy's touch of really used objects (their order moves with their last use)."""
+        cdef Py_ssize_t s
+        if self._ordered:
+            for s in slots:
+                self._unorder(s)
+        self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())
+        if self._ordered:
+            for s in slots:
+                self._reorder(s)
+
     cdef Py_ssize_t _alloc_slot(self) except -1:
         cdef Py_ssize_t s
         if not self._free.empty():
@@ -411,6 +464,8 @@ cdef class PrefixIndex:
         vector[int32_t]().swap(self._free)
         self._table.clear()
         self._n_orphans = 0
+        for i in range(self._order.size()):
+            self._order[i].clear()
         self._pins, self._ttl, self._ttl_heap = PinTable(), {}, []
 
     @property
@@ -457,6 +512,8 @@ cdef class PrefixIndex:
             self._used[nid, T_SSD] = 0
         self._cap[nid, T_DRAM] = dram_bytes
         self._cap[nid, T_SSD] = ssd_bytes
+        if self._ordered and self._order.size() < <size_t>((nid + 1) * N_TIERS):
+            self._order.resize((nid + 1) * N_TIERS)
 
     cdef int _nid(self, node_id) except -2:
         """The interned id of a present node, or -1."""
@@ -691,6 +748,7 @@ cdef class PrefixIndex:
             self._mark_checkpoint(slot, key, kind_i, deps)
         self._used[nid, tier] += size
         self._tenant_used[tid] += size
+        self._reorder(slot)
         if ttl_ms:
             self._set_ttl(slot, now + ttl_ms / 1000.0)
         if evict:
@@ -736,6 +794,7 @@ cdef class PrefixIndex:
                 depth = 0  # unknown until the chain is complete; policies treat 0 as 1
             else:
                 self._deps[a] += 1
+                self._reorder(a)  # no longer a leaf
                 depth = min(self._depth[a] + step, DEPTH_MAX)
         self._depth[slot] = depth
         self._anchor[slot] = e
@@ -778,6 +837,7 @@ cdef class PrefixIndex:
         self._mark_checkpoint(slot, key, self._kind[slot], self._deps[slot])
         cdef double now = self._clock()
         self._last_use[slot] = now  # recency counts from visibility; the write was the one use
+        self._reorder(slot)
         # never evict what was just written: the writer has not even been told it succeeded
         self._evict_pool(self._node[slot], self._tier[slot], now, slot)
 
@@ -814,12 +874,16 @@ cdef class PrefixIndex:
         if size > self._cap[nid, T_DRAM]:
             return False
         now = self._clock()
+        self._unorder(slot)
         self._tier[slot] = T_DRAM
+        self._reorder(slot)
         self._used[nid, T_SSD] -= size
         self._used[nid, T_DRAM] += size
         self._evict_pool(nid, T_DRAM, now, slot)
         if self._used[nid, T_DRAM] > self._cap[nid, T_DRAM]:  # everything else pinned: undo
+            self._unorder(slot)
             self._tier[slot] = T_SSD
+            self._reorder(slot)
             self._used[nid, T_DRAM] -= size
             self._used[nid, T_SSD] += size
             return False
@@ -922,7 +986,7 @@ cdef class PrefixIndex:
             dram = sum(int(self._used[nid, T_DRAM]) for nid in self._node_order) if pinned else 0
             self.pin_budget.lookup(usable, from_pinned, pinned, dram)
         if touch and usable:
-            self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())
+            self._touch(slots)
         return PrefixMatch(usable, run, tuple(checkpoints), used, ck, tuple(slots))
 
     def columns(self, slots):
@@ -978,7 +1042,7 @@ cdef class PrefixIndex:
                 used.append(slot)
                 out.append(self._info(slot))
         if touch and used:
-            self.policy.touch(self._cols, np.array(used, dtype=np.int64), self._clock())
+            self._touch(used)
         return out
 
     def _slots_of(self, keys):
@@ -1002,6 +1066,8 @@ cdef class PrefixIndex:
         ms = lease_ms or self.lease_ms
         slots = np.unique(np.array([s for _, s in found], dtype=np.int64))
         self._cols.leases[slots] += 1
+        for s in slots.tolist():
+            self._reorder(s)
         lease_id = next(self._lease_ids)
         deadline = self._clock() + ms / 1000.0
         self._leases_by_id[lease_id] = (deadline, slots)
@@ -1016,6 +1082,8 @@ cdef class PrefixIndex:
         cdef Py_ssize_t s
         for s in entry[1].tolist():
             self._leases[s] -= 1
+            if self._flags[s] & LIVE:
+                self._reorder(s)
             # a slot whose object was dropped while leased is reusable once the last lease lets go
             if self._leases[s] == 0 and not self._flags[s] & LIVE:
                 self._free.push_back(s)
@@ -1048,6 +1116,7 @@ cdef class PrefixIndex:
         for slot in slots:
             if self._pins.hold(slot, self._tenant[slot], self._size[slot], session, until):
                 self._flags[slot] |= PINNED
+                self._reorder(slot)
         return len(slots)
 
     def _pin_fits(self, new):
@@ -1078,6 +1147,7 @@ cdef class PrefixIndex:
         bytes leave the pin budget, once no holder is left."""
         if self._pins.release(slot, self._tenant[slot], self._size[slot], session):
             self._flags[slot] &= ~PINNED
+            self._reorder(slot)
 
     cdef _set_ttl(self, Py_ssize_t slot, double deadline):
         self._ttl_gen += 1
@@ -1192,6 +1262,12 @@ cdef class PrefixIndex:
             out.append("orphan counts drifted")
         if entries != self._table.size():
             out.append("key table size drifted")
+        if self._ordered:
+            ordered = sum(self._order[i].size() for i in range(self._order.size()))
+            if ordered != sum(1 for s in live if self._flags[s] & ORDERED) or any(
+                bool(self._flags[s] & ORDERED) != self._evictable_leaf(s) for s in live
+            ):
+                out.append("the LRU order drifted")
         free = [self._free[i] for i in range(self._free.size())]
         if len(free) != len(set(free)):
             out.append("a slot was freed twice")
@@ -1295,8 +1371,53 @@ cdef class PrefixIndex:
         """Bring a pool's used bytes down to ``target``: demote DRAM->SSD when the node has SSD, else drop
         leaves (an object with dependents is never dropped by pressure)."""
         cdef bint demote = tier == T_DRAM and self._cap[nid, T_SSD] > 0
+        if self._ordered and not demote:
+            self._walk_order(nid, tier, target, protect, now)
+            return
         cand, scores = self._candidates(FOR_POOL, nid, tier, not demote, 0, protect, now)
         self._drain(cand, scores, FOR_POOL, nid, tier, 0, target, demote, protect, now)
+
+    cdef void _walk_order(self, int nid, int tier, int64_t target, Py_ssize_t protect, double now) except *:
+        """``_drain`` over a pool's LRU order instead of a scan: the same victims in the same order. The
+        order at the start of the pass is the oracle's snapshot of candidates (every evictable leaf of the
+        pool by last use, ties by slot, ``protect`` skipped); a leaf exposed during the pass is held back
+        from the order and merged by score after the candidates of an equal score, as ``_drain`` does."""
+        cdef int pool = nid * N_TIERS + tier
+        cdef cset[OrderKey]* order = &self._order[pool]
+        cdef cset[OrderKey].iterator it = order.begin()
+        cdef Py_ssize_t slot, k
+        cdef int32_t e, a
+        cdef int outer = self._walking
+        cdef size_t held_from = self._held_back.size()
+        exposed = []
+        self._walking = pool
+        try:
+            while self._used[nid, tier] > target:
+                if exposed and (it == order.end() or exposed[0][0] < deref(it).first):
+                    slot = heapq.heappop(exposed)[1]
+                elif it != order.end():
+                    slot = deref(it).second
+                    inc(it)  # before the drop erases it
+                    if slot == protect:
+                        continue
+                else:
+                    break
+                if not self._flags[slot] & LIVE:
+                    continue
+                e = self._anchor[slot]
+                if not self._act(slot, FOR_POOL, nid, tier, False, now) or e < 0:
+                    continue
+                a = self._table.slot(e)
+                if (
+                    a >= 0 and a != protect and self._evictable_leaf(a)
+                    and self._node[a] == nid and self._tier[a] == tier
+                ):
+                    heapq.heappush(exposed, (self._last_use[a], a))
+        finally:
+            self._walking = outer
+            for k in range(held_from, self._held_back.size()):
+                self._reorder(self._held_back[k])
+            self._held_back.resize(held_from)
 
     cdef void _evict_objects(self, int64_t target, double now, Py_ssize_t protect) except *:
         """Bring the object count down to ``target`` (the object cap): leaves of every pool, in policy
@@ -1381,7 +1502,9 @@ cdef class PrefixIndex:
         if demote and self._kind[slot] != K_TAIL and self._make_room(nid, T_SSD, size, now):
             if not self._flags[slot] & LIVE:  # SSD eviction cannot touch DRAM slots, but be safe
                 return False
+            self._unorder(slot)
             self._tier[slot] = T_SSD
+            self._reorder(slot)
             self._used[nid, T_DRAM] -= size
             self._used[nid, T_SSD] += size
             self._demotions += 1
@@ -1434,6 +1557,7 @@ cdef class PrefixIndex:
             a = self._table.slot(ea)
             if a >= 0:
                 self._deps[a] -= 1
+                self._reorder(a)
             else:
                 self._table.set_waiting(ea, self._table.waiting(ea) - 1)
                 self._n_orphans -= 1
@@ -1454,6 +1578,7 @@ cdef class PrefixIndex:
             self._unpin(slot)
         if self._ttl:
             self._ttl.pop(slot, None)
+        self._unorder(slot)  # after the unpin, which may have ordered it (it was live until now)
         self._flags[slot] = 0
         self._deps[slot] = 0
         self._entry[slot] = -1
