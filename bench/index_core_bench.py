@@ -19,7 +19,7 @@ tree, and reports the points whose results differ (none is the requirement).
 
     .venv/bin/python bench/index_core_bench.py --baseline /tmp/kvpool-before
     .venv/bin/python bench/index_core_bench.py --baseline /tmp/kvpool-before --objects 10000000
-    .venv/bin/python bench/index_core_bench.py --equality
+    .venv/bin/python bench/index_core_bench.py --equality --no-speed --traces conversation --caps 29,89
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.policy_bench import CAPACITIES_GIB, TRACES  # noqa: E402 (after the path that makes bench/ importable)
 
 CHILD = r"""
 import gc, hashlib, json, os, sys, time
@@ -130,24 +132,24 @@ def _child(tree: Path, what: str, arg: int) -> dict[str, Any]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def _equality() -> dict[str, Any]:
+def _equality(traces: list[str], caps: list[int]) -> dict[str, Any]:
     from kvpool.kvstore.index.eviction import POLICIES
     from kvpool.workloads import sim
     from kvpool.workloads.labels import YARDSTICKS
     from kvpool.workloads.sim import SimConfig, simulate
     from kvpool.workloads.specs import get_spec
 
-    from bench.policy_bench import CAPACITIES_GIB, HINTED, SSD_RATIO, TRACES, load
+    from bench.policy_bench import HINTED, SSD_RATIO, load
     from tests.oracle.prefix_index import PrefixIndex as OraclePrefixIndex
 
     core = sim.PrefixIndex
     k3 = get_spec("k3")
     points = differ = 0
     diffs: list[str] = []
-    for trace in TRACES:
+    for trace in traces:
         reqs = load(trace)
         for policy in [*sorted(POLICIES), *YARDSTICKS]:
-            for cap in CAPACITIES_GIB:
+            for cap in caps:
                 for ssd in (0, SSD_RATIO):
                     for hints in (False, True) if trace in HINTED else (False,):
                         cfg = SimConfig(spec=k3, policy=policy, capacity=cap * 2**30,
@@ -172,23 +174,29 @@ def main() -> int:
     ap.add_argument("--objects", type=int, default=1_000_000, help="memory: objects indexed")
     ap.add_argument("--chains", type=int, default=4000, help="index: chains of 25 objects indexed")
     ap.add_argument("--equality", action="store_true", help="also the policy bench grid, core vs oracle")
+    ap.add_argument("--traces", default=",".join(TRACES), help="equality: the grid's traces")
+    ap.add_argument("--caps", default=",".join(map(str, CAPACITIES_GIB)), help="equality: capacities, GiB")
+    ap.add_argument("--no-speed", action="store_true", help="equality only (no simulator, index, memory)")
     args = ap.parse_args()
     trees = {"core": ROOT}
     if args.baseline is not None:
         trees["python"] = args.baseline.resolve()
     res: dict[str, dict[str, Any]] = {}
+    if args.no_speed:
+        trees = {}
     for name, tree in trees.items():
         res[name] = {**_child(tree, "sim", 0), **_child(tree, "index", args.chains)}
         res[name].update(_child(tree, "memory", args.objects))
     rows = ["lru_mla_fit", "lru_mla", "default_k3_29", "default_k3_89"]
-    print(f"{'measure':34} " + " ".join(f"{n:>14}" for n in trees))
-    for r in rows:
-        print(f"{r + ' (CPU s)':34} " + " ".join(f"{res[n][r]['cpu_s']:>14.3f}" for n in trees))
-        rates = " ".join(f"{res[n][r]['block_reads_per_s']:>14,}" for n in trees)
-        print(f"{r + ' (block reads/s)':34} {rates}")
-    index_keys = ("match24_us", "insert_us_per_object", "rss_bytes_per_object")
-    for key in index_keys:
-        print(f"{key:34} " + " ".join(f"{res[n][key]:>14}" for n in trees))
+    if trees:
+        print(f"{'measure':34} " + " ".join(f"{n:>14}" for n in trees))
+        for r in rows:
+            print(f"{r + ' (CPU s)':34} " + " ".join(f"{res[n][r]['cpu_s']:>14.3f}" for n in trees))
+            rates = " ".join(f"{res[n][r]['block_reads_per_s']:>14,}" for n in trees)
+            print(f"{r + ' (block reads/s)':34} {rates}")
+        index_keys = ("match24_us", "insert_us_per_object", "rss_bytes_per_object")
+        for key in index_keys:
+            print(f"{key:34} " + " ".join(f"{res[n][key]:>14}" for n in trees))
     out: dict[str, Any] = {"bench": "index_core", "host": platform.node(), "load1": os.getloadavg()[0],
                            "objects": args.objects, "results": res}  # fmt: skip
     if "python" in res:
@@ -200,7 +208,7 @@ def main() -> int:
         out["same_hit_rates"] = all(base[r]["token_hit_rate"] == core[r]["token_hit_rate"] for r in rows)
     if args.equality:
         t = time.perf_counter()
-        out["equality"] = _equality()
+        out["equality"] = _equality(args.traces.split(","), [int(c) for c in args.caps.split(",")])
         out["equality"]["seconds"] = round(time.perf_counter() - t)
     print(json.dumps(out))
     return 0

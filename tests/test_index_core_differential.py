@@ -222,7 +222,7 @@ def _pair(policy: str, max_objects: int) -> tuple[Any, Any, Clock]:
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "cost", "depth", "hybrid", "lru+admission"])
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.lists(ops, min_size=1, max_size=70), max_objects=st.sampled_from([0, 0, 9]))
 def test_the_core_answers_as_the_oracle(policy: str, program: list[tuple], max_objects: int) -> None:
     core, oracle, clock = _pair(policy, max_objects)
