@@ -45,7 +45,8 @@ assert core.__file__.startswith(sys.argv[1]), f"not the ASan build: {core.__file
 print("ASan build:", core.__file__)
 sys.exit(pytest.main([
     "-q", "-p", "no:cacheprovider", "--rootdir", ".",
-    "tests/test_index_core_differential.py", "tests/test_index_core_traces.py", "tests/test_store_index.py",
+    "tests/test_index_core_differential.py", "tests/test_index_core_traces.py", "tests/test_index_core_bad_input.py",
+    "tests/test_store_index.py",
     "tests/test_store_index_ckpt.py", "tests/test_store_index_policies.py", "tests/test_store_index_admission.py",
     "tests/test_store_index_return_time.py", "tests/test_store_master_core.py",
 ]))

@@ -235,24 +235,25 @@ class KeyTable {
   }
 
   std::int32_t new_entry(const std::uint8_t* key, std::size_t len) {
-    std::int32_t e;
-    if (!free_.empty()) {
-      e = free_.back();
-      free_.pop_back();
-    } else {
+    std::string long_key;  // built before an id is taken: a failed allocation leaves the table as it was
+    if (len > INLINE_BYTES) long_key.assign(reinterpret_cast<const char*>(key), len);
+    if (free_.empty()) {
       if (n_entries_ >= static_cast<std::size_t>(INT32_MAX)) throw std::length_error("key table full");
       if (n_entries_ == chunks_.size() * CHUNK) chunks_.emplace_back(new Entry[CHUNK]);
-      e = static_cast<std::int32_t>(n_entries_++);
+      free_.push_back(static_cast<std::int32_t>(n_entries_++));
+      at(free_.back()).len = FREE;
     }
+    const std::int32_t e = free_.back();
     Entry& en = at(e);
     en.slot = -1;
     if (len <= INLINE_BYTES) {
       en.len = static_cast<std::uint8_t>(len);
       std::memcpy(en.bytes, key, len);
     } else {
+      long_keys_[e] = std::move(long_key);  // may throw: the id stays free
       en.len = LONG;
-      long_keys_[e] = std::string(reinterpret_cast<const char*>(key), len);
     }
+    free_.pop_back();
     return e;
   }
 

@@ -67,15 +67,15 @@ Rules:
   session pin past the budget pins nothing and is counted (``pins_refused``); ``end_session`` releases
   what a session holds.
 
-Memory (docs/design/index_core.md): keys in the C++ key table (one 44-byte entry and an 8-byte bucket per
+Memory (docs/design/index_core.md): keys in the C++ key table (one 40-byte entry and an 8-byte bucket per
 key, no Python object per indexed object), and per slot the numpy columns of ``records.Columns`` (the
 policies read them; the slot's key entry and anchor entry are two of them). Tenants and node ids are
 interned to 16-bit ids; children are counted, not listed. Pins, leases and TTLs (a few per request, not
 per block) stay in Python structures.
 
 Errors cross the boundary as the typed exceptions of ``records`` (raised by this module's Python-level
-checks before the C code runs); the C++ table throws only ``std::length_error``/``std::bad_alloc`` on
-impossible sizes, which Cython turns into ``OverflowError``/``MemoryError``.
+checks before any state changes); the C++ table throws only ``std::length_error``/``std::bad_alloc`` on
+impossible sizes, which Cython turns into ``RuntimeError``/``MemoryError``.
 """
 
 import heapq
@@ -137,7 +137,7 @@ cdef extern from "key_table.h" namespace "kvpool":
         int32_t slot(int32_t e)
         void set_slot(int32_t e, int32_t s)
         uint32_t waiting(int32_t e)
-        void set_waiting(int32_t e, uint32_t n)
+        void set_waiting(int32_t e, uint32_t n) except +
         size_t key_len(int32_t e)
         const uint8_t* key_data(int32_t e)
         size_t id_bound()
@@ -204,7 +204,7 @@ cdef inline int _block_kind(bytes key, kind, size) except -2:
     if type(size) is not int or size <= 0 or len(key) != 33:
         return -1
     cdef int k
-    if type(kind) is int or isinstance(kind, ObjectKind):
+    if (type(kind) is int or isinstance(kind, ObjectKind)) and 0 < kind < 256:
         k = kind
     else:
         return -1
@@ -214,9 +214,25 @@ cdef inline int _block_kind(bytes key, kind, size) except -2:
     return -1
 
 
-cdef inline bytes _as_key(object key):
-    """Keys are bytes; a bytes-like key (memoryview, bytearray) is copied once at the boundary."""
-    return key if type(key) is bytes else bytes(key)
+cdef inline object _as_key(object key):
+    """Keys are bytes; a bytes-like key (memoryview, bytearray) is copied once at the boundary; anything else
+    is None, which every lookup reads as absent (as a dict lookup of a non-bytes key would find nothing)."""
+    if type(key) is bytes:
+        return key
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return bytes(key)
+    return None
+
+
+INT64_MAX = 2**63 - 1
+
+
+cdef inline object _put_key(object key):
+    """A put's key as bytes, or ``BadObjectError``: only bytes-like keys are indexed."""
+    k = _as_key(key)
+    if k is None:
+        raise BadObjectError(f"a key must be bytes, got {type(key).__name__}")
+    return k
 
 
 ctypedef pair[double, int32_t] OrderKey  # (last_use, slot): LRU's score, ties by slot
@@ -269,7 +285,7 @@ cdef class PrefixIndex:
     cdef object _learner
     cdef readonly Py_ssize_t _evictions
     cdef Py_ssize_t _evicted_bytes, _demotions, _expired
-    cdef public object policy
+    cdef object _policy
     cdef public object admission
     cdef public object pin_budget
     cdef public double high_watermark, low_watermark, pin_share
@@ -305,9 +321,11 @@ cdef class PrefixIndex:
             )
         if lease_ms <= 0:
             raise ValueError("lease_ms must be > 0")
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self._ordered = type(self.policy) is LRUPolicy
         self._walking = -1
+        self._ordered = False
+        self._set_columns(Columns(INITIAL_SLOTS))
+        self._n = 0
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
         # a learning policy (``learns``: the default) is told of puts, writers' lookups and evictions
         self._learner = self.policy if getattr(self.policy, "learns", False) else None
         if admission is None and getattr(self.policy, "admits", False):
@@ -321,8 +339,6 @@ cdef class PrefixIndex:
         self.pin_share = pin_share
         self._clock = clock
         self._keep_events = keep_events
-        self._set_columns(Columns(INITIAL_SLOTS))
-        self._n = 0
         self._n_committed = self._n_pending = self._n_orphans = 0
         self._tenants = [""]
         self._tenant_ids = {"": 0}
@@ -350,6 +366,27 @@ cdef class PrefixIndex:
         self._demotions = 0
         self._expired = 0
 
+    @property
+    def policy(self):
+        """The eviction policy (``eviction``): it ranks candidates; the index decides who may go."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy):
+        """A new ranking: under plain LRU the pools' orders are (re)built from the slots, else dropped."""
+        cdef Py_ssize_t s
+        cdef size_t i
+        self._policy = policy
+        self._ordered = False
+        for i in range(self._order.size()):
+            self._order[i].clear()
+        for s in range(self._n):
+            self._flags[s] &= ~ORDERED
+        if type(policy) is LRUPolicy:
+            self._ordered = True
+            for s in range(self._n):
+                self._reorder(s)
+
     # ----------------------------------------------------------------------------------------- storage
 
     cdef _set_columns(self, cols):
@@ -370,7 +407,9 @@ cdef class PrefixIndex:
         return self._key_of_entry(self._entry[slot])
 
     cdef inline int32_t _find(self, bytes key):
-        """The slot of a committed or pending ``key``, or -1."""
+        """The slot of a committed or pending ``key`` (None: not a key), or -1."""
+        if key is None:
+            return -1
         cdef int32_t e = self._table.find(<const uint8_t*><const char*>key, len(key))
         return self._table.slot(e) if e >= 0 else -1
 
@@ -444,8 +483,8 @@ cdef class PrefixIndex:
     def reserve(self, objects):
         """Make room for ``objects`` more inserts at once (a node's inventory: its size is known up front).
 
-        Why: one-by-one growth (x1.5 columns, each step copying and freeing the old arrays) leaves up to
-        half a column of slack and a trail of freed blocks in the C heap; sized exactly once, a bulk
+        Why: one-by-one growth (x1.25 columns, each step copying and freeing the old arrays) leaves up to
+        a quarter of a column of slack and a trail of freed blocks in the C heap; sized exactly once, a bulk
         adoption allocates every column a single time. Recycled slots count."""
         need = self._n + max(0, objects - <Py_ssize_t>self._free.size())
         if need > self._cols.capacity:
@@ -489,6 +528,9 @@ cdef class PrefixIndex:
             raise BadObjectError("node id must be non-empty")
         if dram_bytes < 0 or ssd_bytes < 0:
             raise BadObjectError("capacities must be >= 0")
+        if dram_bytes > INT64_MAX or ssd_bytes > INT64_MAX:  # before any state changes (a node half added)
+            raise BadObjectError("capacities must be below 2^63 bytes")
+        cdef int64_t dram = dram_bytes, ssd = ssd_bytes
         nid = self._node_ids.get(node_id)
         if nid is None:
             if len(self._node_names) > MAX_INTERNED:
@@ -504,16 +546,16 @@ cdef class PrefixIndex:
                 used[: self._used.shape[0]] = self._used
                 present[: self._node_present.shape[0]] = self._node_present
                 self._cap, self._used, self._node_present = cap, used, present
+        if self._order.size() < <size_t>((nid + 1) * N_TIERS):
+            self._order.resize((nid + 1) * N_TIERS)
         self._capacity_memo.clear()
         if not self._node_present[nid]:
             self._node_present[nid] = 1
             self._node_order.append(nid)
             self._used[nid, T_DRAM] = 0
             self._used[nid, T_SSD] = 0
-        self._cap[nid, T_DRAM] = dram_bytes
-        self._cap[nid, T_SSD] = ssd_bytes
-        if self._ordered and self._order.size() < <size_t>((nid + 1) * N_TIERS):
-            self._order.resize((nid + 1) * N_TIERS)
+        self._cap[nid, T_DRAM] = dram
+        self._cap[nid, T_SSD] = ssd
 
     cdef int _nid(self, node_id) except -2:
         """The interned id of a present node, or -1."""
@@ -615,14 +657,16 @@ cdef class PrefixIndex:
         the object, so admission control does not turn it away (the policy still ranks it).
         """
         kind = check_object(key, kind, size, ttl_ms, checksum)
-        key = _as_key(key)
+        key = _put_key(key)
         cdef int32_t s = self._find(key)
         if s >= 0:
             raise DuplicateKeyError(key, bool(self._flags[s] & PENDING))
         tier = Tier(tier)  # a plain int is a tier too
+        parent = self._parent_key(parent)
+        self._check_size(size, tenant, evict)
         placed = self._insert(
-            key, kind, size, node_id, int(tier), tenant, _as_key(parent) if parent else b"", checksum,
-            ttl_ms, bool(pending), bool(evict), avoid_node, bool(admit),
+            key, kind, size, node_id, int(tier), tenant, parent, checksum, ttl_ms, bool(pending), bool(evict),
+            avoid_node, bool(admit),
         )
         if placed is None:
             raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
@@ -643,7 +687,7 @@ cdef class PrefixIndex:
         cdef int32_t s
         cdef int k
         for key, kind, size, parent, admit in objects:
-            key = _as_key(key)
+            key = _put_key(key)
             s = self._find(key)
             if s >= 0 and not self._flags[s] & PENDING:
                 out.append(PUT_EXISTS)
@@ -653,20 +697,39 @@ cdef class PrefixIndex:
                 k = check_object(key, kind, size, 0, 0)
             if s >= 0:
                 raise DuplicateKeyError(key, True)
+            parent = self._parent_key(parent)
             try:
-                placed = self._insert(
-                    key, k, size, node_id, T_DRAM, tenant, _as_key(parent) if parent else b"", 0, 0,
-                    False, True, None, bool(admit),
-                )
+                self._check_size(size, tenant, True)
+                placed = self._insert(key, k, size, node_id, T_DRAM, tenant, parent, 0, 0, False, True, None, bool(admit))
             except CapacityError:
                 out.append(PUT_NO_ROOM)
                 continue
             out.append(PUT_NOT_ADMITTED if placed is None else PUT_OK)
         return out
 
+    cdef bytes _parent_key(self, parent):
+        """A put's parent as bytes (b"": none). A parent longer than any key is refused, not kept waiting:
+        no object could ever be put under it."""
+        if not parent:
+            return b""
+        p = _put_key(parent)
+        if len(p) > MAX_KEY_BYTES:
+            raise BadObjectError(f"a parent key must be at most {MAX_KEY_BYTES} bytes, got {len(p)}")
+        return p
+
+    cdef void _check_size(self, size, tenant, bint evict) except *:
+        """Sizes past 2^63 - 1 (the wire allows 2^64 - 1) get the answer any size too big for every node
+        gets: the tenant's quota first, as in ``_insert``, then capacity."""
+        if size <= INT64_MAX:
+            return
+        tid = self._tenant_ids.get(tenant)
+        if evict and tid is not None and self._quota[tid]:
+            raise QuotaExceededError(f"object of {size} bytes exceeds tenant {tenant!r} quota {self._quota[tid]}")
+        raise CapacityError(f"no node has capacity for an object of {size} bytes")
+
     cdef object _insert(
         self, bytes key, int kind_i, int64_t size, node_id, int tier, tenant, bytes parent, uint64_t checksum,
-        int64_t ttl_ms, bint pending, bint evict, avoid_node, bint admit,
+        ttl_ms, bint pending, bint evict, avoid_node, bint admit,
     ):
         """``insert`` of a checked object whose key is not indexed: the node id, or None when admission
         turns it away (before anything is reserved)."""
@@ -685,9 +748,9 @@ cdef class PrefixIndex:
         if quota:
             if size > quota:
                 raise QuotaExceededError(f"object of {size} bytes exceeds tenant {tenant!r} quota {quota}")
-            if self._tenant_used[tid] + size > quota:
+            if size > quota - self._tenant_used[tid]:
                 self._evict_tenant(tid, quota - size, now)
-                if self._tenant_used[tid] + size > quota:
+                if size > quota - self._tenant_used[tid]:
                     raise QuotaExceededError(
                         f"tenant {tenant!r} holds {self._tenant_used[tid]} of {quota} bytes, "
                         f"all pinned or in use; cannot fit {size}"
@@ -710,7 +773,7 @@ cdef class PrefixIndex:
                     f"the index holds {self.max_objects} objects (its cap), all pinned, leased, pending or "
                     "anchoring others"
                 )
-        if self._used[nid, tier] + size > self._cap[nid, tier] and not (
+        if size > self._cap[nid, tier] - self._used[nid, tier] and not (
             evict and self._make_room(nid, tier, size, now)
         ):
             raise CapacityError(
@@ -857,7 +920,7 @@ cdef class PrefixIndex:
         if max_bytes < 0:
             raise BadObjectError("quota must be >= 0")
         tid = self._tenant_id(tenant)
-        self._quota[tid] = max_bytes
+        self._quota[tid] = min(max_bytes, INT64_MAX)  # a quota past any size held is no limit at all
         if max_bytes and self._tenant_used[tid] > max_bytes:
             now = self._clock()
             self._retire_due(now)
@@ -933,9 +996,11 @@ cdef class PrefixIndex:
         bad = None  # a malformed hash is an error only if the walk reaches it (a miss before it ends the walk)
         for h in block_hashes:
             try:
-                if len(h) != HASH_BYTES:
-                    raise BadObjectError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
                 hb = _as_key(h)
+                if hb is None:
+                    raise TypeError(f"can't concat {type(h).__name__} to bytes")
+                if len(hb) != HASH_BYTES:
+                    raise BadObjectError(f"block hash must be {HASH_BYTES} bytes, got {len(hb)}")
             except Exception as exc:
                 bad = exc
                 break
@@ -1362,10 +1427,10 @@ cdef class PrefixIndex:
 
     cdef bint _make_room(self, int nid, int tier, int64_t size, double now) except -1:
         cdef int64_t cap = self._cap[nid, tier]
-        if self._used[nid, tier] + size <= cap:
+        if size <= cap - self._used[nid, tier]:
             return True
         self._shrink_pool(nid, tier, min(<int64_t>(self.low_watermark * cap), cap - size), now, -1)
-        return self._used[nid, tier] + size <= cap
+        return size <= cap - self._used[nid, tier]
 
     cdef void _shrink_pool(self, int nid, int tier, int64_t target, double now, Py_ssize_t protect) except *:
         """Bring a pool's used bytes down to ``target``: demote DRAM->SSD when the node has SSD, else drop
