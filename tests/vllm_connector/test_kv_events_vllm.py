@@ -9,7 +9,6 @@ tenant salt in ``extra_keys`` and the 64-bit integer hashes of ``--kv-events-has
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import msgspec
@@ -51,7 +50,12 @@ def test_every_message_decodes_with_vllms_kv_event_batch(tmp_path: Path) -> None
     try:
         node.register()
         node.start_heartbeats()
-        time.sleep(0.3)  # the SUB's connection is up
+        # the SUB's subscription is live once a message reaches it: the idle stream's heartbeat (an empty
+        # batch every second), which decodes with vLLM's class too (ZMQ drops what a PUB sends before a SUB
+        # has joined, so a fixed sleep would race the join)
+        assert sub.poll(10_000), "no heartbeat reached the subscriber"
+        tpc, _, payload = sub.recv_multipart()
+        assert tpc.startswith(b"kvpool/0/") and decoder.decode(payload).events == []
         first = chain(5, "first")
         put_chain(master, first)  # 500 B of DRAM
         hs = chain(5, "vllm")
