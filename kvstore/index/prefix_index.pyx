@@ -81,7 +81,6 @@ impossible sizes, which Cython turns into ``RuntimeError``/``MemoryError``.
 import heapq
 import itertools
 import os
-import sys
 import time
 
 import numpy as np
@@ -166,7 +165,7 @@ cdef enum:
 cdef unsigned char C_MLA_TAG = ord("M")
 cdef unsigned char C_KDA_TAG = ord("K")
 
-_MLA, _KDA, _TAIL = ObjectKind.MLA, ObjectKind.KDA, ObjectKind.TAIL
+_TAIL = ObjectKind.TAIL
 _TAG_OF_KIND = {ObjectKind.MLA: MLA_TAG, ObjectKind.KDA: KDA_TAG}
 _TIERS = (None, Tier.DRAM, Tier.SSD)  # a tier column value -> its member
 
@@ -1436,53 +1435,11 @@ cdef class PrefixIndex:
         """Bring a pool's used bytes down to ``target``: demote DRAM->SSD when the node has SSD, else drop
         leaves (an object with dependents is never dropped by pressure)."""
         cdef bint demote = tier == T_DRAM and self._cap[nid, T_SSD] > 0
-        if self._ordered and not demote:
-            self._walk_order(nid, tier, target, protect, now)
+        if self._ordered and not demote:  # the pool's LRU order is its candidates, already sorted
+            self._drain(None, None, FOR_POOL, nid, tier, 0, target, False, protect, now)
             return
         cand, scores = self._candidates(FOR_POOL, nid, tier, not demote, 0, protect, now)
         self._drain(cand, scores, FOR_POOL, nid, tier, 0, target, demote, protect, now)
-
-    cdef void _walk_order(self, int nid, int tier, int64_t target, Py_ssize_t protect, double now) except *:
-        """``_drain`` over a pool's LRU order instead of a scan: the same victims in the same order. The
-        order at the start of the pass is the oracle's snapshot of candidates (every evictable leaf of the
-        pool by last use, ties by slot, ``protect`` skipped); a leaf exposed during the pass is held back
-        from the order and merged by score after the candidates of an equal score, as ``_drain`` does."""
-        cdef int pool = nid * N_TIERS + tier
-        cdef cset[OrderKey]* order = &self._order[pool]
-        cdef cset[OrderKey].iterator it = order.begin()
-        cdef Py_ssize_t slot, k
-        cdef int32_t e, a
-        cdef int outer = self._walking
-        cdef size_t held_from = self._held_back.size()
-        exposed = []
-        self._walking = pool
-        try:
-            while self._used[nid, tier] > target:
-                if exposed and (it == order.end() or exposed[0][0] < deref(it).first):
-                    slot = heapq.heappop(exposed)[1]
-                elif it != order.end():
-                    slot = deref(it).second
-                    inc(it)  # before the drop erases it
-                    if slot == protect:
-                        continue
-                else:
-                    break
-                if not self._flags[slot] & LIVE:
-                    continue
-                e = self._anchor[slot]
-                if not self._act(slot, FOR_POOL, nid, tier, False, now) or e < 0:
-                    continue
-                a = self._table.slot(e)
-                if (
-                    a >= 0 and a != protect and self._evictable_leaf(a)
-                    and self._node[a] == nid and self._tier[a] == tier
-                ):
-                    heapq.heappush(exposed, (self._last_use[a], a))
-        finally:
-            self._walking = outer
-            for k in range(held_from, self._held_back.size()):
-                self._reorder(self._held_back[k])
-            self._held_back.resize(held_from)
 
     cdef void _evict_objects(self, int64_t target, double now, Py_ssize_t protect) except *:
         """Bring the object count down to ``target`` (the object cap): leaves of every pool, in policy
@@ -1507,48 +1464,80 @@ cdef class PrefixIndex:
         Py_ssize_t protect, double now,
     ) except *:
         """Walk candidates in policy order, merging in anchors that become leaves as their last dependent
-        goes (after the candidates of an equal score), until the pass's target is met."""
-        cdef int64_t[::1] order = cand_a
-        cdef double[::1] scores = scores_a
-        cdef Py_ssize_t i = 0, n = order.shape[0], slot
+        goes (after the candidates of an equal score), until the pass's target is met.
+
+        ``cand_a`` None: the pool's LRU order is the candidates (plain LRU, a pool that drops). The order at
+        the start of the pass is the scan's snapshot (every evictable leaf by last use, ties by slot;
+        ``protect`` is skipped), and a leaf the pass exposes is held back from the order until the pass
+        ends (``_reorder``), so it is merged here as the scan's pass merges it."""
+        cdef bint walk = cand_a is None, more
+        cdef int64_t[::1] order
+        cdef double[::1] scores
+        cdef cset[OrderKey]* lru = NULL
+        cdef cset[OrderKey].iterator it
+        cdef Py_ssize_t i = 0, n = 0, slot, k
         cdef int32_t e, a
-        cdef bint dropped
+        cdef double next_score = 0.0
+        cdef int outer = self._walking
+        cdef size_t held_from = self._held_back.size()
+        if walk:
+            self._walking = nid * N_TIERS + tier
+            lru = &self._order[self._walking]
+            it = lru.begin()
+        else:
+            order, scores = cand_a, scores_a
+            n = order.shape[0]
         policy = self.policy
         one = getattr(policy, "score_one", None)  # the exposed anchor's score, as ``scores`` gives it alone
         exposed = []
-        while self._over(mode, nid, tier, tid, target):
-            if exposed and (i >= n or exposed[0][0] < scores[i]):
-                slot = heapq.heappop(exposed)[1]
-            elif i < n:
-                slot = order[i]
-                i += 1
-            else:
-                return
-            if not self._flags[slot] & LIVE:
-                continue
-            e = self._anchor[slot]
-            dropped = self._act(slot, mode, nid, tier, demote, now)
-            if not dropped or e < 0:
-                continue
-            a = self._table.slot(e)
-            # the anchor is now an evictable leaf: live, committed, unpinned, unleased, no dependents
-            if (
-                a >= 0
-                and (self._flags[a] & MOVABLE) == LIVE
-                and not self._leases[a]
-                and not self._deps[a]
-                and a != protect
-                and (
-                    mode == FOR_OBJECTS
-                    or (mode == FOR_TENANT and self._tenant[a] == tid)
-                    or (mode == FOR_POOL and not demote and self._node[a] == nid and self._tier[a] == tier)
-                )
-            ):
-                if one is not None:
-                    score = one(self._cols, a, now)
+        try:
+            while self._over(mode, nid, tier, tid, target):
+                more = it != lru.end() if walk else i < n
+                if more:
+                    next_score = deref(it).first if walk else scores[i]
+                if exposed and (not more or exposed[0][0] < next_score):
+                    slot = heapq.heappop(exposed)[1]
+                elif more and walk:
+                    slot = deref(it).second
+                    inc(it)  # before the drop erases it
+                    if slot == protect:
+                        continue
+                elif more:
+                    slot = order[i]
+                    i += 1
                 else:
-                    score = float(policy.scores(self._cols, np.array([a]), now)[0])
-                heapq.heappush(exposed, (score, a))
+                    return
+                if not self._flags[slot] & LIVE:
+                    continue
+                e = self._anchor[slot]
+                if not self._act(slot, mode, nid, tier, demote, now) or e < 0:
+                    continue
+                a = self._table.slot(e)
+                # the anchor is now an evictable leaf (live, committed, unpinned, unleased, no dependents)
+                # of what this pass drains
+                if (
+                    a >= 0
+                    and a != protect
+                    and self._evictable_leaf(a)
+                    and (
+                        mode == FOR_OBJECTS
+                        or (mode == FOR_TENANT and self._tenant[a] == tid)
+                        or (mode == FOR_POOL and not demote and self._node[a] == nid and self._tier[a] == tier)
+                    )
+                ):
+                    if walk:
+                        score = self._last_use[a]
+                    elif one is not None:
+                        score = one(self._cols, a, now)
+                    else:
+                        score = float(policy.scores(self._cols, np.array([a]), now)[0])
+                    heapq.heappush(exposed, (score, a))
+        finally:
+            if walk:
+                self._walking = outer
+                for k in range(held_from, self._held_back.size()):
+                    self._reorder(self._held_back[k])
+                self._held_back.resize(held_from)
 
     cdef bint _act(self, Py_ssize_t slot, int mode, int nid, int tier, bint demote, double now) except -1:
         """Evict (or, in a DRAM pool over an SSD tier, demote) one candidate; True if it was dropped."""
