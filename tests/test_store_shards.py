@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from harness.chains import chain
+from harness.master_proc import wait_until
 from harness.store_procs import READY_TIMEOUT_S, start_master, start_node
 from kvpool.kvstore.client.async_client import AsyncStoreClient, PutItem
 from kvpool.kvstore.errors import (
@@ -327,7 +328,7 @@ class HaFleet:
         self.addresses = [[f"127.0.0.1:{m.ready['port']}" for m in group] for group in self.groups]
         for group in self.addresses:
             ha_cluster.wait_for_leader(group, 30.0)
-        self._await_shard_maps(30.0)
+        wait_until(self._shard_maps_known, 30.0, interval_s=0.1)
         self.spec = ";".join(",".join(group) for group in self.addresses)
         self.children.append(start_node(base, self.spec, "64MiB", "tcp,shm", prefault=False))
 
@@ -335,23 +336,19 @@ class HaFleet:
         self.children.append(child)
         return child
 
-    def _await_shard_maps(self, timeout_s: float) -> None:
-        """Until every shard's leader's Describe names all the shards' leaders (a master reads them from
+    def _shard_maps_known(self) -> bool:
+        """Whether every shard's leader's Describe names all the shards' leaders (a master reads them from
         etcd once per lease period, after the elections): what a client with a stale shard set follows."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            leaders = [ha_cluster.leader_of(group) for group in self.addresses]
-            try:
-                maps = [
-                    call_blocking(a, "Describe", master_pb2.DescribeRequest(), 1.0).shard_masters if a else ""
-                    for a in leaders
-                ]
-            except StoreError:
-                maps = []
-            if maps and all(len(m.split(";")) == HA_SHARDS.count for m in maps if m) and all(maps):
-                return
-            time.sleep(0.1)
-        raise LaunchError(f"the masters did not all learn the shard leaders within {timeout_s:.0f}s")
+        leaders = [ha_cluster.leader_of(group) for group in self.addresses]
+        try:
+            maps = [
+                call_blocking(a, "Describe", master_pb2.DescribeRequest(), 1.0).shard_masters
+                for a in leaders
+                if a
+            ]
+        except StoreError:
+            return False
+        return len(maps) == len(leaders) and all(len(m.split(";")) == HA_SHARDS.count for m in maps)
 
     def _spawn(self, name: str, argv: list[str], base: Path) -> Child:
         return self._started(spawn(name, argv, base, 30.0))
