@@ -76,6 +76,7 @@ ops = st.one_of(
         st.lists(st.tuples(st.integers(0, 9), st.booleans(), sizes, st.booleans()), min_size=1, max_size=6),
         st.sampled_from(["a", "a", "b", "c"]),
         st.sampled_from(TENANTS),
+        st.sampled_from([None] * 10 + ["short", "not-bytes", "size-0", "lengths", "checkpoint-0", "past"]),
     ),
     st.tuples(st.just("commit"), st.one_of(keys, bad_keys), st.sampled_from([None, None, 5, 0])),
     st.tuples(
@@ -131,14 +132,22 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
             pending=pending, evict=evict, admit=admit, checksum=cksum,
         )  # fmt: skip
     if name == "chain":
-        _, items, node, tenant = op
-        chain = []
-        for i, (h, ckpt, size, admit) in enumerate(items):
-            parent = _key(1, items[i - 1][0]) if i and items[i - 1][0] != h else b""  # SELF_PARENT
-            chain.append((_key(1, h), ObjectKind.MLA, size, parent, admit))
-            if ckpt:
-                chain.append((_key(2, h), ObjectKind.KDA, size + 3, b"", admit))
-        return idx.insert_chain(chain, node_id=node, tenant=tenant)
+        _, items, node, tenant, bad = op
+        hashes: list[Any] = [HASHES[h] for h, _, _, _ in items]
+        chain_sizes: list[Any] = [size for _, _, size, _ in items]
+        admits = [admit for _, _, _, admit in items]
+        checkpoints = [(i + 1, size + 3, admit) for i, (_, ckpt, size, admit) in enumerate(items) if ckpt]
+        if bad == "short":
+            hashes[-1] = hashes[-1][:31]
+        elif bad == "not-bytes":
+            hashes[0] = 7
+        elif bad == "size-0":
+            chain_sizes[-1] = 0
+        elif bad == "lengths":
+            admits.append(True)
+        elif bad is not None:
+            checkpoints.append((0 if bad == "checkpoint-0" else len(items) + 1, 4, True))
+        return idx.insert_chain(hashes, chain_sizes, admits, checkpoints, node_id=node, tenant=tenant)
     if name == "commit":
         return idx.commit(op[1], op[2])
     if name == "match":
@@ -238,4 +247,3 @@ def test_the_core_answers_as_the_oracle(policy: str, program: list[tuple], max_o
         assert got == want, f"step {step}: {op}"
         assert _state(core) == _state(oracle), f"after step {step}: {op}"
     assert core.drain_events() == oracle.drain_events()
-

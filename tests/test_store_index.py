@@ -12,7 +12,6 @@ from kvpool.kvstore.index.records import (
     PUT_EXISTS,
     PUT_NO_ROOM,
     PUT_NOT_ADMITTED,
-    PUT_OK,
     BadObjectError,
     CapacityError,
     DuplicateKeyError,
@@ -584,32 +583,40 @@ def test_pure_mla_pins_earn_their_budget_and_a_fixed_budget_never_moves() -> Non
 
 
 def test_insert_chain_answers_what_a_writer_counts_as_outcomes_and_raises_the_rest() -> None:
-    """The simulator's bulk put: per object the outcome ``insert`` would give, with EXISTS, NOT_ADMITTED
-    and NO_ROOM as answers (not exceptions); a pending key or a malformed object raises as ``insert`` does,
-    after the objects before it were put."""
+    """The simulator's bulk put, column-wise: per object its slot or the outcome ``insert`` would give,
+    with EXISTS, NOT_ADMITTED and NO_ROOM as answers (not exceptions); a pending key raises as ``insert``
+    does, after the objects before it were put; a malformed chain raises before anything is put."""
     idx = make(Clock(), cap=100)
     hs = chain(3, "bulk")
     m = [mla_key(h) for h in hs]
     idx.insert(m[0], MLA, 10, node_id="n0")
-    out = idx.insert_chain(
-        [(m[0], MLA, 10, b"", True), (m[1], MLA, 10, m[0], True), (m[2], MLA, 500, m[1], True)], node_id="n0"
-    )
-    assert out == [PUT_EXISTS, PUT_OK, PUT_NO_ROOM], "500 bytes fit no pool of 100"
-    assert m[1] in idx and m[2] not in idx
+    out = idx.insert_chain(hs, [10, 10, 500], [True] * 3, node_id="n0")
+    assert out[0] == -PUT_EXISTS and out[2] == -PUT_NO_ROOM, "500 bytes fit no pool of 100"
+    assert m[1] in idx and m[2] not in idx and out[1] in idx.committed_slots()
+    assert idx.get(m[1]).parent == m[0], "a block's parent is the block before it"
+    out = idx.insert_chain(hs[:2], [10, 10], [True, True], [(2, 7, True)], node_id="n0")
+    assert out[:2] == [-PUT_EXISTS, -PUT_EXISTS] and out[2] >= 0
+    assert idx.match_prefix(hs).usable_blocks == 2, "the checkpoint closes block 2"
     refusing = make(
         Clock(), cap=100, policy="depth", admission=AdmissionConfig(initial_rate=0.0, min_rate=0.0)
     )
-    other = [mla_key(h) for h in chain(2, "refused")]
-    refusing.match_prefix([k[1:] for k in other], touch=True)  # a new chain sampled at rate 0: refused
-    assert refusing.insert_chain([(other[0], MLA, 10, b"", True)], node_id="n0") == [PUT_NOT_ADMITTED]
-    assert refusing.insert_chain([(other[0], MLA, 10, b"", False)], node_id="n0") == [PUT_OK], "retained"
-    idx.insert(b"pending-key", BLOB, 5, node_id="n0", pending=True)
+    other = chain(2, "refused")
+    refusing.match_prefix(other, touch=True)  # a new chain sampled at rate 0: refused
+    assert refusing.insert_chain(other[:1], [10], [True], node_id="n0") == [-PUT_NOT_ADMITTED]
+    assert refusing.insert_chain(other[:1], [10], [False], node_id="n0")[0] >= 0, "retained"
+    pending = chain(2, "x")
+    idx.insert(mla_key(pending[1]), MLA, 5, node_id="n0", pending=True)
     with pytest.raises(DuplicateKeyError):
-        idx.insert_chain(
-            [(mla_key(chain(1, "x")[0]), MLA, 5, b"", True), (b"pending-key", BLOB, 5, b"", True)],
-            node_id="n0",
-        )
-    assert mla_key(chain(1, "x")[0]) in idx, "what came before the raise was put"
-    with pytest.raises(BadObjectError):
-        idx.insert_chain([(b"Mshort", MLA, 5, b"", True)], node_id="n0")
+        idx.insert_chain(pending, [5, 5], [True, True], node_id="n0")
+    assert mla_key(pending[0]) in idx, "what came before the raise was put"
+    before = len(idx)
+    for bad in (
+        ([hs[0], b"short"], [5, 5], [True, True], ()),
+        ([hs[0]], [0], [True], ()),
+        ([hs[0]], [5, 5], [True], ()),
+        ([hs[0]], [5], [True], [(2, 5, True)]),
+    ):
+        with pytest.raises(BadObjectError):
+            idx.insert_chain(*bad, node_id="n0")
+    assert len(idx) == before, "a malformed chain puts nothing"
     assert idx.verify() == []

@@ -114,13 +114,23 @@ class ChainBuilder:
         memo = self._id_hash.get(req.tenant)
         if memo is None:
             memo = self._id_hash[req.tenant] = {}
-        hashes: list[bytes] = []
-        parent = root
-        for hid in req.hash_ids:
-            h = memo.get(hid)
+        # a request re-sends a known prefix, then new blocks: the known part in one pass of C (memo.get),
+        # then SHA-256 from the first new id on
+        hashes: list = list(map(memo.get, req.hash_ids))
+        try:
+            start = hashes.index(None)
+        except ValueError:
+            start = len(hashes)
+        parent = hashes[start - 1] if start else root
+        ids = req.hash_ids
+        for i in range(start, len(hashes)):
+            h = hashes[i]
             if h is None:
-                h = memo[hid] = hashlib.sha256(parent + _TRACE_ROOT + hid.to_bytes(8, "little")).digest()
-            hashes.append(h)
+                hid = ids[i]
+                h = memo.get(hid)  # an id may repeat within the request
+                if h is None:
+                    h = memo[hid] = hashlib.sha256(parent + _TRACE_ROOT + hid.to_bytes(8, "little")).digest()
+                hashes[i] = h
             parent = h
         n = len(hashes)
         bs = req.block_size

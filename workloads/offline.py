@@ -142,9 +142,8 @@ def _counters(
     plan: _Plan, i: int, run: int, usable: int, groups: tuple[dict[str, Counters], dict[str, Counters]]
 ) -> None:
     req, chain = plan.requests[i], plan.chains[i]
-    cnt = Counters.of_lookup(req, chain, run, run, usable)
     for group, name in zip(groups, (req.workload, req.tenant), strict=True):
-        group.setdefault(name, Counters()).add(cnt)
+        group.setdefault(name, Counters()).add_lookup(req, chain, run, run, usable)
 
 
 def _owners(

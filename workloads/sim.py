@@ -45,15 +45,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import (
-    PUT_NO_ROOM,
-    PUT_NOT_ADMITTED,
-    PUT_OK,
-    ObjectKind,
-    StoreIndexError,
-    Tier,
-)
+from kvpool.kvstore.index.records import PUT_NO_ROOM, PUT_NOT_ADMITTED, StoreIndexError, Tier
+from kvpool.kvstore.keys import MLA_TAG
 from kvpool.workloads import trace
 from kvpool.workloads.chains import Chain, ChainBuilder
 from kvpool.workloads.checkpoints import checkpoint_positions
@@ -66,7 +61,6 @@ from kvpool.workloads.trace import Request, arrival_ordered
 
 INFINITE = 1 << 62
 NODE = "sim"
-_MLA, _KDA = ObjectKind.MLA, ObjectKind.KDA  # (an enum class's attributes are slow to read per block)
 
 
 class _Clock:
@@ -110,7 +104,7 @@ class _Store:
     run: int
     usable: int
     existing: tuple[int, ...]  # block counts with a checkpoint the lookup found (prefill's candidates too)
-    owners: tuple[Counters, Counters]  # its workload's and tenant's counters
+    owner: int  # its (workload, tenant) pair: an index of ``_Replay.owners``
     shard: int  # the master shard its chain routes to (always 0 with one master)
 
 
@@ -141,7 +135,7 @@ class _Replay:
                 high_watermark=config.high_watermark,
                 low_watermark=config.low_watermark,
                 clock=self.clock.read,
-                keep_events=True,
+                keep_events=False,  # what an eviction takes is settled once at the end (``_settle``)
                 admission=config.admission if config.policy in ("hybrid", *YARDSTICKS) else None,
                 pin_share=config.pin_share,
                 pin_budget_step=config.pin_budget_step,
@@ -153,25 +147,30 @@ class _Replay:
         self.shard_lookups = [0] * shards.count
         self.shard_bytes_written = [0] * shards.count
         self.builder = ChainBuilder(spec.name, self.block_size)
-        self.per_workload: dict[str, Counters] = {}
-        self.per_tenant: dict[str, Counters] = {}
-        self.real_size: dict[bytes, int] = {}
-        self.owner: dict[bytes, tuple[Counters, Counters]] = {}  # object -> its writer's counters
-        self.bytes_evicted = self.objects_evicted = self.refused = self.demotions = self.not_admitted = 0
+        # Tallies per (workload, tenant) pair, summed per workload and per tenant at the end; what each
+        # object costs its writer is kept by slot (one list per shard, as the index's slots), so an eviction
+        # needs no call: what a pair's objects lost is what it wrote minus what is still held (``_settle``)
+        self.owner_ids: dict[tuple[str, str], int] = {}
+        self.owners: list[Counters] = []
+        self.owner_names: list[tuple[str, str]] = []
+        self.slot_owner: list[list[int]] = [[] for _ in range(shards.count)]
+        self.slot_bytes: list[list[int]] = [[] for _ in range(shards.count)]
+        self.objects_written = 0
+        self.refused = self.not_admitted = 0
         self.hints = HintTally()
         self.session_pins: dict[tuple[int, str, str], _SessionPins] = {}  # (index, tenant, session) -> keys
         columns = "workload arrival_ms input cached output dram_bytes ssd_bytes"
         columns += " write_tier prefix_tokens prefix_tier"  # the tiers the bill prices written tokens at
         self.per_req: dict[str, list[Any]] = {k: [] for k in columns.split()}
 
-    def _owners(self, req: Request) -> tuple[Counters, Counters]:
-        out = []
-        for group, name in ((self.per_workload, req.workload), (self.per_tenant, req.tenant)):
-            into = group.get(name)
-            if into is None:
-                into = group[name] = Counters()
-            out.append(into)
-        return out[0], out[1]
+    def _owner(self, req: Request) -> int:
+        pair = (req.workload, req.tenant)
+        o = self.owner_ids.get(pair)
+        if o is None:
+            o = self.owner_ids[pair] = len(self.owners)
+            self.owners.append(Counters())
+            self.owner_names.append(pair)
+        return o
 
     def lookup(self, req: Request) -> _Store:
         """Match the prompt (as prefill would, at the index's current time) and count the hit."""
@@ -199,42 +198,44 @@ class _Replay:
         if run == cap:
             while full_run < len(prompt) and b"M" + prompt[full_run] in idx:
                 full_run += 1
-        cnt = Counters.of_lookup(req, chain, full_run, run, usable)
+        owner = self._owner(req)
+        cnt = self.owners[owner]
+        usable_tokens = cnt.add_lookup(req, chain, full_run, run, usable)
+        ssd_bytes = 0
         if self.config.ssd_capacity:
-            cnt.ssd_cached_tokens, cnt.ssd_bytes_read = self._read_tiers(idx, m, chain.block_tokens)
-        usable_tokens = cnt.cached_tokens
+            ssd_tokens, ssd_bytes = self._read_tiers(shard, m, chain.block_tokens)
+            cnt.ssd_cached_tokens += ssd_tokens
+            cnt.ssd_bytes_read += ssd_bytes
         loaded = usable_tokens * self.spec.mla_bytes_per_token
         if usable and self.spec.hybrid:
             loaded += self.spec.kda_bytes_per_checkpoint
-        owners = self._owners(req)
-        for into in owners:
-            into.add(cnt)
         for key, value in (
             ("workload", req.workload),
             ("arrival_ms", req.arrival_ms),
             ("input", req.input_length),
             ("cached", usable_tokens),
             ("output", req.output_length),
-            ("dram_bytes", loaded - cnt.ssd_bytes_read),
-            ("ssd_bytes", cnt.ssd_bytes_read),
+            ("dram_bytes", loaded - ssd_bytes),
+            ("ssd_bytes", ssd_bytes),
             # what the bill prices the written tokens at: the request's own tiers, when they are honoured
             ("write_tier", req.retention_tier if self.config.hints else None),
             ("prefix_tokens", req.retained_prefix_tokens if self.config.hints else 0),
             ("prefix_tier", req.prefix_retention_tier if self.config.hints else None),
         ):
             self.per_req[key].append(value)
-        return _Store(req, chain, run, usable, m.checkpoint_blocks, owners, shard)
+        return _Store(req, chain, run, usable, m.checkpoint_blocks, owner, shard)
 
-    def _read_tiers(self, idx: PrefixIndex, m: Any, sizes: list[int]) -> tuple[int, int]:
+    def _read_tiers(self, shard: int, m: Any, sizes: list[int]) -> tuple[int, int]:
         """Tokens and bytes of the usable prefix that come off SSD; each such object is promoted to DRAM,
         as the store does on a real hit."""
+        idx, real = self.shard_indexes[shard], self.slot_bytes[shard]
         tokens = read = 0
         keys = [*m.mla_keys, *([m.checkpoint_key] if m.checkpoint_key else [])]
-        for j, key in enumerate(keys):
+        for j, (key, slot) in enumerate(zip(keys, m.slots, strict=True)):
             info = idx.get(key)
             if info is None or info.tier != Tier.SSD:
                 continue
-            read += self.real_size.get(key, info.size)
+            read += real[slot]
             if j < len(m.mla_keys):
                 tokens += sizes[j]
             idx.promote(key)
@@ -244,7 +245,6 @@ class _Replay:
         """Write the request's objects: the whole prompt (and the reply's blocks), then checkpoints; what
         exists stays as it is (the master answers EXISTS without a touch)."""
         idx, spec, req, chain = self.shard_indexes[st.shard], self.spec, st.req, st.chain
-        keys = [b"M" + h for h in chain.hashes]
         positions: list[int] = []
         # a client's retention hint covers prefill's puts (any span) and decode's (a whole-prompt one):
         # admission control does not turn them away, the pin that follows decides how long they stay
@@ -252,13 +252,11 @@ class _Replay:
         by_prefill = hinted and bool(req.retention_ms or req.prefix_retention_ms)
         by_decode = hinted and bool(req.retention_ms)
         # every put of the request, in order (parent = previous block): the index skips what exists
-        n, total = chain.prompt_blocks, len(keys)
-        reals = [t * spec.mla_bytes_per_token for t in chain.block_tokens]  # real bytes of each put
-        sizes = [1] * total if self.in_blocks else list(reals)  # its size in the index
-        parents = [b"", *keys][:total]
+        n, total = chain.prompt_blocks, len(chain.hashes)
+        tokens, per_token = chain.block_tokens, spec.mla_bytes_per_token
+        sizes = [1] * total if self.in_blocks else [t * per_token for t in tokens]  # its size in the index
         admits = [not by_prefill] * n + [not by_decode] * (total - n)
-        puts: list[tuple[bytes, ObjectKind, int, bytes, bool]]
-        puts = list(zip(keys, [_MLA] * total, sizes, parents, admits, strict=True))
+        checkpoints: list[tuple[int, int, bool]] = []
         if spec.hybrid:
             ck = self.config.checkpoints
             with_output = ck.end_of_output and self.config.store_output and req.output_tokens is not None
@@ -273,42 +271,62 @@ class _Replay:
                     positions = sorted([*positions, mark])
             for c in positions:
                 admit = not (by_decode if c > chain.full_prompt_blocks else by_prefill)
-                puts.append((b"K" + chain.hashes[c - 1], _KDA, self.kda_size, b"", admit))
-                reals.append(spec.kda_bytes_per_checkpoint)
+                checkpoints.append((c, self.kda_size, admit))
         try:
-            outcomes = idx.insert_chain(puts, node_id=NODE, tenant=req.tenant)
+            answers = idx.insert_chain(
+                chain.hashes, sizes, admits, checkpoints, node_id=NODE, tenant=req.tenant
+            )
         except StoreIndexError as e:
             raise ReplayError(f"request {req.request_id}: the index refused an object ({e})") from e
-        written: list[tuple[bytes, int, bool]] = []  # key, real bytes, is checkpoint
-        for (key, kind, _, _, _), real, outcome in zip(puts, reals, outcomes, strict=True):
-            if outcome == PUT_OK:
-                written.append((key, real, kind is _KDA))
-            elif outcome == PUT_NOT_ADMITTED:
-                self.not_admitted += 1
-            elif outcome == PUT_NO_ROOM:
-                self.refused += 1
-        real_size, owner, owners = self.real_size, self.owner, st.owners
-        for key, real, is_ck in written:
-            real_size[key] = real
-            owner[key] = owners
-            self.shard_bytes_written[st.shard] += real
-            for into in owners:
-                if is_ck:
-                    into.kda_bytes_written += real
-                    into.checkpoints_written += 1
-                else:
-                    into.mla_bytes_written += real
-        for ev in idx.drain_events():
-            if ev.demoted:  # DRAM -> SSD: still cached
-                self.demotions += 1
+        owner, cnt = st.owner, self.owners[st.owner]
+        slot_owner, slot_bytes = self.slot_owner[st.shard], self.slot_bytes[st.shard]
+        if len(slot_owner) < idx.allocated_slots:  # as the index's columns grow
+            grow = idx.allocated_slots - len(slot_owner)
+            slot_owner += [0] * grow
+            slot_bytes += [0] * grow
+        kda_bytes = spec.kda_bytes_per_checkpoint
+        mla_written = checkpoints_written = objects = 0
+        for i, slot in enumerate(answers):
+            if slot < 0:
+                if slot == -PUT_NOT_ADMITTED:
+                    self.not_admitted += 1
+                elif slot == -PUT_NO_ROOM:
+                    self.refused += 1
                 continue
-            size = real_size.pop(ev.key, 0)
-            self.objects_evicted += 1
-            self.bytes_evicted += size
-            for into in owner.pop(ev.key, ()):
-                into.bytes_evicted += size
+            objects += 1
+            slot_owner[slot] = owner
+            if i < total:
+                slot_bytes[slot] = real = tokens[i] * per_token
+                mla_written += real
+            else:
+                slot_bytes[slot] = kda_bytes
+                checkpoints_written += 1
+        self.objects_written += objects
+        cnt.mla_bytes_written += mla_written
+        cnt.kda_bytes_written += checkpoints_written * kda_bytes
+        cnt.checkpoints_written += checkpoints_written
+        self.shard_bytes_written[st.shard] += mla_written + checkpoints_written * kda_bytes
         if self.config.hints and req.has_hints:
-            self._honour_hints(idx, st, keys, positions)
+            self._honour_hints(idx, st, [MLA_TAG + h for h in chain.hashes], positions)
+
+    def settle(self) -> tuple[int, int, int]:
+        """What evictions took, settled once (the index emits no events here): per pair, the bytes it wrote
+        minus the bytes of its objects still held, whoever caused the eviction. Returns the bytes still held,
+        the bytes evicted and the objects evicted (nothing leaves the index here but by eviction: the
+        simulator never removes, expires or loses a node)."""
+        held_total = held_objects = 0
+        held = np.zeros(len(self.owners), dtype=np.int64)
+        for idx, owners, real in zip(self.shard_indexes, self.slot_owner, self.slot_bytes, strict=True):
+            live = idx.committed_slots()
+            if len(live):
+                np.add.at(held, np.asarray(owners)[live], np.asarray(real, dtype=np.int64)[live])
+            held_objects += len(live)
+        bytes_evicted = 0
+        for o, cnt in enumerate(self.owners):
+            cnt.bytes_evicted = cnt.mla_bytes_written + cnt.kda_bytes_written - int(held[o])
+            bytes_evicted += cnt.bytes_evicted
+            held_total += int(held[o])
+        return held_total, bytes_evicted, self.objects_written - held_objects
 
     def _honour_hints(
         self, idx: PrefixIndex, st: _Store, mla_keys: list[bytes], positions: list[int]
@@ -446,21 +464,26 @@ def simulate(
     while pending:
         r.clock.now, _, st = heapq.heappop(pending)
         r.store(st)
+    bytes_held, bytes_evicted, objects_evicted = r.settle()
+    per_workload: dict[str, Counters] = {}
+    per_tenant: dict[str, Counters] = {}
     totals = Counters()
-    for c in r.per_workload.values():
-        totals.add(c)
+    for (workload, tenant), cnt in zip(r.owner_names, r.owners, strict=True):
+        for group, name in ((per_workload, workload), (per_tenant, tenant)):
+            group.setdefault(name, Counters()).add(cnt)
+        totals.add(cnt)
     return SimResult(
         config=config,
         total=totals,
-        per_workload=r.per_workload,
-        per_tenant=r.per_tenant,
-        bytes_evicted=r.bytes_evicted,
-        objects_evicted=r.objects_evicted,
+        per_workload=per_workload,
+        per_tenant=per_tenant,
+        bytes_evicted=bytes_evicted,
+        objects_evicted=objects_evicted,
         objects_refused=r.refused,
-        objects_demoted=r.demotions,
+        objects_demoted=sum(idx.stats().demotions for idx in r.shard_indexes),
         objects_not_admitted=r.not_admitted,
         block_size=r.block_size,
-        bytes_held=sum(r.real_size.values()),
+        bytes_held=bytes_held,
         capacity_bytes=r.capacity_bytes,
         duration_s=(hi - lo) / 1000.0 if lo is not None and hi is not None else 0.0,
         per_request=r.per_req,

@@ -34,23 +34,22 @@ class Counters:
     ssd_cached_tokens: int = 0  # usable-prefix tokens whose MLA block was read from the SSD tier
     ssd_bytes_read: int = 0  # MLA blocks and checkpoints of usable prefixes read from SSD (then promoted)
 
-    @classmethod
-    def of_lookup(cls, req: Request, chain: Chain, prefix_run: int, run: int, usable: int) -> Counters:
-        """One request's tallies: ``prefix_run`` prompt blocks hit in a row (the Mooncake rule), ``run`` of
-        them within the lookup's cap, ``usable`` behind a checkpoint (what prefill skips)."""
+    def add_lookup(self, req: Request, chain: Chain, prefix_run: int, run: int, usable: int) -> int:
+        """Count one request's lookup: ``prefix_run`` prompt blocks hit in a row (the Mooncake rule), ``run``
+        of them within the lookup's cap, ``usable`` behind a checkpoint (what prefill skips). Returns the
+        usable tokens. In place, field by field: the simulator counts every request."""
         sizes = chain.block_tokens
         usable_tokens = sum(sizes[:usable])
-        return cls(
-            requests=1,
-            input_tokens=req.input_length,
-            output_tokens=req.output_length,
-            input_blocks=chain.prompt_blocks,
-            hit_blocks=prefix_run,
-            usable_blocks=usable,
-            mla_hit_tokens=sum(sizes[:prefix_run]),
-            cached_tokens=usable_tokens,
-            lost_tokens=sum(sizes[:run]) - usable_tokens,
-        )
+        self.requests += 1
+        self.input_tokens += req.input_length
+        self.output_tokens += req.output_length
+        self.input_blocks += chain.prompt_blocks
+        self.hit_blocks += prefix_run
+        self.usable_blocks += usable
+        self.mla_hit_tokens += sum(sizes[:prefix_run])
+        self.cached_tokens += usable_tokens
+        self.lost_tokens += sum(sizes[:run]) - usable_tokens
+        return usable_tokens
 
     def add(self, other: Counters) -> None:
         for name in self.__slots__:  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ API (all sizes in bytes, all durations in ms, ``now`` always from ``clock()`` in
     idx.remove_node(node_id) -> list[Removal]           # node died: every object on it leaves the index
     idx.insert(key, kind, size, node_id=None, tier=Tier.DRAM, tenant="", parent=b"", checksum=0,
                ttl_ms=0, pending=False, evict=True, avoid_node=None) -> node_id
-    idx.insert_chain([(key, kind, size, parent, admit), ...], node_id=..., tenant="") -> list[int]
+    idx.insert_chain(hashes, sizes, admits, [(c, size, admit), ...], node_id=..., tenant="") -> list[int]
     idx.commit(key); idx.remove(key, reason="removed") -> bool; idx.promote(key) -> bool
     idx.reserve(objects)                                # size once for a bulk load (a node's inventory)
     idx.match_prefix(block_hashes, require_checkpoint=True, touch=False) -> PrefixMatch
@@ -80,6 +80,7 @@ impossible sizes, which Cython turns into ``RuntimeError``/``MemoryError``.
 
 import heapq
 import itertools
+import operator
 import os
 import time
 
@@ -104,7 +105,6 @@ from kvpool.kvstore.index.records import (
     PUT_EXISTS,
     PUT_NO_ROOM,
     PUT_NOT_ADMITTED,
-    PUT_OK,
     BadObjectError,
     CapacityError,
     Columns,
@@ -224,6 +224,17 @@ cdef inline object _as_key(object key):
 
 
 INT64_MAX = 2**63 - 1
+
+
+cdef object _positive_size(object size):
+    """A chain put's size as a Python int > 0 (an integer of any type), or ``BadObjectError``."""
+    try:
+        n = operator.index(size)
+    except TypeError:
+        raise BadObjectError(f"a size must be an integer, got {type(size).__name__}") from None
+    if n <= 0:
+        raise BadObjectError(f"size must be > 0, got {n}")
+    return n
 
 
 cdef inline object _put_key(object key):
@@ -671,40 +682,64 @@ cdef class PrefixIndex:
             raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
         return placed
 
-    def insert_chain(self, objects, *, node_id, tenant=""):
-        """A writer's puts of one request, in order: each ``(key, kind, size, parent, admit)`` indexed as
-        ``insert(key, kind, size, node_id=node_id, tenant=tenant, parent=parent, admit=admit)`` would (the
-        same checks, the same eviction before and after each), except that the answers a writer counts
-        rather than fails on are outcomes, one per object (``records.PUT_*``): a key already committed is
-        left as it is, unchecked (EXISTS, no touch), and a refusal by admission or for room
-        (``NotAdmittedError``, ``CapacityError``) puts nothing. Any other error is raised, as by ``insert``,
-        with the objects before it already put.
+    def insert_chain(self, hashes, sizes, admits, checkpoints=(), *, node_id, tenant=""):
+        """A writer's puts of one request, in order: the MLA blocks ``MLA_TAG + hashes[i]`` (size
+        ``sizes[i]``, admission hint ``admits[i]``, parent the block before it: none for the first or for a
+        repeat of it), then each checkpoint ``(c, size, admit)``: ``KDA_TAG + hashes[c - 1]``. Each is
+        indexed as ``insert(key, kind, size, node_id=node_id, tenant=tenant, parent=..., admit=...)`` would
+        (the same eviction before and after each), except that the answers a writer counts rather than
+        fails on are answers: a key already committed is left as it is (no touch), and a refusal by
+        admission or for room puts nothing.
 
-        Why: the simulator stores a whole request's chain (hundreds of thousands of puts per trace); one
-        call per request spares it an exception per refusal and a call and an argument dict per object."""
+        Returns one int per put, blocks first: the slot the object now has (>= 0), or ``-PUT_EXISTS``,
+        ``-PUT_NOT_ADMITTED``, ``-PUT_NO_ROOM``. A malformed chain (a hash not 32 bytes, a size not a
+        positive int, lengths that differ, a checkpoint past the chain) is ``BadObjectError`` before
+        anything is put; a pending key, a quota or an unknown node raise as ``insert`` does, with the
+        objects before it put.
+
+        Why columns: the simulator stores a whole request per call (tens of millions of puts per
+        production trace); a slot per put lets it keep its own per-object tallies in arrays."""
+        cdef Py_ssize_t n = len(hashes), i, c, j
+        if len(sizes) != n or len(admits) != n:
+            raise BadObjectError(
+                f"{n} hashes, {len(sizes)} sizes and {len(admits)} admits: one of each per block"
+            )
+        hs = [_as_key(h) for h in hashes]
+        for h in hs:
+            if h is None or len(h) != HASH_BYTES:
+                raise BadObjectError(f"a block hash must be {HASH_BYTES} bytes")
+        size_list = [_positive_size(x) for x in sizes]
+        cks = []
+        for item in checkpoints:
+            c, size, admit = item
+            if not 0 < c <= n:
+                raise BadObjectError(f"a checkpoint closes block 1..{n} of the chain, got {c}")
+            cks.append((c, _positive_size(size), admit))
         out = []
-        cdef int32_t s
-        cdef int k
-        for key, kind, size, parent, admit in objects:
-            key = _put_key(key)
-            s = self._find(key)
-            if s >= 0 and not self._flags[s] & PENDING:
-                out.append(PUT_EXISTS)
-                continue
-            k = _block_kind(key, kind, size)
-            if k < 0:
-                k = check_object(key, kind, size, 0, 0)
-            if s >= 0:
-                raise DuplicateKeyError(key, True)
-            parent = self._parent_key(parent)
-            try:
-                self._check_size(size, tenant, True)
-                placed = self._insert(key, k, size, node_id, T_DRAM, tenant, parent, 0, 0, False, True, None, bool(admit))
-            except CapacityError:
-                out.append(PUT_NO_ROOM)
-                continue
-            out.append(PUT_NOT_ADMITTED if placed is None else PUT_OK)
+        cdef bytes key, prev = b""
+        for i in range(n):
+            key = MLA_TAG + hs[i]
+            out.append(self._put_of_chain(key, K_MLA, size_list[i], node_id, tenant, b"" if prev == key else prev, admits[i]))
+            prev = key
+        for c, size, admit in cks:
+            out.append(self._put_of_chain(KDA_TAG + hs[c - 1], K_KDA, size, node_id, tenant, b"", admit))
         return out
+
+    cdef int32_t _put_of_chain(self, bytes key, int kind, size, node_id, tenant, bytes parent, admit) except? -9:
+        """One put of ``insert_chain``: its answer (a slot, or minus an outcome)."""
+        cdef int32_t s = self._find(key)
+        if s >= 0:
+            if not self._flags[s] & PENDING:
+                return -PUT_EXISTS
+            raise DuplicateKeyError(key, True)
+        try:
+            self._check_size(size, tenant, True)
+            placed = self._insert(key, kind, size, node_id, T_DRAM, tenant, parent, 0, 0, False, True, None, bool(admit))
+        except CapacityError:
+            return -PUT_NO_ROOM
+        if placed is None:
+            return -PUT_NOT_ADMITTED
+        return self._find(key)
 
     cdef bytes _parent_key(self, parent):
         """A put's parent as bytes (b"": none). A parent longer than any key is refused, not kept waiting:
@@ -968,6 +1003,12 @@ cdef class PrefixIndex:
         for s in range(self._n):
             if self._flags[s] & (LIVE | PENDING) == LIVE:
                 yield self._key(s)
+
+    def committed_slots(self):
+        """The slots of the committed objects, ascending (an int32 array): with the slots ``insert_chain``
+        answers, what lets a caller keep per-object tallies in arrays of its own and settle them once."""
+        flags = np.asarray(self._flags)[: self._n]
+        return np.flatnonzero((flags & (LIVE | PENDING)) == LIVE).astype(np.int32)
 
     def pending_keys(self):
         """The keys of puts started and not yet committed, in slot order."""

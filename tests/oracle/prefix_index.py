@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -98,7 +99,6 @@ from kvpool.kvstore.index.records import (
     PUT_EXISTS,
     PUT_NO_ROOM,
     PUT_NOT_ADMITTED,
-    PUT_OK,
     SLOT_CKPT,
     SLOT_LIVE,
     SLOT_PENDING,
@@ -124,6 +124,19 @@ from kvpool.kvstore.index.records import (
 from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, block_tag
 
 _TAG_OF_KIND = {ObjectKind.MLA: MLA_TAG, ObjectKind.KDA: KDA_TAG}
+
+
+def _positive_size(size: object) -> int:
+    """A chain put's size as an int > 0 (an integer of any type), or ``BadObjectError``."""
+    try:
+        n = operator.index(size)  # type: ignore[call-overload]
+    except TypeError:
+        raise BadObjectError(f"a size must be an integer, got {type(size).__name__}") from None
+    if n <= 0:
+        raise BadObjectError(f"size must be > 0, got {n}")
+    return n
+
+
 # Hot paths (insert, eviction, drop) name kinds and tiers through these module constants and write plain
 # ints into the numpy columns: an attribute of an enum class, ``Tier(x)``, and any numpy operation given an
 # IntEnum (numpy probes the enum class for dunders through ``EnumType.__getattr__``) each cost a few hundred
@@ -387,25 +400,48 @@ class PrefixIndex:
         return placed
 
     def insert_chain(
-        self, objects: Iterable[tuple[bytes, ObjectKind, int, bytes, bool]], *, node_id: str, tenant: str = ""
+        self,
+        hashes: Sequence[bytes],
+        sizes: Sequence[int],
+        admits: Sequence[bool],
+        checkpoints: Iterable[tuple[int, int, bool]] = (),
+        *,
+        node_id: str,
+        tenant: str = "",
     ) -> list[int]:
-        """A writer's puts of one request, in order: each ``(key, kind, size, parent, admit)`` indexed as
-        ``insert(key, kind, size, node_id=node_id, tenant=tenant, parent=parent, admit=admit)`` would (the
-        same checks, the same eviction before and after each), except that the answers a writer counts
-        rather than fails on are outcomes, one per object (``records.PUT_*``): a key already committed is
-        left as it is, unchecked (EXISTS, no touch), and a refusal by admission or for room
-        (``NotAdmittedError``, ``CapacityError``) puts nothing. Any other error is raised, as by ``insert``,
-        with the objects before it already put.
-
-        Why: the simulator stores a whole request's chain (hundreds of thousands of puts per trace); one
-        call per request spares it an exception per refusal and a call and an argument dict per object."""
+        """A writer's puts of one request, in order: the MLA blocks ``MLA_TAG + hashes[i]`` (size
+        ``sizes[i]``, admission hint ``admits[i]``, parent the block before it: none for the first or for a
+        repeat of it), then each checkpoint ``(c, size, admit)``: ``KDA_TAG + hashes[c - 1]``. Each is
+        indexed as ``insert`` would, except that a key already committed is left as it is (no touch) and a
+        refusal by admission or for room puts nothing. One int per put, blocks first: the object's slot, or
+        ``-PUT_EXISTS``, ``-PUT_NOT_ADMITTED``, ``-PUT_NO_ROOM``. A malformed chain is ``BadObjectError``
+        before anything is put; other errors raise as ``insert``'s, with the objects before it put."""
+        n = len(hashes)
+        if len(sizes) != n or len(admits) != n:
+            raise BadObjectError(
+                f"{n} hashes, {len(sizes)} sizes and {len(admits)} admits: one of each per block"
+            )
+        hs = [bytes(h) if isinstance(h, (bytes, bytearray, memoryview)) else None for h in hashes]
+        if any(h is None or len(h) != HASH_BYTES for h in hs):
+            raise BadObjectError(f"a block hash must be {HASH_BYTES} bytes")
+        size_list = [_positive_size(x) for x in sizes]
+        cks = []
+        for c, size, admit in checkpoints:
+            if not 0 < c <= n:
+                raise BadObjectError(f"a checkpoint closes block 1..{n} of the chain, got {c}")
+            cks.append((c, _positive_size(size), admit))
+        puts: list[tuple[bytes, ObjectKind, int, bytes, bool]] = []
+        prev = b""
+        for h, size, admit in zip(hs, size_list, admits, strict=True):
+            key = MLA_TAG + h
+            puts.append((key, ObjectKind.MLA, size, b"" if prev == key else prev, admit))
+            prev = key
+        puts += [(KDA_TAG + hs[c - 1], ObjectKind.KDA, size, b"", admit) for c, size, admit in cks]
         out: list[int] = []
-        committed, check = self._slot, self.check_object
-        for key, kind, size, parent, admit in objects:
-            if key in committed:
-                out.append(PUT_EXISTS)
+        for key, kind, size, parent, admit in puts:
+            if key in self._slot:
+                out.append(-PUT_EXISTS)
                 continue
-            kind = check(key, kind, size, 0, 0)
             if key in self._pending:
                 raise DuplicateKeyError(key, True)
             try:
@@ -422,12 +458,12 @@ class PrefixIndex:
                     pending=False,
                     evict=True,
                     avoid_node=None,
-                    admit=admit,
+                    admit=bool(admit),
                 )
             except CapacityError:
-                out.append(PUT_NO_ROOM)
+                out.append(-PUT_NO_ROOM)
                 continue
-            out.append(PUT_NOT_ADMITTED if placed is None else PUT_OK)
+            out.append(-PUT_NOT_ADMITTED if placed is None else self._slot[key])
         return out
 
     def _insert(
@@ -622,6 +658,10 @@ class PrefixIndex:
     def __iter__(self) -> Iterator[bytes]:
         """The committed keys, oldest first (do not insert or remove while iterating)."""
         return iter(self._slot)
+
+    def committed_slots(self) -> np.ndarray:
+        """The slots of the committed objects, ascending (an int32 array)."""
+        return np.array(sorted(self._slot.values()), dtype=np.int32)
 
     def pending_keys(self) -> list[bytes]:
         """The keys of puts started and not yet committed."""
