@@ -49,7 +49,7 @@ from kvpool.kvstore.keys import kda_key, mla_key  # noqa: E402
 from kvpool.kvstore.master.core import MasterConfig, MasterCore  # noqa: E402
 from kvpool.kvstore.master.kv_event_publisher import KvEventPublisher  # noqa: E402
 from kvpool.kvstore.master.kv_events_config import KvEventsConfig  # noqa: E402
-from kvpool.kvstore.protocol.master_wire import call_blocking  # noqa: E402
+from kvpool.kvstore.protocol.master_wire import call_blocking, put_start_batch_request  # noqa: E402
 from kvpool.proto import common_pb2, master_pb2  # noqa: E402
 
 BLOCK_TOKENS = 64
@@ -248,18 +248,19 @@ def bench_lag(rate: int, seconds: float, per_batch: int = 50) -> dict[str, Any]:
 
 
 def _core_put_chain(core: MasterCore, hs: list[bytes], tokens: bool = True) -> None:
-    items, parent = [], b""
+    metas, token_ids, parent = [], [], b""
     for i, h in enumerate(hs):
         md = common_pb2.ObjectMeta(
             key=mla_key(h), kind=common_pb2.MLA_BLOCK, size=1, checksum=7, parent=parent
         )
-        toks = list(range(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)) if tokens else []
-        items.append(master_pb2.PutStartRequest(meta=md, token_ids=toks))
+        metas.append(md)
+        token_ids.append(list(range(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)) if tokens else [])
         parent = mla_key(h)
     ck = common_pb2.ObjectMeta(key=kda_key(hs[-1]), kind=common_pb2.KDA_CHECKPOINT, size=1, checksum=7)
-    items.append(master_pb2.PutStartRequest(meta=ck))
-    started = core.put_start_batch(master_pb2.PutStartBatchRequest(items=items))
-    core.put_commit_batch(master_pb2.PutCommitBatchRequest(put_ids=[s.put_id for s in started.items]))
+    metas.append(ck)
+    token_ids.append([])
+    started = core.put_start_batch(put_start_batch_request(metas, token_ids=token_ids))
+    core.put_commit_batch(master_pb2.PutCommitBatchRequest(put_ids=started.put_ids))
 
 
 def bench_recover(buffer_batches: int, preload_chains: int, missed: int) -> dict[str, Any]:

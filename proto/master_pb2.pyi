@@ -145,28 +145,68 @@ class PutAbortReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ItemError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "index")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PutStartBatchRequest(_message.Message):
-    __slots__ = ("items", "shard_set")
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("shard_set", "keys", "kinds", "sizes", "parents", "tenants", "ttl_ms", "tiers", "checksums", "checksum_at_commit", "replace_if_corrupt", "routes", "token_ids", "token_counts", "retain")
     SHARD_SET_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_AT_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_IF_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
     shard_set: str
-    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ..., shard_set: _Optional[str] = ...) -> None: ...
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    kinds: _containers.RepeatedScalarFieldContainer[_common_pb2.ObjectKind]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[bytes]
+    tenants: _containers.RepeatedScalarFieldContainer[str]
+    ttl_ms: _containers.RepeatedScalarFieldContainer[int]
+    tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    checksum_at_commit: bool
+    replace_if_corrupt: _containers.RepeatedScalarFieldContainer[bool]
+    routes: _containers.RepeatedScalarFieldContainer[bytes]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    retain: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, shard_set: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., kinds: _Optional[_Iterable[_Union[_common_pb2.ObjectKind, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[bytes]] = ..., tenants: _Optional[_Iterable[str]] = ..., ttl_ms: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., checksums: _Optional[_Iterable[int]] = ..., checksum_at_commit: _Optional[bool] = ..., replace_if_corrupt: _Optional[_Iterable[bool]] = ..., routes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., retain: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PutStartBatchReply(_message.Message):
-    __slots__ = ("items", "errors")
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("status", "put_ids", "nodes", "node", "deadline_ms", "epoch", "shard", "errors")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[PutStartReply]
+    status: _containers.RepeatedScalarFieldContainer[PutStartReply.Status]
+    put_ids: _containers.RepeatedScalarFieldContainer[str]
+    nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]
+    node: _containers.RepeatedScalarFieldContainer[int]
+    deadline_ms: int
+    epoch: int
+    shard: int
     errors: _containers.RepeatedCompositeFieldContainer[ItemError]
-    def __init__(self, items: _Optional[_Iterable[_Union[PutStartReply, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Iterable[_Union[PutStartReply.Status, str]]] = ..., put_ids: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeEndpoint, _Mapping]]] = ..., node: _Optional[_Iterable[int]] = ..., deadline_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., shard: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
 
 class PutCommitBatchRequest(_message.Message):
     __slots__ = ("put_ids", "checksums")

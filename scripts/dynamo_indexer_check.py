@@ -38,6 +38,7 @@ from kvpool.cache.hashing import hash_blocks, root_hash  # noqa: E402
 from kvpool.kvstore.client.kv_events import KvEventSubscriber  # noqa: E402
 from kvpool.kvstore.keys import kda_key, mla_key  # noqa: E402
 from kvpool.kvstore.protocol.kv_events_wire import HashFormat, external_hash  # noqa: E402
+from kvpool.kvstore.protocol.master_wire import put_start_batch_request  # noqa: E402
 from kvpool.proto import common_pb2, master_pb2  # noqa: E402
 from kvpool.workloads.trace import bundled_trace, read_mooncake  # noqa: E402
 
@@ -67,22 +68,24 @@ def dynamo_run(port: int, tokens: list[int]) -> int:
 
 
 def put_missing(m: MasterProcess, hs: list[bytes], tokens: list[int], have: int) -> int:
-    items = []
+    metas, token_ids = [], []
     for i in range(have, len(hs)):
         parent = mla_key(hs[i - 1]) if i else b""
         md = common_pb2.ObjectMeta(
             key=mla_key(hs[i]), kind=common_pb2.MLA_BLOCK, size=MLA_BYTES, checksum=7, parent=parent
         )
-        items.append(master_pb2.PutStartRequest(meta=md, token_ids=tokens[i * BLOCK : (i + 1) * BLOCK]))
+        metas.append(md)
+        token_ids.append(tokens[i * BLOCK : (i + 1) * BLOCK])
         if (i + 1) % CKPT_EVERY == 0 or i == len(hs) - 1:
             ck = common_pb2.ObjectMeta(
                 key=kda_key(hs[i]), kind=common_pb2.KDA_CHECKPOINT, size=KDA_BYTES, checksum=7
             )
-            items.append(master_pb2.PutStartRequest(meta=ck))
-    if not items:
+            metas.append(ck)
+            token_ids.append([])
+    if not metas:
         return 0
-    started = m.call("PutStartBatch", master_pb2.PutStartBatchRequest(items=items))
-    ids = [s.put_id for s, e in zip(started.items, started.errors, strict=True) if not e.code and s.put_id]
+    started = m.call("PutStartBatch", put_start_batch_request(metas, token_ids=token_ids))
+    ids = [put_id for put_id in started.put_ids if put_id]
     if ids:
         m.call("PutCommitBatch", master_pb2.PutCommitBatchRequest(put_ids=ids))
     return len(ids)

@@ -46,6 +46,7 @@ from kvpool.kvstore.errors import (
 )
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG
 from kvpool.kvstore.protocol.master_link import MasterLink
+from kvpool.kvstore.protocol.master_wire import put_start_batch_request
 from kvpool.kvstore.shards import DEFAULT_DEPTH, ShardSet, master_groups
 from kvpool.kvstore.transport.base import (
     DEFAULT_DEADLINES,
@@ -364,7 +365,7 @@ class AsyncStoreClient:
         meta.epoch = start.epoch  # HA fencing: nodes refuse puts placed by a deposed leader
         meta.shard = start.shard  # nodes keep each shard's objects apart
         try:
-            await self._transfer(self.transports.for_node(start.node), start, meta, view)
+            await self._transfer(self.transports.for_node(start.node), start.node, start.put_id, meta, view)
         except BaseException as exc:
             await self._abort(master, start.put_id, exc)
             raise
@@ -372,14 +373,19 @@ class AsyncStoreClient:
         return True
 
     async def _transfer(
-        self, transport: Transport, start: Any, meta: common_pb2.ObjectMeta, view: Payload
+        self,
+        transport: Transport,
+        node: common_pb2.NodeEndpoint,
+        put_id: str,
+        meta: common_pb2.ObjectMeta,
+        view: Payload,
     ) -> None:
         """Send the bytes; a node that is momentarily full (the master's evictions reach it asynchronously,
         as Delete/Demote calls) is retried with a short backoff before the put fails."""
         delay = 0.05
         for attempt in range(CAPACITY_RETRIES + 1):
             try:
-                await transport.put(start.node, start.put_id, meta, view)
+                await transport.put(node, put_id, meta, view)
                 return
             except ObjectTooLargeError:
                 raise
@@ -438,57 +444,58 @@ class AsyncStoreClient:
         metas = [self._meta(i, v.nbytes) for i, v in zip(items, views, strict=True)]
         try:
             batch = await master.put_start_batch(
-                master_pb2.PutStartBatchRequest(
-                    items=[
-                        master_pb2.PutStartRequest(
-                            meta=m,
-                            checksum_at_commit=True,
-                            route=i.route,
-                            token_ids=i.token_ids,
-                            retain=i.retain,
-                        )
-                        for m, i in zip(metas, items, strict=True)
-                    ],
+                put_start_batch_request(
+                    metas,
+                    token_ids=[i.token_ids for i in items],
+                    routes=[i.route for i in items],
+                    retain=[i.retain for i in items],
+                    checksum_at_commit=True,
                     shard_set=self._shard_set,
                 )
             )
         except Exception as exc:
             return [_store_error(exc)] * len(items)
-        starts = list(batch.items)
+        if not len(batch.status) == len(batch.put_ids) == len(batch.node) == len(items):
+            # not this protocol's answer (an older master?): nothing was sent
+            answered = len(batch.status)
+            wrong = StoreUnavailableError(f"master answered {answered} puts for {len(items)} objects")
+            return [wrong] * len(items)
+        for err in batch.errors:
+            results[err.index] = _item_error(err)
+        put_ids = list(batch.put_ids)
+        endpoints = list(batch.nodes)
+        started = master_pb2.PutStartReply.STARTED
         groups: dict[tuple[int, str], tuple[Transport, Any, list[int]]] = {}
-        for i, (start, err) in enumerate(zip(starts, batch.errors, strict=True)):
-            if err.code:
-                results[i] = _item_error(err)
-                continue
-            if start.status == master_pb2.PutStartReply.NOT_ADMITTED:
-                results[i] = ObjectNotAdmittedError(f"put of {metas[i].key[:9].hex()}… not admitted")
-                self._count("put.not_admitted")
-                continue
-            if start.status != master_pb2.PutStartReply.STARTED:
-                continue
-            metas[i].epoch = start.epoch  # HA fencing: a node refuses puts placed by a deposed leader
-            metas[i].shard = start.shard  # nodes keep each shard's objects apart
+        for i, (status, at) in enumerate(zip(batch.status, batch.node, strict=True)):
+            if status != started:
+                if status == master_pb2.PutStartReply.NOT_ADMITTED:
+                    results[i] = ObjectNotAdmittedError(f"put of {metas[i].key[:9].hex()}… not admitted")
+                    self._count("put.not_admitted")
+                continue  # EXISTS / IN_PROGRESS: nothing to write; an error: already in results
+            metas[i].epoch = batch.epoch  # HA fencing: a node refuses puts placed by a deposed leader
+            metas[i].shard = batch.shard  # nodes keep each shard's objects apart
+            node = endpoints[at]
             try:
-                transport = self.transports.for_node(start.node)
+                transport = self.transports.for_node(node)
             except StoreError as exc:
                 results[i] = exc
-                await self._abort(master, start.put_id, exc)
+                await self._abort(master, put_ids[i], exc)
                 continue
-            key = (id(transport), start.node.node_id)
-            groups.setdefault(key, (transport, start.node, []))[2].append(i)
+            key = (id(transport), node.node_id)
+            groups.setdefault(key, (transport, node, []))[2].append(i)
 
         async def run(transport: Transport, node: Any, idx: list[int]) -> None:
-            got = await transport.batch_put(node, [(starts[i].put_id, metas[i], views[i]) for i in idx])
+            got = await transport.batch_put(node, [(put_ids[i], metas[i], views[i]) for i in idx])
             for j, (i, err) in enumerate(zip(idx, got, strict=True)):
                 if isinstance(err, CapacityExceededError) and not isinstance(err, ObjectTooLargeError):
                     try:  # node momentarily full: the single-put path retries with backoff
-                        await self._transfer(transport, starts[i], metas[i], views[i])
+                        await self._transfer(transport, node, put_ids[i], metas[i], views[i])
                         got[j] = None
                     except StoreError as exc:
                         got[j] = exc
             sent = [i for i, err in zip(idx, got, strict=True) if err is None]
             failed = [(i, err) for i, err in zip(idx, got, strict=True) if err is not None]
-            await asyncio.gather(*(self._abort(master, starts[i].put_id, err) for i, err in failed))
+            await asyncio.gather(*(self._abort(master, put_ids[i], err) for i, err in failed))
             for i, err in failed:
                 results[i] = err
             if not sent:
@@ -496,15 +503,15 @@ class AsyncStoreClient:
             try:
                 commits = await master.put_commit_batch(
                     master_pb2.PutCommitBatchRequest(
-                        put_ids=[starts[i].put_id for i in sent], checksums=[metas[i].checksum for i in sent]
+                        put_ids=[put_ids[i] for i in sent], checksums=[metas[i].checksum for i in sent]
                     )
                 )
             except Exception as exc:
                 for i in sent:
                     results[i] = _store_error(exc)
                 return
-            for i, err in zip(sent, commits.errors, strict=True):
-                results[i] = _item_error(err) if err.code else None
+            for err in commits.errors:
+                results[sent[err.index]] = _item_error(err)
 
         await asyncio.gather(*(run(*group) for group in groups.values()))
         return results

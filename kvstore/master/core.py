@@ -27,7 +27,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -69,9 +69,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-R = TypeVar("R")
-Q = TypeVar("Q")
+T = TypeVar("T")
 _KINDS = frozenset(ObjectKind)
+_check_object = PrefixIndex.check_object
+_STARTED = master_pb2.PutStartReply.STARTED
+_EXISTS = master_pb2.PutStartReply.EXISTS
+_IN_PROGRESS = master_pb2.PutStartReply.IN_PROGRESS
+_NOT_ADMITTED = master_pb2.PutStartReply.NOT_ADMITTED
+# the event counter of each answer a put start can get (a batch counts them once per batch)
+_START_COUNTERS = {
+    _STARTED: "puts_started",
+    _EXISTS: "puts_exist",
+    _IN_PROGRESS: "puts_in_progress",
+    _NOT_ADMITTED: "puts_not_admitted",
+}
 
 MAX_KEYS_PER_CALL = 100_000
 MAX_BLOCKS_PER_MATCH = 1 << 16  # 65,536 blocks x 512 tokens: far beyond any context
@@ -354,64 +365,31 @@ class MasterCore:
 
     def put_start(self, req: master_pb2.PutStartRequest) -> master_pb2.PutStartReply:
         meta = req.meta
-        try:  # key, size, TTL and a kind that agrees with the key's tag, before anything is looked up
-            kind = PrefixIndex.check_object(meta.key, meta.kind, meta.size, meta.ttl_ms, meta.checksum)
-        except BadObjectError as exc:
-            raise BadRequestError(str(exc)) from None
-        if req.checksum_at_commit and meta.checksum:
-            raise BadRequestError("checksum_at_commit: the checksum comes with PutCommit, not PutStart")
-        _check_tenant(meta.tenant)
-        if self.config.shards.sharded:  # a chain's objects by its route, anything else by its key
-            self.config.shards.require_owner(req.route or meta.key, self.config.shard)
-        Reply = master_pb2.PutStartReply
-        existing = self.index.get(meta.key)
-        replacing: str | None = None
-        if existing is not None:
-            if not existing.committed:
-                self.count("puts_in_progress")
-                return Reply(status=Reply.IN_PROGRESS, node=self._endpoint(existing.node_id))
-            if not req.replace_if_corrupt:
-                self.count("puts_exist")
-                return Reply(status=Reply.EXISTS, node=self._endpoint(existing.node_id))
-            # a reader found it corrupt: drop it and place the new copy elsewhere if any node can take it,
-            # so the delete of the bad copy cannot race with the new bytes on the same node
-            self._forget(existing)
-            replacing = existing.node_id
-            self.count("puts_replacing_corrupt")
-        tier = Tier.SSD if meta.tier == common_pb2.SSD else Tier.DRAM
-        try:
-            node_id = self.index.insert(
-                meta.key,
-                kind,
-                meta.size,
-                tier=tier,
-                tenant=meta.tenant,
-                parent=meta.parent,
-                checksum=meta.checksum,
-                ttl_ms=meta.ttl_ms,
-                pending=True,
-                avoid_node=replacing,
-                admit=not req.retain,
-            )
-        except BadObjectError as exc:
-            raise BadRequestError(str(exc)) from None
-        except NotAdmittedError:
-            self.count("puts_not_admitted")
-            return Reply(status=Reply.NOT_ADMITTED)
-        except (CapacityError, QuotaExceededError) as exc:
-            self.count("puts_refused")
-            raise CapacityExceededError(str(exc)) from None
-        finally:
-            self._absorb_index_events()
-        self._put_seq += 1
-        put_id = f"{self.instance}-{self._put_seq}"
-        deadline = self._clock() + self.config.put_deadline_ms / 1000.0
         tokens = list(req.token_ids) if self.events is not None and req.token_ids else None
-        self._puts[put_id] = OpenPut(put_id, meta.key, node_id, deadline, req.checksum_at_commit, tokens)
-        self._put_of_key[meta.key] = put_id
-        self.count("puts_started")
+        status, put_id, node_id = self._start(
+            req.checksum_at_commit,
+            self._put_deadline(),
+            key=meta.key,
+            kind=meta.kind,
+            size=meta.size,
+            checksum=meta.checksum,
+            tenant=meta.tenant,
+            parent=meta.parent,
+            ttl_ms=meta.ttl_ms,
+            tier=meta.tier,
+            replace_if_corrupt=req.replace_if_corrupt,
+            route=req.route,
+            tokens=tokens,
+            retain=req.retain,
+        )
+        self.count(_START_COUNTERS[status])
+        Reply = master_pb2.PutStartReply
+        if status == _NOT_ADMITTED:
+            return Reply(status=status)
+        if status != _STARTED:
+            return Reply(status=status, node=self._endpoint(node_id))
         return Reply(
-            status=Reply.STARTED,
+            status=status,
             put_id=put_id,
             node=self._endpoint(node_id),
             deadline_ms=self.config.put_deadline_ms,
@@ -419,52 +397,215 @@ class MasterCore:
             shard=self.config.shard,
         )
 
-    def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
-        if req.put_id in self._puts and self._puts[req.put_id].checksum_at_commit and not req.checksum:
-            raise BadRequestError(f"put {req.put_id!r} was started with checksum_at_commit: commit needs it")
-        put = self._take_put(req.put_id)
+    def _put_deadline(self) -> float:
+        return self._clock() + self.config.put_deadline_ms / 1000.0
+
+    def _start(
+        self,
+        checksum_at_commit: bool,
+        deadline: float,
+        key: bytes,
+        kind: int,
+        size: int,
+        checksum: int,
+        tenant: str,
+        parent: bytes,
+        ttl_ms: int,
+        tier: int,
+        replace_if_corrupt: bool,
+        route: bytes,
+        tokens: list[int] | None,
+        retain: bool,
+    ) -> tuple[int, str, str]:
+        """One object's PutStart, the one path of the single call and of each object of a batch: its
+        status, put id ("" unless STARTED) and node id ("" when NOT_ADMITTED); raises the typed error the
+        object fails with. Plain fields in, plain values out, so a batch runs it straight off its columns
+        with no message per object (the fields after ``deadline`` are a batch row's, in column order); the
+        caller counts the status (a batch once per batch)."""
+        if checksum_at_commit and checksum:
+            raise BadRequestError("checksum_at_commit: the checksum comes with PutCommit, not PutStart")
+        _check_tenant(tenant)
+        if self.config.shards.sharded:  # a chain's objects by its route, anything else by its key
+            self.config.shards.require_owner(route or key, self.config.shard)
+        existing = self.index.get(key)
+        replacing: str | None = None
+        if existing is not None:
+            # key, size, TTL and a kind that agrees with the key's tag: a malformed object is refused, never
+            # answered EXISTS. A new key's insert checks the same first thing (checked once: the check is a
+            # fifth of the master's own work per put)
+            try:
+                _check_object(key, kind, size, ttl_ms, checksum)
+            except BadObjectError as exc:
+                raise BadRequestError(str(exc)) from None
+            if not existing.committed:
+                return _IN_PROGRESS, "", existing.node_id
+            if not replace_if_corrupt:
+                return _EXISTS, "", existing.node_id
+            # a reader found it corrupt: drop it and place the new copy elsewhere if any node can take it,
+            # so the delete of the bad copy cannot race with the new bytes on the same node
+            self._forget(existing)
+            replacing = existing.node_id
+            self.count("puts_replacing_corrupt")
         try:
-            self.index.commit(put.key, req.checksum if put.checksum_at_commit else None)
+            node_id = self.index.insert(
+                key,
+                kind,
+                size,
+                tier=Tier.SSD if tier == common_pb2.SSD else Tier.DRAM,
+                tenant=tenant,
+                parent=parent,
+                checksum=checksum,
+                ttl_ms=ttl_ms,
+                pending=True,
+                avoid_node=replacing,
+                admit=not retain,
+            )
+        except BadObjectError as exc:
+            raise BadRequestError(str(exc)) from None
+        except NotAdmittedError:
+            return _NOT_ADMITTED, "", ""
+        except (CapacityError, QuotaExceededError) as exc:
+            self.count("puts_refused")
+            raise CapacityExceededError(str(exc)) from None
+        finally:
+            self._absorb_index_events()
+        self._put_seq += 1
+        put_id = f"{self.instance}-{self._put_seq}"
+        self._puts[put_id] = OpenPut(put_id, key, node_id, deadline, checksum_at_commit, tokens)
+        self._put_of_key[key] = put_id
+        return _STARTED, put_id, node_id
+
+    def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
+        self._commit(req.put_id, req.checksum)
+        self.count("puts_committed")
+        return master_pb2.PutCommitReply()
+
+    def _commit(self, put_id: str, checksum: int) -> None:
+        """One put's PutCommit, the one path of the single call and of each put of a batch; raises the
+        typed error the put fails with."""
+        if put_id in self._puts and self._puts[put_id].checksum_at_commit and not checksum:
+            raise BadRequestError(f"put {put_id!r} was started with checksum_at_commit: commit needs it")
+        put = self._take_put(put_id)
+        try:
+            self.index.commit(put.key, checksum if put.checksum_at_commit else None)
         except UnknownKeyError:  # its TTL ran out before the commit (the node was told to delete it)
-            raise ObjectNotFoundError(f"put {req.put_id!r} expired before its commit") from None
+            raise ObjectNotFoundError(f"put {put_id!r} expired before its commit") from None
         self._restore_pin(put.key)
         if self.events is not None:
             self.events.stored(put.key, put.token_ids)
         self._absorb_index_events()
-        self.count("puts_committed")
-        return master_pb2.PutCommitReply()
 
     def put_start_batch(self, req: master_pb2.PutStartBatchRequest) -> master_pb2.PutStartBatchReply:
         """A whole push (one prefill's MLA blocks and checkpoint) in one exchange instead of one per object.
 
-        Each item gets exactly what :meth:`put_start` answers, in order, or its own ``ItemError``: one bad
-        item (too big, a tenant over quota, a kind that disagrees with its key) never fails the others. A
-        key that appears twice is refused on its second appearance (``ObjectExistsError``), so the writer
-        learns that one of its own items was dropped instead of taking it for another writer's put."""
+        Column-wise both ways: object i is the request's ``keys[i]`` with the i-th value of every other
+        column, run through :meth:`_start` (what :meth:`put_start` runs) in one loop, and its answer is the
+        i-th entry of the reply's columns. A column of the wrong length fails the whole batch
+        (``BadRequestError``) before anything is started. Otherwise one bad object (too big, a tenant over
+        quota, a kind that disagrees with its key) fails alone with its own ``ItemError``. A key that
+        appears twice is refused on its second appearance (``ObjectExistsError``), so the writer learns
+        that one of its own objects was dropped instead of taking it for another writer's put."""
         self._check_shard_set(req.shard_set, "the writer")
-        out = master_pb2.PutStartBatchReply()
+        keys = list(req.keys)
+        n = len(keys)
+        if n > MAX_KEYS_PER_CALL:
+            raise BadRequestError(f"more than {MAX_KEYS_PER_CALL} keys in one PutStartBatch")
+        rows = zip(  # _start's fields, in its order
+            keys,
+            _column(req.kinds, n, "kinds", 0),
+            _column(req.sizes, n, "sizes", 0),
+            _column(req.checksums, n, "checksums", 0),
+            _column(req.tenants, n, "tenants", ""),
+            _column(req.parents, n, "parents", b""),
+            _column(req.ttl_ms, n, "ttl_ms", 0),
+            _column(req.tiers, n, "tiers", 0),
+            _column(req.replace_if_corrupt, n, "replace_if_corrupt", False),
+            _column(req.routes, n, "routes", b""),
+            self._token_lists(req.token_ids, req.token_counts, n),
+            _column(req.retain, n, "retain", False),
+            strict=True,
+        )
+        at_commit = req.checksum_at_commit
+        deadline = self._put_deadline()
+        status = [0] * n
+        put_ids = [""] * n
+        node = [0] * n
+        node_index: dict[str, int] = {}
+        endpoints: list[common_pb2.NodeEndpoint] = []
+        errors: list[master_pb2.ItemError] = []
         seen: set[bytes] = set()
-        for item in req.items:
-            if item.meta.key in seen:
-                reply, err = None, _item_error(ObjectExistsError("key appears twice in one batch"))
-            else:
-                seen.add(item.meta.key)
-                reply, err = _each(self.put_start, item)
-            out.items.append(reply if reply is not None else master_pb2.PutStartReply())
-            out.errors.append(err)
+        start = self._start
+        for i, row in enumerate(rows):
+            try:
+                if row[0] in seen:
+                    raise ObjectExistsError("key appears twice in one batch")
+                seen.add(row[0])
+                st, put_id, node_id = start(at_commit, deadline, *row)
+                if node_id:
+                    at = node_index.get(node_id)
+                    if at is None:
+                        endpoints.append(self._endpoint(node_id))
+                        at = node_index[node_id] = len(endpoints) - 1
+                    node[i] = at
+            except StoreError as exc:
+                errors.append(_item_error(exc, i))
+                continue
+            status[i] = st
+            put_ids[i] = put_id
+        for st, counter in _START_COUNTERS.items():
+            self.count(counter, status.count(st))
         self.count("put_batches")
+        return master_pb2.PutStartBatchReply(
+            status=status,
+            put_ids=put_ids,
+            nodes=endpoints,
+            node=node,
+            deadline_ms=self.config.put_deadline_ms,
+            epoch=self.epoch,
+            shard=self.config.shard,
+            errors=errors,
+        )
+
+    def _token_lists(self, token_ids: Sequence[int], counts: Sequence[int], n: int) -> list[list[int] | None]:
+        """Each object's token ids (None: none sent, or no KV events to keep them for), from the batch's
+        concatenated ``token_ids`` and ``token_counts``; checked even when they are not kept."""
+        if not counts:
+            if token_ids:
+                raise BadRequestError(f"PutStartBatch: {len(token_ids)} token_ids without token_counts")
+            return [None] * n
+        per_object = _column(counts, n, "token_counts", 0)
+        if sum(per_object) != len(token_ids):
+            raise BadRequestError(
+                f"PutStartBatch: token_counts add up to {sum(per_object)}, not the {len(token_ids)} token_ids"
+            )
+        if self.events is None:
+            return [None] * n
+        flat = list(token_ids)
+        out: list[list[int] | None] = []
+        pos = 0
+        for count in per_object:
+            out.append(flat[pos : pos + count] or None)
+            pos += count
         return out
 
     def put_commit_batch(self, req: master_pb2.PutCommitBatchRequest) -> master_pb2.PutCommitBatchReply:
-        """Commit many puts in one exchange: each gets :meth:`put_commit`'s answer or its own error."""
-        out = master_pb2.PutCommitBatchReply()
-        if req.checksums and len(req.checksums) != len(req.put_ids):
-            raise BadRequestError(f"{len(req.checksums)} checksums for {len(req.put_ids)} put ids")
-        sums = list(req.checksums) or [0] * len(req.put_ids)
-        for put_id, checksum in zip(req.put_ids, sums, strict=True):
-            commit = master_pb2.PutCommitRequest(put_id=put_id, checksum=checksum)
-            out.errors.append(_each(self.put_commit, commit)[1])
-        return out
+        """Commit many puts in one exchange: each runs :meth:`_commit` (what :meth:`put_commit` runs); the
+        reply lists only the puts that failed, each with its own error."""
+        put_ids = list(req.put_ids)
+        if req.checksums and len(req.checksums) != len(put_ids):
+            raise BadRequestError(f"{len(req.checksums)} checksums for {len(put_ids)} put ids")
+        if len(put_ids) > MAX_KEYS_PER_CALL:
+            raise BadRequestError(f"more than {MAX_KEYS_PER_CALL} put ids in one PutCommitBatch")
+        sums = list(req.checksums) or [0] * len(put_ids)
+        errors: list[master_pb2.ItemError] = []
+        commit = self._commit
+        for i, (put_id, checksum) in enumerate(zip(put_ids, sums, strict=True)):
+            try:
+                commit(put_id, checksum)
+            except StoreError as exc:
+                errors.append(_item_error(exc, i))
+        self.count("puts_committed", len(put_ids) - len(errors))
+        return master_pb2.PutCommitBatchReply(errors=errors)
 
     def put_abort(self, req: master_pb2.PutAbortRequest) -> master_pb2.PutAbortReply:
         self._drop_put(self._take_put(req.put_id))
@@ -761,19 +902,22 @@ class MasterCore:
         return ep
 
 
-def _each(call: Callable[[Q], R], req: Q) -> tuple[R | None, master_pb2.ItemError]:
-    """One item of a batch: its reply, or its own error (the others go on)."""
-    try:
-        return call(req), _OK
-    except StoreError as exc:
-        return None, _item_error(exc)
+def _item_error(exc: StoreError, index: int) -> master_pb2.ItemError:
+    """Object ``index`` of a batch failed with ``exc``: what the batch reply says about it."""
+    return master_pb2.ItemError(index=index, code=exc.code, message=f"{type(exc).__name__}: {exc}")
 
 
-def _item_error(exc: StoreError) -> master_pb2.ItemError:
-    return master_pb2.ItemError(code=exc.code, message=f"{type(exc).__name__}: {exc}")
-
-
-_OK = master_pb2.ItemError()
+def _column(values: Sequence[T], n: int, name: str, default: T) -> Sequence[T]:
+    """A batch column as one value per object: no value gives every object ``default``, one value gives
+    every object that value; any other length than ``n`` is a malformed batch."""
+    m = len(values)
+    if m == n:
+        return values
+    if m == 0:
+        return [default] * n
+    if m == 1:
+        return [values[0]] * n
+    raise BadRequestError(f"PutStartBatch: {m} {name} for {n} keys (a column holds 0, 1 or one per key)")
 
 
 def _copy_endpoint(ep: common_pb2.NodeEndpoint) -> common_pb2.NodeEndpoint:

@@ -76,6 +76,10 @@ class NodeNotifier:
         sent = worker.deleting.get(key) if worker is not None else None
         return sent if sent is not None and not sent.done() else None
 
+    def deletes_queued(self) -> bool:
+        """Whether any node has a delete still to be sent (else no put needs :meth:`delete_pending`)."""
+        return any(worker.deleting for worker in self._workers.values())
+
     async def idle(self, timeout_s: float = 5.0) -> None:
         """Wait (bounded) until every queued call has been sent; used at shutdown and by tests."""
         tasks = [w.task for w in self._workers.values() if w.task is not None and not w.task.done()]

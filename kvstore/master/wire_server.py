@@ -260,16 +260,23 @@ class MasterWireServer:
 
     def _deletes_first(self, request: Any, reply: Message) -> list[asyncio.Future[None]]:
         """For puts placed on a node that still has a delete of the same key queued: those deletes."""
+        started = master_pb2.PutStartReply.STARTED
         if isinstance(reply, master_pb2.PutStartReply):
-            pairs = [(request, reply)]
+            if reply.status != started:
+                return []
+            placed = [(reply.node.node_id, request.meta.key)]
         elif isinstance(reply, master_pb2.PutStartBatchReply):
-            pairs = list(zip(request.items, reply.items, strict=False))
+            if not self.notifier.deletes_queued():  # the common case: nothing to wait for, no loop
+                return []
+            node_ids = [ep.node_id for ep in reply.nodes]
+            placed = [
+                (node_ids[at], key)
+                for key, status, at in zip(request.keys, reply.status, reply.node, strict=True)
+                if status == started
+            ]
         else:
             return []
-        started = master_pb2.PutStartReply.STARTED
-        pending = (
-            self.notifier.delete_pending(r.node.node_id, q.meta.key) for q, r in pairs if r.status == started
-        )
+        pending = (self.notifier.delete_pending(node_id, key) for node_id, key in placed)
         return [sent for sent in pending if sent is not None]
 
     def _run_core(self, name: str, request: Any) -> Message:

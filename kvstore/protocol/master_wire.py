@@ -34,8 +34,9 @@ import asyncio
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 from kvpool.kvstore.errors import (
@@ -46,7 +47,7 @@ from kvpool.kvstore.errors import (
     UnauthenticatedError,
     error_for_code,
 )
-from kvpool.proto import master_pb2
+from kvpool.proto import common_pb2, master_pb2
 from kvpool.runtime import cluster_auth
 
 MAGIC = b"KVM1"
@@ -57,6 +58,7 @@ MAX_BULK_BODY = 1 << 30  # a RegisterNode inventory of ~10M objects fits in one 
 FRAME_TIMEOUT_S = 5.0  # a started frame must be complete within this
 MAX_ERROR_BYTES = 4096
 STATUS_OK = 0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +231,49 @@ def request_body(method: WireMethod, request: Message) -> bytes:
     if len(body) > cap:
         raise BadRequestError(f"master {method.name}: request of {len(body)} B exceeds {cap} B")
     return body
+
+
+def put_start_batch_request(
+    metas: Sequence[common_pb2.ObjectMeta],
+    *,
+    token_ids: Sequence[Sequence[int]] = (),
+    routes: Sequence[bytes] = (),
+    retain: Sequence[bool] = (),
+    replace_if_corrupt: Sequence[bool] = (),
+    checksum_at_commit: bool = False,
+    shard_set: str = "",
+) -> master_pb2.PutStartBatchRequest:
+    """The column-wise PutStartBatch (master.proto) that starts a put of each of ``metas`` (its key, kind,
+    size, checksum, tenant, parent, TTL and tier); ``token_ids``, ``routes``, ``retain`` and
+    ``replace_if_corrupt`` hold one entry per meta, or none. Each column is sent as short as the master
+    reads it: empty where every object has the default, one value where all agree."""
+    counts = [len(t) for t in token_ids]
+    return master_pb2.PutStartBatchRequest(
+        shard_set=shard_set,
+        keys=[m.key for m in metas],
+        kinds=_compact([m.kind for m in metas], 0),
+        sizes=_compact([m.size for m in metas], 0),
+        parents=_compact([m.parent for m in metas], b""),
+        tenants=_compact([m.tenant for m in metas], ""),
+        ttl_ms=_compact([m.ttl_ms for m in metas], 0),
+        tiers=_compact([m.tier for m in metas], 0),
+        checksums=_compact([m.checksum for m in metas], 0),
+        checksum_at_commit=checksum_at_commit,
+        replace_if_corrupt=_compact(list(replace_if_corrupt), False),
+        routes=_compact(list(routes), b""),
+        token_ids=[t for ids in token_ids for t in ids],
+        token_counts=_compact(counts, 0),
+        retain=_compact(list(retain), False),
+    )
+
+
+def _compact(column: list[T], default: T) -> Sequence[T]:
+    """A request column as short as the master reads it: empty when every object has ``default``, one
+    value when they all have the same one, else the column itself."""
+    first = column[0] if column else default
+    if any(v != first for v in column):
+        return column
+    return () if first == default else (first,)
 
 
 def parse_reply(method: WireMethod, status: int, payload: bytes) -> Any:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvpool.kvstore.client.kv_events import KvEventSubscriber
 from kvpool.kvstore.keys import kda_key, mla_key
+from kvpool.kvstore.protocol.master_wire import put_start_batch_request
 from kvpool.proto import common_pb2, master_pb2
 
 from tests.harness.master_proc import MasterProcess
@@ -41,25 +42,24 @@ def put_chain(
 ) -> list[common_pb2.ObjectMeta]:
     """One PutStartBatch + PutCommitBatch for a chain's MLA blocks (with their tokens) and checkpoints
     (``checkpoints``: usable block counts, i.e. a checkpoint closing block c-1)."""
-    metas, items, parent = [], [], b""
+    metas, token_ids, parent = [], [], b""
     for i, h in enumerate(hs):
         md = common_pb2.ObjectMeta(
             key=mla_key(h), kind=common_pb2.MLA_BLOCK, size=100, checksum=7, tenant=tenant, parent=parent
         )
-        items.append(master_pb2.PutStartRequest(meta=md, token_ids=tokens_of(i) if tokens else []))
         metas.append(md)
+        token_ids.append(tokens_of(i) if tokens else [])
         parent = mla_key(h)
         if i + 1 in checkpoints:
             ck = common_pb2.ObjectMeta(
                 key=kda_key(h), kind=common_pb2.KDA_CHECKPOINT, size=400, checksum=7, tenant=tenant
             )
-            items.append(master_pb2.PutStartRequest(meta=ck))
             metas.append(ck)
-    started = m.call("PutStartBatch", master_pb2.PutStartBatchRequest(items=items))
-    put_ids = [s.put_id for s in started.items]
-    assert all(put_ids) and not any(e.code for e in started.errors)
-    committed = m.call("PutCommitBatch", master_pb2.PutCommitBatchRequest(put_ids=put_ids))
-    assert not any(e.code for e in committed.errors)
+            token_ids.append([])
+    started = m.call("PutStartBatch", put_start_batch_request(metas, token_ids=token_ids))
+    assert all(started.put_ids) and not started.errors
+    committed = m.call("PutCommitBatch", master_pb2.PutCommitBatchRequest(put_ids=started.put_ids))
+    assert not committed.errors
     return metas
 
 
