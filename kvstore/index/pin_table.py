@@ -26,18 +26,15 @@ class PinTable:
         self.sessions: dict[tuple[int, str], set[int]] = {}  # (tenant id, session) -> slots it pins
         self.bytes_by_tenant: dict[int, int] = {}  # tenant id -> bytes of its pinned objects
         self.total_bytes = 0
-        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, slot, session); stale ones skipped
+        # (deadline, slot, session), a heap; stale ones skipped. Empty: nothing can be due (the index reads
+        # it before each put to skip its retire pass)
+        self.deadlines: list[tuple[float, int, str]] = []
 
     def __contains__(self, slot: int) -> bool:
         return slot in self.holders
 
     def __len__(self) -> int:
         return len(self.holders)
-
-    @property
-    def has_deadlines(self) -> bool:
-        """Whether any deadline may be due (the index skips its retire pass otherwise)."""
-        return bool(self._deadlines)
 
     def hold(self, slot: int, tenant: int, size: int, session: str, until: float) -> bool:
         """``session`` pins ``slot`` (of ``tenant``, ``size`` bytes) until ``until`` (a later deadline of
@@ -50,7 +47,7 @@ class PinTable:
             self.total_bytes += size
         if until > holders.get(session, 0.0):
             holders[session] = until
-            heapq.heappush(self._deadlines, (until, slot, session))
+            heapq.heappush(self.deadlines, (until, slot, session))
         if session:
             self.sessions.setdefault((tenant, session), set()).add(slot)
         return new
@@ -78,7 +75,7 @@ class PinTable:
     def due(self, now: float) -> Iterator[tuple[int, str]]:
         """The (slot, session) pins whose deadline is at or before ``now`` and still current (not renewed,
         released or of a reused slot since); the caller releases each as it is yielded."""
-        heap = self._deadlines
+        heap = self.deadlines
         while heap and heap[0][0] <= now:
             until, slot, session = heapq.heappop(heap)
             if self.holders.get(slot, {}).get(session) == until:

@@ -92,6 +92,7 @@ from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
 from libcpp.set cimport set as cset
 from libcpp.vector cimport vector
+from libcpp.algorithm cimport pop_heap, push_heap
 from cython.operator cimport dereference as deref, preincrement as inc
 
 from kvpool.kvstore.index.admission import Admission, AdmissionConfig
@@ -256,6 +257,7 @@ cdef class PrefixIndex:
     # so a pass walks the few it drops instead of scanning and sorting every slot (an evict-to-fit
     # simulation runs one pass per put); anything else ranks by scanning (``_candidates``).
     cdef bint _ordered
+    cdef bint _recency_touch  # the policy's touch is LRUPolicy's: a match touches in C (``_touch``)
     cdef vector[cset[OrderKey]] _order  # per pool: nid * N_TIERS + tier
     cdef int _walking  # the pool a pass is walking (-1: none): leaves it exposes join after the pass
     cdef vector[int32_t] _held_back
@@ -387,6 +389,7 @@ cdef class PrefixIndex:
         cdef Py_ssize_t s
         cdef size_t i
         self._policy = policy
+        self._recency_touch = getattr(type(policy), "touch", None) is LRUPolicy.touch
         self._ordered = False
         for i in range(self._order.size()):
             self._order[i].clear()
@@ -467,13 +470,22 @@ cdef class PrefixIndex:
             self._order[self._node[s] * N_TIERS + self._tier[s]].erase(OrderKey(self._last_use[s], s))
             self._flags[s] &= ~ORDERED
 
-    cdef void _touch(self, list slots) except *:
-        """The policy's touch of really used objects (their order moves with their last use)."""
+    cdef void _touch(self, list slots, bint distinct=False) except *:
+        """The policy's touch of really used objects (their order moves with their last use). ``distinct``
+        slots (a match's) under a recency touch (``LRUPolicy.touch``: lru, depth, hybrid) are touched here
+        in C, as its numpy assignment would (one use each)."""
         cdef Py_ssize_t s
+        cdef double now
         if self._ordered:
             for s in slots:
                 self._unorder(s)
-        self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())
+        if distinct and self._recency_touch:
+            now = self._clock()
+            for s in slots:
+                self._last_use[s] = now
+                self._freq[s] += 1.0
+        else:
+            self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())
         if self._ordered:
             for s in slots:
                 self._reorder(s)
@@ -768,7 +780,7 @@ cdef class PrefixIndex:
         """``insert`` of a checked object whose key is not indexed: the node id, or None when admission
         turns it away (before anything is reserved)."""
         cdef double now = self._clock()
-        if self._lease_heap or self._ttl_heap or self._pins.has_deadlines:  # else nothing can be due
+        if self._lease_heap or self._ttl_heap or self._pins.deadlines:  # else nothing can be due
             self._retire_due(now)
         learner = self._learner
         if evict and (kind_i == K_MLA or kind_i == K_KDA):
@@ -1091,7 +1103,7 @@ cdef class PrefixIndex:
             dram = sum(int(self._used[nid, T_DRAM]) for nid in self._node_order) if pinned else 0
             self.pin_budget.lookup(usable, from_pinned, pinned, dram)
         if touch and usable:
-            self._touch(slots)
+            self._touch(slots, True)
         return PrefixMatch(usable, run, tuple(checkpoints), used, ck, tuple(slots))
 
     def columns(self, slots):
@@ -1528,16 +1540,21 @@ cdef class PrefixIndex:
         else:
             order, scores = cand_a, scores_a
             n = order.shape[0]
+        cdef double score
         policy = self.policy
         one = getattr(policy, "score_one", None)  # the exposed anchor's score, as ``scores`` gives it alone
-        exposed = []
+        # the anchors exposed so far, a heap of (-score, -slot): its front is the least (score, slot), the
+        # order a heap of (score, slot) tuples would pop them in
+        cdef vector[OrderKey] exposed
         try:
             while self._over(mode, nid, tier, tid, target):
                 more = it != lru.end() if walk else i < n
                 if more:
                     next_score = deref(it).first if walk else scores[i]
-                if exposed and (not more or exposed[0][0] < next_score):
-                    slot = heapq.heappop(exposed)[1]
+                if not exposed.empty() and (not more or -exposed.front().first < next_score):
+                    slot = -exposed.front().second
+                    pop_heap(exposed.begin(), exposed.end())
+                    exposed.pop_back()
                 elif more and walk:
                     slot = deref(it).second
                     inc(it)  # before the drop erases it
@@ -1572,7 +1589,8 @@ cdef class PrefixIndex:
                         score = one(self._cols, a, now)
                     else:
                         score = float(policy.scores(self._cols, np.array([a]), now)[0])
-                    heapq.heappush(exposed, (score, a))
+                    exposed.push_back(OrderKey(-score, -a))
+                    push_heap(exposed.begin(), exposed.end())
         finally:
             if walk:
                 self._walking = outer
@@ -1634,7 +1652,8 @@ cdef class PrefixIndex:
         use for it)."""
         cdef int32_t e = self._entry[slot], ea = self._anchor[slot], m, a
         cdef uint8_t buf[33]
-        key = self._key(slot)
+        cdef bint answer = want or (emit and self._keep_events)
+        key = self._key(slot) if answer else None  # (a pass that only evicts makes no bytes per object)
         cdef bint committed = not self._flags[slot] & PENDING
         self._table.set_slot(e, -1)
         if committed:
@@ -1643,7 +1662,7 @@ cdef class PrefixIndex:
             self._n_pending -= 1
         if committed and self._kind[slot] == K_KDA:  # the kind is the key's tag (check_object)
             buf[0] = C_MLA_TAG
-            memcpy(&buf[1], <const char*>key + 1, 32)
+            memcpy(&buf[1], self._table.key_data(e) + 1, 32)
             m = self._table.find(buf, 33)
             m = self._table.slot(m) if m >= 0 else -1
             if m >= 0 and not self._flags[m] & PENDING:
@@ -1680,7 +1699,7 @@ cdef class PrefixIndex:
         self._anchor[slot] = -1
         if not self._leases[slot]:
             self._free.push_back(slot)
-        if not want and not (emit and self._keep_events):
+        if not answer:
             return None
         event = tuple.__new__(Removal, (key, self._node_names[nid], tier, size, reason, demoted))
         if emit and self._keep_events:

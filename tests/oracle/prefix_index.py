@@ -487,7 +487,7 @@ class PrefixIndex:
         turns it away (before anything is reserved)."""
         committed, pending_puts = self._slot, self._pending
         now = self._clock()
-        if self._lease_heap or self._pins.has_deadlines or self._ttl_heap:  # else nothing can be due
+        if self._lease_heap or self._pins.deadlines or self._ttl_heap:  # else nothing can be due
             self._retire_due(now)
         learner = self._learner
         if evict and (kind is _MLA or kind is _KDA):
