@@ -93,6 +93,7 @@ from libcpp.pair cimport pair
 from libcpp.set cimport set as cset
 from libcpp.vector cimport vector
 from libcpp.algorithm cimport pop_heap, push_heap
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cython.operator cimport dereference as deref, preincrement as inc
 
 from kvpool.kvstore.index.admission import Admission, AdmissionConfig
@@ -225,6 +226,13 @@ cdef inline object _as_key(object key):
 
 
 INT64_MAX = 2**63 - 1
+
+
+cdef inline bint _fits_int64(object n):
+    """An int at most 2^63 - 1, without a Python comparison (a put's common case)."""
+    cdef int overflow = 0
+    PyLong_AsLongLongAndOverflow(n, &overflow)
+    return overflow <= 0
 
 
 cdef object _positive_size(object size):
@@ -459,7 +467,8 @@ cdef class PrefixIndex:
                 if pool == self._walking:
                     self._held_back.push_back(s)
                     return
-                self._order[pool].insert(OrderKey(self._last_use[s], s))
+                # a new leaf is the newest use: the hint makes its insert at the end constant time
+                self._order[pool].insert(self._order[pool].end(), OrderKey(self._last_use[s], s))
                 self._flags[s] |= ORDERED
         elif self._flags[s] & ORDERED:
             self._order[pool].erase(OrderKey(self._last_use[s], s))
@@ -766,7 +775,7 @@ cdef class PrefixIndex:
     cdef void _check_size(self, size, tenant, bint evict) except *:
         """Sizes past 2^63 - 1 (the wire allows 2^64 - 1) get the answer any size too big for every node
         gets: the tenant's quota first, as in ``_insert``, then capacity."""
-        if size <= INT64_MAX:
+        if (_fits_int64(size) if type(size) is int else size <= INT64_MAX):
             return
         tid = self._tenant_ids.get(tenant)
         if evict and tid is not None and self._quota[tid]:
