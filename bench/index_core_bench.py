@@ -1,7 +1,8 @@
 """The compiled index core against the plain-Python index it replaced, side by side in one run.
 
-Each tree (this one, and ``--baseline TREE``: a ``git worktree`` of the commit before the core, with its own
-``.venv``) runs the same measuring script in a fresh child process of its own interpreter:
+Each tree (this one, and each ``--baseline TREE``: a ``git worktree`` of an earlier commit, e.g. the one
+before the core, with its own ``.venv``) runs the same measuring script in a fresh child process of its
+own interpreter:
 
 - **sim**: simulator points on the bundled conversation trace (12,031 requests, 288,500 block reads), CPU
   seconds of ``simulate`` alone (the trace is loaded before the clock starts): pure-MLA LRU at 20,000 blocks
@@ -12,12 +13,14 @@ Each tree (this one, and ``--baseline TREE``: a ``git worktree`` of the commit b
 - **memory**: RSS growth per indexed object of a fresh child indexing ``--objects`` MLA blocks (chains of 24
   with a checkpoint each), keys made inside the measured region as a master receiving them would hold them.
 
-Prints a table, then one JSON line with every figure and the ratios (baseline / core for times, so > 1 is
-faster). ``--equality`` also runs the whole ``bench/policy_bench.py`` grid (every trace, online policy,
-capacity, with and without the SSD tier and hints) on the core and on the oracle (``tests/oracle``) in this
-tree, and reports the points whose results differ (none is the requirement).
+Prints a table, then one JSON line with every figure and, per baseline, the ratios baseline / this tree
+(times and bytes, so > 1 is better here). ``--equality`` also runs the whole ``bench/policy_bench.py``
+grid (every trace, online policy, capacity, with and without the SSD tier and hints) on the core and on
+the oracle (``tests/oracle``) in this tree, and reports the points whose results differ (none is the
+requirement).
 
     .venv/bin/python bench/index_core_bench.py --baseline /tmp/kvpool-before
+    .venv/bin/python bench/index_core_bench.py --baseline /tmp/kvpool-before --baseline /tmp/kvpool-233e1f4
     .venv/bin/python bench/index_core_bench.py --baseline /tmp/kvpool-before --objects 10000000
     .venv/bin/python bench/index_core_bench.py --equality --no-speed --traces conversation --caps 29,89
 """
@@ -58,13 +61,19 @@ def chains(n_chains, seed=b"c"):
             hs.append(prev)
         yield hs
 
-def puts(hs):
+COLUMNS = "hashes, sizes" in (PrefixIndex.insert_chain.__doc__ or "")  # the columnar chain (since 07f61fd)
+ONES, ADMITS, CHECKPOINT = [1] * 24, [True] * 24, [(24, 1, True)]
+
+def put_chain(idx, hs):
+    # 24 MLA blocks and a checkpoint closing them, in one call of the tree's own insert_chain
+    if COLUMNS:
+        return idx.insert_chain(hs, ONES, ADMITS, CHECKPOINT, node_id="n")
     items, parent = [], b""
     for h in hs:
         items.append((MLA_TAG + h, ObjectKind.MLA, 1, parent, True))
         parent = MLA_TAG + h
     items.append((KDA_TAG + hs[-1], ObjectKind.KDA, 1, b"", True))
-    return items
+    return idx.insert_chain(items, node_id="n")
 
 if what == "sim":
     from kvpool.worker.checkpoint_policy import CheckpointPolicy
@@ -97,7 +106,7 @@ elif what == "index":
     all_hs = list(chains(arg))
     t = time.process_time()
     for hs in all_hs:
-        idx.insert_chain(puts(hs), node_id="n")
+        put_chain(idx, hs)
     out["insert_us_per_object"] = round((time.process_time() - t) / (len(all_hs) * 25) * 1e6, 3)
     reps = 20000
     pick = [all_hs[(i * 7919) % len(all_hs)] for i in range(reps)]
@@ -114,7 +123,7 @@ elif what == "memory":
     idx.add_node("n", 1 << 60)
     n = 0
     for hs in chains(arg // 25):
-        idx.insert_chain(puts(hs), node_id="n")
+        put_chain(idx, hs)
         n += 25
     gc.collect()
     out["objects"] = len(idx)
@@ -170,7 +179,9 @@ def _equality(traces: list[str], caps: list[int]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", type=Path, default=None, help="a tree of the Python index with its .venv")
+    ap.add_argument(
+        "--baseline", type=Path, action="append", default=[], help="a tree with its .venv (repeated)"
+    )
     ap.add_argument("--objects", type=int, default=1_000_000, help="memory: objects indexed")
     ap.add_argument("--chains", type=int, default=4000, help="index: chains of 25 objects indexed")
     ap.add_argument("--equality", action="store_true", help="also the policy bench grid, core vs oracle")
@@ -178,9 +189,7 @@ def main() -> int:
     ap.add_argument("--caps", default=",".join(map(str, CAPACITIES_GIB)), help="equality: capacities, GiB")
     ap.add_argument("--no-speed", action="store_true", help="equality only (no simulator, index, memory)")
     args = ap.parse_args()
-    trees = {"core": ROOT}
-    if args.baseline is not None:
-        trees["python"] = args.baseline.resolve()
+    trees = {"this": ROOT, **{tree.resolve().name: tree.resolve() for tree in args.baseline}}
     res: dict[str, dict[str, Any]] = {}
     if args.no_speed:
         trees = {}
@@ -188,24 +197,26 @@ def main() -> int:
         res[name] = {**_child(tree, "sim", 0), **_child(tree, "index", args.chains)}
         res[name].update(_child(tree, "memory", args.objects))
     rows = ["lru_mla_fit", "lru_mla", "default_k3_29", "default_k3_89"]
+    index_keys = ("match24_us", "insert_us_per_object", "rss_bytes_per_object")
     if trees:
-        print(f"{'measure':34} " + " ".join(f"{n:>14}" for n in trees))
+        print(f"{'measure':34} " + " ".join(f"{n:>22}" for n in trees))
         for r in rows:
-            print(f"{r + ' (CPU s)':34} " + " ".join(f"{res[n][r]['cpu_s']:>14.3f}" for n in trees))
-            rates = " ".join(f"{res[n][r]['block_reads_per_s']:>14,}" for n in trees)
+            print(f"{r + ' (CPU s)':34} " + " ".join(f"{res[n][r]['cpu_s']:>22.3f}" for n in trees))
+            rates = " ".join(f"{res[n][r]['block_reads_per_s']:>22,}" for n in trees)
             print(f"{r + ' (block reads/s)':34} {rates}")
-        index_keys = ("match24_us", "insert_us_per_object", "rss_bytes_per_object")
         for key in index_keys:
-            print(f"{key:34} " + " ".join(f"{res[n][key]:>14}" for n in trees))
+            print(f"{key:34} " + " ".join(f"{res[n][key]:>22}" for n in trees))
     out: dict[str, Any] = {"bench": "index_core", "host": platform.node(), "load1": os.getloadavg()[0],
                            "objects": args.objects, "results": res}  # fmt: skip
-    if "python" in res:
-        core, base = res["core"], res["python"]
-        out["ratios_python_over_core"] = {
-            **{r: round(base[r]["cpu_s"] / core[r]["cpu_s"], 2) for r in rows},
-            **{k: round(base[k] / core[k], 2) for k in index_keys},
+    this = res.get("this")
+    for name in list(trees)[1:]:  # each baseline over this tree: > 1 is faster (or smaller) here
+        base = res[name]
+        out[f"ratios_{name}_over_this"] = {
+            **{r: round(base[r]["cpu_s"] / this[r]["cpu_s"], 2) for r in rows},
+            **{k: round(base[k] / this[k], 2) for k in index_keys},
         }
-        out["same_hit_rates"] = all(base[r]["token_hit_rate"] == core[r]["token_hit_rate"] for r in rows)
+        same = all(base[r]["token_hit_rate"] == this[r]["token_hit_rate"] for r in rows)
+        out[f"same_hit_rates_as_{name}"] = same
     if args.equality:
         t = time.perf_counter()
         out["equality"] = _equality(args.traces.split(","), [int(c) for c in args.caps.split(",")])
