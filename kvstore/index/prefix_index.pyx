@@ -87,7 +87,7 @@ import time
 import numpy as np
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
 from libcpp.set cimport set as cset
@@ -424,6 +424,15 @@ cdef class PrefixIndex:
             return None
         return (<const char*>p)[: self._table.key_len(e)]
 
+    cdef inline bint _is_key(self, int32_t e, bytes key):
+        """Whether entry ``e`` is live and holds ``key`` (a remembered entry id may have been freed and
+        reused since)."""
+        cdef size_t n = len(key)
+        return (
+            self._table.valid(e) and self._table.key_len(e) == n
+            and memcmp(self._table.key_data(e), <const char*>key, n) == 0
+        )
+
     cdef inline bytes _key(self, Py_ssize_t slot):
         return self._key_of_entry(self._entry[slot])
 
@@ -695,13 +704,13 @@ cdef class PrefixIndex:
         tier = Tier(tier)  # a plain int is a tier too
         parent = self._parent_key(parent)
         self._check_size(size, tenant, evict)
-        placed = self._insert(
+        cdef Py_ssize_t slot = self._insert(
             key, kind, size, node_id, int(tier), tenant, parent, checksum, ttl_ms, bool(pending), bool(evict),
-            avoid_node, bool(admit),
+            avoid_node, bool(admit), -1,
         )
-        if placed is None:
+        if slot < 0:
             raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
-        return placed
+        return self._node_names[self._node[slot]]
 
     def insert_chain(self, hashes, sizes, admits, checkpoints=(), *, node_id, tenant=""):
         """A writer's puts of one request, in order: the MLA blocks ``MLA_TAG + hashes[i]`` (size
@@ -738,29 +747,38 @@ cdef class PrefixIndex:
             cks.append((c, _positive_size(size), admit))
         out = []
         cdef bytes key, prev = b""
+        cdef int32_t answer, prev_entry = -1
         for i in range(n):
             key = MLA_TAG + hs[i]
-            out.append(self._put_of_chain(key, K_MLA, size_list[i], node_id, tenant, b"" if prev == key else prev, admits[i]))
+            if prev == key:
+                prev, prev_entry = b"", -1
+            answer = self._put_of_chain(key, K_MLA, size_list[i], node_id, tenant, prev, prev_entry, admits[i])
+            out.append(answer)
             prev = key
+            # the block's entry, the next block's anchor (checked again there: an eviction may drop it)
+            prev_entry = self._entry[answer] if answer >= 0 else -1
         for c, size, admit in cks:
-            out.append(self._put_of_chain(KDA_TAG + hs[c - 1], K_KDA, size, node_id, tenant, b"", admit))
+            out.append(self._put_of_chain(KDA_TAG + hs[c - 1], K_KDA, size, node_id, tenant, b"", -1, admit))
         return out
 
-    cdef int32_t _put_of_chain(self, bytes key, int kind, size, node_id, tenant, bytes parent, admit) except? -9:
+    cdef int32_t _put_of_chain(
+        self, bytes key, int kind, size, node_id, tenant, bytes parent, int32_t parent_entry, admit
+    ) except? -9:
         """One put of ``insert_chain``: its answer (a slot, or minus an outcome)."""
         cdef int32_t s = self._find(key)
         if s >= 0:
             if not self._flags[s] & PENDING:
                 return -PUT_EXISTS
             raise DuplicateKeyError(key, True)
+        cdef Py_ssize_t slot
         try:
             self._check_size(size, tenant, True)
-            placed = self._insert(key, kind, size, node_id, T_DRAM, tenant, parent, 0, 0, False, True, None, bool(admit))
+            slot = self._insert(
+                key, kind, size, node_id, T_DRAM, tenant, parent, 0, 0, False, True, None, bool(admit), parent_entry
+            )
         except CapacityError:
             return -PUT_NO_ROOM
-        if placed is None:
-            return -PUT_NOT_ADMITTED
-        return self._find(key)
+        return slot if slot >= 0 else -PUT_NOT_ADMITTED
 
     cdef bytes _parent_key(self, parent):
         """A put's parent as bytes (b"": none). A parent longer than any key is refused, not kept waiting:
@@ -782,12 +800,13 @@ cdef class PrefixIndex:
             raise QuotaExceededError(f"object of {size} bytes exceeds tenant {tenant!r} quota {self._quota[tid]}")
         raise CapacityError(f"no node has capacity for an object of {size} bytes")
 
-    cdef object _insert(
+    cdef Py_ssize_t _insert(
         self, bytes key, int kind_i, int64_t size, node_id, int tier, tenant, bytes parent, uint64_t checksum,
-        ttl_ms, bint pending, bint evict, avoid_node, bint admit,
-    ):
-        """``insert`` of a checked object whose key is not indexed: the node id, or None when admission
-        turns it away (before anything is reserved)."""
+        ttl_ms, bint pending, bint evict, avoid_node, bint admit, int32_t parent_entry,
+    ) except -2:
+        """``insert`` of a checked object whose key is not indexed: its slot, or -1 when admission turns it
+        away (before anything is reserved). ``parent_entry``: the parent's key entry if the caller knows it
+        (-1: look it up)."""
         cdef double now = self._clock()
         if self._lease_heap or self._ttl_heap or self._pins.deadlines:  # else nothing can be due
             self._retire_due(now)
@@ -796,7 +815,7 @@ cdef class PrefixIndex:
             if learner is not None:
                 learner.on_put(key, size, self._capacity_of(T_DRAM))  # before admission: LRU would store it
             if admit and self.admission is not None and not self._admit(key, kind_i, size, parent):
-                return None
+                return -1
         tid_o = self._tenant_ids.get(tenant)
         cdef int tid = self._tenant_id(tenant) if tid_o is None else tid_o
         cdef int64_t quota = self._quota[tid] if evict else 0
@@ -852,7 +871,7 @@ cdef class PrefixIndex:
         self._table.set_waiting(e, 0)
         self._n_orphans -= deps
         self._entry[slot] = e
-        cdef int32_t a = self._link_anchor(slot, key, kind_i, parent)
+        cdef int32_t a = self._link_anchor(slot, key, kind_i, parent, parent_entry)
         self._table.set_slot(e, slot)
         if pending:
             self._n_pending += 1
@@ -874,7 +893,7 @@ cdef class PrefixIndex:
                 self._evict_pool(nid, tier, now, slot)
             if self.max_objects and self._n_committed + self._n_pending > self.high_watermark * self.max_objects:
                 self._evict_objects(<int64_t>(self.low_watermark * self.max_objects), now, slot)
-        return node_id
+        return slot
 
     cdef bint _admit(self, bytes key, int kind, int64_t size, bytes parent) except -1:
         """Whether admission lets the object in. Unticketed objects follow their chain: an MLA block whose
@@ -889,7 +908,7 @@ cdef class PrefixIndex:
         cdef int32_t s = self._find(_as_key(key))
         return None if s < 0 else s
 
-    cdef int32_t _link_anchor(self, Py_ssize_t slot, bytes key, int kind, bytes parent) except -2:
+    cdef int32_t _link_anchor(self, Py_ssize_t slot, bytes key, int kind, bytes parent, int32_t parent_entry) except -2:
         """Record what ``slot`` depends on (its anchor: counted as a dependent, or as an orphan's wait) and
         its depth; returns the anchor's slot (-1: a root or an orphan)."""
         # a checkpoint depends on its own MLA block (its key is KDA_TAG + h: kinds agree with key tags),
@@ -903,7 +922,10 @@ cdef class PrefixIndex:
             memcpy(&buf[1], <const char*>key + 1, 32)
             e = self._table.intern(buf, 33)
         elif parent:
-            e = self._table.intern(<const uint8_t*><const char*>parent, len(parent))
+            if parent_entry >= 0 and self._is_key(parent_entry, parent):
+                e = parent_entry  # a chain's previous block, still under its key: no probe
+            else:
+                e = self._table.intern(<const uint8_t*><const char*>parent, len(parent))
         if e >= 0:
             a = self._table.slot(e)
             if a < 0:
