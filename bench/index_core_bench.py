@@ -12,6 +12,8 @@ own interpreter:
   (4,000 chains of 24 MLA blocks and a checkpoint), and ``insert_chain`` of such chains (µs per object).
 - **memory**: RSS growth per indexed object of a fresh child indexing ``--objects`` MLA blocks (chains of 24
   with a checkpoint each), keys made inside the measured region as a master receiving them would hold them.
+- **churn** (``--churn N``): N such objects put through an object cap of N / 5 (lru): RSS when the index
+  first holds the cap, and its peak after (sampled every 250k puts), as peak / steady.
 
 Prints a table, then one JSON line with every figure and, per baseline, the ratios baseline / this tree
 (times and bytes, so > 1 is better here). ``--equality`` also runs the whole ``bench/policy_bench.py``
@@ -22,6 +24,7 @@ requirement).
     .venv/bin/python bench/index_core_bench.py --baseline /tmp/kvpool-before
     .venv/bin/python bench/index_core_bench.py --baseline /tmp/kvpool-before --baseline /tmp/kvpool-233e1f4
     .venv/bin/python bench/index_core_bench.py --baseline /tmp/kvpool-before --objects 10000000
+    .venv/bin/python bench/index_core_bench.py --churn 50000000
     .venv/bin/python bench/index_core_bench.py --equality --no-speed --traces conversation --caps 29,89
 """
 
@@ -128,6 +131,25 @@ elif what == "memory":
     gc.collect()
     out["objects"] = len(idx)
     out["rss_bytes_per_object"] = round((proc.memory_info().rss - rss0) / len(idx), 1)
+elif what == "churn":
+    # arg inserts through an object cap of arg / 5 (policy lru, the master's default watermarks): RSS when
+    # the index first holds the cap (steady), and its peak after, sampled every 250k inserts
+    proc = psutil.Process()
+    cap = arg // 5
+    idx = PrefixIndex("lru", clock=lambda: 1.0, keep_events=False, max_objects=cap)
+    idx.add_node("n", 1 << 60)
+    steady = peak = 0
+    t = time.process_time()
+    for i, hs in enumerate(chains(arg // 25, seed=b"churn")):
+        put_chain(idx, hs)
+        if (i + 1) % 10000 == 0:
+            rss = proc.memory_info().rss
+            if not steady and (i + 1) * 25 >= cap:
+                steady = rss
+            peak = max(peak, rss) if steady else 0
+    out.update(churn_inserts=arg, churn_cap=cap, churn_steady_rss=steady, churn_peak_rss=peak,
+               churn_peak_over_steady=round(peak / steady, 3), churn_us_per_insert=round(
+                   (time.process_time() - t) / arg * 1e6, 3), churn_held=len(idx))
 print(json.dumps(out))
 """
 
@@ -184,6 +206,7 @@ def main() -> int:
     )
     ap.add_argument("--objects", type=int, default=1_000_000, help="memory: objects indexed")
     ap.add_argument("--chains", type=int, default=4000, help="index: chains of 25 objects indexed")
+    ap.add_argument("--churn", type=int, default=0, help="churn: inserts through a cap of a fifth (0: skip)")
     ap.add_argument("--equality", action="store_true", help="also the policy bench grid, core vs oracle")
     ap.add_argument("--traces", default=",".join(TRACES), help="equality: the grid's traces")
     ap.add_argument("--caps", default=",".join(map(str, CAPACITIES_GIB)), help="equality: capacities, GiB")
@@ -196,6 +219,8 @@ def main() -> int:
     for name, tree in trees.items():
         res[name] = {**_child(tree, "sim", 0), **_child(tree, "index", args.chains)}
         res[name].update(_child(tree, "memory", args.objects))
+        if args.churn:
+            res[name].update(_child(tree, "churn", args.churn))
     rows = ["lru_mla_fit", "lru_mla", "default_k3_29", "default_k3_89"]
     index_keys = ("match24_us", "insert_us_per_object", "rss_bytes_per_object")
     if trees:
@@ -204,7 +229,7 @@ def main() -> int:
             print(f"{r + ' (CPU s)':34} " + " ".join(f"{res[n][r]['cpu_s']:>22.3f}" for n in trees))
             rates = " ".join(f"{res[n][r]['block_reads_per_s']:>22,}" for n in trees)
             print(f"{r + ' (block reads/s)':34} {rates}")
-        for key in index_keys:
+        for key in index_keys + (("churn_peak_over_steady", "churn_us_per_insert") if args.churn else ()):
             print(f"{key:34} " + " ".join(f"{res[n][key]:>22}" for n in trees))
     out: dict[str, Any] = {"bench": "index_core", "host": platform.node(), "load1": os.getloadavg()[0],
                            "objects": args.objects, "results": res}  # fmt: skip
