@@ -135,7 +135,7 @@ class _Replay:
                 high_watermark=config.high_watermark,
                 low_watermark=config.low_watermark,
                 clock=self.clock.read,
-                keep_events=False,  # what an eviction takes is settled once at the end (``_settle``)
+                keep_events=False,  # what an eviction takes is settled once at the end (``settle``)
                 admission=config.admission if config.policy in ("hybrid", *YARDSTICKS) else None,
                 pin_share=config.pin_share,
                 pin_budget_step=config.pin_budget_step,
@@ -149,7 +149,7 @@ class _Replay:
         self.builder = ChainBuilder(spec.name, self.block_size)
         # Tallies per (workload, tenant) pair, summed per workload and per tenant at the end; what each
         # object costs its writer is kept by slot (one list per shard, as the index's slots), so an eviction
-        # needs no call: what a pair's objects lost is what it wrote minus what is still held (``_settle``)
+        # needs no call: what a pair's objects lost is what it wrote minus what is still held (``settle``)
         self.owner_ids: dict[tuple[str, str], int] = {}
         self.owners: list[Counters] = []
         self.owner_names: list[tuple[str, str]] = []
