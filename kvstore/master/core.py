@@ -72,11 +72,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _KINDS = frozenset(ObjectKind)
 _check_object = PrefixIndex.check_object
+_SSD = common_pb2.SSD
+_CHECKSUM_TWICE = "checksum_at_commit: the checksum comes with PutCommit, not PutStart"
 _STARTED = master_pb2.PutStartReply.STARTED
 _EXISTS = master_pb2.PutStartReply.EXISTS
 _IN_PROGRESS = master_pb2.PutStartReply.IN_PROGRESS
 _NOT_ADMITTED = master_pb2.PutStartReply.NOT_ADMITTED
-# the event counter of each answer a put start can get (a batch counts them once per batch)
+# One object's PutStart fields, in this order: key, kind, size, checksum, tenant, parent, ttl_ms, tier,
+# replace_if_corrupt, route, token ids (None: not kept), retain (a PutStartBatch's columns, zipped)
+StartRow = tuple[bytes, int, int, int, str, bytes, int, int, bool, bytes, list[int] | None, bool]
+# the event counter of each answer a put start can get
 _START_COUNTERS = {
     _STARTED: "puts_started",
     _EXISTS: "puts_exist",
@@ -364,153 +369,195 @@ class MasterCore:
         return len(dropped)
 
     def put_start(self, req: master_pb2.PutStartRequest) -> master_pb2.PutStartReply:
+        """One object's put, started: a batch of one (:meth:`_start_rows`), so both calls share one path."""
         meta = req.meta
         tokens = list(req.token_ids) if self.events is not None and req.token_ids else None
-        status, put_id, node_id = self._start(
-            req.checksum_at_commit,
-            self._put_deadline(),
-            key=meta.key,
-            kind=meta.kind,
-            size=meta.size,
-            checksum=meta.checksum,
-            tenant=meta.tenant,
-            parent=meta.parent,
-            ttl_ms=meta.ttl_ms,
-            tier=meta.tier,
-            replace_if_corrupt=req.replace_if_corrupt,
-            route=req.route,
-            tokens=tokens,
-            retain=req.retain,
-        )
-        self.count(_START_COUNTERS[status])
+        row = (
+            meta.key, meta.kind, meta.size, meta.checksum, meta.tenant, meta.parent, meta.ttl_ms, meta.tier,
+            req.replace_if_corrupt, req.route, tokens, req.retain,
+        )  # fmt: skip
+        status, put_ids, node_ids, failed = self._start_rows([row], req.checksum_at_commit)
+        if failed:
+            raise failed[0][1]
         Reply = master_pb2.PutStartReply
-        if status == _NOT_ADMITTED:
-            return Reply(status=status)
-        if status != _STARTED:
-            return Reply(status=status, node=self._endpoint(node_id))
+        if status[0] == _NOT_ADMITTED:
+            return Reply(status=_NOT_ADMITTED)
+        if status[0] != _STARTED:
+            return Reply(status=status[0], node=self._endpoint(node_ids[0]))
         return Reply(
-            status=status,
-            put_id=put_id,
-            node=self._endpoint(node_id),
+            status=_STARTED,
+            put_id=put_ids[0],
+            node=self._endpoint(node_ids[0]),
             deadline_ms=self.config.put_deadline_ms,
             epoch=self.epoch,
             shard=self.config.shard,
         )
 
-    def _put_deadline(self) -> float:
-        return self._clock() + self.config.put_deadline_ms / 1000.0
+    def _start_rows(
+        self, rows: Iterable[StartRow], checksum_at_commit: bool
+    ) -> tuple[list[int], list[str], list[str], list[tuple[int, StoreError]]]:
+        """Start the put of each row (a :data:`StartRow`: a PutStart's fields); the one path of PutStart and
+        PutStartBatch. Per row: its status (0 where it failed), put id ("" unless STARTED) and node id (""
+        unless STARTED, EXISTS or IN_PROGRESS); and every row that failed with the typed error it failed
+        with, by index: one bad row never stops the others. A key that appears twice fails the second time
+        (``ObjectExistsError``): the writer learns one of its own objects was dropped instead of taking it
+        for another writer's put.
 
-    def _start(
+        Why one loop over plain values: per object, the master's own work (decode, check, record, answer)
+        cost more than the index's insert when each object was a message and a call of its own; here a
+        batch's objects are run straight off its columns, with what stays the same hoisted out."""
+        status: list[int] = []
+        put_ids: list[str] = []
+        node_ids: list[str] = []
+        failed: list[tuple[int, StoreError]] = []
+        seen: set[bytes] = set()
+        index = self.index
+        get, insert, absorb = index.get, index.insert, self._absorb_index_events
+        puts, put_of_key = self._puts, self._put_of_key
+        shards, shard = self.config.shards, self.config.shard
+        sharded = shards.sharded
+        deadline = self._clock() + self.config.put_deadline_ms / 1000.0
+        prefix = f"{self.instance}-"
+        for i, (key, kind, size, checksum, tenant, parent, ttl_ms, tier, replace, route, tokens, retain) in (
+            enumerate(rows)
+        ):  # fmt: skip
+            status.append(0)
+            put_ids.append("")
+            node_ids.append("")
+            try:
+                if key in seen:
+                    raise ObjectExistsError("key appears twice in one batch")
+                seen.add(key)
+                if checksum_at_commit and checksum:
+                    raise BadRequestError(_CHECKSUM_TWICE)
+                if len(tenant) > MAX_TENANT_CHARS:
+                    _check_tenant(tenant)
+                if sharded:  # a chain's objects by its route, anything else by its key
+                    shards.require_owner(route or key, shard)
+                existing = get(key)
+                replacing: str | None = None
+                if existing is not None:
+                    answer = self._start_existing(existing, key, kind, size, ttl_ms, checksum, replace)
+                    if answer:
+                        status[i] = answer
+                        node_ids[i] = existing.node_id
+                        continue
+                    replacing = existing.node_id
+                # the index checks the object first: key, size, TTL, a kind that agrees with the key's tag
+                try:
+                    node_id = insert(
+                        key,
+                        kind,
+                        size,
+                        tier=Tier.SSD if tier == _SSD else Tier.DRAM,
+                        tenant=tenant,
+                        parent=parent,
+                        checksum=checksum,
+                        ttl_ms=ttl_ms,
+                        pending=True,
+                        avoid_node=replacing,
+                        admit=not retain,
+                    )
+                except BadObjectError as exc:
+                    raise BadRequestError(str(exc)) from None
+                except NotAdmittedError:
+                    status[i] = _NOT_ADMITTED
+                    continue
+                except (CapacityError, QuotaExceededError) as exc:
+                    self.count("puts_refused")
+                    raise CapacityExceededError(str(exc)) from None
+                finally:
+                    absorb()
+            except StoreError as exc:
+                failed.append((i, exc))
+                continue
+            self._put_seq += 1
+            put_id = prefix + str(self._put_seq)
+            puts[put_id] = OpenPut(put_id, key, node_id, deadline, checksum_at_commit, tokens)
+            put_of_key[key] = put_id
+            status[i] = _STARTED
+            put_ids[i] = put_id
+            node_ids[i] = node_id
+        for answer, counter in _START_COUNTERS.items():
+            self.count(counter, status.count(answer))
+        return status, put_ids, node_ids, failed
+
+    def _start_existing(
         self,
-        checksum_at_commit: bool,
-        deadline: float,
+        existing: ObjectInfo,
         key: bytes,
         kind: int,
         size: int,
-        checksum: int,
-        tenant: str,
-        parent: bytes,
         ttl_ms: int,
-        tier: int,
+        checksum: int,
         replace_if_corrupt: bool,
-        route: bytes,
-        tokens: list[int] | None,
-        retain: bool,
-    ) -> tuple[int, str, str]:
-        """One object's PutStart, the one path of the single call and of each object of a batch: its
-        status, put id ("" unless STARTED) and node id ("" when NOT_ADMITTED); raises the typed error the
-        object fails with. Plain fields in, plain values out, so a batch runs it straight off its columns
-        with no message per object (the fields after ``deadline`` are a batch row's, in column order); the
-        caller counts the status (a batch once per batch)."""
-        if checksum_at_commit and checksum:
-            raise BadRequestError("checksum_at_commit: the checksum comes with PutCommit, not PutStart")
-        _check_tenant(tenant)
-        if self.config.shards.sharded:  # a chain's objects by its route, anything else by its key
-            self.config.shards.require_owner(route or key, self.config.shard)
-        existing = self.index.get(key)
-        replacing: str | None = None
-        if existing is not None:
-            # key, size, TTL and a kind that agrees with the key's tag: a malformed object is refused, never
-            # answered EXISTS. A new key's insert checks the same first thing (checked once: the check is a
-            # fifth of the master's own work per put)
-            try:
-                _check_object(key, kind, size, ttl_ms, checksum)
-            except BadObjectError as exc:
-                raise BadRequestError(str(exc)) from None
-            if not existing.committed:
-                return _IN_PROGRESS, "", existing.node_id
-            if not replace_if_corrupt:
-                return _EXISTS, "", existing.node_id
-            # a reader found it corrupt: drop it and place the new copy elsewhere if any node can take it,
-            # so the delete of the bad copy cannot race with the new bytes on the same node
-            self._forget(existing)
-            replacing = existing.node_id
-            self.count("puts_replacing_corrupt")
-        try:
-            node_id = self.index.insert(
-                key,
-                kind,
-                size,
-                tier=Tier.SSD if tier == common_pb2.SSD else Tier.DRAM,
-                tenant=tenant,
-                parent=parent,
-                checksum=checksum,
-                ttl_ms=ttl_ms,
-                pending=True,
-                avoid_node=replacing,
-                admit=not retain,
-            )
+    ) -> int:
+        """A put of a key the index holds: IN_PROGRESS or EXISTS (successful no-ops), or 0 once a copy a
+        reader found corrupt was dropped (``replace_if_corrupt``) and the new one is to be placed."""
+        try:  # a malformed object is refused, never answered EXISTS (a new key's insert checks the same)
+            _check_object(key, kind, size, ttl_ms, checksum)
         except BadObjectError as exc:
             raise BadRequestError(str(exc)) from None
-        except NotAdmittedError:
-            return _NOT_ADMITTED, "", ""
-        except (CapacityError, QuotaExceededError) as exc:
-            self.count("puts_refused")
-            raise CapacityExceededError(str(exc)) from None
-        finally:
-            self._absorb_index_events()
-        self._put_seq += 1
-        put_id = f"{self.instance}-{self._put_seq}"
-        self._puts[put_id] = OpenPut(put_id, key, node_id, deadline, checksum_at_commit, tokens)
-        self._put_of_key[key] = put_id
-        return _STARTED, put_id, node_id
+        if not existing.committed:
+            return _IN_PROGRESS
+        if not replace_if_corrupt:
+            return _EXISTS
+        # drop it and place the new copy elsewhere if any node can take it, so the delete of the bad copy
+        # cannot race with the new bytes on the same node
+        self._forget(existing)
+        self.count("puts_replacing_corrupt")
+        return 0
 
     def put_commit(self, req: master_pb2.PutCommitRequest) -> master_pb2.PutCommitReply:
-        self._commit(req.put_id, req.checksum)
-        self.count("puts_committed")
+        """One put's commit: a batch of one (:meth:`_commit_rows`)."""
+        failed = self._commit_rows([req.put_id], [req.checksum])
+        if failed:
+            raise failed[0][1]
         return master_pb2.PutCommitReply()
 
-    def _commit(self, put_id: str, checksum: int) -> None:
-        """One put's PutCommit, the one path of the single call and of each put of a batch; raises the
-        typed error the put fails with."""
-        if put_id in self._puts and self._puts[put_id].checksum_at_commit and not checksum:
-            raise BadRequestError(f"put {put_id!r} was started with checksum_at_commit: commit needs it")
-        put = self._take_put(put_id)
-        try:
-            self.index.commit(put.key, checksum if put.checksum_at_commit else None)
-        except UnknownKeyError:  # its TTL ran out before the commit (the node was told to delete it)
-            raise ObjectNotFoundError(f"put {put_id!r} expired before its commit") from None
-        self._restore_pin(put.key)
-        if self.events is not None:
-            self.events.stored(put.key, put.token_ids)
-        self._absorb_index_events()
+    def _commit_rows(self, put_ids: Sequence[str], checksums: Sequence[int]) -> list[tuple[int, StoreError]]:
+        """Commit each put (with its checksum: required when it was started with checksum_at_commit, else 0
+        or ignored); the one path of PutCommit and PutCommitBatch. Returns the puts that failed, by index,
+        with the typed error each failed with; the others are committed."""
+        failed: list[tuple[int, StoreError]] = []
+        puts, take, commit = self._puts, self._take_put, self.index.commit
+        absorb, events = self._absorb_index_events, self.events
+        restore_pins = self.state.has_pins()
+        for i, (put_id, checksum) in enumerate(zip(put_ids, checksums, strict=True)):
+            try:
+                if not checksum and put_id in puts and puts[put_id].checksum_at_commit:
+                    raise BadRequestError(
+                        f"put {put_id!r} was started with checksum_at_commit: commit needs it"
+                    )
+                put = take(put_id)
+                try:
+                    commit(put.key, checksum if put.checksum_at_commit else None)
+                except UnknownKeyError:  # its TTL ran out before the commit (the node was told to delete it)
+                    raise ObjectNotFoundError(f"put {put_id!r} expired before its commit") from None
+                if restore_pins:
+                    self._restore_pin(put.key)
+                if events is not None:
+                    events.stored(put.key, put.token_ids)
+                absorb()
+            except StoreError as exc:
+                failed.append((i, exc))
+        self.count("puts_committed", len(put_ids) - len(failed))
+        return failed
 
     def put_start_batch(self, req: master_pb2.PutStartBatchRequest) -> master_pb2.PutStartBatchReply:
         """A whole push (one prefill's MLA blocks and checkpoint) in one exchange instead of one per object.
 
         Column-wise both ways: object i is the request's ``keys[i]`` with the i-th value of every other
-        column, run through :meth:`_start` (what :meth:`put_start` runs) in one loop, and its answer is the
-        i-th entry of the reply's columns. A column of the wrong length fails the whole batch
-        (``BadRequestError``) before anything is started. Otherwise one bad object (too big, a tenant over
-        quota, a kind that disagrees with its key) fails alone with its own ``ItemError``. A key that
-        appears twice is refused on its second appearance (``ObjectExistsError``), so the writer learns
-        that one of its own objects was dropped instead of taking it for another writer's put."""
+        column, started by :meth:`_start_rows` (what :meth:`put_start` runs), and its answer is the i-th
+        entry of the reply's columns; the reply lists only the objects that failed, each with its own
+        ``ItemError``. A column of the wrong length fails the whole batch (``BadRequestError``) before
+        anything is started."""
         self._check_shard_set(req.shard_set, "the writer")
-        keys = list(req.keys)
+        keys = req.keys
         n = len(keys)
         if n > MAX_KEYS_PER_CALL:
             raise BadRequestError(f"more than {MAX_KEYS_PER_CALL} keys in one PutStartBatch")
-        rows = zip(  # _start's fields, in its order
+        rows = zip(  # StartRow's fields, in its order
             keys,
             _column(req.kinds, n, "kinds", 0),
             _column(req.sizes, n, "sizes", 0),
@@ -525,35 +572,8 @@ class MasterCore:
             _column(req.retain, n, "retain", False),
             strict=True,
         )
-        at_commit = req.checksum_at_commit
-        deadline = self._put_deadline()
-        status = [0] * n
-        put_ids = [""] * n
-        node = [0] * n
-        node_index: dict[str, int] = {}
-        endpoints: list[common_pb2.NodeEndpoint] = []
-        errors: list[master_pb2.ItemError] = []
-        seen: set[bytes] = set()
-        start = self._start
-        for i, row in enumerate(rows):
-            try:
-                if row[0] in seen:
-                    raise ObjectExistsError("key appears twice in one batch")
-                seen.add(row[0])
-                st, put_id, node_id = start(at_commit, deadline, *row)
-                if node_id:
-                    at = node_index.get(node_id)
-                    if at is None:
-                        endpoints.append(self._endpoint(node_id))
-                        at = node_index[node_id] = len(endpoints) - 1
-                    node[i] = at
-            except StoreError as exc:
-                errors.append(_item_error(exc, i))
-                continue
-            status[i] = st
-            put_ids[i] = put_id
-        for st, counter in _START_COUNTERS.items():
-            self.count(counter, status.count(st))
+        status, put_ids, node_ids, failed = self._start_rows(rows, req.checksum_at_commit)
+        endpoints, node = self._node_column(node_ids, status, failed)
         self.count("put_batches")
         return master_pb2.PutStartBatchReply(
             status=status,
@@ -563,8 +583,36 @@ class MasterCore:
             deadline_ms=self.config.put_deadline_ms,
             epoch=self.epoch,
             shard=self.config.shard,
-            errors=errors,
+            errors=[_item_error(exc, i) for i, exc in sorted(failed, key=lambda f: f[0])],
         )
+
+    def _node_column(
+        self, node_ids: list[str], status: list[int], failed: list[tuple[int, StoreError]]
+    ) -> tuple[list[common_pb2.NodeEndpoint], list[int]]:
+        """Each node the rows name, once, and each row's index into them (0 for a row without a node). A
+        row whose node is no longer registered fails (``failed``, status 0), as the single call would."""
+        first = next((node_id for node_id in node_ids if node_id), "")
+        if first and node_ids.count(first) + node_ids.count("") == len(node_ids):  # the common push: one node
+            try:
+                return [self._endpoint(first)], [0] * len(node_ids)
+            except StoreError:
+                pass  # answered row by row below
+        endpoints: list[common_pb2.NodeEndpoint] = []
+        at: dict[str, int] = {}
+        node = [0] * len(node_ids)
+        for i, node_id in enumerate(node_ids):
+            if not node_id:
+                continue
+            if node_id not in at:
+                try:
+                    endpoints.append(self._endpoint(node_id))
+                except StoreError as exc:
+                    status[i] = 0
+                    failed.append((i, exc))
+                    continue
+                at[node_id] = len(endpoints) - 1
+            node[i] = at[node_id]
+        return endpoints, node
 
     def _token_lists(self, token_ids: Sequence[int], counts: Sequence[int], n: int) -> list[list[int] | None]:
         """Each object's token ids (None: none sent, or no KV events to keep them for), from the batch's
@@ -589,23 +637,15 @@ class MasterCore:
         return out
 
     def put_commit_batch(self, req: master_pb2.PutCommitBatchRequest) -> master_pb2.PutCommitBatchReply:
-        """Commit many puts in one exchange: each runs :meth:`_commit` (what :meth:`put_commit` runs); the
-        reply lists only the puts that failed, each with its own error."""
-        put_ids = list(req.put_ids)
+        """Commit many puts in one exchange (:meth:`_commit_rows`, what :meth:`put_commit` runs); the reply
+        lists only the puts that failed, each with its own error."""
+        put_ids = req.put_ids
         if req.checksums and len(req.checksums) != len(put_ids):
             raise BadRequestError(f"{len(req.checksums)} checksums for {len(put_ids)} put ids")
         if len(put_ids) > MAX_KEYS_PER_CALL:
             raise BadRequestError(f"more than {MAX_KEYS_PER_CALL} put ids in one PutCommitBatch")
-        sums = list(req.checksums) or [0] * len(put_ids)
-        errors: list[master_pb2.ItemError] = []
-        commit = self._commit
-        for i, (put_id, checksum) in enumerate(zip(put_ids, sums, strict=True)):
-            try:
-                commit(put_id, checksum)
-            except StoreError as exc:
-                errors.append(_item_error(exc, i))
-        self.count("puts_committed", len(put_ids) - len(errors))
-        return master_pb2.PutCommitBatchReply(errors=errors)
+        failed = self._commit_rows(put_ids, req.checksums or [0] * len(put_ids))
+        return master_pb2.PutCommitBatchReply(errors=[_item_error(exc, i) for i, exc in failed])
 
     def put_abort(self, req: master_pb2.PutAbortRequest) -> master_pb2.PutAbortReply:
         self._drop_put(self._take_put(req.put_id))
@@ -649,43 +689,57 @@ class MasterCore:
             )
         except BadObjectError as exc:
             raise BadRequestError(str(exc)) from None
-        reply = master_pb2.MatchPrefixReply(
-            usable_blocks=m.usable_blocks,
-            mla_run_blocks=m.mla_run_blocks,
-            checkpoint_blocks=m.checkpoint_blocks,
-        )
         self.count("match_prefix")
         self.count("match_prefix_resume", int(req.resume))  # decode's reads, which teach the index nothing
         self.count("match_blocks_asked", len(hashes))
         self.count("match_blocks_usable", m.usable_blocks)
         self.count("match_blocks_lost_to_checkpoint", m.blocks_lost_to_checkpoint)
-        keys = list(m.mla_keys)
-        if m.checkpoint_key is not None:
-            keys.append(m.checkpoint_key)
-        if not keys:
-            return reply
+        counts = {
+            "usable_blocks": m.usable_blocks,
+            "mla_run_blocks": m.mla_run_blocks,
+            "checkpoint_blocks": m.checkpoint_blocks,
+        }
+        if not m.slots:
+            return master_pb2.MatchPrefixReply(**counts)
         sizes, sums, tiers, node_ids = self.index.columns(m.slots)
-        reply.usable_blocks_on_ssd = tiers[: m.usable_blocks].count(Tier.SSD)
+        on_ssd = tiers[: m.usable_blocks].count(_SSD) if _SSD in tiers else 0
+        lease_id = ""
         if req.acquire:
+            keys = [*m.mla_keys, m.checkpoint_key] if m.checkpoint_key is not None else list(m.mla_keys)
             # pin first: making DRAM room for promotions must not evict what this fetch is about to read
             lease = self.index.acquire(keys, lease_ms)
             if lease is not None:
-                reply.lease_id = f"{self.instance}:{lease.lease_id}"
-            if Tier.SSD in tiers:
+                lease_id = f"{self.instance}:{lease.lease_id}"
+            if _SSD in tiers:
                 self._promote_on_hit([r for r in self.index.rows(keys) if r.tier == Tier.SSD])
                 sizes, sums, tiers, node_ids = self.index.columns(m.slots)  # promoted: DRAM now
         elif req.counts_only:
-            return reply
+            return master_pb2.MatchPrefixReply(**counts, usable_blocks_on_ssd=on_ssd)
+        endpoints, node = self._located_nodes(node_ids)
+        # one constructor call: the columns are filled in C, not appended field by field
+        return master_pb2.MatchPrefixReply(
+            **counts,
+            usable_blocks_on_ssd=on_ssd,
+            lease_id=lease_id,
+            nodes=endpoints,
+            node=node,
+            size=sizes,
+            checksum=sums,
+            tier=tiers,
+        )
+
+    def _located_nodes(self, node_ids: list[str]) -> tuple[list[common_pb2.NodeEndpoint], list[int]]:
+        """Each node of a match's objects once, and each object's index into them."""
+        first = node_ids[0]
+        if node_ids.count(first) == len(node_ids):  # a chain on one node: no per-object lookups
+            return [self._endpoint(first)], [0] * len(node_ids)
         at: dict[str, int] = {}
+        endpoints: list[common_pb2.NodeEndpoint] = []
         for node_id in node_ids:
             if node_id not in at:
-                at[node_id] = len(at)
-                reply.nodes.append(self._endpoint(node_id))
-        reply.node.extend([at[n] for n in node_ids])
-        reply.size.extend(sizes)
-        reply.checksum.extend(sums)
-        reply.tier.extend(tiers)
-        return reply
+                at[node_id] = len(endpoints)
+                endpoints.append(self._endpoint(node_id))
+        return endpoints, [at[n] for n in node_ids]
 
     def lookup(self, req: master_pb2.LookupRequest) -> master_pb2.LookupReply:
         keys = _check_keys(req.keys)
@@ -835,6 +889,8 @@ class MasterCore:
 
     def take_actions(self) -> list[PendingActions]:
         """Everything queued for nodes since the last call, grouped per node and action."""
+        if not self._outbox:  # after most calls
+            return []
         out: list[PendingActions] = []
         for node_id, queued in self._outbox.items():
             rec = self._nodes.get(node_id)

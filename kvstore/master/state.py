@@ -95,6 +95,10 @@ class StateStore:
         self.state.pins = {k: u for k, u in self.state.pins.items() if u > now}
         self.save()
 
+    def has_pins(self) -> bool:
+        """Whether any operator's pin is persisted (a commit then checks whether its key had one)."""
+        return bool(self.state.pins)
+
     def pin_remaining_ms(self, key: bytes) -> int:
         """Milliseconds left on a persisted pin of ``key`` (0 if none or expired)."""
         until = self.state.pins.get(key)

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from google.protobuf.message import DecodeError, Message
 from kvpool.kvstore.errors import (
@@ -51,6 +51,7 @@ from kvpool.runtime import cluster_auth
 from kvpool.runtime.cluster_auth import HELLO_SIZE
 
 log = logging.getLogger(__name__)
+_PLACES_PUTS = frozenset({"put_start", "put_start_batch"})  # the calls whose reply may wait for a delete
 
 
 class Gate(Protocol):
@@ -83,8 +84,9 @@ class _ServerConnection(asyncio.Protocol):
         self._out: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a cast, not an isinstance check: uvloop's transports have asyncio.Transport's methods without
+        # subclassing it (the check refused every connection under uvloop.run)
+        self.transport = cast(asyncio.Transport, transport)
         no_delay(transport)
         self.server.connections.add(self)
         if self._hello is not None:  # the hello is bounded like a frame: a peer that stalls in it is closed
@@ -256,6 +258,8 @@ class MasterWireServer:
             raise CapacityExceededError(
                 f"{method.name} reply of {len(out)} B exceeds the {self.max_body} B frame cap"
             )
+        if method.core_method not in _PLACES_PUTS:
+            return out, []
         return out, self._deletes_first(request, reply)
 
     def _deletes_first(self, request: Any, reply: Message) -> list[asyncio.Future[None]]:

@@ -36,7 +36,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
 from kvpool.kvstore.errors import (
@@ -301,8 +301,9 @@ class _ClientConnection(asyncio.Protocol):
         self._out: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a cast, not an isinstance check: uvloop's transports have asyncio.Transport's methods without
+        # subclassing it (the check refused every connection under uvloop.run)
+        self.transport = cast(asyncio.Transport, transport)
         no_delay(transport)
         hello = cluster_auth.client_hello()  # with a cluster secret: before any frame
         if hello:
