@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -108,7 +109,86 @@ def test_a_bad_object_fails_its_blocks_and_every_later_one(store) -> None:
         assert client.put(transfers[2].key, bytes(bad), kind=common_pb2.MLA_BLOCK, parent=transfers[1].key)
         assert load_into(client, dst, transfers, stats) == {18, 19, 20}  # objects 3-5: blocks 16+2..16+4
     assert torch.equal(dst.tensors["l0"][0][0][17], src.tensors["l0"][0][0][1])  # objects 1-2 stay loaded
+    assert not dst.tensors["l0"][0][0][18].any()  # checked before it is copied: the bad object wrote nothing
     assert stats.load_errors == 3
+
+
+def test_a_short_object_is_a_miss_that_writes_nothing(store) -> None:
+    master, _ = store
+    src, dst, stats = paged("random"), paged("zeros"), ConnectorStats()
+    transfers = chain(3, tag=11)
+    with StoreClient(master.address, "shm", deadline_s=5) as client:
+        saver = Saver(client, src, FP, GROUPS, stats, max_bytes=64 << 20)
+        saver.submit(transfers[:1])
+        assert saver.close(5.0)
+        whole = client.get(transfers[0].key)
+        short = whole[: len(whole) - 4096]  # a mapped object that ends early (header intact)
+        assert client.put(transfers[1].key, short, kind=common_pb2.MLA_BLOCK, parent=transfers[0].key)
+        assert client.put(transfers[2].key, whole, kind=common_pb2.MLA_BLOCK, parent=transfers[1].key)
+        assert load_into(client, dst, transfers, stats) == {17, 18}  # the short one and the one after it
+    assert torch.equal(dst.tensors["l1"][0][0][16], src.tensors["l1"][0][0][0])
+    assert not dst.tensors["l0"][0][0][17].any() and not dst.tensors["l1"][0][0][17].any()  # nothing of it
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bits (NaN payloads compare equal, as the bytes they are)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Any bit pattern, NaNs and infinities included: a copy must move bits, never values."""
+    t = torch.empty(shape, dtype=dtype)
+    _bits(t).copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int64).to(_bits(t).dtype))
+    return t
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash", "state"])
+@pytest.mark.parametrize(("ids", "skip"), [((5, 6, 7, 8), 0), ((9, 3, 4, 12), 0), ((2, 3, 10, 11), 1)])
+def test_one_copy_per_object_equals_the_per_layer_copy_bit_for_bit(layout, ids, skip) -> None:
+    """An object saved from blocks 0-3 of one engine lands in blocks ``ids`` of another (leaving the first
+    ``skip`` alone) exactly as a copy block by block, layer by layer would put it: CPU layout [blocks, ...],
+    flash layout [2, blocks, ...], and state layers with tensors of different shapes and dtypes."""
+    n = 16
+
+    def kv_of() -> dict[str, list[torch.Tensor]]:
+        if layout == "cpu":
+            return {f"l{i}": [_random_bits((n, 2, 16, 8), torch.float32)] for i in range(3)}
+        if layout == "flash":
+            return {f"l{i}": [_random_bits((2, n, 16, 2, 8), torch.bfloat16)] for i in range(3)}
+        return {
+            "m0": [_random_bits((n, 3, 5), torch.float32), _random_bits((n, 7), torch.bfloat16)],
+            "m1": [_random_bits((n, 4), torch.float64), _random_bits((n, 2, 2), torch.uint8)],
+        }
+
+    source, loaded = PagedKV(kv_of(), n), PagedKV(kv_of(), n)
+    names = [list(source.tensors)]
+    payload = b"".join(_bits(t).numpy().tobytes() for t in source.gather(names, [(0, 1, 2, 3)]))
+    expected = {name: [t.clone() for t, _ in ts] for name, ts in loaded.tensors.items()}
+    for name, ts in source.tensors.items():  # the reference: per layer, per tensor, per block
+        for (s, d), e in zip(ts, expected[name], strict=True):
+            for j in range(skip, len(ids)):
+                e.select(d, ids[j]).copy_(s.select(d, j))
+    loaded.target(names, [ids], [skip]).write(memoryview(payload))
+    for name, ts in loaded.tensors.items():
+        for (t, _), e in zip(ts, expected[name], strict=True):
+            assert torch.equal(_bits(t), _bits(e))
+
+
+def test_an_idle_step_waits_for_a_load_in_flight_but_no_longer_than_its_bound() -> None:
+    from concurrent.futures import Future
+
+    loader = Loader(None, paged("zeros"), FP, GROUPS, ConnectorStats())  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    loader.wait_any(5.0)  # nothing in flight: no wait
+    assert time.monotonic() - t0 < 0.5
+    pending: Future[list[Exception | None]] = Future()
+    loader.in_flight["r"] = (planmod.LoadPlan("r", (), 0), pending, 0.0)
+    t0 = time.monotonic()
+    loader.wait_any(0.05)
+    assert 0.04 < time.monotonic() - t0 < 1.0 and loader.done() == []
+    threading.Timer(0.05, pending.set_result, ([],)).start()
+    loader.wait_any(5.0)  # returns as soon as the load finishes
+    assert loader.done() == ["r"]
 
 
 def test_a_full_queue_drops_and_a_silent_store_costs_shutdown_only_its_deadline(store) -> None:

@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.vllm")
 
+# the longest an idle step waits for a load in flight: a request that arrives meanwhile waits as long
+IDLE_WAIT_S = 0.02
+
 
 class KvpoolConnectorMetadata(KVConnectorMetadata):
     """The scheduler's ``StepPlan``, shipped to every worker for one step."""
@@ -221,7 +224,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._async_loads.append(load or self.planner.unloadable(t, end - num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        plan = StepPlan(loads=self._async_loads)
+        plan = StepPlan(loads=self._async_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._async_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -337,6 +340,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         step's ``get_block_ids_with_load_errors`` (vLLM reads it right after this)."""
         if self._loader is None:
             return None, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(meta, KvpoolConnectorMetadata) and meta.plan.idle:
+            self._loader.wait_any(IDLE_WAIT_S)  # nothing else to run: let the load have both cores
         done = self._loader.done()
         for rid in done:
             self._load_errors |= self._loader.finish(rid)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+import xxhash
 from kvpool.integrations.vllm.chunks import GroupLayout
-from kvpool.integrations.vllm.codec import BadObjectError, open_object
+from kvpool.integrations.vllm.codec import BadObjectError, Part, open_object
 from kvpool.integrations.vllm.metrics import ConnectorStats
-from kvpool.integrations.vllm.paged import PagedKV
+from kvpool.integrations.vllm.paged import ObjectTarget, PagedKV
 from kvpool.integrations.vllm.plan import LoadPlan, blocks_of
 from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import StoreError
@@ -46,13 +47,27 @@ class Loader:
         self.in_flight: dict[str, tuple[LoadPlan, Future[list[Exception | None]], float]] = {}
         self._bytes: dict[str, int] = {}  # per load in flight: the bytes it reads
 
-    def _visit(self, load: LoadPlan, i: int, view: memoryview) -> None:
-        """Check object i's header, scatter its payload into its blocks hashing it on the way, compare."""
-        tr = load.transfers[i]
-        layers = [self.groups[g].layer_names for g in tr.groups]
-        payload, want = open_object(view, self.fp, tr.kind, self.paged.parts(layers, tr.blocks))
-        if self.paged.scatter(payload, layers, tr.blocks, tr.skips) != want:
+    def _visit(
+        self, targets: Sequence[tuple[int, list[Part], ObjectTarget]], i: int, view: memoryview
+    ) -> None:
+        """Check object i's header and payload digest, then copy it into its blocks: a bad object writes
+        nothing. The payload is hashed in one call just before the copy, which then reads it from cache."""
+        kind, parts, target = targets[i]
+        payload, want = open_object(view, self.fp, kind, parts)
+        if xxhash.xxh3_64_intdigest(payload) != want:
             raise BadObjectError("payload checksum mismatch")
+        target.write(payload)
+
+    def _targets(self, load: LoadPlan) -> list[tuple[int, list[Part], ObjectTarget]]:
+        """Per transfer: its kind, the parts its header must name, and its destination views, made here on
+        the engine's thread so that the reading thread only checks and copies."""
+        out = []
+        for tr in load.transfers:
+            layers = [self.groups[g].layer_names for g in tr.groups]
+            out.append(
+                (tr.kind, self.paged.parts(layers, tr.blocks), self.paged.target(layers, tr.blocks, tr.skips))
+            )
+        return out
 
     def start(self, load: LoadPlan) -> None:
         """Start reading the plan's objects into their blocks (``finish``/``done`` collect the outcome)."""
@@ -64,7 +79,8 @@ class Loader:
         else:
             locations = [common_pb2.ObjectLocation.FromString(tr.location) for tr in load.transfers]
             try:
-                future = self.store.read_in_place_soon(locations, lambda i, v: self._visit(load, i, v))
+                targets = self._targets(load)
+                future = self.store.read_in_place_soon(locations, lambda i, v: self._visit(targets, i, v))
             except StoreError as exc:
                 future = Future()
                 future.set_result([exc] * len(locations))
@@ -111,6 +127,12 @@ class Loader:
             nbytes / max(seconds, 1e-9) / 1e9,
         )
         return set()
+
+    def wait_any(self, timeout_s: float) -> None:
+        """Block (GIL released) until a load in flight finishes or ``timeout_s`` passes."""
+        futures = [future for _, future, _ in self.in_flight.values()]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def done(self) -> list[str]:
         """Requests whose asynchronous load has finished (successfully or not)."""

@@ -9,12 +9,22 @@ engine computed, and any backend whose block dimension is found works unchanged.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
-import xxhash
 from kvpool.integrations.vllm.codec import Part
+
+# an element width -> the integer types (torch, numpy) a load moves it as: bits, never values
+_BITS = {
+    1: (torch.uint8, np.dtype(np.uint8)),
+    2: (torch.int16, np.dtype(np.int16)),
+    4: (torch.int32, np.dtype(np.int32)),
+    8: (torch.int64, np.dtype(np.int64)),
+}
 
 
 class LayoutError(ValueError):
@@ -40,6 +50,9 @@ class PagedKV:
         self.tensors: dict[str, list[tuple[torch.Tensor, int]]] = {}
         for name, value in kv_caches.items():
             ts = [value] if isinstance(value, torch.Tensor) else list(value)
+            for t in ts:
+                if t.element_size() not in _BITS:
+                    raise LayoutError(f"KV tensor {name} of {t.dtype}: elements of 1, 2, 4 or 8 bytes only")
             self.tensors[name] = [(t, block_dim(t, num_blocks)) for t in ts]
 
     def parts(self, layer_groups: Sequence[Sequence[str]], blocks: Sequence[Sequence[int]]) -> list[Part]:
@@ -76,55 +89,90 @@ class PagedKV:
                     out.append(host)
         return out
 
-    def scatter(
-        self,
-        payload: memoryview,
-        layer_groups: Sequence[Sequence[str]],
-        blocks: Sequence[Sequence[int]],
-        skip: Sequence[int],
-    ) -> int:
-        """Write an object's payload into the blocks, leaving the first ``skip[i]`` of group i alone; returns
-        the xxh3-64 of the whole payload, computed in the same pass.
+    def target(
+        self, layer_groups: Sequence[Sequence[str]], blocks: Sequence[Sequence[int]], skip: Sequence[int]
+    ) -> ObjectTarget:
+        """Where an object holding ``blocks[i]`` of every layer in ``layer_groups[i]`` lands, leaving the
+        first ``skip[i]`` blocks of group i alone: prepared ahead of its bytes (``ObjectTarget``).
 
-        Why fused: the payload is read once, part by part (one layer's blocks, ~100 KiB-1 MiB), hashed and
-        then copied while it is still in cache, so the check costs no second pass over memory. The blocks
-        are written before the digest is known: the caller compares it and, on a mismatch, reports these
-        blocks to vLLM, which recomputes them before anything reads them. One tensor over the whole payload
-        and slices of it per part keep the per-part cost to a few tensor views (a load is ~10^3 parts)."""
-        digest = xxhash.xxh3_64()
-        with warnings.catch_warnings():  # a read-only source (the store's pool): only ever read from
-            warnings.simplefilter("ignore", UserWarning)
-            raw = (
-                torch.frombuffer(payload, dtype=torch.uint8)
-                if len(payload)
-                else torch.empty(0, dtype=torch.uint8)
-            )
+        Why ahead: the destination views depend only on the plan, so the engine's thread builds them in
+        ``start_load_kv``, where it holds the GIL anyway, and the thread that reads the object only cuts its
+        payload and starts one copy (see ``ObjectTarget``)."""
+        dst: list[torch.Tensor] = []
+        sources: list[_Source] = []
         offset = 0
         for names, ids, s in zip(layer_groups, blocks, skip, strict=True):
-            n_ids = len(ids) - s
-            first = ids[s] if n_ids > 0 else 0
-            run = (
-                n_ids > 0
-                and ids[-1] - first == n_ids - 1
-                and list(ids[s:]) == list(range(first, ids[-1] + 1))
-            )
-            idx: torch.Tensor | None = None
+            runs = _runs(ids, s)
             for name in names:
                 for t, d in self.tensors[name]:
-                    per_block = t.numel() // t.shape[d] * t.element_size()
-                    n = per_block * len(ids)
-                    digest.update(payload[offset : offset + n])
-                    if n_ids > 0:
-                        shape = list(t.shape)
-                        shape[d] = len(ids)
-                        src = raw[offset : offset + n].view(t.dtype).view(shape)
-                        if s:
-                            src = src.narrow(d, s, n_ids)  # a view: one copy, into t
-                        if run:
-                            t.narrow(d, first, n_ids).copy_(src)
-                        else:
-                            if idx is None or idx.device != t.device:
-                                idx = torch.tensor(ids[s:], dtype=torch.long, device=t.device)
-                            t.index_copy_(d, idx, src.to(t.device, non_blocking=False))
-                    offset += n
-        return digest.intdigest()
+                    shape = _part_shape(t, d, len(ids))
+                    size = math.prod(shape) * t.element_size()
+                    bits = _BITS[t.element_size()]
+                    for first, start, n in runs:
+                        dst.append(t.narrow(d, first, n).view(bits[0]))
+                        whole = start == 0 and n == len(ids)
+                        cut = (slice(None),) * d + (slice(start, start + n),)
+                        sources.append(_Source(offset, size, bits[1], shape, () if whole else cut))
+                    offset += size
+        return ObjectTarget(dst, sources, offset)
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where the bytes of one destination view lie in the payload: a part's byte range, the part's shape
+    in its bit-type, and the run of blocks within it (``()``: all of them)."""
+
+    offset: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    cut: tuple[slice, ...]
+
+
+class ObjectTarget:
+    """One object's destination blocks in the paged KV, and how its payload's bytes map onto them.
+
+    ``write`` cuts the payload into numpy views (no GIL hand-over: a numpy view is made under the GIL
+    without releasing it), wraps them with ``torch.from_numpy`` (same), and copies every layer with one
+    ``torch._foreach_copy_``, whose copies run in C++ with the GIL released. One hand-over per object,
+    not one per tensor call per layer: while the engine steps, each hand-over waits up to the switch
+    interval to get the GIL back. Both sides are viewed as same-width integers (float32 as int32, bf16
+    as int16...), so the copy moves bits, never values, and what lands is the per-layer copy bit for bit.
+    """
+
+    def __init__(self, dst: list[torch.Tensor], sources: list[_Source], nbytes: int) -> None:
+        self.dst, self.sources, self.nbytes = dst, sources, nbytes
+
+    def write(self, payload: memoryview) -> None:
+        """Copy a checked payload (exactly ``nbytes``) into the object's blocks."""
+        if len(payload) != self.nbytes:
+            raise ValueError(f"payload of {len(payload)} B for an object of {self.nbytes} B")
+        if not self.dst:
+            return
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        with warnings.catch_warnings():  # a read-only source (the store's pool): only ever read from
+            warnings.simplefilter("ignore", UserWarning)
+            src = [
+                torch.from_numpy(raw[s.offset : s.offset + s.nbytes].view(s.dtype).reshape(s.shape)[s.cut])
+                for s in self.sources
+            ]
+        torch._foreach_copy_(self.dst, src)
+
+
+def _part_shape(t: torch.Tensor, d: int, n: int) -> tuple[int, ...]:
+    """The shape of ``n`` blocks of ``t`` taken along its block dimension ``d`` (one part of an object)."""
+    shape = list(t.shape)
+    shape[d] = n
+    return tuple(shape)
+
+
+def _runs(ids: Sequence[int], skip: int) -> tuple[tuple[int, int, int], ...]:
+    """``ids[skip:]`` as maximal runs of consecutive block ids: (first id, its index in ``ids``, length)."""
+    out: list[tuple[int, int, int]] = []
+    for i in range(skip, len(ids)):
+        if out and ids[i] == out[-1][0] + out[-1][2]:
+            first, start, n = out[-1]
+            out[-1] = (first, start, n + 1)
+        else:
+            out.append((ids[i], i, 1))
+    return tuple(out)

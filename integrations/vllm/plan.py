@@ -72,10 +72,15 @@ class LoadPlan:
 
 @dataclass(slots=True)
 class StepPlan:
-    """What the workers do in one engine step: loads before the forward pass, saves after it."""
+    """What the workers do in one engine step: loads before the forward pass, saves after it.
+
+    ``idle``: the step runs no forward pass (no request has tokens scheduled), so the engine has nothing to
+    do but wait for loads in flight: the worker waits for them there, with the GIL released, instead of
+    returning at once into another empty step that competes for the GIL with the load's thread."""
 
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass(slots=True)
