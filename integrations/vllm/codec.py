@@ -3,9 +3,9 @@
 ``b"KVPV" | u32 header length | msgpack header | payload``. The header names the fingerprint, the object's
 kind, and for every part (one layer's tensor, in a fixed order) its name and byte count, plus an xxh3-64
 of the payload. ``open_object`` checks every header field against what the reader expects and hands back the
-payload with the digest it must hash to; the reader hashes the payload in the same pass as it scatters it
-(``PagedKV.scatter``). Any mismatch raises ``BadObjectError``, which the connector turns into a load error
-for vLLM to recompute: a bad object is a miss, never wrong KV.
+payload with the digest it must hash to; the reader hashes the payload and compares before it copies
+anything into its blocks (``Loader._visit``). Any mismatch raises ``BadObjectError``, which the connector
+turns into a load error for vLLM to recompute: a bad object is a miss, never wrong KV.
 """
 
 from __future__ import annotations

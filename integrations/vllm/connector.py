@@ -4,10 +4,11 @@ Scheduler side: one ``match_prefix`` per lookup over kvpool's chained chunk hash
 joint rule for hybrid models, and a ``StepPlan`` of loads and saves per engine step (``plan.py``); the
 lookup's answer also locates every object, and the plan carries those locations to the workers.
 Worker side (``docs/design/vllm_connector.md``): a load reads its objects in place out of the store and
-scatters them into vLLM's blocks in one pass (``loader.py``), asynchronously by default, so the scheduler
-steps other requests meanwhile; a save copies the step's new blocks out and a background thread puts them
-(``saver.py``), so no step waits for the store. Every store call has a deadline: a dead or slow store costs
-a load at most that deadline (vLLM then recomputes the blocks) and a save nothing but a future miss.
+copies each into every layer's blocks with one call (``loader.py``), asynchronously by default, so the
+scheduler steps other requests meanwhile (and an idle step waits for it instead of spinning); a save
+copies the step's new blocks out and a background thread puts them (``saver.py``), so no step waits for
+the store. Every store call has a deadline: a dead or slow store costs a load at most that deadline (vLLM
+then recomputes the blocks) and a save nothing but a future miss.
 
 Extra config keys (``kv_connector_extra_config``):
 

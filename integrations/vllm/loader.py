@@ -1,15 +1,17 @@
 """Worker side of the connector's loads: a request's objects go from the store straight into vLLM's blocks.
 
-One pass over the bytes: ``start`` hands the plan's located objects to ``StoreClient.read_in_place_soon``,
-which shows each object where it lies (the node's shared-memory pool on the same host, the receive buffer
-over tcp/ucx); the visit checks the object's header, then hashes and scatters its payload part by part
-(``PagedKV.scatter``) and compares the digest. No intermediate ``bytes``, no second lookup at the master
+``start`` builds every object's destination views (``PagedKV.target``) on the engine's thread and hands the
+plan's located objects to ``StoreClient.read_in_place_soon``, which shows each object where it lies (the
+node's shared-memory pool on the same host, the receive buffer over tcp/ucx); the visit checks the object's
+header and payload digest, then copies it into every layer with one call (``ObjectTarget.write``): a bad
+object writes nothing. No intermediate ``bytes``, no second lookup at the master
 (the scheduler's ``match_prefix`` located every object). ``finish`` turns the per-object results into the
 block ids vLLM must recompute: the first object that is missing, late, stale or bad fails itself and every
 later object of the plan (a bad object is a miss, never wrong KV).
 
 Asynchronous loads (``LoadPlan.asynchronous``) run on the store client's loop while the engine steps other
-requests; ``done`` lists those that finished, and only then are their blocks reported or released.
+requests; ``done`` lists those that finished, and only then are their blocks reported or released;
+``wait_any`` lets a step with nothing else to do wait for one with the GIL released.
 """
 
 from __future__ import annotations

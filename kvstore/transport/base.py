@@ -228,7 +228,7 @@ class Transport(ABC):
         Why: a reader that scatters an object somewhere else (the vLLM connector into paged KV blocks) would
         otherwise copy it twice, once into a buffer here and once out of it. The view is only valid during
         the call, and its bytes are not verified against ``meta.checksum`` first: ``visit`` checks what it
-        reads (the connector's codec hashes its payload in the same pass as its scatter). A backend that
+        reads (the connector hashes its payload and compares before copying it anywhere). A backend that
         cannot vouch that the bytes it handed over were the object's for the whole call (shm: the stamp
         changed) reports a ``StaleReadError`` for that item after ``visit`` ran: discard what it wrote.
 
