@@ -100,6 +100,21 @@ class PagedKV:
         payload and starts one copy (see ``ObjectTarget``)."""
         dst: list[torch.Tensor] = []
         sources: list[_Source] = []
+        # vLLM calls start_load_kv in inference mode, and a view made there may not be written in place
+        # outside it, where the reading thread copies: the views are made as ordinary ones
+        with torch.inference_mode(False):
+            nbytes = self._views(layer_groups, blocks, skip, dst, sources)
+        return ObjectTarget(dst, sources, nbytes)
+
+    def _views(
+        self,
+        layer_groups: Sequence[Sequence[str]],
+        blocks: Sequence[Sequence[int]],
+        skip: Sequence[int],
+        dst: list[torch.Tensor],
+        sources: list[_Source],
+    ) -> int:
+        """Append each destination view and its source to ``dst`` and ``sources``; the payload's bytes."""
         offset = 0
         for names, ids, s in zip(layer_groups, blocks, skip, strict=True):
             runs = _runs(ids, s)
@@ -114,7 +129,7 @@ class PagedKV:
                         cut = (slice(None),) * d + (slice(start, start + n),)
                         sources.append(_Source(offset, size, bits[1], shape, () if whole else cut))
                     offset += size
-        return ObjectTarget(dst, sources, offset)
+        return offset
 
 
 @dataclass(frozen=True, slots=True)
