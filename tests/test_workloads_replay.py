@@ -218,9 +218,11 @@ def test_report_is_self_contained_html(tmp_path: Path, capsys: pytest.CaptureFix
     ]
     assert main(argv) == 0
     page = out.read_text()
-    assert page.count("data:image/png;base64,") == 6  # per trace: policies, checkpoints, price vs capacity
+    # per trace: policies, the sampled band, checkpoints, price vs capacity
+    assert page.count("data:image/png;base64,") == 8
     needles = ("optimum", "moonshot-k3", "openai-style", "Provider view", "prompt,junction",
-               "<h2>Summary</h2>", "Price vs capacity", "saved $ deepseek-style", "not swept")  # fmt: skip
+               "<h2>Summary</h2>", "Price vs capacity", "saved $ deepseek-style", "not swept",
+               "Sampled LRU curve (R = 0.1, 3 salts)", "Token-hit error over")  # fmt: skip
     for needle in needles:
         assert needle in page, needle
     assert page.index("<h2>Summary</h2>") < page.index("<h2>synthetic</h2>")  # the report opens with it

@@ -10,7 +10,7 @@ import pytest
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.generators import generate
 from kvpool.workloads.lru_curve import lru_curve
-from kvpool.workloads.sampled import chain_root, curve_error, sample, sampled_lru_curve
+from kvpool.workloads.sampled import chain_root, curve_error, sample, sample_band, sampled_lru_curve
 from kvpool.workloads.sim_config import SimConfig
 from kvpool.workloads.specs import get_spec
 from kvpool.workloads.trace import Request
@@ -103,3 +103,22 @@ def test_the_command_prints_the_rate_and_the_estimate_note(capsys: pytest.Captur
     for bad, flag in bad_args:
         assert main([*base, *bad]) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_the_band_spans_the_salts_around_the_exact_curve_and_collapses_onto_it_at_rate_one(
+    chat: list[Request], exact: dict[int, dict]
+) -> None:
+    """What ``kvpool report`` draws: per capacity the exact value and the salts' mean, least and greatest
+    estimate; at R = 1 every salt keeps everything, so the band is the exact curve and the error is 0."""
+    band = sample_band(chat, CFG, CAPS, BS, 0.1, salts=3)
+    assert [r["capacity"] for r in band.rows] == CAPS
+    for r in band.rows:
+        assert r["exact"] == exact[r["capacity"]]["token_hit_rate"]
+        assert r["lo"] <= r["mean"] <= r["hi"] and r["lo"] < r["hi"], r  # three salts, three samples
+    errs = [abs(r[k] - r["exact"]) for r in band.rows for k in ("lo", "hi")]
+    assert 0 < band.mean_abs_err <= band.max_abs_err == pytest.approx(max(errs))
+    whole = sample_band(chat, CFG, CAPS, BS, 1.0, salts=2)
+    assert all(r["exact"] == r["mean"] == r["lo"] == r["hi"] for r in whole.rows)
+    assert whole.mean_abs_err == whole.max_abs_err == 0.0
+    with pytest.raises(ReplayError, match="salt"):
+        sample_band(chat, CFG, CAPS, BS, 0.1, salts=0)

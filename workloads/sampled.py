@@ -180,3 +180,63 @@ def curve_error(
     if not diffs:
         return 0.0, 0.0
     return sum(diffs) / len(diffs), max(diffs)
+
+
+@dataclass(slots=True)
+class SampleBand:
+    """How far the sampled curve strays on a trace whose exact curve is known: per capacity the exact
+    value of ``metric`` and the estimates of several salts (their mean, least and greatest), and the mean
+    and largest absolute error over every (capacity, salt). What the report draws, so a user sees on their
+    own trace what ``--sample`` would cost them in accuracy before trusting it on a larger one."""
+
+    rate: float
+    by: str
+    metric: str
+    salts: int
+    rows: list[dict[str, Any]] = field(default_factory=list)  # capacity, exact, mean, lo, hi
+    mean_abs_err: float = 0.0
+    max_abs_err: float = 0.0
+
+
+def sample_band(
+    requests: Sequence[Request],
+    config: SimConfig,
+    capacities: Sequence[int],
+    block_size: int,
+    rate: float,
+    salts: int = 3,
+    by: str = "root",
+    metric: str = "token_hit_rate",
+) -> SampleBand:
+    """The exact one-pass curve at ``capacities`` (those the pass takes exactly; the others are left out)
+    against the sampled curves of salts ``0 .. salts - 1``. ``config`` must take the one-pass path, as
+    for :func:`sampled_lru_curve`; a salt whose sample keeps nothing is a ReplayError."""
+    if salts < 1:
+        raise ReplayError(f"a sample band needs at least one salt, got {salts}")
+    curve, _ = lru_curve(requests, config, capacities, block_size)
+    if not curve:
+        raise ReplayError("no capacity of the band takes the exact one-pass curve")
+    exact = {c: p.to_dict() for c, p in curve.items()}
+    runs = [
+        sampled_lru_curve(requests, config, sorted(exact), block_size, rate, s, by).points
+        for s in range(salts)
+    ]
+    band = SampleBand(rate, by, metric, salts)
+    errors: list[float] = []
+    for cap in sorted(exact):
+        want = float(exact[cap][metric])
+        got = [float(run[cap][metric]) for run in runs]
+        errors += [abs(g - want) for g in got]
+        band.rows.append(
+            {
+                "capacity": cap,
+                "capacity_bytes": exact[cap]["capacity_bytes"],
+                "exact": want,
+                "mean": sum(got) / len(got),
+                "lo": min(got),
+                "hi": max(got),
+            }
+        )
+    band.mean_abs_err = sum(errors) / len(errors)
+    band.max_abs_err = max(errors)
+    return band
