@@ -13,12 +13,15 @@ from kvpool.kvstore.errors import (
     CapacityExceededError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ShardSetError,
     StoreError,
+    WrongShardError,
 )
 from kvpool.kvstore.master.core import MAX_TENANT_CHARS, MasterConfig, MasterCore
 from kvpool.kvstore.master.node_notifier import NodeNotifier
 from kvpool.kvstore.master.wire_server import MasterWireServer
 from kvpool.kvstore.protocol.master_wire import METHODS, put_start_batch_request
+from kvpool.kvstore.shards import ShardSet
 from kvpool.proto import common_pb2, master_pb2
 
 from tests.harness.clock import Clock
@@ -168,3 +171,29 @@ def test_the_wire_server_holds_a_started_put_behind_a_queued_delete_of_its_key()
         return [f is queued for f in after]
 
     assert asyncio.run(run()) == [True]
+
+
+def test_a_sharded_batch_checks_each_route_and_its_shard_set() -> None:
+    """Each object is refused on its own when its route belongs to another shard (a route is checked once
+    per batch, its objects answered alike); the writer's shard set is compared as this master spells it,
+    and parsed when spelled otherwise."""
+    shards = ShardSet(2)
+    core = MasterCore(MasterConfig(policy="lru", shards=shards, shard=0), clock=Clock())
+    node = common_pb2.NodeEndpoint(node_id="n", host="127.0.0.1", grpc_port=9)
+    core.register_node(
+        master_pb2.RegisterNodeRequest(node=node, dram_capacity_bytes=NODE_BYTES, shard_set=str(shards))
+    )
+    routes = [bytes([i]) * 32 for i in range(16)]
+    mine = next(r for r in routes if shards.shard_of_route(r) == 0)
+    theirs = next(r for r in routes if shards.shard_of_route(r) == 1)
+    metas = [_meta(b"B%d" % i) for i in range(4)]
+    request = put_start_batch_request(metas, routes=[mine, theirs, mine, theirs], shard_set=str(shards))
+    reply = core.put_start_batch(request)
+    assert [(e.index, e.code) for e in reply.errors] == [(1, WrongShardError.code), (3, WrongShardError.code)]
+    assert [reply.status[i] for i in (0, 2)] == [Reply.STARTED, Reply.STARTED]
+    request.shard_set = f"{shards.count}"  # the same set, spelled without its depth
+    request.keys[:] = [b"Bx", b"By", b"Bz", b"Bw"]
+    assert len(core.put_start_batch(request).errors) == 2
+    request.shard_set = "3x2"
+    with pytest.raises(ShardSetError):
+        core.put_start_batch(request)
