@@ -242,8 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         if rates:
             load_gbps[name] = statistics.median(rates)
     memcpy = memcpy_gbps()
+    ratios["memcpy_gbps"] = memcpy
     for name, g in load_gbps.items():
-        ratios[f"load_over_memcpy_{name.removesuffix('_reader').replace('_reader', '')}"] = g / memcpy
+        short = name.removesuffix("_reader").replace("_reader", "")
+        ratios[f"load_gbps_{short}"] = g
+        ratios[f"load_over_memcpy_{short}"] = g / memcpy
     if tput:
         ratios["throughput_with_over_without"] = (
             tput["with_kvpool"]["tokens_per_s"] / tput["without_kvpool"]["tokens_per_s"]
