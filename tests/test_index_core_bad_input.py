@@ -130,3 +130,24 @@ def test_a_policy_set_after_the_index_was_built_ranks_every_later_pass() -> None
         victims.append([ev.key for ev in idx.drain_events()])
         assert idx.verify() == []
     assert victims[:2] == victims[2:] and victims[0], victims
+
+
+def test_a_chain_that_repeats_a_block_is_touched_once_and_counts_as_the_oracle() -> None:
+    """A match over [h0, h0, h0] names slot 0 three times: the core's C touch counts one use per distinct
+    slot, as the policy's numpy touch (the oracle's) does; a checkpoint count that is no integer, or one
+    past any C integer, is a malformed chain on both sides."""
+    for policy in ("lru", "depth", "hybrid"):
+        got = []
+        for cls in (PrefixIndex, OraclePrefixIndex):
+            clock = Clock()
+            idx = cls(policy, clock=clock)
+            idx.add_node("a", 1000)
+            h = [_m(i)[1:] for i in range(2)]
+            assert min(idx.insert_chain(h, [3, 3], [True, True], [(1, 3, True)], node_id="a")) >= 0
+            clock.t += 1.0
+            idx.match_prefix([h[0]] * 3, require_checkpoint=False, touch=True)
+            got.append((idx.get(_m(0)).freq, idx.get(_m(0)).last_use))
+            for bad in (1.5, 2**70, -(2**70), "1"):
+                with pytest.raises(BadObjectError):
+                    idx.insert_chain(h, [3, 3], [True, True], [(bad, 3, True)], node_id="a")
+        assert got[0] == got[1] == (2.0, 11.0), (policy, got)

@@ -312,3 +312,29 @@ def test_hybrid_admission_beats_lru_where_the_cache_is_small(conversation: list[
     assert hybrid["token_hit_rate"] > 1.4 * lru["token_hit_rate"] > 0  # 1.61x when written
     unbounded = simulate(reqs, SimConfig(spec=k3)).to_dict()
     assert unbounded["objects_not_admitted"] == 0  # nothing is evicted, so the rate stays at 1
+
+
+def test_a_sweep_shares_the_trace_chains_and_gets_the_same_result(conversation: list[Request]) -> None:
+    """``warmed_builder`` hashes a trace once for all the points of a sweep: a simulation on it equals one
+    that hashes for itself (id records: the first-seen parent decides a hash, so the warm-up must meet the
+    requests in the simulator's order; token records too), and chains of another spec or block size are
+    refused rather than used."""
+    from kvpool.workloads.chains import warmed_builder
+    from kvpool.workloads.generators import generate
+
+    k3 = get_spec("k3")
+    shuffled = random.Random(3).sample(conversation[:600], 600)  # arrival order is not list order
+    chat = generate("chat", 150, rate=20.0, seed=2, tenants=3)
+    for reqs, cfg in (
+        (shuffled, SimConfig(spec=k3, capacity=40 * 2**30)),
+        (chat, SimConfig(spec=k3, capacity=2 * 2**30, block_size=64)),
+    ):
+        bs = 512 if reqs is shuffled else 64
+        chains = warmed_builder(reqs, k3.name, bs)
+        assert simulate(reqs, cfg, chains=chains).to_dict() == simulate(reqs, cfg).to_dict()
+    with pytest.raises(ReplayError, match="another spec or block size"):
+        simulate(
+            shuffled,
+            SimConfig(spec=get_spec("k3", pure_mla=True)),
+            chains=warmed_builder(shuffled, "k3", 512),
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.cache.hashing import canonical_tokens, check_block_size, hash_block, root_hash
@@ -139,3 +140,15 @@ class ChainBuilder:
             sizes[-1] = req.input_length % bs
         full = req.input_length // bs
         return Chain(hashes, sizes, n, full)
+
+
+def warmed_builder(requests: Sequence[Request], spec_name: str, block_size: int) -> ChainBuilder:
+    """A builder that has already seen ``requests``, in the simulator's order (arrival, stable), so it
+    holds every hash a simulation of them computes. Why: a sweep simulates one trace at many capacities,
+    and hashing its blocks is about a quarter of an LRU point; built once before the points (a pool's
+    forked workers inherit it), each point only looks its chains up. The hashes are the ones a fresh
+    builder computes, since it meets the requests in the same order."""
+    builder = ChainBuilder(spec_name, block_size)
+    for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms):
+        builder.chain(requests[i], with_output=True)
+    return builder

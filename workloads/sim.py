@@ -41,6 +41,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.records import PUT_NO_ROOM, PUT_NOT_ADMITTED, StoreIndexError, Tier
 from kvpool.kvstore.keys import MLA_TAG
 from kvpool.workloads import trace
-from kvpool.workloads.chains import Chain, ChainBuilder
+from kvpool.workloads.chains import Chain, ChainBuilder, model_fingerprint
 from kvpool.workloads.checkpoints import checkpoint_positions
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.labels import YARDSTICKS, LabelsPolicy, ReuseOracle
@@ -111,7 +112,13 @@ class _Store:
 class _Replay:
     """One simulation's state: the index, the chains, the counters, the stores not yet visible."""
 
-    def __init__(self, config: SimConfig, block_size: int, oracle: ReuseOracle | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        block_size: int,
+        oracle: ReuseOracle | None = None,
+        chains: ChainBuilder | None = None,
+    ) -> None:
         config.check()
         self.config = config
         spec = self.spec = config.spec
@@ -146,15 +153,23 @@ class _Replay:
             idx.add_node(NODE, dram, config.ssd_capacity // shards.count)
         self.shard_lookups = [0] * shards.count
         self.shard_bytes_written = [0] * shards.count
-        self.builder = ChainBuilder(spec.name, self.block_size)
+        if chains is not None and (chains.block_size, chains.fingerprint) != (
+            self.block_size,
+            model_fingerprint(spec.name),
+        ):
+            raise ReplayError(
+                f"the shared chains are of another spec or block size than {spec.name} at {block_size}"
+            )
+        self.builder = chains if chains is not None else ChainBuilder(spec.name, self.block_size)
         # Tallies per (workload, tenant) pair, summed per workload and per tenant at the end; what each
         # object costs its writer is kept by slot (one list per shard, as the index's slots), so an eviction
         # needs no call: what a pair's objects lost is what it wrote minus what is still held (``settle``)
         self.owner_ids: dict[tuple[str, str], int] = {}
         self.owners: list[Counters] = []
         self.owner_names: list[tuple[str, str]] = []
-        self.slot_owner: list[list[int]] = [[] for _ in range(shards.count)]
-        self.slot_bytes: list[list[int]] = [[] for _ in range(shards.count)]
+        # (C arrays: 12 bytes a slot, where lists of ints would hold a pointer and an int object each)
+        self.slot_owner: list[array[int]] = [array("i") for _ in range(shards.count)]
+        self.slot_bytes: list[array[int]] = [array("q") for _ in range(shards.count)]
         self.objects_written = 0
         self.refused = self.not_admitted = 0
         self.hints = HintTally()
@@ -282,8 +297,8 @@ class _Replay:
         slot_owner, slot_bytes = self.slot_owner[st.shard], self.slot_bytes[st.shard]
         if len(slot_owner) < idx.allocated_slots:  # as the index's columns grow
             grow = idx.allocated_slots - len(slot_owner)
-            slot_owner += [0] * grow
-            slot_bytes += [0] * grow
+            slot_owner.frombytes(bytes(4 * grow))
+            slot_bytes.frombytes(bytes(8 * grow))
         kda_bytes = spec.kda_bytes_per_checkpoint
         mla_written = checkpoints_written = objects = 0
         for i, slot in enumerate(answers):
@@ -319,7 +334,11 @@ class _Replay:
         for idx, owners, real in zip(self.shard_indexes, self.slot_owner, self.slot_bytes, strict=True):
             live = idx.committed_slots()
             if len(live):
-                np.add.at(held, np.asarray(owners)[live], np.asarray(real, dtype=np.int64)[live])
+                np.add.at(
+                    held,
+                    np.frombuffer(owners, dtype=np.int32)[live],
+                    np.frombuffer(real, dtype=np.int64)[live],
+                )
             held_objects += len(live)
         bytes_evicted = 0
         for o, cnt in enumerate(self.owners):
@@ -426,6 +445,7 @@ def simulate(
     config: SimConfig,
     progress: Callable[[int, int], None] | None = None,
     visibility_delays_ms: Sequence[float] | None = None,
+    chains: ChainBuilder | None = None,
 ) -> SimResult:
     """Replay ``requests`` through a fresh ``PrefixIndex``: a list is sorted by arrival here (stable); any
     other iterable is streamed in arrival order through a bounded reorder window (see the module docstring;
@@ -435,6 +455,8 @@ def simulate(
     arrival (a stand-in for prefill + decode time), so requests arriving meanwhile miss them, as live.
     ``visibility_delays_ms`` (one per request of a list, in the order given) overrides it per request, e.g.
     with each request's measured TTFT from a live replay (prefill has pushed by its first token).
+    ``chains``: a builder that has seen these requests (``chains.warmed_builder``), shared by the points of
+    a sweep so that each does not hash the trace again; the hashes, and so the result, are the same.
     """
     stream, total, sized = _arrivals(requests, config, visibility_delays_ms)
     block_size = effective_block_size(sized, config.spec, config.block_size)
@@ -443,7 +465,7 @@ def simulate(
         if not isinstance(requests, Sequence):
             raise ReplayError(f"policy {config.policy!r} reads the future: it needs the requests as a list")
         oracle = ReuseOracle(requests, config.spec.name, block_size)
-    r = _Replay(config, block_size, oracle)
+    r = _Replay(config, block_size, oracle, chains)
     pending: list[tuple[float, int, _Store]] = []  # (visible at, sequence, store)
     lo = hi = None
     for seq, (req, delay_ms) in enumerate(stream):

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.worker.checkpoint_policy import CheckpointPolicy
+from kvpool.workloads.chains import ChainBuilder, warmed_builder
 from kvpool.workloads.errors import ReplayError
 from kvpool.workloads.labels import YARDSTICKS
 from kvpool.workloads.lru_curve import lru_curve, refusal
@@ -45,8 +46,6 @@ ProgressFactory = Callable[[str], Callable[[int, int], None] | None]
 def unique_blocks(requests: Sequence[Request], spec: ModelSpec, block_size: int) -> int:
     """Distinct prompt blocks of the workload: the capacity at which any policy equals an infinite cache
     (an upper end for sweeps)."""
-    from kvpool.workloads.chains import ChainBuilder
-
     builder = ChainBuilder(spec.name, block_size)
     seen: set[bytes] = set()
     for r in requests:
@@ -149,6 +148,9 @@ def _sweep(
     # the offline schedules' backward pass (chains, next uses, stops) does not depend on the capacity:
     # built once here, read by every offline point (forked workers inherit it)
     plan = offline_plan(requests, spec, bs) if any(s[0] in OFFLINE_POLICIES for s in specs) else None
+    # likewise the trace's block hashes, for every simulated point
+    simulated = any(s[0] not in (*OFFLINE_POLICIES, "optimum") for s in specs)
+    chains = warmed_builder(requests, spec.name, bs) if simulated else None
 
     took: dict[int, float | None] = {}
     shown = [0]  # points reported so far, in task order
@@ -170,17 +172,19 @@ def _sweep(
         from kvpool.workloads.parallel_ray import run_points_ray
 
         if specs:
-            run_points_ray(_task, (requests, spec, plan), specs, ray, done)
+            run_points_ray(_task, (requests, spec, plan, chains), specs, ray, done)
     elif jobs == 1:  # here, with the per-request progress bars
         for k, (policy, ck, cap, *_) in enumerate(specs):
             prog = progress(f"{policy} @ {cap} {unit}") if progress else None
             if points is not None:
                 points.begin()
             cap_bytes = cap * full_block_bytes if unit == "blocks" else cap
-            row = _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, prog, hints, watermarks, plan)
+            row = _point(
+                requests, spec, policy, ck, cap, unit, cap_bytes, bs, prog, hints, watermarks, plan, chains
+            )
             done(k, row, None)
     else:
-        run_points(_task, (requests, spec, plan), specs, jobs, done)
+        run_points(_task, (requests, spec, plan, chains), specs, jobs, done)
     return [r for r in rows if r is not None]
 
 
@@ -219,13 +223,14 @@ def _one_pass(
     return out
 
 
-def _task(shared: tuple[Sequence[Request], ModelSpec, Any], task: tuple[Any, ...]) -> dict[str, Any]:
+def _task(shared: tuple[Sequence[Request], ModelSpec, Any, Any], task: tuple[Any, ...]) -> dict[str, Any]:
     """One sweep point in a worker of the pool (no per-request progress bar there); ``shared`` is the
-    trace, the spec and the offline plan (None when the sweep has no offline point)."""
-    requests, spec, plan = shared
+    trace, the spec, the offline plan (None when the sweep has no offline point) and the trace's chains
+    (None when it simulates nothing)."""
+    requests, spec, plan, chains = shared
     policy, ck, cap, unit, bs, hints, watermarks = task
     cap_bytes = cap * spec.mla_bytes_per_token * bs if unit == "blocks" else cap
-    return _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, None, hints, watermarks, plan)
+    return _point(requests, spec, policy, ck, cap, unit, cap_bytes, bs, None, hints, watermarks, plan, chains)
 
 
 def _point(
@@ -241,9 +246,10 @@ def _point(
     hints: bool = True,
     watermarks: tuple[float, float] = (0.95, 0.85),
     plan: Any = None,
+    chains: ChainBuilder | None = None,
 ) -> dict[str, Any]:
     """One sweep row: an offline schedule (on ``plan``, :func:`offline_plan`, when given), the MLA-only
-    optimum, or a simulation."""
+    optimum, or a simulation (on ``chains``, :func:`warmed_builder`, when given)."""
     if policy in OFFLINE_POLICIES:
         d = run_offline(policy, requests, cap_bytes, spec, bs, progress=prog, plan=plan).to_dict()
         d["duration_s"] = _duration(requests)
@@ -256,7 +262,7 @@ def _point(
     cfg = SimConfig(spec=spec, policy=policy, capacity=cap, capacity_unit=unit, block_size=bs,
                     checkpoints=checkpoints, hints=hints, high_watermark=watermarks[0],
                     low_watermark=watermarks[1])  # fmt: skip
-    d = simulate(requests, cfg, prog).to_dict()
+    d = simulate(requests, cfg, prog, chains=chains).to_dict()
     return _row(spec, policy, checkpoints.label if spec.hybrid else "n/a", cap, unit, cap_bytes, d)
 
 

@@ -152,6 +152,7 @@ cdef enum:
     PINNED = 4
     CKPT = 8
     ORDERED = 16  # the slot is in its pool's LRU order (``_order``); never seen outside this module
+    TOUCHED = 32  # counted by the touch in progress (``_touch``); clear outside it
     MOVABLE = LIVE | PENDING | PINNED
     K_MLA = 1
     K_KDA = 2
@@ -233,6 +234,17 @@ cdef inline bint _fits_int64(object n):
     cdef int overflow = 0
     PyLong_AsLongLongAndOverflow(n, &overflow)
     return overflow <= 0
+
+
+cdef Py_ssize_t _checkpoint_at(object at, Py_ssize_t n) except -1:
+    """A chain checkpoint's block count, an integer in 1..n, or ``BadObjectError``."""
+    try:
+        c = operator.index(at)
+    except TypeError:
+        raise BadObjectError(f"a checkpoint's block count must be an integer, got {type(at).__name__}") from None
+    if not 0 < c <= n:
+        raise BadObjectError(f"a checkpoint closes block 1..{n} of the chain, got {c}")
+    return c
 
 
 cdef object _positive_size(object size):
@@ -476,7 +488,8 @@ cdef class PrefixIndex:
                 if pool == self._walking:
                     self._held_back.push_back(s)
                     return
-                # a new leaf is the newest use: the hint makes its insert at the end constant time
+                # a new leaf is the newest use: the hint makes its insert at the end constant time (an
+                # exposed anchor or an unpinned slot is older: the hint is wrong, and the insert O(log n))
                 self._order[pool].insert(self._order[pool].end(), OrderKey(self._last_use[s], s))
                 self._flags[s] |= ORDERED
         elif self._flags[s] & ORDERED:
@@ -488,20 +501,25 @@ cdef class PrefixIndex:
             self._order[self._node[s] * N_TIERS + self._tier[s]].erase(OrderKey(self._last_use[s], s))
             self._flags[s] &= ~ORDERED
 
-    cdef void _touch(self, list slots, bint distinct=False) except *:
-        """The policy's touch of really used objects (their order moves with their last use). ``distinct``
-        slots (a match's) under a recency touch (``LRUPolicy.touch``: lru, depth, hybrid) are touched here
-        in C, as its numpy assignment would (one use each)."""
+    cdef void _touch(self, list slots, bint in_c=False) except *:
+        """The policy's touch of really used objects (their order moves with their last use). With ``in_c``
+        (a match's slots) under a recency touch (``LRUPolicy.touch``: lru, depth, hybrid) the touch is done
+        here in C, as its numpy assignment does it: one use per distinct slot, however often a chain that
+        repeats a block names it (the TOUCHED bit marks the slots counted)."""
         cdef Py_ssize_t s
         cdef double now
         if self._ordered:
             for s in slots:
                 self._unorder(s)
-        if distinct and self._recency_touch:
+        if in_c and self._recency_touch:
             now = self._clock()
             for s in slots:
                 self._last_use[s] = now
-                self._freq[s] += 1.0
+                if not self._flags[s] & TOUCHED:
+                    self._flags[s] |= TOUCHED
+                    self._freq[s] += 1.0
+            for s in slots:
+                self._flags[s] &= ~TOUCHED
         else:
             self.policy.touch(self._cols, np.array(slots, dtype=np.int64), self._clock())
         if self._ordered:
@@ -741,10 +759,8 @@ cdef class PrefixIndex:
         size_list = [_positive_size(x) for x in sizes]
         cks = []
         for item in checkpoints:
-            c, size, admit = item
-            if not 0 < c <= n:
-                raise BadObjectError(f"a checkpoint closes block 1..{n} of the chain, got {c}")
-            cks.append((c, _positive_size(size), admit))
+            at, size, admit = item
+            cks.append((_checkpoint_at(at, n), _positive_size(size), admit))
         out = []
         cdef bytes key, prev = b""
         cdef int32_t answer, prev_entry = -1

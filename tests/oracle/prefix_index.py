@@ -17,9 +17,9 @@ API (all sizes in bytes, all durations in ms, ``now`` always from ``clock()`` in
                ttl_ms=0, pending=False, evict=True, avoid_node=None) -> node_id
                                                         # placed by free space; pending=True: invisible
                                                         # until commit()
-    idx.insert_chain([(key, kind, size, parent, admit), ...], node_id=..., tenant="") -> list[int]
-                                                        # a writer's puts in order, as insert; an outcome
-                                                        # each (records.PUT_*): exists, not admitted, no room
+    idx.insert_chain(hashes, sizes, admits, [(c, size, admit), ...], node_id=..., tenant="") -> list[int]
+                                                        # a writer's puts in order, as insert; a slot or
+                                                        # -records.PUT_* each: exists, not admitted, no room
     idx.commit(key); idx.remove(key, reason="removed") -> bool; idx.promote(key) -> bool
     idx.reserve(objects)                                # size once for a bulk load (a node's inventory)
     idx.match_prefix(block_hashes, require_checkpoint=True, touch=False) -> PrefixMatch
@@ -426,7 +426,13 @@ class PrefixIndex:
             raise BadObjectError(f"a block hash must be {HASH_BYTES} bytes")
         size_list = [_positive_size(x) for x in sizes]
         cks = []
-        for c, size, admit in checkpoints:
+        for at, size, admit in checkpoints:
+            try:
+                c = operator.index(at)
+            except TypeError:
+                raise BadObjectError(
+                    f"a checkpoint's block count must be an integer, got {type(at).__name__}"
+                ) from None
             if not 0 < c <= n:
                 raise BadObjectError(f"a checkpoint closes block 1..{n} of the chain, got {c}")
             cks.append((c, _positive_size(size), admit))
