@@ -64,7 +64,16 @@ def chains(n_chains, seed=b"c"):
             hs.append(prev)
         yield hs
 
-COLUMNS = "hashes, sizes" in (PrefixIndex.insert_chain.__doc__ or "")  # the columnar chain (since 07f61fd)
+def _takes_columns():
+    # the columnar chain (since 07f61fd): an empty one is answered; the tuple form takes no such arguments
+    probe = PrefixIndex("lru", clock=lambda: 1.0)
+    probe.add_node("n", 1)
+    try:
+        return probe.insert_chain([], [], [], node_id="n") == []
+    except TypeError:
+        return False
+
+COLUMNS = _takes_columns()
 ONES, ADMITS, CHECKPOINT = [1] * 24, [True] * 24, [(24, 1, True)]
 
 def put_chain(idx, hs):
@@ -138,7 +147,10 @@ elif what == "churn":
     cap = arg // 5
     idx = PrefixIndex("lru", clock=lambda: 1.0, keep_events=False, max_objects=cap)
     idx.add_node("n", 1 << 60)
+    if cap < 250_000:
+        raise SystemExit(f"--churn {arg}: the cap ({cap}) must hold at least one 250k-put sample")
     steady = peak = 0
+    puts = arg // 25 * 25
     t = time.process_time()
     for i, hs in enumerate(chains(arg // 25, seed=b"churn")):
         put_chain(idx, hs)
@@ -147,9 +159,9 @@ elif what == "churn":
             if not steady and (i + 1) * 25 >= cap:
                 steady = rss
             peak = max(peak, rss) if steady else 0
-    out.update(churn_inserts=arg, churn_cap=cap, churn_steady_rss=steady, churn_peak_rss=peak,
+    out.update(churn_inserts=puts, churn_cap=cap, churn_steady_rss=steady, churn_peak_rss=peak,
                churn_peak_over_steady=round(peak / steady, 3), churn_us_per_insert=round(
-                   (time.process_time() - t) / arg * 1e6, 3), churn_held=len(idx))
+                   (time.process_time() - t) / puts * 1e6, 3), churn_held=len(idx))
 print(json.dumps(out))
 """
 
@@ -212,7 +224,12 @@ def main() -> int:
     ap.add_argument("--caps", default=",".join(map(str, CAPACITIES_GIB)), help="equality: capacities, GiB")
     ap.add_argument("--no-speed", action="store_true", help="equality only (no simulator, index, memory)")
     args = ap.parse_args()
-    trees = {"this": ROOT, **{tree.resolve().name: tree.resolve() for tree in args.baseline}}
+    trees = {"this": ROOT}
+    for tree in args.baseline:  # named by their directories, numbered where two share a name
+        name = tree.resolve().name
+        while name in trees:
+            name += "'"
+        trees[name] = tree.resolve()
     res: dict[str, dict[str, Any]] = {}
     if args.no_speed:
         trees = {}
