@@ -89,14 +89,8 @@ def optimum(
             run += 1
         cnt = per_workload.setdefault(req.workload, Counters())
         usable = min(run, (req.input_length - 1) // block_of(req)) if req.input_length else 0
-        cnt.requests += 1
-        cnt.input_tokens += req.input_length
-        cnt.output_tokens += req.output_length
-        cnt.input_blocks += ch.prompt_blocks
-        cnt.hit_blocks += run
-        cnt.usable_blocks += usable
-        cnt.mla_hit_tokens += sum(ch.block_tokens[:run])
-        cnt.cached_tokens += sum(ch.block_tokens[:usable])  # the last prompt token is always computed
+        # the MLA run hits; of it, what ends before the last prompt token is usable (checkpoints are free)
+        cnt.add_lookup(req, ch, run, usable, usable)
         for depth, (h, nu) in enumerate(zip(ch.hashes, next_use[r], strict=True)):
             if nu == NEVER:
                 cache.pop(h, None)
