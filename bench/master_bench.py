@@ -144,7 +144,7 @@ def _churn_child(total: int, cap: int, queue: mp.Queue) -> None:
     """Fresh process: ``total`` inserts (chains of 24 MLA blocks and a checkpoint) through an index capped
     at ``cap`` objects; RSS sampled every ``cap // 5`` inserts; then every object removed and the freed heap
     handed back (what the master's sweep does after a bulk load)."""
-    from kvpool.kvstore.master.core import release_free_heap
+    from kvpool.kvstore.master.process_heap import release_free_heap
 
     proc = psutil.Process()
     idx = PrefixIndex("lru", clock=time.monotonic, max_objects=cap)

@@ -162,7 +162,7 @@ def test_sweeps_after_a_bulk_adoption_trim_the_heap_and_small_ones_do_not() -> N
 # such blocks from the heap); prints RSS with the blocks held, after free, after release_free_heap.
 _HEAP_SCRIPT = r"""
 import ctypes, sys
-from kvpool.kvstore.master.core import fix_mmap_threshold, release_free_heap
+from kvpool.kvstore.master.process_heap import fix_mmap_threshold, release_free_heap
 
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

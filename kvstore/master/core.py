@@ -21,10 +21,7 @@ module says why).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -59,6 +56,7 @@ from kvpool.kvstore.index.records import (
     UnknownKeyError,
     UnknownNodeError,
 )
+from kvpool.kvstore.master.process_heap import fix_mmap_threshold, process_rss_bytes, release_free_heap
 from kvpool.kvstore.master.state import StateStore
 from kvpool.kvstore.shards import ShardSet
 from kvpool.proto import common_pb2, master_pb2
@@ -1017,65 +1015,3 @@ def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
 def _check_tenant(tenant: str) -> None:
     if len(tenant) > MAX_TENANT_CHARS:
         raise BadRequestError(f"tenant name longer than {MAX_TENANT_CHARS} characters")
-
-
-# -- the C heap after a bulk adoption ----------------------------------------------------------------------
-# Keep a bulk load's freed memory from staying resident (glibc ``mallopt`` / ``malloc_trim``). Why the
-# master needs it: adopting node inventories (a restarted master re-indexing a million objects)
-# parses large ``RegisterNodeRequest`` messages (gRPC receive buffer, protobuf arena, one wrapper per
-# object) and grows the index (numpy columns, slot lists, the key dict). Two glibc behaviours then keep
-# that freed memory resident (docs/design/store_master.md §7 has the measured cost and the ablation):
-#
-# * the *dynamic* mmap threshold: freeing one big mmapped block (a 4 MB request, an old dict table) raises
-#   the threshold to that size, so later big blocks (columns, lists, the next request) come from the heap,
-#   where a freed block returns nothing to the OS and leaves holes. :func:`fix_mmap_threshold` pins the
-#   threshold, so blocks above it are always their own mappings, unmapped on free (realloc = mremap);
-# * freed blocks inside the heap keep their pages until ``malloc_trim`` (only the heap's top is returned
-#   on ``free``). :func:`release_free_heap` returns every whole free page of every arena.
-#
-# Both are safe for a long-lived server: the threshold only decides where big blocks live (the master's
-# per-call messages are far below it), and trimmed pages fault back in only if the heap grows there again.
-# Each is a no-op returning False where the C library lacks it (musl, macOS).
-_M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        libc.mallopt.restype = ctypes.c_int
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.malloc_trim.restype = ctypes.c_int
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-def fix_mmap_threshold(nbytes: int) -> bool:
-    """Serve every allocation of at least ``nbytes`` from its own mapping from now on (process-wide;
-    turns off glibc's dynamic threshold). True if the C library took it."""
-    libc = _libc()
-    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, nbytes) == 1
-
-
-def release_free_heap() -> bool:
-    """Give the OS back every whole free page of the C heap. True if the C library can (glibc)."""
-    libc = _libc()
-    if libc is None:
-        return False
-    libc.malloc_trim(0)
-    return True
-
-
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-def process_rss_bytes() -> int:
-    """This process's resident set (``/proc/self/statm``; 0 where there is none): the master's memory
-    figure, exported so an operator sees it next to the object count it follows."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * PAGE_BYTES
-    except (OSError, IndexError, ValueError):
-        return 0
