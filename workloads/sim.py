@@ -162,11 +162,10 @@ class _Replay:
             )
         self.builder = chains if chains is not None else ChainBuilder(spec.name, self.block_size)
         # Tallies per (workload, tenant) pair, summed per workload and per tenant at the end; what each
-        # object costs its writer is kept by slot (one list per shard, as the index's slots), so an eviction
+        # object costs its writer is kept by slot (one array per shard, as the index's slots), so an eviction
         # needs no call: what a pair's objects lost is what it wrote minus what is still held (``settle``)
         self.owner_ids: dict[tuple[str, str], int] = {}
         self.owners: list[Counters] = []
-        self.owner_names: list[tuple[str, str]] = []
         # (C arrays: 12 bytes a slot, where lists of ints would hold a pointer and an int object each)
         self.slot_owner: list[array[int]] = [array("i") for _ in range(shards.count)]
         self.slot_bytes: list[array[int]] = [array("q") for _ in range(shards.count)]
@@ -184,7 +183,6 @@ class _Replay:
         if o is None:
             o = self.owner_ids[pair] = len(self.owners)
             self.owners.append(Counters())
-            self.owner_names.append(pair)
         return o
 
     def lookup(self, req: Request) -> _Store:
@@ -490,7 +488,7 @@ def simulate(
     per_workload: dict[str, Counters] = {}
     per_tenant: dict[str, Counters] = {}
     totals = Counters()
-    for (workload, tenant), cnt in zip(r.owner_names, r.owners, strict=True):
+    for (workload, tenant), cnt in zip(r.owner_ids, r.owners, strict=True):  # ids in creation order
         for group, name in ((per_workload, workload), (per_tenant, tenant)):
             group.setdefault(name, Counters()).add(cnt)
         totals.add(cnt)
