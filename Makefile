@@ -10,16 +10,18 @@ PYTEST_ARGS ?=
 # so a log shows progress without pages of output, and a failing pip still fails the step (pipefail).
 PIP_PROGRESS := { grep --line-buffered -E '^(Collecting|Successfully installed)' || true; } | sed -u 's/^/    /'
 
+# kvpool goes in without build isolation: its build requirements are the venv's own (step 2), not a
+# throwaway copy of them made for every install
 $(STAMP): pyproject.toml setup.py kvstore/index/prefix_index.pyx kvstore/index/key_table.h
 	@echo "[1/4] system packages (scripts/sysdeps.sh)"
 	bash scripts/sysdeps.sh
-	@echo "[2/4] virtual environment $(VENV) with current pip and setuptools"
+	@echo "[2/4] virtual environment $(VENV) with current pip, setuptools and Cython (kvpool's build requirements)"
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q --upgrade pip setuptools wheel 'Cython>=3.0'
 	@echo "[3/4] torch 2.13.0 (the CPU wheel on this disk)"
 	bash -o pipefail -c "$(PY) -m pip install torch==2.13.0 | $(PIP_PROGRESS)"
 	@echo "[4/4] kvpool and its test dependencies (about 60 packages, 1-2 minutes)"
-	bash -o pipefail -c "$(PY) -m pip install -e '.[test]' | $(PIP_PROGRESS)"
+	bash -o pipefail -c "$(PY) -m pip install --no-build-isolation -e '.[test]' | $(PIP_PROGRESS)"
 	@echo "installed: $(VENV)"
 	touch $(STAMP)
 
