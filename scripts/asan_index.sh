@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The compiled index under AddressSanitizer: builds kvstore/index/prefix_index.pyx with -fsanitize=address
-# into a scratch copy of the tree (laid out as kvpool/<package>/, the import paths), then runs the index's
-# tests there (differential against the oracle, trace equality, the index and master-core suites) with
+# The compiled index under AddressSanitizer: builds kvstore/index/*.pyx (the core, the recency guard and
+# admission) with -fsanitize=address into a scratch copy of the tree (laid out as kvpool/<package>/, the
+# import paths), then runs the index's tests there (differential against the oracle, trace equality, the index and master-core suites) with
 # libasan preloaded. Run once per change to the compiled code; exits non-zero on a test failure or an ASan
 # report (ASan aborts the process on the first bad access).
 #
@@ -25,12 +25,15 @@ cp -r "$ROOT/tests" "$WORK/run_tests" && mkdir -p "$WORK/run" && mv "$WORK/run_t
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 flags = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1", "-std=c++17"]
-ext = Extension(
-    "kvpool.kvstore.index.prefix_index", ["kvpool/kvstore/index/prefix_index.pyx"],
-    include_dirs=["kvpool/kvstore/index"], language="c++", extra_compile_args=flags,
-    extra_link_args=["-fsanitize=address"],
-)
-setup(ext_modules=cythonize([ext], quiet=True), script_args=["build_ext", "--inplace", "-q"])
+exts = [
+    Extension(
+        f"kvpool.kvstore.index.{m}", [f"kvpool/kvstore/index/{m}.pyx"],
+        include_dirs=["kvpool/kvstore/index"], language="c++", extra_compile_args=flags,
+        extra_link_args=["-fsanitize=address"],
+    )
+    for m in ("prefix_index", "recency_guard", "admission")
+]
+setup(ext_modules=cythonize(exts, quiet=True), script_args=["build_ext", "--inplace", "-q"])
 PY
 )
 cd "$WORK/run"
@@ -38,14 +41,18 @@ LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 PYTHON
 PYTHONPATH="$WORK/tree:$WORK/run" "$PY" - "$WORK" <<'PY'
 import sys
 
+import kvpool.kvstore.index.admission as admission
 import kvpool.kvstore.index.prefix_index as core
+import kvpool.kvstore.index.recency_guard as guard
 import pytest
 
-assert core.__file__.startswith(sys.argv[1]), f"not the ASan build: {core.__file__}"
-print("ASan build:", core.__file__)
+for module in (core, guard, admission):
+    assert module.__file__.startswith(sys.argv[1]), f"not the ASan build: {module.__file__}"
+    print("ASan build:", module.__file__)
 sys.exit(pytest.main([
     "-q", "-p", "no:cacheprovider", "--rootdir", ".",
     "tests/test_index_core_differential.py", "tests/test_index_core_traces.py", "tests/test_index_core_bad_input.py",
+    "tests/test_index_core_guard.py", "tests/test_index_core_admission.py",
     "tests/test_store_index.py",
     "tests/test_store_index_ckpt.py", "tests/test_store_index_policies.py", "tests/test_store_index_admission.py",
     "tests/test_store_index_return_time.py", "tests/test_store_master_core.py",
