@@ -2,8 +2,8 @@
 # The compiled index under AddressSanitizer: builds kvstore/index/*.pyx (the core, the recency guard and
 # admission) with -fsanitize=address into a scratch copy of the tree (laid out as kvpool/<package>/, the
 # import paths), then runs the index's tests there (differential against the oracle, trace equality, the
-# index and master-core suites) with libasan preloaded. Run once per change to the compiled code; exits non-zero on a test failure or an ASan
-# report (ASan aborts the process on the first bad access).
+# index and master-core suites) with libasan preloaded. Run once per change to the compiled code; exits
+# non-zero on a test failure or an ASan report (ASan aborts the process on the first bad access).
 #
 #   bash scripts/asan_index.sh            # uses .venv
 set -euo pipefail
