@@ -87,6 +87,7 @@ import time
 import numpy as np
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.math cimport fmax, log2
 from libc.string cimport memcmp, memcpy
 from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
@@ -98,7 +99,7 @@ from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.operator cimport dereference as deref, preincrement as inc
 
 from kvpool.kvstore.index.admission import CAPSULE as ADMISSION_CAPSULE, Admission, AdmissionConfig
-from kvpool.kvstore.index.eviction import HybridPolicy, LRUPolicy, make_policy
+from kvpool.kvstore.index.eviction import DEAD_FIRST, MIN_AGE_S, HybridPolicy, LRUPolicy, make_policy
 from kvpool.kvstore.index.recency_guard import CAPSULE as GUARD_CAPSULE, RecencyGuard
 from kvpool.kvstore.index.pin_budget import PinBudget
 from kvpool.kvstore.index.pin_table import PinTable
@@ -150,6 +151,10 @@ cdef extern from "key_table.h" namespace "kvpool":
 cdef extern from "recency_guard.h" namespace "kvpool":
     cdef cppclass CGuard "kvpool::RecencyGuard":
         void put(const uint8_t* key, size_t length, int64_t size, int64_t capacity) except +
+        double w
+
+cdef double C_DEAD_FIRST = DEAD_FIRST
+cdef double C_MIN_AGE_S = MIN_AGE_S
 
 cdef extern from "admission.h" namespace "kvpool":
     cdef cppclass CAdmission "kvpool::Admission":
@@ -330,6 +335,8 @@ cdef class PrefixIndex:
     cdef object _learner
     cdef object _guard_owner  # the learner's RecencyGuard, kept alive while ``_guard`` points into it
     cdef CGuard* _guard
+    cdef bint _dead_scores  # the policy's score_one is HybridPolicy's: a dead block is scored here (``_dead_score``)
+    cdef bint _observed_enough  # the learner's model has seen min_observations (it never unlearns them)
     cdef readonly Py_ssize_t _evictions
     cdef Py_ssize_t _evicted_bytes, _demotions, _expired
     cdef object _policy
@@ -439,6 +446,8 @@ cdef class PrefixIndex:
         self._guard = NULL
         if self._guard_owner is not None:
             self._guard = <CGuard*>PyCapsule_GetPointer(guard._address(), GUARD_CAPSULE)
+        self._dead_scores = self._guard != NULL and getattr(type(policy), "score_one", None) is HybridPolicy.score_one
+        self._observed_enough = False
         self._ordered = False
         for i in range(self._order.size()):
             self._order[i].clear()
@@ -1672,6 +1681,8 @@ cdef class PrefixIndex:
                 ):
                     if walk:
                         score = self._last_use[a]
+                    elif self._dead_scores and self._kind[a] == K_MLA and self._deps[a] == 0:
+                        score = self._dead_score(a, now)
                     elif one is not None:
                         score = one(self._cols, a, now)
                     else:
@@ -1684,6 +1695,18 @@ cdef class PrefixIndex:
                 for k in range(held_from, self._held_back.size()):
                     self._reorder(self._held_back[k])
                 self._held_back.resize(held_from)
+
+    cdef double _dead_score(self, Py_ssize_t slot, double now) except? -1.0:
+        """``HybridPolicy.score_one`` of a dead MLA block (what an exposed anchor is), in C with the same
+        libm calls: recency, less the weighted log of its size once the model has learned enough."""
+        cdef double rec = -log2(fmax(now - self._last_use[slot], C_MIN_AGE_S))
+        cdef double w = self._guard.w
+        if w > 0 and not self._observed_enough:
+            policy = self._policy
+            self._observed_enough = policy.model.observed >= policy.min_observations
+        if w > 0 and self._observed_enough:
+            rec -= w * log2(<double>max(self._size[slot], 1))
+        return rec - C_DEAD_FIRST
 
     cdef bint _act(self, Py_ssize_t slot, int mode, int nid, int tier, bint demote, double now) except -1:
         """Evict (or, in a DRAM pool over an SSD tier, demote) one candidate; True if it was dropped."""
