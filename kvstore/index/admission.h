@@ -37,7 +37,7 @@ struct AdmissionParams {
 class Admission {
  public:
   explicit Admission(const AdmissionParams& p)
-      : p_(p), rate(p.initial_rate), ghosts_(0xC2B2AE3D27D4EB4Full), tickets_(0x165667B19E3779F9ull) {}
+      : rate(p.initial_rate), p_(p), ghosts_(0xC2B2AE3D27D4EB4Full), tickets_(0x165667B19E3779F9ull) {}
 
   // Add a block hash to the ghosts (`size` bytes refused, or evicted), oldest forgotten first.
   void remember(const std::uint8_t* h, std::int64_t size, bool refused) {

@@ -335,7 +335,8 @@ cdef class PrefixIndex:
     cdef object _learner
     cdef object _guard_owner  # the learner's RecencyGuard, kept alive while ``_guard`` points into it
     cdef CGuard* _guard
-    cdef bint _dead_scores  # the policy's score_one is HybridPolicy's: a dead block is scored here (``_dead_score``)
+    cdef bint _dead_scores  # the policy's score_one is HybridPolicy's: a dead block is scored in C
+    cdef bint _evicts_checkpoints_only  # the policy's on_evict is HybridPolicy's: called for checkpoints only
     cdef bint _observed_enough  # the learner's model has seen min_observations (it never unlearns them)
     cdef readonly Py_ssize_t _evictions
     cdef Py_ssize_t _evicted_bytes, _demotions, _expired
@@ -446,7 +447,9 @@ cdef class PrefixIndex:
         self._guard = NULL
         if self._guard_owner is not None:
             self._guard = <CGuard*>PyCapsule_GetPointer(guard._address(), GUARD_CAPSULE)
-        self._dead_scores = self._guard != NULL and getattr(type(policy), "score_one", None) is HybridPolicy.score_one
+        cls = type(policy)
+        self._dead_scores = self._guard != NULL and getattr(cls, "score_one", None) is HybridPolicy.score_one
+        self._evicts_checkpoints_only = getattr(cls, "on_evict", None) is HybridPolicy.on_evict
         self._observed_enough = False
         self._ordered = False
         for i in range(self._order.size()):
@@ -1745,12 +1748,17 @@ cdef class PrefixIndex:
     cdef void _learn_eviction(self, Py_ssize_t slot, int64_t size) except *:
         """Tell admission and a learning policy an MLA block or checkpoint left by pressure (and whether it
         was ever read)."""
-        if self._learner is not None:
+        # HybridPolicy's on_evict learns from checkpoints only (a ghost): it is not called for the rest
+        if self._learner is not None and (self._kind[slot] == K_KDA or not self._evicts_checkpoints_only):
             self._learner.on_evict(self._cols, slot, self._key(slot), self._clock())
-        if self._adm != NULL and (self._kind[slot] == K_MLA or self._kind[slot] == K_KDA):
+        cdef int32_t e = self._entry[slot]
+        if (
+            self._adm != NULL and (self._kind[slot] == K_MLA or self._kind[slot] == K_KDA)
+            and self._table.key_len(e) == 33
+        ):
             # a block key: the tag, then the 32-byte hash admission remembers
             self._adm.evicted(
-                self._table.key_data(self._entry[slot]) + 1, size, self._capacity_of(T_DRAM), self._freq[slot] <= 1.0
+                self._table.key_data(e) + 1, size, self._capacity_of(T_DRAM), self._freq[slot] <= 1.0
             )
 
     cdef object _drop(self, Py_ssize_t slot, reason, bint emit, bint demoted, bint want=True):

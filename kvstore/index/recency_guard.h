@@ -115,7 +115,8 @@ class RecencyGuard {
   }
 
   void trim() {
-    const double limit = capacity_ > 0 ? fill * static_cast<double>(capacity_) : std::numeric_limits<double>::infinity();
+    const double limit =
+        capacity_ > 0 ? fill * static_cast<double>(capacity_) : std::numeric_limits<double>::infinity();
     while (static_cast<double>(bytes_) > limit && lru_.size()) {
       std::int32_t e = lru_.oldest();
       bytes_ -= lru_.value(e);
