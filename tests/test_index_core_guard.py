@@ -25,7 +25,7 @@ HASHES = [hashlib.sha256(b"guard-%d" % i).digest() for i in range(12)]
 
 puts = st.tuples(
     st.just("put"),
-    st.sampled_from([MLA_TAG, MLA_TAG, KDA_TAG]),
+    st.sampled_from([MLA_TAG, MLA_TAG, KDA_TAG, b"T-a-longer-tail-key-"]),
     st.integers(0, 11),
     st.integers(1, 40),  # size
     st.sampled_from([0, 50, 120, 400]),  # the real cache's capacity (0: no node yet)
@@ -38,6 +38,7 @@ lookups = st.tuples(
     st.booleans(),  # joint
     st.integers(0, 4),  # blocks it holds (clipped)
     st.sampled_from([0, 0, 7]),  # its served checkpoint's size
+    st.booleans(),  # the chain repeats its first block
 )
 
 
@@ -60,8 +61,10 @@ def test_the_compiled_guard_answers_as_its_oracle(ops: list[tuple], initial: flo
             g.put(tag + HASHES[i], size, capacity)
             o.put(tag + HASHES[i], size, capacity)
         else:
-            _, first, n, ours, joint, held, ck = op
+            _, first, n, ours, joint, held, ck, repeat = op
             chain = HASHES[first : first + n]
+            if repeat and chain:
+                chain.insert(1, chain[0])
             ours, held_sizes = min(ours, len(chain)), [5 + j for j in range(min(held, len(chain)))]
             g.lookup(chain, ours, joint, held_sizes, ck)
             o.lookup(chain, ours, joint, held_sizes, ck)

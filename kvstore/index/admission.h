@@ -86,10 +86,10 @@ class Admission {
     const double until = now + p_.ticket_s;
     for (std::size_t i = run; i < n; ++i) {
       const std::uint8_t* h = hashes + 32 * i;
+      if (until_.size() <= tickets_.id_bound()) until_.resize(tickets_.id_bound() + 1);  // before the id exists
       bool added = false;
       std::int32_t e = tickets_.add(h, 32, verdict, &added);
       tickets_.set_value(e, verdict);
-      if (e >= static_cast<std::int32_t>(until_.size())) until_.resize(e + 1);
       until_[e] = until;
       std::array<std::uint8_t, 32> key;
       std::memcpy(key.data(), h, 32);
@@ -141,8 +141,11 @@ class Admission {
   std::int64_t admitted = 0;  // ticketed objects admitted since start
 
  private:
+  // a + b, held within int64 (no signed overflow whatever the caller passes)
   static std::int64_t sat_add(std::int64_t a, std::int64_t b) {
-    return a > std::numeric_limits<std::int64_t>::max() - b ? std::numeric_limits<std::int64_t>::max() : a + b;
+    if (b > 0 && a > std::numeric_limits<std::int64_t>::max() - b) return std::numeric_limits<std::int64_t>::max();
+    if (b < 0 && a < std::numeric_limits<std::int64_t>::min() - b) return std::numeric_limits<std::int64_t>::min();
+    return a + b;
   }
 
   // A block hash read as a number in [0, 1): SHA-256 output, so uniform and the same on every master.

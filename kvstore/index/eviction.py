@@ -188,8 +188,13 @@ class HybridPolicy(LRUPolicy):
         self.depth_weight = depth_weight
         self.min_observations = min_observations
         self.model = ReturnTimeModel(prior=prior)
-        self.guard = RecencyGuard(initial=initial_weight, step=guard_step)
+        self._guard = RecencyGuard(initial=initial_weight, step=guard_step)
         self._klass = np.zeros(1024, dtype=np.uint16)
+
+    @property
+    def guard(self) -> RecencyGuard:
+        """The shadow LRU and the weight ``w`` (read-only: the index holds its C++ object from the start)."""
+        return self._guard
 
     # ------------------------------------------------------------------ hooks (called by the index)
 

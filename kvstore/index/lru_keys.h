@@ -37,13 +37,10 @@ class LruKeys {
     std::int32_t e = table_.find(key, len);
     *added = e < 0;
     if (e >= 0) return e;
+    // the new id is a freed one or the next one: room for it first, so a failed allocation leaves no id
+    // the vectors do not cover
+    reserve_id(table_.id_bound());
     e = table_.intern(key, len);
-    std::size_t need = table_.id_bound();
-    if (need > value_.size()) {
-      prev_.resize(need, -1);
-      next_.resize(need, -1);
-      value_.resize(need, 0);
-    }
     value_[e] = value;
     link_newest(e);
     return e;
@@ -85,10 +82,20 @@ class LruKeys {
     for (std::int32_t e = head_; e >= 0; e = next_[e]) out->push_back(e);
   }
 
+  // Entry ids ever handed out: every id is below it.
+  std::size_t id_bound() const { return table_.id_bound(); }
+
   std::size_t key_len(std::int32_t e) const { return table_.key_len(e); }
   const std::uint8_t* key_data(std::int32_t e) const { return table_.key_data(e); }
 
  private:
+  void reserve_id(std::size_t id) {
+    if (id < value_.size()) return;
+    prev_.resize(id + 1, -1);
+    next_.resize(id + 1, -1);
+    value_.resize(id + 1, 0);
+  }
+
   void link_newest(std::int32_t e) {
     prev_[e] = tail_;
     next_[e] = -1;

@@ -96,8 +96,11 @@ class RecencyGuard {
   std::int64_t shadow = 0;  // blocks the shadow LRU would have served
 
  private:
+  // a + b, held within int64 (no signed overflow whatever the caller passes)
   static std::int64_t sat_add(std::int64_t a, std::int64_t b) {
-    return a > std::numeric_limits<std::int64_t>::max() - b ? std::numeric_limits<std::int64_t>::max() : a + b;
+    if (b > 0 && a > std::numeric_limits<std::int64_t>::max() - b) return std::numeric_limits<std::int64_t>::max();
+    if (b < 0 && a < std::numeric_limits<std::int64_t>::min() - b) return std::numeric_limits<std::int64_t>::min();
+    return a + b;
   }
 
   std::int32_t find(std::uint8_t tag, const std::uint8_t* hash, std::uint8_t* key) const {

@@ -180,8 +180,6 @@ class PrefixIndex:
         if lease_ms <= 0:
             raise ValueError("lease_ms must be > 0")
         self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
-        # a learning policy (``learns``: the default) is told of puts, writers' lookups and evictions
-        self._learner = self.policy if getattr(self.policy, "learns", False) else None
         if admission is None and getattr(self.policy, "admits", False):
             admission = AdmissionConfig()
         # None: every put is admitted (the policy only orders evictions)
@@ -653,6 +651,12 @@ class PrefixIndex:
             node.used[Tier.SSD] += size
             return False
         return True
+
+    @property
+    def _learner(self) -> EvictionPolicy | None:
+        """The policy in force if it learns (``learns``: the default): it is told of puts, writers' lookups
+        and evictions. It follows ``policy`` when that is set again, as the core's does."""
+        return self.policy if getattr(self.policy, "learns", False) else None
 
     def __len__(self) -> int:
         return len(self._slot)
