@@ -2,68 +2,15 @@
 plain-Python original, kept as it was; the oracle index (tests/oracle/prefix_index.py) runs on it, so the
 index's differential test holds the compiled one to its answers.
 
-Admission control for a hybrid cache: which new chains are worth their bytes, learned from ghosts.
-
-Why: on a K3-class model a chain's new objects cost one 429 MiB KDA checkpoint plus 13.5 MiB per MLA
-block, and most of them are never read again (on the Mooncake conversation trace two in three checkpoints
-are not). Under LRU every write pushes out something older, so at small capacities everything is evicted
-before its reuse arrives. Refusing the writes least likely to be reused lets the admitted ones live long
-enough to hit.
-
-Mechanism (docs/design/eviction.md, "hybrid"), decided per *chain* at the writer's lookup and applied
-per object at its put:
-
-1. **Ghosts.** A bounded LRU set of block hashes (32 bytes each, no object bytes) of what was refused or
-   evicted. A lookup that walks past the real MLA run over ghost hashes proves that a chain the cache did
-   not keep came back: the new turn of a conversation, a re-sent document.
-2. **Verdict at the lookup** (``on_lookup``, the prefill's fetch): the request will write the blocks its
-   lookup missed. They are admitted when the chain is a *continuation* (real run + ghost run covers at
-   least ``continuation_fraction`` of the looked-up blocks: continued chains are reused about twice as
-   often as new ones) or, for new chains, when the chain is *sampled*: the first missing block's hash,
-   read as a number in [0, 1), is below the sampling rate ``q``. The verdict is remembered per missing
-   block hash (a *ticket*) for ``ticket_ms``, the time a put may follow its lookup.
-3. **Verdict at the put** (``admit``): a ticketed block (or the checkpoint keyed by it) gets its ticket's
-   verdict. An unticketed object (a reply's blocks, a put without a lookup) follows its chain: refused when
-   its parent (MLA) or its own block (checkpoint) was refused and is not cached, admitted otherwise.
-4. **Adaptive q** (ARC-style; every signal weighs bytes / capacity): a lookup whose ghost run covers
-   *refused* blocks is a hit that admission cost: q grows by ``step`` x their bytes / capacity. One that
-   covers *evicted* blocks is a reuse that came too late for what the cache admitted, and an object
-   evicted never read after its write was an admission wasted: both shrink q by the factor
-   (1 - ``step`` x bytes / capacity). Large caches evict little, so q stays at 1 (admit everything: the
-   eviction order alone); small ones settle where refused reuse and wasted writes balance.
-
-Pure and clock-injected like the index that owns it, so the master and the simulator decide alike.
+The mechanism and its reasons are in the compiled module's docstring (``kvstore/index/admission.pyx``).
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class AdmissionConfig:
-    """Admission tunables (master flags ``--admission-*``)."""
-
-    continuation_fraction: float = 0.8  # real + ghost run share of the lookup that marks a continuation
-    initial_rate: float = 1.0  # q at start: admit everything until evictions say otherwise
-    min_rate: float = 0.02  # q never drops below this, so new chains can always prove themselves
-    step: float = 0.2  # learning rate of q: per signal, bytes / capacity x step
-    ghost_entries: int = 1 << 18  # block hashes remembered (~100 bytes each)
-    ticket_ms: int = 30_000  # how long a lookup's verdict waits for its puts
-
-    def check(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        for name in ("continuation_fraction", "initial_rate", "min_rate", "step"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and 0.0 <= v <= 1.0):
-                raise ValueError(f"admission {name} must be in [0, 1], got {v!r}")
-        if self.min_rate > self.initial_rate:
-            raise ValueError("admission min_rate must not exceed initial_rate")
-        if self.ghost_entries < 0 or self.ticket_ms <= 0:
-            raise ValueError("admission ghost_entries must be >= 0 and ticket_ms > 0")
+from kvpool.kvstore.index.admission import AdmissionConfig
 
 
 def _unit(block_hash: bytes) -> float:

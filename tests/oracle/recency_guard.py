@@ -2,20 +2,7 @@
 the plain-Python original, kept as it was, so that tests/test_index_core_guard.py holds the compiled one to
 its answers.
 
-The default policy's safety net: a shadow LRU cache of keys only, and the weight the policy gives its
-predictions against plain recency, learned from how the two caches actually do on the same lookups.
-
-Why: a predictor trained on one traffic mix can be wrong on another (an agent loop re-reads its prefix
-every few seconds, a batch job never re-reads), and then it evicts what LRU would have kept. Rather than
-a fixed switch, the index runs LRU beside itself on metadata (keys and sizes, no bytes) at the same
-capacity, and every writer's lookup scores both: the blocks the real cache serves against the blocks the
-shadow LRU would have served (joint rule: MLA run closed by a checkpoint). The weight ``w`` of the
-prediction moves by ``step`` x (ours - shadow) / (mean looked-up blocks) per lookup, clipped to [0, 1]:
-while the predictions pay, ``w`` rises towards pure prediction; when they stop paying it falls towards
-recency, where the policy ranks as LRU does. ``w`` starts at ``initial``.
-
-Cost: the shadow holds the keys an LRU cache of this capacity would hold (about as many as the index
-itself), one ``OrderedDict`` entry each, and a few dict operations per put and lookup.
+The mechanism and its reasons are in the compiled module's docstring (``kvstore/index/recency_guard.pyx``).
 """
 
 from __future__ import annotations
@@ -87,14 +74,8 @@ class RecencyGuard:
         held: Sequence[int] = (),
         checkpoint_size: int = 0,
     ) -> None:
-        """A writer's lookup served ``ours`` blocks from the real cache: score the shadow on the same
-        blocks (``joint``: an MLA run counts up to its last checkpoint, as the real match does), touch what
-        it would have served, and move ``w``.
-
-        ``held``: sizes of the MLA blocks the real cache holds on this chain (its run), ``checkpoint_size``
-        of the checkpoint it served. The writer will not put them (they exist), but an LRU cache that
-        lacked them would have them written now: the shadow takes them, or it would fall further behind
-        with every object the real cache kept and LRU did not (a shadow never rewritten)."""
+        """A writer's lookup served ``ours`` blocks from the real cache (the compiled ``lookup`` says why
+        the shadow takes ``held`` and ``checkpoint_size``)."""
         lru = self._lru
         run = 0
         for h in block_hashes:
