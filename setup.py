@@ -1,6 +1,7 @@
-"""The compiled part of kvpool: the prefix index core (Cython over a C++ key table) and the learners it calls
-per block, the default policy's recency guard and admission control (Cython over C++), built from source by
-``pip install .`` with the machine's C++ compiler; everything else is pyproject.toml's."""
+"""The compiled part of kvpool: the prefix index core (Cython over a C++ key table) and what it calls per
+block of the default policy's learners, the recency guard, admission control and the return-time model's
+tickets (Cython over C++), built from source by ``pip install .`` with the machine's C++ compiler;
+everything else is pyproject.toml's."""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -25,6 +26,7 @@ EXTENSIONS = [
     compiled("prefix_index", ["key_table.h", "lru_keys.h", "recency_guard.h", "admission.h"]),
     compiled("recency_guard", ["key_table.h", "lru_keys.h", "recency_guard.h"]),
     compiled("admission", ["key_table.h", "lru_keys.h", "admission.h"]),
+    compiled("lru_map", ["key_table.h", "lru_keys.h"]),
 ]
 
 # two at a time (cythonize's processes, build_ext's compiler jobs): make test builds them three times, on a

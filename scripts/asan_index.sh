@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The compiled index under AddressSanitizer: builds kvstore/index/*.pyx (the core, the recency guard and
-# admission) with -fsanitize=address into a scratch copy of the tree (laid out as kvpool/<package>/, the
-# import paths), then runs the index's tests there (differential against the oracle, trace equality, the
-# index and master-core suites) with libasan preloaded. Run once per change to the compiled code; exits
-# non-zero on a test failure or an ASan report (ASan aborts the process on the first bad access).
+# The compiled index under AddressSanitizer: builds kvstore/index/*.pyx (the core, the recency guard,
+# admission, the LRU map) with -fsanitize=address into a scratch copy of the tree (laid out as
+# kvpool/<package>/, the import paths), then runs the index's tests there (differential against the oracle,
+# trace equality, the index and master-core suites) with libasan preloaded. Run once per change to the
+# compiled code; exits non-zero on a test failure or an ASan report (ASan aborts the process on the first bad
+# access).
 #
 #   bash scripts/asan_index.sh            # uses .venv
 set -euo pipefail
@@ -31,7 +32,7 @@ exts = [
         include_dirs=["kvpool/kvstore/index"], language="c++", extra_compile_args=flags,
         extra_link_args=["-fsanitize=address"],
     )
-    for m in ("prefix_index", "recency_guard", "admission")
+    for m in ("prefix_index", "recency_guard", "admission", "lru_map")
 ]
 setup(ext_modules=cythonize(exts, quiet=True), script_args=["build_ext", "--inplace", "-q"])
 PY
@@ -42,17 +43,18 @@ PYTHONPATH="$WORK/tree:$WORK/run" "$PY" - "$WORK" <<'PY'
 import sys
 
 import kvpool.kvstore.index.admission as admission
+import kvpool.kvstore.index.lru_map as lru_map
 import kvpool.kvstore.index.prefix_index as core
 import kvpool.kvstore.index.recency_guard as guard
 import pytest
 
-for module in (core, guard, admission):
+for module in (core, guard, admission, lru_map):
     assert module.__file__.startswith(sys.argv[1]), f"not the ASan build: {module.__file__}"
     print("ASan build:", module.__file__)
 sys.exit(pytest.main([
     "-q", "-p", "no:cacheprovider", "--rootdir", ".",
     "tests/test_index_core_differential.py", "tests/test_index_core_traces.py", "tests/test_index_core_bad_input.py",
-    "tests/test_index_core_guard.py", "tests/test_index_core_admission.py",
+    "tests/test_index_core_guard.py", "tests/test_index_core_admission.py", "tests/test_index_core_lru_map.py",
     "tests/test_store_index.py",
     "tests/test_store_index_ckpt.py", "tests/test_store_index_policies.py", "tests/test_store_index_admission.py",
     "tests/test_store_index_return_time.py", "tests/test_store_master_core.py",

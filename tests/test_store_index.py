@@ -544,7 +544,7 @@ def test_a_resume_read_is_touched_and_leased_but_teaches_the_index_nothing() -> 
 
     def learned() -> tuple:
         m, g = policy.model, policy.guard
-        return (m.observed, dict(m._tickets), g.ours, g.shadow, g.lead, g.keys(), admission.tickets())
+        return (m.observed, dict(m.tickets.items()), g.ours, g.shadow, g.lead, g.keys(), admission.tickets())
 
     for _ in range(60):
         clock.advance(1.0)

@@ -203,13 +203,22 @@ class HybridPolicy(LRUPolicy):
         self.guard.put(key, size, capacity)
 
     def on_insert(self, cols: PolicyColumns, slot: int, key: bytes, kind: int, anchor_slot: int) -> None:
-        """An object took ``slot``: give it its class (its ticket's, or its anchor's beyond the prompt)."""
+        """An object took ``slot``: give it its class (its ticket's, or its anchor's beyond the prompt).
+        The compiled index does the same in C while this is the policy's ``on_insert`` (it reads the
+        model's ``tickets`` and writes ``klass_room``'s array), so it is called here only by subclasses'
+        overrides and the oracle index."""
+        klass = self.klass_room(slot)
+        anchor = klass.item(anchor_slot) if 0 <= anchor_slot < len(klass) else None
+        klass[slot] = self.model.class_of_put(key[1:], anchor)
+
+    def klass_room(self, slot: int) -> np.ndarray:
+        """The class of each slot (uint16), grown by half when ``slot`` is past its end: the one place it
+        is replaced, so the index may hold the array it returns until it asks again."""
         if slot >= len(self._klass):
             klass = np.zeros(max(slot + 1, len(self._klass) * 3 // 2), dtype=np.uint16)
             klass[: len(self._klass)] = self._klass
             self._klass = klass
-        anchor = self._klass.item(anchor_slot) if 0 <= anchor_slot < len(self._klass) else None
-        self._klass[slot] = self.model.class_of_put(key[1:], anchor)
+        return self._klass
 
     def on_lookup(
         self,

@@ -100,7 +100,9 @@ from cython.operator cimport dereference as deref, preincrement as inc
 
 from kvpool.kvstore.index.admission import CAPSULE as ADMISSION_CAPSULE, Admission, AdmissionConfig
 from kvpool.kvstore.index.eviction import DEAD_FIRST, MIN_AGE_S, HybridPolicy, LRUPolicy, make_policy
+from kvpool.kvstore.index.lru_map import CAPSULE as TICKETS_CAPSULE, LruMap
 from kvpool.kvstore.index.recency_guard import CAPSULE as GUARD_CAPSULE, RecencyGuard
+from kvpool.kvstore.index.return_time import BEYOND, GAP, HINT, READ
 from kvpool.kvstore.index.pin_budget import PinBudget
 from kvpool.kvstore.index.pin_table import PinTable
 from kvpool.kvstore.index.records import (
@@ -153,6 +155,12 @@ cdef extern from "recency_guard.h" namespace "kvpool":
         void put(const uint8_t* key, size_t length, int64_t size, int64_t capacity) except +
         double w
 
+cdef extern from "lru_keys.h" namespace "kvpool":
+    cdef cppclass LruKeys:
+        int32_t find(const uint8_t* key, size_t length)
+        int64_t value(int32_t e)
+
+cdef int64_t C_BEYOND = BEYOND, C_GAP = GAP, C_HINT = HINT, C_READ = READ  # return_time's class arithmetic
 cdef double C_DEAD_FIRST = DEAD_FIRST
 cdef double C_MIN_AGE_S = MIN_AGE_S
 
@@ -337,6 +345,10 @@ cdef class PrefixIndex:
     cdef CGuard* _guard
     cdef bint _dead_scores  # the policy's score_one is HybridPolicy's: a dead block is scored in C
     cdef bint _evicts_checkpoints_only  # the policy's on_evict is HybridPolicy's: called for checkpoints only
+    cdef bint _classes_in_c  # the policy's on_insert is HybridPolicy's: a put is classed here (``_class_of_put``)
+    cdef object _tickets_owner  # the policy model's ticket map, kept alive while ``_tickets`` points into it
+    cdef LruKeys* _tickets
+    cdef uint16_t[::1] _klass  # the policy's class column (``klass_room``), asked for again when it grows
     cdef bint _observed_enough  # the learner's model has seen min_observations (it never unlearns them)
     cdef readonly Py_ssize_t _evictions
     cdef Py_ssize_t _evicted_bytes, _demotions, _expired
@@ -450,6 +462,16 @@ cdef class PrefixIndex:
         cls = type(policy)
         self._dead_scores = self._guard != NULL and getattr(cls, "score_one", None) is HybridPolicy.score_one
         self._evicts_checkpoints_only = getattr(cls, "on_evict", None) is HybridPolicy.on_evict
+        tickets = getattr(getattr(policy, "model", None), "tickets", None)
+        self._classes_in_c = (
+            self._learner is not None and getattr(cls, "on_insert", None) is HybridPolicy.on_insert
+            and type(tickets) is LruMap
+        )
+        self._tickets_owner = tickets if self._classes_in_c else None
+        self._tickets = NULL
+        if self._classes_in_c:
+            self._tickets = <LruKeys*>PyCapsule_GetPointer(tickets._address(), TICKETS_CAPSULE)
+            self._klass = policy.klass_room(0)
         self._observed_enough = False
         self._ordered = False
         for i in range(self._order.size()):
@@ -939,7 +961,10 @@ cdef class PrefixIndex:
         if learner is not None:
             if a < 0 and self._anchor[slot] >= 0:  # an orphan, unless it hangs on itself now
                 a = self._table.slot(self._anchor[slot])
-            learner.on_insert(self._cols, slot, key, kind_i, a)
+            if self._classes_in_c:
+                self._class_of_put(slot, key, a)
+            else:
+                learner.on_insert(self._cols, slot, key, kind_i, a)
         if not pending:
             self._mark_checkpoint(slot, key, kind_i, deps)
         self._used[nid, tier] += size
@@ -953,6 +978,27 @@ cdef class PrefixIndex:
             if self.max_objects and self._n_committed + self._n_pending > self.high_watermark * self.max_objects:
                 self._evict_objects(<int64_t>(self.low_watermark * self.max_objects), now, slot)
         return slot
+
+    cdef int _class_of_put(self, Py_ssize_t slot, bytes key, int32_t anchor_slot) except -1:
+        """``HybridPolicy.on_insert`` in C: the object in ``slot`` takes the class of its ticket (the
+        model's ``tickets``, keyed by the key less its tag), else its anchor's beyond the prompt
+        (``ReturnTimeModel.class_of_put``), else BEYOND."""
+        if slot >= self._klass.shape[0]:
+            self._klass = self._policy.klass_room(slot)
+        cdef const uint8_t* k = <const uint8_t*><const char*>key
+        cdef int32_t e = self._tickets.find(k + 1, len(key) - 1)
+        cdef int64_t cls, base
+        if e >= 0:
+            cls = self._tickets.value(e)
+        elif 0 <= anchor_slot < self._klass.shape[0]:
+            base = self._klass[anchor_slot] % C_HINT  # a hint names its own checkpoints: not the reply's
+            cls = (base % C_READ) + C_BEYOND + C_GAP * (base // C_GAP)
+        else:
+            cls = C_BEYOND
+        if not 0 <= cls <= 0xFFFF:
+            raise OverflowError(f"request class {cls} does not fit the class column")
+        self._klass[slot] = <uint16_t>cls
+        return 0
 
     cdef bint _admit(self, bytes key, int kind, int64_t size, bytes parent, double now) except -1:
         """Whether admission lets the block key ``key`` in. Unticketed objects follow their chain: an MLA

@@ -40,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+from kvpool.kvstore.index.lru_map import LruMap
 
 # age bins: [0, E_1), [E_1, E_2), ... with E_i = FIRST_EDGE_S * 2^((i-1)/2); the last is open-ended
 FIRST_EDGE_S = 0.125
@@ -125,7 +126,7 @@ class ReturnTimeModel:
         self._fresh = 0  # observations since the table was built
         self._built_at = -math.inf
         self.observed = 0  # returns + censored observations so far
-        self._tickets: OrderedDict[bytes, int] = OrderedDict()  # missing block hash -> writer's class
+        self._tickets = LruMap(ticket_entries)  # missing block hash -> writer's class, newest set last
         # evicted checkpoints not yet returned nor forgotten: hash -> row of the two arrays
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()
         self._g_cls = np.zeros(ghost_entries, dtype=np.int64)
@@ -148,14 +149,15 @@ class ReturnTimeModel:
         self._fresh += 1
 
     def ticket(self, block_hashes: Sequence[bytes], cls: int) -> None:
-        """The request of class ``cls`` will write these blocks (and checkpoints keyed by them)."""
-        t = self._tickets
-        to_end = t.move_to_end
-        for h in block_hashes:
-            t[h] = cls
-            to_end(h)
-        while len(t) > self.ticket_entries:
-            t.popitem(last=False)
+        """The request of class ``cls`` will write these blocks (and checkpoints keyed by them); the oldest
+        tickets beyond ``ticket_entries`` are forgotten. A compiled map: the index reads a put's ticket
+        from it without calling the policy (``PrefixIndex``'s class of a put)."""
+        self._tickets.set_newest(block_hashes, cls)
+
+    @property
+    def tickets(self) -> LruMap:
+        """Block hash -> the class of the request that will write it (the index reads it per put)."""
+        return self._tickets
 
     def class_of_put(self, block_hash: bytes, anchor_class: int | None) -> int:
         """Class of an object put for ``block_hash``: its ticket's, else its anchor's beyond the prompt."""
