@@ -17,12 +17,13 @@ import hashlib
 from dataclasses import astuple
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import ObjectKind
+from kvpool.kvstore.index.records import SLOT_LIVE, ObjectKind
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG, TAIL_TAG
 
 from tests.oracle.prefix_index import PrefixIndex as OraclePrefixIndex
@@ -212,7 +213,12 @@ def _state(idx: Any) -> tuple:
     # verify(): the same recount (a node whose capacity was cut below what it holds reports so on both
     # sides until a pass brings it down), and the core's own structures (key entries, waiting counts, the
     # LRU order) clean, after every step
-    return (idx.stats(), usage, sorted(idx), sorted(idx.pending_keys()), len(idx), idx.verify())
+    # the default policy's class of each indexed object: the core decides it in C (``_class_of_put``), the
+    # oracle in HybridPolicy.on_insert
+    klass, flags = getattr(idx.policy, "_klass", None), idx._cols.flags
+    live = None if klass is None else np.flatnonzero(flags[: min(len(klass), len(flags))] & SLOT_LIVE)
+    classes = None if klass is None else list(zip(live.tolist(), klass[live].tolist(), strict=True))
+    return (idx.stats(), usage, sorted(idx), sorted(idx.pending_keys()), len(idx), idx.verify(), classes)
 
 
 def _pair(policy: str, max_objects: int) -> tuple[Any, Any, Clock]:

@@ -187,9 +187,14 @@ class HybridPolicy(LRUPolicy):
             raise ValueError("depth_weight must be finite and >= 0")
         self.depth_weight = depth_weight
         self.min_observations = min_observations
-        self.model = ReturnTimeModel(prior=prior)
+        self._model = ReturnTimeModel(prior=prior)
         self._guard = RecencyGuard(initial=initial_weight, step=guard_step)
         self._klass = np.zeros(1024, dtype=np.uint16)
+
+    @property
+    def model(self) -> ReturnTimeModel:
+        """The return-time model (read-only: the index reads its tickets' C++ object from the start)."""
+        return self._model
 
     @property
     def guard(self) -> RecencyGuard:

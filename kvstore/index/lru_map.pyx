@@ -63,16 +63,18 @@ cdef class LruMap:
         cdef bytes k
         cdef cbool added
         cdef int32_t e
-        for x in keys:
-            k = x
-            if not 0 < len(k) <= MAX_KEY_BYTES:
-                raise ValueError(f"an LruMap key is 1..{MAX_KEY_BYTES} bytes, got {len(k)}")
-            e = self._k.add(<const uint8_t*><const char*>k, len(k), value, &added)
-            if not added:
-                self._k.set_value(e, value)
-                self._k.touch(e)
-        while <Py_ssize_t>self._k.size() > self.entries:
-            self._k.erase(self._k.oldest())
+        try:
+            for x in keys:
+                k = x
+                if not 0 < len(k) <= MAX_KEY_BYTES:
+                    raise ValueError(f"an LruMap key is 1..{MAX_KEY_BYTES} bytes, got {len(k)}")
+                e = self._k.add(<const uint8_t*><const char*>k, len(k), value, &added)
+                if not added:
+                    self._k.set_value(e, value)
+                    self._k.touch(e)
+        finally:  # what was set before a bad key stands, within the bound
+            while <Py_ssize_t>self._k.size() > self.entries:
+                self._k.erase(self._k.oldest())
 
     def get(self, key, default=None):
         """The value of ``key`` (bytes), or ``default``; never moves it."""

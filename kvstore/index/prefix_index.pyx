@@ -102,7 +102,7 @@ from kvpool.kvstore.index.admission import CAPSULE as ADMISSION_CAPSULE, Admissi
 from kvpool.kvstore.index.eviction import DEAD_FIRST, MIN_AGE_S, HybridPolicy, LRUPolicy, make_policy
 from kvpool.kvstore.index.lru_map import CAPSULE as TICKETS_CAPSULE, LruMap
 from kvpool.kvstore.index.recency_guard import CAPSULE as GUARD_CAPSULE, RecencyGuard
-from kvpool.kvstore.index.return_time import BEYOND, GAP, HINT, READ
+from kvpool.kvstore.index.return_time import BEYOND, GAP, HINT, READ, ReturnTimeModel
 from kvpool.kvstore.index.pin_budget import PinBudget
 from kvpool.kvstore.index.pin_table import PinTable
 from kvpool.kvstore.index.records import (
@@ -464,8 +464,10 @@ cdef class PrefixIndex:
         self._evicts_checkpoints_only = getattr(cls, "on_evict", None) is HybridPolicy.on_evict
         tickets = getattr(getattr(policy, "model", None), "tickets", None)
         self._classes_in_c = (
-            self._learner is not None and getattr(cls, "on_insert", None) is HybridPolicy.on_insert
-            and type(tickets) is LruMap
+            self._learner is not None and type(tickets) is LruMap
+            and getattr(cls, "on_insert", None) is HybridPolicy.on_insert
+            and getattr(cls, "klass_room", None) is HybridPolicy.klass_room
+            and getattr(type(policy.model), "class_of_put", None) is ReturnTimeModel.class_of_put
         )
         self._tickets_owner = tickets if self._classes_in_c else None
         self._tickets = NULL

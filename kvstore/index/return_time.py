@@ -117,7 +117,6 @@ class ReturnTimeModel:
             raise ValueError("ghost_entries and ticket_entries must be > 0")
         self.prior = prior
         self.ghost_entries = ghost_entries
-        self.ticket_entries = ticket_entries
         self.rebuild_every = rebuild_every
         self.rebuild_s = rebuild_s
         self._ends = np.zeros((CLASSES, BINS))  # finished observations (returns, forgotten ghosts) per bin
@@ -153,6 +152,11 @@ class ReturnTimeModel:
         tickets beyond ``ticket_entries`` are forgotten. A compiled map: the index reads a put's ticket
         from it without calling the policy (``PrefixIndex``'s class of a put)."""
         self._tickets.set_newest(block_hashes, cls)
+
+    @property
+    def ticket_entries(self) -> int:
+        """How many tickets are kept (the map's bound, fixed when the model is made)."""
+        return self._tickets.entries
 
     @property
     def tickets(self) -> LruMap:
