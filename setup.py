@@ -23,15 +23,21 @@ def compiled(module: str, headers: list[str]) -> Extension:
 
 
 EXTENSIONS = [
-    compiled("prefix_index", ["key_table.h", "lru_keys.h", "recency_guard.h", "admission.h"]),
-    compiled("recency_guard", ["key_table.h", "lru_keys.h", "recency_guard.h"]),
-    compiled("admission", ["key_table.h", "lru_keys.h", "admission.h"]),
-    compiled("lru_map", ["key_table.h", "lru_keys.h"]),
+    compiled("prefix_index", ["key_table.h", "lru_keys.h", "lru_keys.pxd", "recency_guard.h", "admission.h"]),
+    compiled("recency_guard", ["key_table.h", "lru_keys.h", "lru_keys.pxd", "recency_guard.h"]),
+    compiled("admission", ["key_table.h", "lru_keys.h", "lru_keys.pxd", "admission.h"]),
+    compiled("lru_map", ["key_table.h", "lru_keys.h", "lru_keys.pxd"]),
 ]
 
 # two at a time (cythonize's processes, build_ext's compiler jobs): make test builds them three times, on a
 # 2-core box
 setup(
-    ext_modules=cythonize(EXTENSIONS, compiler_directives={"language_level": 3}, quiet=True, nthreads=2),
+    ext_modules=cythonize(
+        EXTENSIONS,
+        compiler_directives={"language_level": 3},
+        include_path=["kvstore/index"],
+        quiet=True,
+        nthreads=2,
+    ),
     options={"build_ext": {"parallel": 2}},
 )

@@ -34,7 +34,10 @@ exts = [
     )
     for m in ("prefix_index", "recency_guard", "admission", "lru_map")
 ]
-setup(ext_modules=cythonize(exts, quiet=True), script_args=["build_ext", "--inplace", "-q"])
+setup(
+    ext_modules=cythonize(exts, include_path=["kvpool/kvstore/index"], quiet=True),
+    script_args=["build_ext", "--inplace", "-q"],
+)
 PY
 )
 cd "$WORK/run"

@@ -45,6 +45,8 @@ from libc.stdint cimport int32_t, int64_t, uint8_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 
+from lru_keys cimport LruKeys, lru_items
+
 from kvpool.kvstore.keys import HASH_BYTES
 
 
@@ -53,13 +55,6 @@ cdef extern from "admission.h" namespace "kvpool":
         double continuation_fraction, initial_rate, min_rate, step
         int64_t ghost_entries
         double ticket_s
-
-    cdef cppclass LruKeys:
-        size_t size()
-        size_t key_len(int32_t e)
-        const uint8_t* key_data(int32_t e)
-        int64_t value(int32_t e)
-        void order(vector[int32_t]* out) except +
 
     cdef cppclass CAdmission "kvpool::Admission":
         CAdmission(const AdmissionParams& p) except +
@@ -195,10 +190,7 @@ cdef class Admission:
 
     def ghosts(self) -> list:
         """``(block hash, bytes)`` oldest first, bytes > 0 for a refusal (tests compare with the oracle)."""
-        cdef vector[int32_t] order
-        cdef const LruKeys* g = &self._a.ghosts()
-        g.order(&order)
-        return [(g.key_data(e)[:g.key_len(e)], g.value(e)) for e in order]
+        return lru_items(&self._a.ghosts())
 
     def tickets(self) -> dict:
         """``{block hash: (verdict, lapses at)}`` of the tickets held."""

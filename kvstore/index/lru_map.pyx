@@ -13,23 +13,9 @@ from cpython.pycapsule cimport PyCapsule_New
 
 from libc.stdint cimport int32_t, int64_t, uint8_t
 from libcpp cimport bool as cbool
-from libcpp.vector cimport vector
 
+from lru_keys cimport LruKeys, lru_items
 
-cdef extern from "lru_keys.h" namespace "kvpool":
-    cdef cppclass LruKeys:
-        LruKeys(unsigned long long seed) except +
-        size_t size()
-        int32_t find(const uint8_t* key, size_t length)
-        int32_t add(const uint8_t* key, size_t length, int64_t value, cbool* added) except +
-        void touch(int32_t e)
-        int64_t value(int32_t e)
-        void set_value(int32_t e, int64_t v)
-        int32_t oldest()
-        void erase(int32_t e) except +
-        void order(vector[int32_t]* out) except +
-        size_t key_len(int32_t e)
-        const uint8_t* key_data(int32_t e)
 
 MAX_KEY_BYTES = 1024  # key_table.h's bound
 CAPSULE = b"kvpool.LruKeys"  # the name of ``_address``'s capsule
@@ -86,6 +72,4 @@ cdef class LruMap:
 
     def items(self) -> list:
         """``(key, value)`` oldest first."""
-        cdef vector[int32_t] order
-        self._k.order(&order)
-        return [((<const char*>self._k.key_data(e))[: self._k.key_len(e)], self._k.value(e)) for e in order]
+        return lru_items(self._k)

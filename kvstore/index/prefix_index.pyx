@@ -98,6 +98,8 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.operator cimport dereference as deref, preincrement as inc
 
+from lru_keys cimport LruKeys
+
 from kvpool.kvstore.index.admission import CAPSULE as ADMISSION_CAPSULE, Admission, AdmissionConfig
 from kvpool.kvstore.index.eviction import DEAD_FIRST, MIN_AGE_S, HybridPolicy, LRUPolicy, make_policy
 from kvpool.kvstore.index.lru_map import CAPSULE as TICKETS_CAPSULE, LruMap
@@ -154,11 +156,6 @@ cdef extern from "recency_guard.h" namespace "kvpool":
     cdef cppclass CGuard "kvpool::RecencyGuard":
         void put(const uint8_t* key, size_t length, int64_t size, int64_t capacity) except +
         double w
-
-cdef extern from "lru_keys.h" namespace "kvpool":
-    cdef cppclass LruKeys:
-        int32_t find(const uint8_t* key, size_t length)
-        int64_t value(int32_t e)
 
 cdef int64_t C_BEYOND = BEYOND, C_GAP = GAP, C_HINT = HINT, C_READ = READ  # return_time's class arithmetic
 cdef double C_DEAD_FIRST = DEAD_FIRST

@@ -25,19 +25,14 @@ from libc.stdint cimport int32_t, int64_t, uint8_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 
+from lru_keys cimport LruKeys, lru_items
+
 import math
 
 from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG
 
 
 cdef extern from "recency_guard.h" namespace "kvpool":
-    cdef cppclass LruKeys:
-        size_t size()
-        size_t key_len(int32_t e)
-        const uint8_t* key_data(int32_t e)
-        int64_t value(int32_t e)
-        void order(vector[int32_t]* out) except +
-
     cdef cppclass CGuard "kvpool::RecencyGuard":
         CGuard(double initial, double step, double fill) except +
         void put(const uint8_t* key, size_t length, int64_t size, int64_t capacity) except +
@@ -114,10 +109,7 @@ cdef class RecencyGuard:
 
     def keys(self) -> list:
         """``(key, size)`` oldest first: what the shadow holds (tests compare it with the oracle's)."""
-        cdef vector[int32_t] order
-        cdef const LruKeys* k = &self._g.keys()
-        k.order(&order)
-        return [(k.key_data(e)[:k.key_len(e)], k.value(e)) for e in order]
+        return lru_items(&self._g.keys())
 
     def put(self, bytes key not None, size, capacity) -> None:
         """A writer puts ``key`` (whether or not the real cache admits it): LRU would store it."""
