@@ -1,18 +1,19 @@
 """The compiled part of kvpool: the prefix index core (Cython over a C++ key table) and what it calls per
 block of the default policy's learners, the recency guard, admission control and the return-time model's
-tickets (Cython over C++), built from source by ``pip install .`` with the machine's C++ compiler;
-everything else is pyproject.toml's."""
+tickets (Cython over C++); and the simulator's one-pass LRU stack (``workloads/lru_stack.pyx``). Built from
+source by ``pip install .`` with the machine's C++ compiler; everything else is pyproject.toml's."""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 
-def compiled(module: str, headers: list[str]) -> Extension:
-    """``kvstore/index/<module>.pyx`` as ``kvpool.kvstore.index.<module>``, depending on its headers there."""
+def compiled(module: str, headers: list[str], package: str = "kvstore/index") -> Extension:
+    """``<package>/<module>.pyx`` as ``kvpool.<package as a dotted path>.<module>``, depending on its headers
+    there."""
     return Extension(
-        f"kvpool.kvstore.index.{module}",
-        [f"kvstore/index/{module}.pyx"],
-        depends=[f"kvstore/index/{h}" for h in headers],
+        f"kvpool.{package.replace('/', '.')}.{module}",
+        [f"{package}/{module}.pyx"],
+        depends=[f"{package}/{h}" for h in headers],
         include_dirs=["kvstore/index"],
         language="c++",
         # -O1: as fast as -O2 on bench/index_core_bench.py (the per-block work is calls into Python's C API
@@ -27,6 +28,7 @@ EXTENSIONS = [
     compiled("recency_guard", ["key_table.h", "lru_keys.h", "lru_keys.pxd", "recency_guard.h"]),
     compiled("admission", ["key_table.h", "lru_keys.h", "lru_keys.pxd", "admission.h"]),
     compiled("lru_map", ["key_table.h", "lru_keys.h", "lru_keys.pxd"]),
+    compiled("lru_stack", [], package="workloads"),
 ]
 
 # two at a time (cythonize's processes, build_ext's compiler jobs): make test builds them three times, on a

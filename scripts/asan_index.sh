@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The compiled index under AddressSanitizer: builds kvstore/index/*.pyx (the core, the recency guard,
-# admission, the LRU map) with -fsanitize=address into a scratch copy of the tree (laid out as
+# The compiled code under AddressSanitizer: builds kvstore/index/*.pyx (the core, the recency guard,
+# admission, the LRU map) and workloads/lru_stack.pyx (the one-pass LRU curve) with -fsanitize=address
+# into a scratch copy of the tree (laid out as
 # kvpool/<package>/, the import paths), then runs the index's tests there (differential against the oracle,
 # trace equality, the index and master-core suites) with libasan preloaded. Run once per change to the
 # compiled code; exits non-zero on a test failure or an ASan report (ASan aborts the process on the first bad
@@ -22,6 +23,7 @@ PY
 cp -r "$ROOT/workloads/data" "$WORK/tree/kvpool/workloads/"
 find "$WORK/tree" -name '*.so' -delete
 cp -r "$ROOT/tests" "$WORK/run_tests" && mkdir -p "$WORK/run" && mv "$WORK/run_tests" "$WORK/run/tests"
+cp -r "$ROOT/docs" "$WORK/run/docs"  # the worked examples' tests read their design notes
 (cd "$WORK/tree" && "$PY" - <<'PY'
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -33,6 +35,11 @@ exts = [
         extra_link_args=["-fsanitize=address"],
     )
     for m in ("prefix_index", "recency_guard", "admission", "lru_map")
+] + [
+    Extension(
+        "kvpool.workloads.lru_stack", ["kvpool/workloads/lru_stack.pyx"], language="c++",
+        extra_compile_args=flags, extra_link_args=["-fsanitize=address"],
+    )
 ]
 setup(
     ext_modules=cythonize(exts, include_path=["kvpool/kvstore/index"], quiet=True),
@@ -49,9 +56,10 @@ import kvpool.kvstore.index.admission as admission
 import kvpool.kvstore.index.lru_map as lru_map
 import kvpool.kvstore.index.prefix_index as core
 import kvpool.kvstore.index.recency_guard as guard
+import kvpool.workloads.lru_stack as lru_stack
 import pytest
 
-for module in (core, guard, admission, lru_map):
+for module in (core, guard, admission, lru_map, lru_stack):
     assert module.__file__.startswith(sys.argv[1]), f"not the ASan build: {module.__file__}"
     print("ASan build:", module.__file__)
 sys.exit(pytest.main([
@@ -61,5 +69,6 @@ sys.exit(pytest.main([
     "tests/test_store_index.py",
     "tests/test_store_index_ckpt.py", "tests/test_store_index_policies.py", "tests/test_store_index_admission.py",
     "tests/test_store_index_return_time.py", "tests/test_store_master_core.py",
+    "tests/test_workloads_lru_stack.py", "tests/test_workloads_lru_curve.py",
 ]))
 PY

@@ -582,6 +582,22 @@ def test_pure_mla_pins_earn_their_budget_and_a_fixed_budget_never_moves() -> Non
         assert idx.stats().pin_budget_earned == (1.0 if step == 0 else 0.0), step
 
 
+def test_a_put_of_a_committed_block_refreshes_it() -> None:
+    """A writer that puts a present block again used it: ``insert_chain`` touches it (EXISTS), so LRU
+    evicts the block nobody put since, not the one just re-sent."""
+    clock = Clock()
+    idx = make(clock, cap=30, policy="lru", high_watermark=1.0, low_watermark=1.0)
+    old, other, new = chain(1, "old"), chain(1, "other"), chain(1, "new")
+    idx.insert_chain(old, [10], [True], node_id="n0")
+    clock.t += 1
+    idx.insert_chain(other, [10], [True], node_id="n0")
+    clock.t += 1
+    assert idx.insert_chain(old, [10], [True], node_id="n0") == [-PUT_EXISTS]
+    clock.t += 1
+    idx.insert_chain(new + chain(1, "more"), [10, 10], [True, True], node_id="n0")
+    assert mla_key(old[0]) in idx and mla_key(other[0]) not in idx
+
+
 def test_insert_chain_answers_what_a_writer_counts_as_outcomes_and_raises_the_rest() -> None:
     """The simulator's bulk put, column-wise: per object its slot or the outcome ``insert`` would give,
     with EXISTS, NOT_ADMITTED and NO_ROOM as answers (not exceptions); a pending key raises as ``insert``

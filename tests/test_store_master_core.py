@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from kvpool.kvstore.client.async_client import LocatedPrefix
-from kvpool.kvstore.errors import CapacityExceededError, ObjectNotFoundError
+from kvpool.kvstore.errors import BadRequestError, CapacityExceededError, ObjectNotFoundError
 from kvpool.kvstore.keys import kda_key, mla_key
 from kvpool.kvstore.master.core import MasterConfig, MasterCore, NodeAction
 from kvpool.proto import common_pb2, master_pb2
@@ -160,6 +160,23 @@ def test_replace_if_corrupt_places_elsewhere_and_deletes_the_bad_copy() -> None:
     assert core.lookup(master_pb2.LookupRequest(keys=[b"k"])).missing == [b"k"], "invisible until commit"
     assert orders(core) == {("a", NodeAction.DELETE): [b"k"]}
     assert put(core, b"k2", 10).node.node_id == "a"
+
+
+def test_a_put_of_a_committed_object_refreshes_it() -> None:
+    """The writer used it (prefill re-sends a chain whole): EXISTS touches, as the simulator's puts do, so
+    the store's LRU is one recency order for every capacity (docs/design/workloads.md §3b)."""
+    clock = Clock(10.0)
+    core = MasterCore(clock=clock)
+    register(core, "a", 1000)
+    put(core, b"k", 10)
+    clock.t = 20.0
+    reply = put(core, b"k", 10)
+    assert reply.status == master_pb2.PutStartReply.EXISTS and reply.node.node_id == "a"
+    assert core.index.get(b"k").last_use == 20.0
+    clock.t = 30.0
+    with pytest.raises(BadRequestError):
+        core.put_start(master_pb2.PutStartRequest(meta=common_pb2.ObjectMeta(key=b"k", kind=4, size=0)))
+    assert core.index.get(b"k").last_use == 20.0, "a malformed put is refused, not a use"
 
 
 def test_release_of_an_old_masters_lease_is_harmless() -> None:

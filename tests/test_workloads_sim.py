@@ -48,8 +48,8 @@ def _infinite_reference(reqs: list[Request]) -> tuple[float, float, float]:
 
 
 def _lru_reference(reqs: list[Request], cap: int, high: float = 1.0, low: float = 1.0) -> float:
-    """Plain OrderedDict LRU of block ids. What a request uses (the hit blocks prefill fetches: all but
-    the block holding the last prompt token) and what it inserts are re-stamped deepest-first, so a prefix
+    """Plain OrderedDict LRU of block ids. Every block of a request's chain is used (the hit blocks prefill
+    fetches, and each block it puts: a present one is refreshed) and re-stamped deepest-first, so a prefix
     root is always more recent than its suffixes (leaf-first eviction); watermarks as the master's."""
     od: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
@@ -62,11 +62,10 @@ def _lru_reference(reqs: list[Request], cap: int, high: float = 1.0, low: float 
             run += 1
         hit += run
         total += len(r.hash_ids)
-        used = set(r.hash_ids[: min(run, (r.input_length - 1) // 512)])
         for h in r.hash_ids:  # insert what is missing, evicting as each block arrives
             if h in od:
+                od.move_to_end(h)  # a put of a present block refreshes it
                 continue
-            used.add(h)
             if len(od) + 1 > cap:
                 while len(od) > min(int(low * cap), cap - 1):
                     od.popitem(last=False)
@@ -75,7 +74,7 @@ def _lru_reference(reqs: list[Request], cap: int, high: float = 1.0, low: float 
                 while len(od) > int(low * cap):
                     od.popitem(last=False)
         for h in reversed(r.hash_ids):  # then those blocks become the newest, the root newest of all
-            if h in used and h in od:
+            if h in od:
                 od.move_to_end(h)
     return hit / total
 

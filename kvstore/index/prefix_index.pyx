@@ -565,7 +565,7 @@ cdef class PrefixIndex:
 
     cdef void _touch(self, list slots, bint in_c=False) except *:
         """The policy's touch of really used objects (their order moves with their last use). With ``in_c``
-        (a match's slots) under a recency touch (``LRUPolicy.touch``: lru, depth, hybrid) the touch is done
+        (a match's, a lookup's or a repeated put's slots) under a recency touch (``LRUPolicy.touch``: lru, depth, hybrid) the touch is done
         here in C, as its numpy assignment does it: one use per distinct slot, however often a chain that
         repeats a block names it (the TOUCHED bit marks the slots counted)."""
         cdef Py_ssize_t s
@@ -798,7 +798,8 @@ cdef class PrefixIndex:
         repeat of it), then each checkpoint ``(c, size, admit)``: ``KDA_TAG + hashes[c - 1]``. Each is
         indexed as ``insert(key, kind, size, node_id=node_id, tenant=tenant, parent=..., admit=...)`` would
         (the same eviction before and after each), except that the answers a writer counts rather than
-        fails on are answers: a key already committed is left as it is (no touch), and a refusal by
+        fails on are answers: a key already committed is touched (a writer that puts it again used it: the
+        rule that makes the store's LRU a stack algorithm, docs/design/workloads.md §3b), and a refusal by
         admission or for room puts nothing.
 
         Returns one int per put, blocks first: the slot the object now has (>= 0), or ``-PUT_EXISTS``,
@@ -846,6 +847,7 @@ cdef class PrefixIndex:
         cdef int32_t s = self._find(key)
         if s >= 0:
             if not self._flags[s] & PENDING:
+                self._touch([s], True)
                 return -PUT_EXISTS
             raise DuplicateKeyError(key, True)
         cdef Py_ssize_t slot
@@ -1303,7 +1305,7 @@ cdef class PrefixIndex:
                 used.append(slot)
                 out.append(self._info(slot))
         if touch and used:
-            self._touch(used)
+            self._touch(used, True)
         return out
 
     def _slots_of(self, keys):

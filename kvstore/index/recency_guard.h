@@ -33,8 +33,11 @@ class RecencyGuard {
   void put(const std::uint8_t* key, std::size_t len, std::int64_t size, std::int64_t capacity) {
     capacity_ = capacity;
     bool added = false;
-    lru_.add(key, len, size, &added);
-    if (!added) return;  // EXISTS: no touch, as the master answers a duplicate put
+    std::int32_t e = lru_.add(key, len, size, &added);
+    if (!added) {  // EXISTS: the store refreshes a present object a writer puts again, and so does LRU
+      lru_.touch(e);
+      return;
+    }
     bytes_ = sat_add(bytes_, size);
     if (capacity > 0 && static_cast<double>(bytes_) > fill * static_cast<double>(capacity)) trim();
   }

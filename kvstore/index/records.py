@@ -25,7 +25,7 @@ SLOT_PINNED = 4
 SLOT_CKPT = 8  # on a committed slot keyed MLA_TAG + h: the key KDA_TAG + h is committed too (match_prefix)
 
 # what PrefixIndex.insert_chain answers, negated, for an object it did not index (else the object's slot)
-PUT_EXISTS = 1  # already committed: left as it is
+PUT_EXISTS = 1  # already committed: touched (the writer used it), not written again
 PUT_NOT_ADMITTED = 2  # admission turned it away (insert raises NotAdmittedError)
 PUT_NO_ROOM = 3  # no pool could hold it (insert raises CapacityError)
 

@@ -413,7 +413,7 @@ class MasterCore:
         seen: set[bytes] = set()
         owned: set[bytes] = set()  # routes (or keys) this shard was found to own
         index = self.index
-        get, insert, absorb = index.get, index.insert, self._absorb_index_events
+        get, insert, touch, absorb = index.get, index.insert, index.lookup, self._absorb_index_events
         puts, put_of_key = self._puts, self._put_of_key
         shards, shard = self.config.shards, self.config.shard
         sharded = shards.sharded
@@ -441,6 +441,8 @@ class MasterCore:
                 replacing: str | None = None
                 if existing is not None:
                     answer = self._start_existing(existing, key, kind, size, ttl_ms, checksum, replace)
+                    if answer == _EXISTS:  # the writer used it: a put refreshes, as in the simulator
+                        touch((key,), touch=True)
                     if answer:
                         status[i] = answer
                         node_ids[i] = existing.node_id

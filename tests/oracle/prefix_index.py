@@ -412,7 +412,7 @@ class PrefixIndex:
         """A writer's puts of one request, in order: the MLA blocks ``MLA_TAG + hashes[i]`` (size
         ``sizes[i]``, admission hint ``admits[i]``, parent the block before it: none for the first or for a
         repeat of it), then each checkpoint ``(c, size, admit)``: ``KDA_TAG + hashes[c - 1]``. Each is
-        indexed as ``insert`` would, except that a key already committed is left as it is (no touch) and a
+        indexed as ``insert`` would, except that a key already committed is touched (it was used) and a
         refusal by admission or for room puts nothing. One int per put, blocks first: the object's slot, or
         ``-PUT_EXISTS``, ``-PUT_NOT_ADMITTED``, ``-PUT_NO_ROOM``. A malformed chain is ``BadObjectError``
         before anything is put; other errors raise as ``insert``'s, with the objects before it put."""
@@ -446,6 +446,7 @@ class PrefixIndex:
         out: list[int] = []
         for key, kind, size, parent, admit in puts:
             if key in self._slot:
+                self.policy.touch(self._cols, np.array([self._slot[key]], dtype=np.int64), self._clock())
                 out.append(-PUT_EXISTS)
                 continue
             if key in self._pending:

@@ -54,7 +54,8 @@ class RecencyGuard:
         self._capacity = capacity
         lru = self._lru
         if key in lru:
-            return  # EXISTS: no touch, as the master answers a duplicate put
+            lru.move_to_end(key)  # EXISTS: the store refreshes a present object a writer puts again
+            return
         lru[key] = size
         self._bytes += size
         if capacity > 0 and self._bytes > self.fill * capacity:  # _trim's own test, without the call
