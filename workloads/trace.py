@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvpool.workloads.errors import TraceFormatError
-from kvpool.workloads.trace_record import KVPOOL_FORMAT, MOONCAKE_BLOCK, Request, tier_ms
+from kvpool.workloads.trace_record import KVPOOL_FORMAT, MOONCAKE_BLOCK, Request, collector_paused, tier_ms
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUNDLED_TRACES = {"conversation": "conversation_trace.jsonl.gz", "synthetic": "synthetic_trace.jsonl.gz"}
@@ -170,9 +170,10 @@ def read_trace(path: str | Path, workload: str | None = None) -> list[Request]:
     ``timestamp`` and no ``arrival_ms`` is Mooncake."""
     from kvpool.workloads.trace_columnar import is_parquet, read_parquet
 
-    if is_parquet(path):
-        return read_parquet(path)
-    return list(iter_trace(path, workload))
+    with collector_paused():
+        if is_parquet(path):
+            return read_parquet(path)
+        return list(iter_trace(path, workload))
 
 
 def iter_trace(path: str | Path, workload: str | None = None) -> Iterator[Request]:

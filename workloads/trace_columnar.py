@@ -25,7 +25,6 @@ beside the target, renamed over it once complete: nothing half-written is ever a
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import os
@@ -35,7 +34,13 @@ from typing import Any
 
 import numpy as np
 from kvpool.workloads.errors import TraceFormatError
-from kvpool.workloads.trace_record import KVPOOL_FORMAT, MAX_CACHE_KEY_CHARS, Request, tier_ms
+from kvpool.workloads.trace_record import (
+    KVPOOL_FORMAT,
+    MAX_CACHE_KEY_CHARS,
+    Request,
+    collector_paused,
+    tier_ms,
+)
 
 PARQUET_MAGIC = b"PAR1"
 FORMAT_KEY = b"kvpool.format"
@@ -202,15 +207,8 @@ def parquet_memory_estimate(path: str | Path) -> int:
 
 
 def _build(cols: dict[str, Any], n: int, where: str, first: int) -> list[Request]:
-    # Millions of new lists and records trip the cyclic collector every few hundred allocations, and each
-    # pass walks everything built so far (40 % of a load measured); nothing built here forms a cycle.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():  # a streamed batch too is tens of thousands of new records
         return _requests(cols, n, where, first)
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 _INTEGER, _NUMBER, _STRING, _BOOL, _IDS = "integer", "number", "string", "bool", "list of integers"

@@ -1,12 +1,16 @@
 """A trace record (:class:`Request`) and its rules: what one request of a workload is, whatever the file.
 
 Why apart from the readers (``trace`` for JSONL, ``trace_columnar`` for Parquet): both build and check the
-same record, and neither form's reader should depend on the other's.
+same record, millions at a time (``collector_paused``), and neither form's reader should depend on the
+other's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,3 +164,17 @@ def _check_int_list(name: str, values: object) -> None:
     for v in values:
         if type(v) is not int or v < 0:
             raise TraceFormatError(f"{name} must hold non-negative integers, found {v!r}")
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off while a whole trace is built. Why: a trace is millions of new records
+    and lists, none in a cycle, and every few hundred allocations the collector walks everything built so
+    far: 45 % of a 1 M-request JSONL load (14.5 s against 8.0 s) and a third of a Parquet one."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

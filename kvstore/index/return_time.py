@@ -154,11 +154,6 @@ class ReturnTimeModel:
         self._tickets.set_newest(block_hashes, cls)
 
     @property
-    def ticket_entries(self) -> int:
-        """How many tickets are kept (the map's bound, fixed when the model is made)."""
-        return self._tickets.entries
-
-    @property
     def tickets(self) -> LruMap:
         """Block hash -> the class of the request that will write it (the index reads it per put)."""
         return self._tickets

@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
-import mmap
 import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -35,7 +34,6 @@ from kvpool.kvstore.protocol.shm_segment import (
 )
 
 ALIGN = 64
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Python 3.11 lacks the constants
 
 
 def _round_up(n: int) -> int:
