@@ -90,6 +90,7 @@ ops = st.one_of(
     ),
     st.tuples(st.just("lookup"), st.lists(keys, max_size=4), st.booleans()),
     st.tuples(st.just("get"), keys),
+    st.tuples(st.just("put_again"), keys),
     st.tuples(st.just("rows"), st.lists(keys, max_size=4)),
     st.tuples(st.just("acquire"), st.lists(keys, max_size=4), st.sampled_from([None, 200, 3000])),
     st.tuples(st.just("release"), st.integers(0, 6)),
@@ -162,6 +163,8 @@ def _apply(idx: Any, op: tuple, leases: list[int]) -> Any:
         return idx.lookup(op[1], touch=op[2])
     if name == "get":
         return idx.get(op[1])
+    if name == "put_again":
+        return idx.put_again(op[1])
     if name == "rows":
         return idx.rows(op[1])
     if name == "acquire":

@@ -1,7 +1,7 @@
 """The compiled LRU stack pass (``workloads/lru_stack.pyx``) equals its plain-Python oracle
 (``tests/oracle/lru_stack.py``) tally for tally, on random chained traces in blocks and in bytes, with the
 tree small enough that keys are dropped and renumbered every few requests; bad arrays are ``ValueError``
-before any work, and a key twice in one chain is ``RepeatedKey`` naming the request."""
+before any work, and a key twice in one chain is ``NotAStack`` naming the request."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 import pytest
-from kvpool.workloads.lru_stack import RepeatedKey, stack_pass
+from kvpool.workloads.lru_stack import NotAStack, stack_pass
 from oracle import lru_stack as oracle
 
 BPT = 7  # bytes per token
@@ -62,6 +62,31 @@ def test_compiled_pass_equals_the_oracle(seed: int, unit_bytes: bool) -> None:
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in want.items()}, positions
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_a_key_put_at_another_size_or_parent_is_refused_alike(seed: int) -> None:
+    """Traces whose keys now and then come back at another size or under another parent: the compiled
+    pass refuses the same request as the oracle (only while some capacity holds the key), or neither does
+    and the tallies agree."""
+    rng = random.Random(seed)
+    t = _trace(rng, rng.randint(20, 200))
+    keys, tokens = t["keys"].copy(), t["tokens"].copy()
+    for _ in range(3):
+        i = rng.randrange(len(keys))
+        if rng.random() < 0.5:
+            tokens[np.flatnonzero(keys == keys[i])[-1]] += 1  # its last reference at another size
+        else:
+            keys[i] = rng.randint(1, t["n_keys"])  # another key here: other parents (or a repeat)
+    t = {**t, "keys": keys, "tokens": tokens}
+    ceffs = np.array(sorted(rng.randint(0, 40) for _ in range(3)), np.int64)
+    outcomes = []
+    for run in (oracle.stack_pass, stack_pass):
+        try:
+            outcomes.append({k: v.tolist() for k, v in run(*t.values(), ceffs, BPT, False).items()})
+        except (oracle.NotAStack, NotAStack) as exc:
+            outcomes.append((exc.request, exc.why))
+    assert outcomes[0] == outcomes[1]
+
+
 def test_a_key_twice_in_one_chain_names_the_request() -> None:
     t = _trace(random.Random(1), 5)
     keys = np.concatenate([t["keys"], [1, 1]]).astype(np.int32)
@@ -70,10 +95,10 @@ def test_a_key_twice_in_one_chain_names_the_request() -> None:
     caps = np.concatenate([t["caps"], [0]]).astype(np.int32)
     prompts = np.concatenate([t["prompts"], [2]]).astype(np.int32)
     args = (offsets, keys, tokens, caps, prompts, t["n_keys"], np.array([10], np.int64), BPT, False)
-    with pytest.raises(RepeatedKey) as caught:
+    with pytest.raises(NotAStack) as caught:
         stack_pass(*args)
     assert caught.value.request == 5
-    with pytest.raises(oracle.RepeatedKey):
+    with pytest.raises(oracle.NotAStack):
         oracle.stack_pass(*args)
 
 
@@ -95,7 +120,15 @@ def test_bad_arrays_are_value_errors() -> None:
         "cap": {"caps": t["prompts"] + 1},
         "ascending": {"ceffs": np.array([9, 5], np.int64)},
         "negative": {"tokens": -t["tokens"]},
+        "below 2": {"ceffs": np.array([5, 1 << 62], np.int64)},
     }
     for words, change in cases.items():
         with pytest.raises(ValueError, match=words):
             call(**change)
+    with pytest.raises(ValueError, match="overflow"):
+        stack_pass(
+            *(t[name] for name in ("offsets", "keys", "tokens", "caps", "prompts", "n_keys")),
+            ceffs,
+            1 << 58,
+            True,
+        )

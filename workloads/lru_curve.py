@@ -23,11 +23,11 @@ capacities: a stack. The pass itself is compiled (``workloads/lru_stack.pyx``, c
 hash-id records the pair (tenant, trace id), on which the simulator's chain hash depends alone
 (``chains.ChainBuilder``), for token records the chain hash. O(blocks x log(cache size)).
 
-Exact only when: pure MLA (hybrid: the lookup touches only the usable prefix, not the MLA run past it, and
-checkpoints are written where a capacity-dependent lookup fell short), policy ``lru``, ``high == low``,
-one master, DRAM only, no visibility delay, no client hints in effect, every key one size, no key twice in
-one chain, and C_eff >= the largest request's units (a chain longer than the cache evicts itself, leaving
-orphans). ``refusal`` names the first condition a configuration breaks; per capacity, ``exact_from``.
+Exact only when: pure MLA (hybrid: checkpoints are written where a capacity-dependent lookup fell short),
+policy ``lru``, ``high == low``, one master, DRAM only, no visibility delay, no client hints in effect, no
+block put at another size while some capacity holds it, no key twice in one chain, and C_eff >= the largest
+request's units (a chain longer than the cache evicts itself, leaving orphans). ``refusal`` names the first
+condition a configuration breaks; ``lru_curve`` the capacities and traces it cannot take, and why.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from kvpool.workloads.chains import ChainBuilder
 from kvpool.workloads.errors import ReplayError
-from kvpool.workloads.lru_stack import RepeatedKey, stack_pass
+from kvpool.workloads.lru_stack import NotAStack, stack_pass
 from kvpool.workloads.sim_config import SimConfig
 from kvpool.workloads.sim_result import Counters
 from kvpool.workloads.trace import Request
@@ -48,14 +48,13 @@ from kvpool.workloads.trace import Request
 
 def refusal(config: SimConfig, requests: Sequence[Request]) -> str | None:
     """Why the one-pass curve cannot stand for ``simulate(requests, config)`` at any capacity, or None.
-    (Per-capacity limits: :func:`exact_floor`.)"""
+    (Per-capacity and per-trace limits: :func:`lru_curve`'s fallback reasons.)"""
     if config.policy != "lru":
         return f"policy {config.policy!r} is not LRU"
     if config.spec.hybrid:
         return (
-            "hybrid spec: the lookup touches only the usable prefix (not the MLA run past it) and "
-            "checkpoints are written where a capacity-dependent lookup fell short (--pure-mla takes the "
-            "one-pass curve)"
+            "hybrid spec: checkpoints are written where a capacity-dependent lookup fell short, so what "
+            "is stored depends on the capacity (--pure-mla takes the one-pass curve)"
         )
     if config.high_watermark != config.low_watermark:
         return (
@@ -116,8 +115,6 @@ def lru_curve(
         return {}, {c: why for c in capacities}
     ordered = [requests[i] for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)]
     prep = _prepare(ordered, config, block_size)
-    if isinstance(prep, str):
-        return {}, {c: prep for c in capacities}
     exact: list[tuple[int, int]] = []  # (capacity, C_eff)
     fallback: dict[int, str] = {}
     for cap in dict.fromkeys(capacities):
@@ -142,8 +139,8 @@ def lru_curve(
             np.array([ce[1] for ce in exact], np.int64), config.spec.mla_bytes_per_token,
             config.capacity_unit == "bytes",
         )  # fmt: skip
-    except RepeatedKey as exc:
-        why = f"request {ordered[exc.request].request_id} names one block twice in its chain"
+    except NotAStack as exc:
+        why = f"request {ordered[exc.request].request_id} {exc.why}"
         return {}, {c: why for c in capacities}
     return _points(ordered, prep, config, block_size, exact, tallies), fallback
 
@@ -160,14 +157,14 @@ class _Prepared:
     caps: np.ndarray
     prompts: np.ndarray
     n_keys: int
-    biggest_unit: int
-    biggest_req: int
+    biggest_unit: int  # the largest block, in capacity units (a capacity must fit it above the watermark)
+    biggest_req: int  # the largest request's units (a smaller cache evicts the request's own chain)
 
 
-def _prepare(reqs: list[Request], config: SimConfig, bs: int) -> _Prepared | str:
-    """``reqs`` (in arrival order) as arrays, with the sizes the index would hold; or a reason the pass
-    cannot be exact. Hash-id records are taken column-wise (a production trace is tens of millions of
-    ids); token records are hashed as the simulator hashes them."""
+def _prepare(reqs: list[Request], config: SimConfig, bs: int) -> _Prepared:
+    """``reqs`` (in arrival order) as arrays, with the sizes the index would hold. Hash-id records are
+    taken column-wise (a production trace is tens of millions of ids); token records are hashed as the
+    simulator hashes them."""
     for req in reqs:
         if req.tokens is None and req.block_size != bs:
             raise ReplayError(
@@ -213,17 +210,16 @@ def _prepare(reqs: list[Request], config: SimConfig, bs: int) -> _Prepared | str
     partial = is_id & (lengths > 0) & (tail > 0)
     tokens[offsets[1:][partial] - 1] = tail[partial]
     caps = np.where(inputs > 0, np.minimum((inputs - 1) // bs, prompts), 0).astype(np.int32)
-    units = (
-        tokens.astype(np.int64) * config.spec.mla_bytes_per_token if config.capacity_unit == "bytes" else None
-    )
-    why = _one_size(keys, tokens, n_keys)
-    if why:
-        return why
-    per_req = np.add.reduceat(units, offsets[:-1]) if units is not None and len(units) else lengths
-    per_req = np.where(lengths > 0, per_req, 0)
+    if config.capacity_unit == "bytes":
+        units = tokens.astype(np.int64) * config.spec.mla_bytes_per_token
+        running = np.zeros(len(units) + 1, np.int64)
+        np.cumsum(units, out=running[1:])
+        per_req = running[offsets[1:]] - running[offsets[:-1]]
+    else:
+        units, per_req = np.ones(len(keys), np.int64), lengths
     return _Prepared(
         offsets, keys, tokens, caps, prompts, n_keys,
-        biggest_unit=int(units.max()) if units is not None and len(units) else int(len(keys) > 0),
+        biggest_unit=int(units.max()) if len(units) else 0,
         biggest_req=int(per_req.max()) if len(per_req) else 0,
     )  # fmt: skip
 
@@ -231,7 +227,7 @@ def _prepare(reqs: list[Request], config: SimConfig, bs: int) -> _Prepared | str
 def _id_keys(reqs: list[Request]) -> tuple[np.ndarray, np.ndarray, int]:
     """Hash-id records' blocks as key ids 1..K, one per distinct (tenant, trace id) in first-seen order,
     end to end; the blocks per record; K."""
-    import pyarrow as pa
+    import pyarrow as pa  # a dependency (Parquet traces); imported, as there, only where it is used
 
     lengths = np.fromiter((len(r.hash_ids or ()) for r in reqs), np.int64, len(reqs))
     total = int(lengths.sum())
@@ -239,6 +235,8 @@ def _id_keys(reqs: list[Request]) -> tuple[np.ndarray, np.ndarray, int]:
     try:
         flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, total)
     except OverflowError:  # ids past 2^63 - 1: numbered first (a trace's ids are labels, not quantities)
+        if max(map(max, filter(None, ids))) >= 1 << 64:
+            raise ReplayError("a hash id does not fit 64 bits (the simulator's chain hash takes 8)") from None
         seen: dict[int, int] = {}
         flat = np.fromiter(
             (seen.setdefault(i, len(seen)) for i in itertools.chain.from_iterable(ids)), np.int64, total
@@ -256,6 +254,8 @@ def _id_keys(reqs: list[Request]) -> tuple[np.ndarray, np.ndarray, int]:
 
 @dataclass(slots=True)
 class _TokenBlocks:
+    """Token records' chains, one array of key ids and one of tokens per record, in arrival order."""
+
     keys: list[np.ndarray]
     tokens: list[np.ndarray]
     lengths: np.ndarray
@@ -277,20 +277,6 @@ def _token_blocks(reqs: list[Request], config: SimConfig, bs: int, first_key: in
         lengths.append(len(chain.hashes))
         prompts.append(chain.prompt_blocks)
     return _TokenBlocks(keys, tokens, np.array(lengths, np.int64), np.array(prompts, np.int32), len(ids))
-
-
-def _one_size(keys: np.ndarray, tokens: np.ndarray, n_keys: int) -> str | None:
-    """Why not every reference of a key has one size (a trace id that ends one prompt and sits inside
-    another: the index would hold it at its first size), or None."""
-    if not len(keys):
-        return None
-    first = np.zeros(n_keys + 1, np.int64)
-    first[keys[::-1]] = np.arange(len(keys) - 1, -1, -1)  # the last write wins: each key's first reference
-    differ = np.flatnonzero(tokens != tokens[first[keys]])
-    if not len(differ):
-        return None
-    at = int(differ[0])
-    return f"a block comes with {int(tokens[at])} tokens and {int(tokens[first[keys[at]]])} before"
 
 
 def _points(

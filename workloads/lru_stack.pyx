@@ -14,8 +14,9 @@ every block before it is (the running maximum). Keys whose distance passes the l
 dropped from the stack (a miss at every capacity from then on, as a key never seen is): the positions are
 then renumbered, so the tree stays about twice the largest cache and in the CPU's caches.
 
-Bad input (lengths that disagree, a key id out of range, capacities out of order) is ``ValueError`` before
-any work; a key twice in one request's chain is :class:`RepeatedKey`, naming the request.
+Bad input (lengths that disagree, a key id out of range, capacities out of order or past 2^62, sizes whose
+sums could pass 2^63) is ``ValueError`` before any work; a request the model does not fit is
+:class:`NotAStack`, naming it.
 """
 
 from libc.stdint cimport int32_t, int64_t
@@ -28,12 +29,15 @@ cdef int64_t NEVER = 1LL << 62  # the distance of a key not on the stack: a miss
 TALLIES = ("hit_blocks", "run_blocks", "hit_tokens", "cached_tokens", "written_bytes", "written_objects")
 
 
-class RepeatedKey(ValueError):
-    """A request's chain names one key twice: the stack model does not apply (``request``: its index)."""
+class NotAStack(ValueError):
+    """Request ``request`` (its index) breaks the stack model: its chain names one key twice, or it puts a
+    key some capacity holds at another size or under another parent (the store keeps what it has; the
+    capacities that lack the key would take the new one). ``why`` says which."""
 
-    def __init__(self, request):
-        super().__init__(f"request {request} names one block twice in its chain")
+    def __init__(self, request, why):
+        super().__init__(f"request {request} {why}")
         self.request = request
+        self.why = why
 
 
 cdef class _Stack:
@@ -45,6 +49,7 @@ cdef class _Stack:
     cdef int32_t* key_at
     cdef int32_t* tokens_at
     cdef int64_t* pos  # per key id 0..keys
+    cdef int32_t* parent  # per key id: the key before it in the chain that last put it, + 1 (0: a root)
     cdef int64_t size  # positions 1..size
     cdef int64_t base  # the next position to hand out
     cdef int64_t total
@@ -53,7 +58,8 @@ cdef class _Stack:
 
     def __cinit__(self, int64_t keys, int64_t size, int64_t bytes_per_token, bint unit_bytes):
         self.pos = <int64_t*>calloc(keys + 1, sizeof(int64_t))
-        if self.pos == NULL:
+        self.parent = <int32_t*>calloc(keys + 1, sizeof(int32_t))
+        if self.pos == NULL or self.parent == NULL:
             raise MemoryError()
         self.bytes_per_token = bytes_per_token
         self.unit_bytes = unit_bytes
@@ -63,6 +69,7 @@ cdef class _Stack:
 
     def __dealloc__(self):
         free(self.pos)
+        free(self.parent)
         free(self.tree)
         free(self.key_at)
         free(self.tokens_at)
@@ -186,14 +193,18 @@ def stack_pass(
         if not 0 <= caps[r] <= prompts[r] <= n:
             raise ValueError(f"request {r}: need 0 <= cap <= prompt blocks <= blocks")
         longest = max(longest, n)
+    cdef int64_t most_tokens = 0
     for j in range(n_refs):
         if not 1 <= keys[j] <= n_keys:
             raise ValueError(f"key id {keys[j]} out of 1..{n_keys}")
         if tokens[j] < 0:
             raise ValueError("a block's tokens are negative")
+        most_tokens = max(most_tokens, tokens[j])
+    if int(most_tokens) * int(bytes_per_token) * max(int(n_refs), 1) >= int(NEVER):  # Python ints: no overflow
+        raise ValueError("the trace's bytes could pass 2^62: the tallies would overflow")
     for c in range(n_caps):
-        if ceffs[c] < 0 or (c and ceffs[c] < ceffs[c - 1]):
-            raise ValueError("capacities must be non-negative and ascending")
+        if ceffs[c] < 0 or ceffs[c] >= NEVER or (c and ceffs[c] < ceffs[c - 1]):
+            raise ValueError("capacities must be non-negative, below 2^62 and ascending")
     out = {name: np.zeros(n_caps, np.int64) for name in (*TALLIES, "held_bytes", "held_objects")}
     cdef int64_t[::1] hit_blocks = out["hit_blocks"], run_blocks = out["run_blocks"]
     cdef int64_t[::1] hit_tokens = out["hit_tokens"], cached_tokens = out["cached_tokens"]
@@ -203,9 +214,10 @@ def stack_pass(
     cdef int64_t limit = ceffs[n_caps - 1]
     cdef _Stack st = _Stack(n_keys, 2 * longest + initial_positions + 1, bytes_per_token, unit_bytes)
     run_max_a = np.zeros(longest + 1, np.int64)
+    dist_a = np.zeros(longest + 1, np.int64)
     cum_a = np.zeros(longest + 1, np.int64)
-    cdef int64_t[::1] run_max = run_max_a, cum = cum_a
-    cdef int64_t a, p, d, m, held, run, extra, full, w, wold, base, cap, prompt
+    cdef int64_t[::1] run_max = run_max_a, dist = dist_a, cum = cum_a
+    cdef int64_t a, p, d, m, held, run, extra, full, w, wold, base, cap, prompt, up
     for r in range(n_req):
         a = offsets[r]
         n = offsets[r + 1] - a
@@ -218,6 +230,7 @@ def stack_pass(
             k = keys[a + j]
             p = st.pos[k]
             d = st.total - st.before(p - 1) if p else NEVER
+            dist[j] = d
             if d > m:
                 m = d
             run_max[j] = m
@@ -243,7 +256,14 @@ def stack_pass(
             w = st.unit(tokens[a + j])
             p = st.pos[k]
             if p >= base:
-                raise RepeatedKey(r)
+                raise NotAStack(r, "names one block twice in its chain")
+            up = keys[a + j - 1] + 1 if j else 0
+            if p and dist[j] <= limit:  # some capacity holds it: the store keeps its size and its parent
+                if st.tokens_at[p] != tokens[a + j]:
+                    raise NotAStack(r, f"puts a block held at {st.tokens_at[p]} tokens with {tokens[a + j]}")
+                if st.parent[k] != up:
+                    raise NotAStack(r, "puts a held block under another parent (its trace ids are not chained)")
+            st.parent[k] = <int32_t>up
             if p:
                 wold = st.unit(st.tokens_at[p])
                 st.add(p, -wold)

@@ -9,10 +9,11 @@ has its own instant even when a trace stamps many with the same millisecond):
    request hit), the usable prefix p (what prefill may skip, what ``cached_tokens`` reports), and the
    tokens lost between them to a missing checkpoint.
 3. **Store**: the whole prompt is stored: missing blocks are inserted in prefix order (parent = previous
-   block); present ones are left alone, as the master answers EXISTS to a duplicate put without touching.
-   Recency is refreshed only by the fetch of the usable prefix (``match_prefix(touch=True)``, what
-   prefill's acquire does) and by inserts. With ``store_output`` and token records
-   that carry ``output_tokens``, the blocks the reply closes are stored too (decode pushes them).
+   block); present ones are refreshed, as the master answers EXISTS to a duplicate put and refreshes the
+   object (the writer used it). Recency is refreshed by the fetch of the usable prefix
+   (``match_prefix(touch=True)``, what prefill's acquire does), by inserts and by those puts. With
+   ``store_output`` and token records that carry ``output_tokens``, the blocks the reply closes are stored
+   too (decode pushes them).
 4. **Checkpoints** (``CheckpointPolicy``), only at boundaries the request computes itself (c > p):
    end of prompt (last full prompt block), end of output, junction (c = MLA run when the run passed the
    last checkpoint), every N blocks.
@@ -204,7 +205,7 @@ class _Replay:
         # to report the Mooncake-style prefix hit over all prompt blocks.
         cap = min((req.input_length - 1) // bs, len(prompt)) if req.input_length else 0
         # the fetch of the usable prefix is the only read that refreshes recency (as on the master, where
-        # prefill acquires [0, p) + the checkpoint; probes and "already exists" puts do not touch)
+        # prefill acquires [0, p) + the checkpoint; probes do not touch; the puts below refresh the rest)
         m = idx.match_prefix(prompt[:cap], require_checkpoint=self.spec.hybrid, touch=True)
         run, usable = m.mla_run_blocks, m.usable_blocks
         full_run = run
@@ -256,7 +257,7 @@ class _Replay:
 
     def store(self, st: _Store) -> None:
         """Write the request's objects: the whole prompt (and the reply's blocks), then checkpoints; what
-        exists stays as it is (the master answers EXISTS without a touch)."""
+        exists is refreshed, not written again (the master answers EXISTS and refreshes it)."""
         idx, spec, req, chain = self.shard_indexes[st.shard], self.spec, st.req, st.chain
         positions: list[int] = []
         # a client's retention hint covers prefill's puts (any span) and decode's (a whole-prompt one):

@@ -3,8 +3,9 @@
 Every call has one path. A put is two-phase through the master: PutStart → the bytes to the chosen node over
 a transport (hashed on the way: the checksum is declared at PutCommit, ``checksum_at_commit``) → PutCommit;
 PutAbort on any failure, so nobody ever reads a half-written object; a duplicate put (EXISTS / IN_PROGRESS)
-is a successful no-op. A get is Lookup(acquire) → fetch from the node the master named → verify the xxh3-64
-checksum → release the lease off the critical path (``_release_soon``). A prefill's push is one
+writes nothing and succeeds (EXISTS refreshes the object at the master). A get is Lookup(acquire) → fetch
+from the node the master named → verify the xxh3-64 checksum → release the lease off the critical path
+(``_release_soon``). A prefill's push is one
 ``batch_put``: one PutStartBatch, one pipelined stream per node, one PutCommitBatch per node. Data never
 passes through the master.
 

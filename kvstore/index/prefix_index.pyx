@@ -565,7 +565,7 @@ cdef class PrefixIndex:
 
     cdef void _touch(self, list slots, bint in_c=False) except *:
         """The policy's touch of really used objects (their order moves with their last use). With ``in_c``
-        (a match's, a lookup's or a repeated put's slots) under a recency touch (``LRUPolicy.touch``: lru, depth, hybrid) the touch is done
+        (a match's or a lookup's slots) under a recency touch (``LRUPolicy.touch``: lru, depth, hybrid) the touch is done
         here in C, as its numpy assignment does it: one use per distinct slot, however often a chain that
         repeats a block names it (the TOUCHED bit marks the slots counted)."""
         cdef Py_ssize_t s
@@ -798,8 +798,7 @@ cdef class PrefixIndex:
         repeat of it), then each checkpoint ``(c, size, admit)``: ``KDA_TAG + hashes[c - 1]``. Each is
         indexed as ``insert(key, kind, size, node_id=node_id, tenant=tenant, parent=..., admit=...)`` would
         (the same eviction before and after each), except that the answers a writer counts rather than
-        fails on are answers: a key already committed is touched (a writer that puts it again used it: the
-        rule that makes the store's LRU a stack algorithm, docs/design/workloads.md §3b), and a refusal by
+        fails on are answers: a key already committed is refreshed (``put_again``), and a refusal by
         admission or for room puts nothing.
 
         Returns one int per put, blocks first: the slot the object now has (>= 0), or ``-PUT_EXISTS``,
@@ -847,7 +846,7 @@ cdef class PrefixIndex:
         cdef int32_t s = self._find(key)
         if s >= 0:
             if not self._flags[s] & PENDING:
-                self._touch([s], True)
+                self._put_again(s, key)
                 return -PUT_EXISTS
             raise DuplicateKeyError(key, True)
         cdef Py_ssize_t slot
@@ -859,6 +858,32 @@ cdef class PrefixIndex:
         except CapacityError:
             return -PUT_NO_ROOM
         return slot if slot >= 0 else -PUT_NOT_ADMITTED
+
+    def put_again(self, key):
+        """A writer put ``key`` again and the store answers EXISTS: refresh it as :meth:`insert_chain` does.
+        Returns whether ``key`` is committed (else nothing changes)."""
+        key = _as_key(key)
+        cdef int32_t s = self._committed(key) if key is not None else -1
+        if s < 0:
+            return False
+        self._put_again(s, key)
+        return True
+
+    cdef void _put_again(self, int32_t s, bytes key) except *:
+        """A writer put committed slot ``s`` again: it used it (prefill re-sends the chain it computed), so
+        its recency is refreshed, the rule under which the store's LRU is one recency order for every
+        capacity (docs/design/workloads.md §3b). Not its use count: a put is no read, and admission learns
+        whether a block was ever read from it. The learner hears the put as any put (its shadow LRU
+        refreshes a key it holds)."""
+        cdef int kind_i = self._kind[s]
+        if kind_i == K_MLA or kind_i == K_KDA:
+            if self._guard != NULL:
+                self._guard.put(<const uint8_t*><const char*>key, len(key), self._size[s], self._capacity_of(T_DRAM))
+            elif self._learner is not None:
+                self._learner.on_put(key, self._size[s], self._capacity_of(T_DRAM))
+        self._unorder(s)
+        self._last_use[s] = self._clock()
+        self._reorder(s)
 
     cdef bytes _parent_key(self, parent):
         """A put's parent as bytes (b"": none). A parent longer than any key is refused, not kept waiting:

@@ -121,7 +121,7 @@ cdef class RecencyGuard:
         it would have served, and move ``w``.
 
         ``held``: sizes of the MLA blocks the real cache holds on this chain (its run), ``checkpoint_size``
-        of the checkpoint it served. The writer will not put them (they exist), but an LRU cache that
+        of the checkpoint it served. The writer need not put them again (it fetched them), but an LRU cache that
         lacked them would have them written now: the shadow takes them, or it would fall further behind
         with every object the real cache kept and LRU did not (a shadow never rewritten)."""
         cdef vector[uint8_t] hashes

@@ -413,7 +413,7 @@ class MasterCore:
         seen: set[bytes] = set()
         owned: set[bytes] = set()  # routes (or keys) this shard was found to own
         index = self.index
-        get, insert, touch, absorb = index.get, index.insert, index.lookup, self._absorb_index_events
+        get, insert, put_again, absorb = index.get, index.insert, index.put_again, self._absorb_index_events
         puts, put_of_key = self._puts, self._put_of_key
         shards, shard = self.config.shards, self.config.shard
         sharded = shards.sharded
@@ -442,7 +442,7 @@ class MasterCore:
                 if existing is not None:
                     answer = self._start_existing(existing, key, kind, size, ttl_ms, checksum, replace)
                     if answer == _EXISTS:  # the writer used it: a put refreshes, as in the simulator
-                        touch((key,), touch=True)
+                        put_again(key)
                     if answer:
                         status[i] = answer
                         node_ids[i] = existing.node_id
@@ -497,7 +497,7 @@ class MasterCore:
         checksum: int,
         replace_if_corrupt: bool,
     ) -> int:
-        """A put of a key the index holds: IN_PROGRESS or EXISTS (successful no-ops), or 0 once a copy a
+        """A put of a key the index holds: IN_PROGRESS or EXISTS (nothing to write), or 0 once a copy a
         reader found corrupt was dropped (``replace_if_corrupt``) and the new one is to be placed."""
         try:  # a malformed object is refused, never answered EXISTS (a new key's insert checks the same)
             _check_object(key, kind, size, ttl_ms, checksum)

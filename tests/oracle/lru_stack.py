@@ -16,10 +16,11 @@ NEVER = 1 << 62
 TALLIES = ("hit_blocks", "run_blocks", "hit_tokens", "cached_tokens", "written_bytes", "written_objects")
 
 
-class RepeatedKey(ValueError):
-    def __init__(self, request: int) -> None:
-        super().__init__(f"request {request} names one block twice in its chain")
+class NotAStack(ValueError):
+    def __init__(self, request: int, why: str) -> None:
+        super().__init__(f"request {request} {why}")
         self.request = request
+        self.why = why
 
 
 def stack_pass(
@@ -40,6 +41,7 @@ def stack_pass(
     pos = [0] * (n_keys + 1)
     unit_of = [0] * (n_keys + 1)
     tokens_of = [0] * (n_keys + 1)
+    parent_of = [0] * (n_keys + 1)
     total = 0
     tallies = {name: [0] * len(ceffs) for name in TALLIES}
     base = 1
@@ -56,7 +58,7 @@ def stack_pass(
         a, b = offsets[r], offsets[r + 1]
         ids, toks = keys[a:b], tokens[a:b]
         n, cap, prompt = b - a, int(caps[r]), int(prompts[r])
-        run_max, m = [], 0
+        run_max, dists, m = [], [], 0
         for k in ids:
             p = pos[k]
             if p:
@@ -68,6 +70,7 @@ def stack_pass(
             else:
                 d = NEVER
             m = max(m, d)
+            dists.append(d)
             run_max.append(m)
         cum = [0]
         for t in toks:
@@ -86,7 +89,16 @@ def stack_pass(
         for j, (k, t) in enumerate(zip(ids, toks, strict=True)):
             p = pos[k]
             if p >= base:
-                raise RepeatedKey(r)
+                raise NotAStack(r, "names one block twice in its chain")
+            up = ids[j - 1] + 1 if j else 0
+            if p and dists[j] <= max(ceffs, default=-1):
+                if tokens_of[k] != t:
+                    raise NotAStack(r, f"puts a block held at {tokens_of[k]} tokens with {t}")
+                if parent_of[k] != up:
+                    raise NotAStack(
+                        r, "puts a held block under another parent (its trace ids are not chained)"
+                    )
+            parent_of[k] = up
             if p:
                 add(p, -unit_of[k])
                 total -= unit_of[k]

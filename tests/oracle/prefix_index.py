@@ -412,7 +412,7 @@ class PrefixIndex:
         """A writer's puts of one request, in order: the MLA blocks ``MLA_TAG + hashes[i]`` (size
         ``sizes[i]``, admission hint ``admits[i]``, parent the block before it: none for the first or for a
         repeat of it), then each checkpoint ``(c, size, admit)``: ``KDA_TAG + hashes[c - 1]``. Each is
-        indexed as ``insert`` would, except that a key already committed is touched (it was used) and a
+        indexed as ``insert`` would, except that a key already committed is refreshed (``put_again``) and a
         refusal by admission or for room puts nothing. One int per put, blocks first: the object's slot, or
         ``-PUT_EXISTS``, ``-PUT_NOT_ADMITTED``, ``-PUT_NO_ROOM``. A malformed chain is ``BadObjectError``
         before anything is put; other errors raise as ``insert``'s, with the objects before it put."""
@@ -446,7 +446,7 @@ class PrefixIndex:
         out: list[int] = []
         for key, kind, size, parent, admit in puts:
             if key in self._slot:
-                self.policy.touch(self._cols, np.array([self._slot[key]], dtype=np.int64), self._clock())
+                self.put_again(key)
                 out.append(-PUT_EXISTS)
                 continue
             if key in self._pending:
@@ -802,6 +802,18 @@ class PrefixIndex:
             )
             for i, (key, slot) in enumerate(found)
         ]
+
+    def put_again(self, key: bytes) -> bool:
+        """A writer put committed ``key`` again: its recency refreshed (not its use count), the learner told
+        of the put. Whether ``key`` is committed."""
+        slot = self._slot.get(bytes(key))
+        if slot is None:
+            return False
+        c = self._cols
+        if int(c.kind[slot]) in (_MLA_I, _KDA_I) and self._learner is not None:
+            self._learner.on_put(bytes(key), int(c.size[slot]), self._capacity_of())
+        c.last_use[slot] = self._clock()
+        return True
 
     def lookup(self, keys: Iterable[bytes], *, touch: bool = False) -> list[ObjectInfo | None]:
         """Info on committed objects in order (None where absent); ``touch`` as in match_prefix."""
