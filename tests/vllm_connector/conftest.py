@@ -15,6 +15,7 @@ from tests.vllm_connector.pd_example import start as start_pd_example
 # several 64-token chunks each, and not multiples of 64 (the last chunk is the engine's to compute)
 PROMPTS = prompts_of([300, 450, 200], seed=1)
 PD_PROMPTS = prompts_of([260, 390], seed=2)  # the producer/consumer pair's own prompts
+LMCACHE_PROMPTS = prompts_of([700, 1100], seed=3)  # 2 + 4 of LMCache's 256-token chunks, and a partial one
 
 
 @pytest.fixture(scope="session")
@@ -58,15 +59,16 @@ def pd_example(model_dir: Path, vllm_dir: Path):
 
 @pytest.fixture(scope="session")
 def baseline(model_dir: Path, vllm_dir: Path, closing: list[Engine]) -> dict[str, list[list[int]]]:
-    """Greedy tokens of an engine with no connector at all, for PROMPTS and PD_PROMPTS. With no connector
-    there is nothing to pass between processes, so it runs as one process (no engine-core and worker
-    children: a third of the boot) and answers token for token as the default layout does."""
+    """Greedy tokens of an engine with no connector at all, for PROMPTS, PD_PROMPTS and LMCACHE_PROMPTS. With
+    no connector there is nothing to pass between processes, so it runs as one process (no engine-core and
+    worker children: a third of the boot) and answers token for token as the default layout does."""
     single = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # with executor "uni": engine core and worker in-process
     e = Engine({"model": str(model_dir), "executor": "uni"}, vllm_dir / "engine-baseline.log", env=single)
     try:
         return {
             "prompts": [o["tokens"] for o in e.run(PROMPTS)["outputs"]],
             "pd": [o["tokens"] for o in e.run(PD_PROMPTS)["outputs"]],
+            "lmcache": [o["tokens"] for o in e.run(LMCACHE_PROMPTS)["outputs"]],
         }
     finally:
         e.request_exit()

@@ -2,7 +2,8 @@
 
 Run with the vLLM venv's Python: ``python tests/vllm_connector/engine.py SPEC_JSON``. SPEC: ``model`` (a
 directory), ``connector`` (``null`` for none, else ``{"role": ..., "master": ..., ...extra}``, or
-``{"example": DIR}`` for vLLM's own disk ``ExampleConnector``), ``block_size``, ``dtype``, ``executor``
+``{"example": DIR}`` for vLLM's own disk ``ExampleConnector``, ``{"lmcache": PORT}`` for LMCache's
+``LMCacheMPConnector`` and its server on that port), ``block_size``, ``dtype``, ``executor``
 (vLLM's ``distributed_executor_backend``; "uni" with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is one process).
 Once the engine is up it prints ``KVPOOL-ENGINE {"ready": ...}``, then answers each command line
 ``{"prompts": [[ids...]], "max_tokens": N, "salt": S}`` with one line ``KVPOOL-ENGINE {"outputs":
@@ -31,6 +32,15 @@ def build_llm(spec: dict):
             kv_connector="ExampleConnector",
             kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": conn["example"]},
+        )
+    elif conn and "lmcache" in conn:  # LMCache's multiprocess connector, its server at this port
+        kv = KVTransferConfig(
+            kv_connector="LMCacheMPConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": conn["lmcache"],
+            },
         )
     elif conn:
         extra = {k: v for k, v in conn.items() if k != "role"}
