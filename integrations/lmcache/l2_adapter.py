@@ -30,13 +30,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.integrations.lmcache.keys import store_key
+from kvpool.integrations.miss_tally import MissTally
 from kvpool.integrations.store_config import FIELDS as STORE_FIELDS
 from kvpool.integrations.store_config import StoreConfig, connect, parse_store_config
 from kvpool.kvstore.client.async_client import PutItem
@@ -100,8 +100,7 @@ class KvpoolL2Adapter(L2AdapterInterface):
         self._loaded: dict[int, Bitmap] = {}
         self._held: dict[bytes, _Held] = {}
         self._lease_keys: dict[str, set[bytes]] = {}  # lease -> keys it still pins for LMCache
-        self._counters: dict[str, float] = {}
-        self._warned: dict[str, float] = {}
+        self.tally = MissTally(log, _WARN_EVERY_S)
         self._events = [create_event_notifier() for _ in range(3)]  # store, lookup, load
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvpool-l2")
 
@@ -132,14 +131,14 @@ class KvpoolL2Adapter(L2AdapterInterface):
         stored = [(k, item.nbytes) for k, item, err in zip(keys, items, errors, strict=True) if err is None]
         for err in errors:
             if isinstance(err, ObjectNotAdmittedError):
-                self._count("not_admitted")
+                self.tally.count("not_admitted")
             elif err is not None:
-                self._count("store_errors")
-                self._warn("store", f"kvpool LMCache store failed: {err}")
+                self.tally.count("store_errors")
+                self.tally.warn("store", f"kvpool LMCache store failed: {err}")
         if stored:
             self._notify_keys_stored([k for k, _ in stored], [n for _, n in stored])
         nbytes = sum(n for _, n in stored)
-        self._count("chunks_stored", len(stored))
+        self.tally.count("chunks_stored", len(stored))
         return L2StoreResult(len(stored) == len(items), nbytes)
 
     def pop_completed_store_tasks(self) -> dict[int, L2StoreResult]:
@@ -173,8 +172,8 @@ class KvpoolL2Adapter(L2AdapterInterface):
                 self._lease_keys[reply.lease_id] = pinned
         if reply.lease_id and not pinned:
             self.store.release(reply.lease_id)
-        self._count("lookups")
-        self._count("chunks_found", len(pinned))
+        self.tally.count("lookups")
+        self.tally.count("chunks_found", len(pinned))
         return hits
 
     def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
@@ -213,8 +212,8 @@ class KvpoolL2Adapter(L2AdapterInterface):
         try:
             self.store.release(lease)
         except Exception as exc:  # the lease runs to its deadline instead
-            self._count("release_errors")
-            self._warn("release", f"kvpool LMCache release failed ({type(exc).__name__}: {exc})")
+            self.tally.count("release_errors")
+            self.tally.warn("release", f"kvpool LMCache release failed ({type(exc).__name__}: {exc})")
 
     # ------------------------------------------------------------------ load
 
@@ -242,7 +241,7 @@ class KvpoolL2Adapter(L2AdapterInterface):
                     continue
                 out = _bytes_of(obj)
                 if loc.meta.size != len(out):
-                    self._count("size_mismatches")
+                    self.tally.count("size_mismatches")
                     continue
                 idx.append(i)
                 locations.append(loc)
@@ -254,14 +253,14 @@ class KvpoolL2Adapter(L2AdapterInterface):
         good = []
         for i, res in zip(idx, results, strict=True):
             if isinstance(res, Exception):
-                self._count("load_errors")
-                self._warn("load", f"kvpool LMCache chunk not loaded: {res}")
+                self.tally.count("load_errors")
+                self.tally.warn("load", f"kvpool LMCache chunk not loaded: {res}")
                 continue
             loaded.set(i)
             good.append(keys[i])
         if good:
             self._notify_keys_accessed(good)
-        self._count("chunks_loaded", len(good))
+        self.tally.count("chunks_loaded", len(good))
         return loaded
 
     def query_load_result(self, task_id: int) -> Bitmap | None:
@@ -280,8 +279,8 @@ class KvpoolL2Adapter(L2AdapterInterface):
             try:
                 result = work(*args)
             except Exception as exc:
-                self._count("store_unavailable" if isinstance(exc, StoreError) else "call_errors")
-                self._warn(
+                self.tally.count("store_unavailable" if isinstance(exc, StoreError) else "call_errors")
+                self.tally.warn(
                     work.__name__, f"kvpool LMCache {work.__name__[1:]} failed ({type(exc).__name__}: {exc})"
                 )
                 result = failed
@@ -296,23 +295,9 @@ class KvpoolL2Adapter(L2AdapterInterface):
                 results[task] = failed
             self._events[event].notify()
 
-    def _count(self, name: str, n: float = 1) -> None:
-        if n:
-            with self._lock:
-                self._counters[name] = self._counters.get(name, 0) + n
-
     def counters(self) -> dict[str, float]:
         """What happened so far: chunks stored, found, loaded; misses and store errors by kind."""
-        with self._lock:
-            return dict(self._counters)
-
-    def _warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._warned.get(kind, -_WARN_EVERY_S) < _WARN_EVERY_S:
-                return
-            self._warned[kind] = now
-        log.warning("%s (a miss; counted)", message)
+        return self.tally.snapshot()
 
     def report_status(self) -> dict:
         counters = self.counters()

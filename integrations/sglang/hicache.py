@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import xxhash
+from kvpool.integrations.miss_tally import MissTally
 from kvpool.integrations.sglang.codec import BadPageError, header, payload_offset
 from kvpool.integrations.sglang.config import HiCacheConfigError, parse_config
 from kvpool.integrations.sglang.keys import KV_POOL, Identity, KeySpace
@@ -115,8 +116,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.registered_pools: dict[Any, Any] = {}
         self._lock = threading.Lock()
-        self._counters: dict[str, float] = {}
-        self._warned: dict[str, float] = {}
+        self.tally = MissTally(log, _WARN_EVERY_S)
         self._metrics: list[tuple[str, int, float]] = []  # (get|set, pages, seconds) for get_stats
         self.store, self.node_capacity = connect(self.config, HiCacheConfigError)
 
@@ -173,7 +173,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
         if not self.identity.kv_writer:
-            self._count("skipped_not_writer", len(keys))
+            self.tally.count("skipped_not_writer", len(keys))
             return True  # replicated KV: rank 0 of the DCP group writes it (SGLang's is_storage_writer)
         try:
             fmt = self._kv_format()
@@ -216,7 +216,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         if not self.identity.kv_writer:
-            self._count("skipped_not_writer", len(keys))
+            self.tally.count("skipped_not_writer", len(keys))
             return [True] * len(keys)
         try:
             pages = self._pool_pages(
@@ -259,7 +259,9 @@ class KvpoolHiCacheStorage(HiCacheStorage):
                 window = max(1, len(t.keys or ()))
                 ok = {p for p in range(1, kv_pages + 1) if all(has[max(0, p - window) : p])}
             else:
-                self._warn("policy", f"hit policy {t.hit_policy} of pool {_name(t.name)} is not supported")
+                self.tally.warn(
+                    "policy", f"hit policy {t.hit_policy} of pool {_name(t.name)} is not supported"
+                )
                 ok = set()
             if ok:
                 hits[t.name] = max(ok)
@@ -286,7 +288,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
             keys = list(t.keys or [])
             pool = _name(t.name)
             if not reading and not self.identity.kv_writer and not self.identity.per_rank(pool):
-                self._count("skipped_not_writer", len(keys))
+                self.tally.count("skipped_not_writer", len(keys))
                 results[t.name] = [True] * len(keys)
                 continue
             host_pool = self.registered_pools.get(t.name) or (self._kv_pool() if pool == KV_POOL else None)
@@ -389,11 +391,11 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         ok = [err is None for err in errors]
         for err in errors:
             if isinstance(err, ObjectNotAdmittedError):
-                self._count("not_admitted")
+                self.tally.count("not_admitted")
             elif err is not None:
-                self._count("write_errors")
-                self._warn("write", f"kvpool HiCache write failed: {err}")
-        self._count("pages_written", sum(ok))
+                self.tally.count("write_errors")
+                self.tally.warn("write", f"kvpool HiCache write failed: {err}")
+        self.tally.count("pages_written", sum(ok))
         self._record(op, sum(ok), time.perf_counter() - t0)
         return ok
 
@@ -409,7 +411,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
             located = {loc.meta.key: loc for loc in reply.found}
             wanted = [i for i, p in enumerate(pages) if p.key in located]
             locations = [located[pages[i].key] for i in wanted]
-            self._count("read_misses", len(pages) - len(wanted))
+            self.tally.count("read_misses", len(pages) - len(wanted))
             if not locations:
                 return ok
 
@@ -426,9 +428,9 @@ class KvpoolHiCacheStorage(HiCacheStorage):
                     done()
                 ok[i] = True
             else:
-                self._count("bad_pages" if isinstance(err, BadPageError) else "read_errors")
-                self._warn("read", f"kvpool HiCache page not read: {err}")
-        self._count("pages_read", sum(ok))
+                self.tally.count("bad_pages" if isinstance(err, BadPageError) else "read_errors")
+                self.tally.warn("read", f"kvpool HiCache page not read: {err}")
+        self.tally.count("pages_read", sum(ok))
         self._record(op, sum(ok), time.perf_counter() - t0)
         return ok
 
@@ -442,28 +444,14 @@ class KvpoolHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ counters, metrics, life
 
-    def _count(self, name: str, n: float = 1) -> None:
-        if n:
-            with self._lock:
-                self._counters[name] = self._counters.get(name, 0) + n
-
     def counters(self) -> dict[str, float]:
         """What happened so far: pages read and written, misses, store errors, skipped writes."""
-        with self._lock:
-            return dict(self._counters)
-
-    def _warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._warned.get(kind, -_WARN_EVERY_S) < _WARN_EVERY_S:
-                return
-            self._warned[kind] = now
-        log.warning("%s (a miss; counted)", message)
+        return self.tally.snapshot()
 
     def _failed(self, op: str, exc: BaseException, result: Any) -> Any:
         """A whole call failed: the store is down or late, or SGLang handed something unusable."""
-        self._count("store_errors" if isinstance(exc, StoreError) else "call_errors")
-        self._warn(op, f"kvpool HiCache {op} failed ({type(exc).__name__}: {exc})")
+        self.tally.count("store_errors" if isinstance(exc, StoreError) else "call_errors")
+        self.tally.warn(op, f"kvpool HiCache {op} failed ({type(exc).__name__}: {exc})")
         return result
 
     def _record(self, op: str, pages: int, seconds: float) -> None:
@@ -491,7 +479,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
 
     def clear(self) -> bool:
         """A shared store is not cleared by one engine: its objects age out by the store's eviction."""
-        self._warn("clear", "kvpool HiCache clear() ignored: the store is shared")
+        self.tally.warn("clear", "kvpool HiCache clear() ignored: the store is shared")
         return False
 
     def close(self) -> None:
