@@ -269,14 +269,16 @@ class MatchPrefixReply(_message.Message):
     def __init__(self, usable_blocks: _Optional[int] = ..., mla_run_blocks: _Optional[int] = ..., lease_id: _Optional[str] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., usable_blocks_on_ssd: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeEndpoint, _Mapping]]] = ..., node: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ..., checksum: _Optional[_Iterable[int]] = ..., tier: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "acquire", "lease_ms")
+    __slots__ = ("keys", "acquire", "lease_ms", "exists_only")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXISTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     acquire: bool
     lease_ms: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    exists_only: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., acquire: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., exists_only: _Optional[bool] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("found", "missing", "lease_id")

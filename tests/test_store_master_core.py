@@ -179,6 +179,17 @@ def test_a_put_of_a_committed_object_refreshes_it() -> None:
     assert core.index.get(b"k").last_use == 20.0, "a malformed put is refused, not a use"
 
 
+def test_an_exists_only_lookup_answers_the_missing_keys_and_no_location() -> None:
+    core = MasterCore(clock=Clock(5.0))
+    register(core, "a", 1000)
+    put(core, b"here", 10)
+    core.put_start(master_pb2.PutStartRequest(meta=common_pb2.ObjectMeta(key=b"pending", kind=4, size=10)))
+    reply = core.lookup(master_pb2.LookupRequest(keys=[b"here", b"gone", b"pending"], exists_only=True))
+    assert list(reply.missing) == [b"gone", b"pending"] and not reply.found and not reply.lease_id
+    with pytest.raises(BadRequestError, match="acquire"):
+        core.lookup(master_pb2.LookupRequest(keys=[b"here"], exists_only=True, acquire=True))
+
+
 def test_release_of_an_old_masters_lease_is_harmless() -> None:
     core = MasterCore(clock=Clock(50.0))
     register(core, "a", 1000)

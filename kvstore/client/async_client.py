@@ -519,14 +519,17 @@ class AsyncStoreClient:
 
     # --- reads -------------------------------------------------------------------------------------------
     async def _lookup(
-        self, keys: Sequence[bytes], acquire: bool, route: bytes | None = None
+        self, keys: Sequence[bytes], acquire: bool, route: bytes | None = None, exists_only: bool = False
     ) -> master_pb2.LookupReply:
         groups = self._by_shard(keys, route)
         answers = await asyncio.gather(
             *(
                 self.link(shard).lookup(
                     master_pb2.LookupRequest(
-                        keys=[bytes(keys[i]) for i in idx], acquire=acquire, lease_ms=self.lease_ms
+                        keys=[bytes(keys[i]) for i in idx],
+                        acquire=acquire,
+                        lease_ms=self.lease_ms,
+                        exists_only=exists_only,
                     )
                 )
                 for shard, idx in groups.items()
@@ -687,9 +690,11 @@ class AsyncStoreClient:
         return bool(reply.found)
 
     async def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
-        reply = await self._timed("exists", self._lookup(keys, acquire=False))
-        found = {loc.meta.key for loc in reply.found}
-        return [bytes(k) in found for k in keys]
+        """Whether each key is committed: one exists-only Lookup (the master answers the missing keys, no
+        locations), per shard."""
+        reply = await self._timed("exists", self._lookup(keys, acquire=False, exists_only=True))
+        missing = set(reply.missing)
+        return [bytes(k) not in missing for k in keys]
 
     async def match_prefix(
         self,

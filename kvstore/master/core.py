@@ -748,6 +748,13 @@ class MasterCore:
 
     def lookup(self, req: master_pb2.LookupRequest) -> master_pb2.LookupReply:
         keys = _check_keys(req.keys)
+        if req.exists_only:  # a probe: a membership test per key, and no location to build or decode
+            if req.acquire:
+                raise BadRequestError("exists_only lookups cannot acquire: they return no location to read")
+            index = self.index
+            reply = master_pb2.LookupReply(missing=[k for k in keys if k not in index])
+            self.count("lookups")
+            return reply
         lease_ms = self._lease_ms(req.lease_ms)
         infos = self.index.lookup(keys, touch=req.acquire)
         reply = master_pb2.LookupReply()
