@@ -13,9 +13,10 @@ Every chunk object is one store object (``keys.store_key``), its bytes exactly a
 - **store**: one ``batch_put`` per task (PutStartBatch, one stream per node, PutCommitBatch); a chunk the
   store holds already answers EXISTS (nothing moves). LMCache reports store results per task: the task
   fails if any chunk was not stored.
-- **lookup and lock**: one Lookup that read-pins what it finds under a lease (the master then never evicts
-  them); the locations are kept, so the load is the data plane alone; ``submit_unlock`` drops the keys and
-  a lease whose keys are all unlocked is released (a lost release only lets the lease run to its deadline).
+- **lookup and lock**: one Lookup that read-pins what it finds under a lease (the master does not evict them
+  while it lasts); the locations are kept, so the load is the data plane alone. LMCache locks a chunk once
+  per request and unlocks it once per request: each lock is a hold, and a lease is released once none of
+  its holds is left (a lost release only lets the lease run to its deadline).
 - **load**: each chunk straight into the buffer LMCache gives, checked against the store's checksum on the
   way (``fetch_into``); a chunk of another size, a damaged one or one gone since the lookup is a failed bit.
 
@@ -27,9 +28,11 @@ in LMCache's controller threads, and every store call is bounded by ``deadline_s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -78,10 +81,18 @@ def parse_config(params: Any) -> AdapterConfig:
 
 @dataclass(slots=True)
 class _Held:
-    """A chunk read-pinned by a lookup: where it is, and the lease that pins it."""
+    """One lock LMCache holds on a chunk: where the chunk is, the lease that pins it, and until when (the
+    master's lease ends then, unlocked or not)."""
 
     location: common_pb2.ObjectLocation
     lease_id: str
+    until: float
+
+
+# LMCache's lock of a chunk outlives no lease: past this, a hold is forgotten (the master dropped the lease)
+HOLD_S = 10.0
+# a result LMCache never collects (an aborted prefetch) is dropped after this
+RESULT_S = 120.0
 
 
 class KvpoolL2Adapter(L2AdapterInterface):
@@ -95,11 +106,13 @@ class KvpoolL2Adapter(L2AdapterInterface):
         self._salt = self.config.store.salt
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._stored: dict[int, L2StoreResult] = {}
-        self._looked_up: dict[int, Bitmap] = {}
-        self._loaded: dict[int, Bitmap] = {}
-        self._held: dict[bytes, _Held] = {}
-        self._lease_keys: dict[str, set[bytes]] = {}  # lease -> keys it still pins for LMCache
+        self._stored: dict[int, tuple[float, L2StoreResult]] = {}
+        self._looked_up: dict[int, tuple[float, Bitmap]] = {}
+        self._loaded: dict[int, tuple[float, Bitmap]] = {}
+        # LMCache locks a chunk once per request that looked it up, and unlocks it once per request: the
+        # holds of a key, oldest first; a lease is released when none of its holds is left
+        self._held: dict[bytes, list[_Held]] = {}
+        self._lease_holds: dict[str, int] = {}
         self.tally = MissTally(log, _WARN_EVERY_S)
         self._events = [create_event_notifier() for _ in range(3)]  # store, lookup, load
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvpool-l2")
@@ -119,7 +132,7 @@ class KvpoolL2Adapter(L2AdapterInterface):
 
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> int:
         task = next(self._ids)
-        self._run(task, self._store, (keys, objects), self._stored, L2StoreResult(False, 0), 0)
+        self._run(task, self._store, (keys, objects), "_stored", L2StoreResult(False, 0), 0)
         return task
 
     def _store(self, keys: list[Any], objects: list[Any]) -> L2StoreResult:
@@ -144,13 +157,13 @@ class KvpoolL2Adapter(L2AdapterInterface):
     def pop_completed_store_tasks(self) -> dict[int, L2StoreResult]:
         with self._lock:
             done, self._stored = self._stored, {}
-        return done
+        return {task: result for task, (_, result) in done.items()}
 
     # ------------------------------------------------------------------ lookup and lock
 
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None) -> int:
         task = next(self._ids)
-        self._run(task, self._lookup, (keys,), self._looked_up, Bitmap(len(keys)), 1)
+        self._run(task, self._lookup, (keys,), "_looked_up", Bitmap(len(keys)), 1)
         return task
 
     def _lookup(self, keys: list[Any]) -> Bitmap:
@@ -158,55 +171,75 @@ class KvpoolL2Adapter(L2AdapterInterface):
         reply = self.store.lookup(wanted, acquire=True)
         found = {loc.meta.key: loc for loc in reply.found}
         hits = Bitmap(len(keys))
-        pinned: set[bytes] = set()
+        until = time.monotonic() + HOLD_S
+        holds = 0
         with self._lock:
             for i, key in enumerate(wanted):
                 loc = found.get(key)
                 if loc is None:
                     continue
                 hits.set(i)
-                self._unpin(key)  # looked up again: the newer lease pins it now
-                self._held[key] = _Held(loc, reply.lease_id)
-                pinned.add(key)
-            if reply.lease_id and pinned:
-                self._lease_keys[reply.lease_id] = pinned
-        if reply.lease_id and not pinned:
+                self._held.setdefault(key, []).append(_Held(loc, reply.lease_id, until))
+                holds += 1
+            if reply.lease_id and holds:
+                self._lease_holds[reply.lease_id] = holds
+        if reply.lease_id and not holds:
             self.store.release(reply.lease_id)
         self.tally.count("lookups")
-        self.tally.count("chunks_found", len(pinned))
+        self.tally.count("chunks_found", holds)
         return hits
 
     def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
-        with self._lock:
-            return self._looked_up.pop(task_id, None)
+        return self._collect(self._looked_up, task_id)
 
     def submit_unlock(self, keys: list[Any]) -> None:
-        """Drop the pins of ``keys``; a lease none of whose keys is pinned any more is released."""
+        """Drop one hold of each of ``keys`` (LMCache unlocks once per lock); a lease none of whose holds is
+        left is released, off LMCache's thread."""
         done: list[str] = []
+        now = time.monotonic()
         with self._lock:
             for k in keys:
                 try:
-                    lease = self._unpin(store_key(k, self._salt))
-                except Exception:  # a key LMCache never looked up through us: nothing is pinned
+                    key = store_key(k, self._salt)
+                except Exception:  # a key LMCache never looked up through us: nothing is held
                     continue
+                holds = self._held.get(key)
+                if not holds:
+                    continue
+                lease = self._drop_hold(key, holds, 0)
                 if lease:
                     done.append(lease)
+            done += self._expire_holds(now)
         for lease in done:
-            self._pool.submit(self._release, lease)
+            self._release_soon(lease)
 
-    def _unpin(self, key: bytes) -> str:
-        """Forget ``key``'s pin (under the lock): the lease to release if it pinned nothing else, else ""."""
-        held = self._held.pop(key, None)
-        if held is None:
+    def _drop_hold(self, key: bytes, holds: list[_Held], i: int) -> str:
+        """Forget hold ``i`` of ``key`` (under the lock): its lease if no hold of it is left, else ""."""
+        held = holds.pop(i)
+        if not holds:
+            del self._held[key]
+        left = self._lease_holds.get(held.lease_id, 0) - 1
+        if left > 0:
+            self._lease_holds[held.lease_id] = left
             return ""
-        keys = self._lease_keys.get(held.lease_id)
-        if keys is None:
-            return ""
-        keys.discard(key)
-        if keys:
-            return ""
-        del self._lease_keys[held.lease_id]
+        self._lease_holds.pop(held.lease_id, None)
         return held.lease_id
+
+    def _expire_holds(self, now: float) -> list[str]:
+        """Forget the holds whose lease has ended (LMCache aborted the prefetch that held them, or is late):
+        the master released them already. Under the lock; the leases left with no hold, to release."""
+        out = []
+        for key in [k for k, holds in self._held.items() if holds[0].until < now]:
+            holds = self._held[key]
+            while key in self._held and holds and holds[0].until < now:
+                lease = self._drop_hold(key, holds, 0)
+                if lease:
+                    out.append(lease)
+        return out
+
+    def _release_soon(self, lease: str) -> None:
+        with contextlib.suppress(RuntimeError):  # closed: the lease runs to its deadline
+            self._pool.submit(self._release, lease)
 
     def _release(self, lease: str) -> None:
         try:
@@ -219,13 +252,13 @@ class KvpoolL2Adapter(L2AdapterInterface):
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
         task = next(self._ids)
-        self._run(task, self._load, (keys, objects), self._loaded, Bitmap(len(keys)), 2)
+        self._run(task, self._load, (keys, objects), "_loaded", Bitmap(len(keys)), 2)
         return task
 
     def _load(self, keys: list[Any], objects: list[Any]) -> Bitmap:
         wanted = [store_key(k, self._salt) for k in keys]
         with self._lock:
-            held = {key: self._held[key].location for key in wanted if key in self._held}
+            held = {key: self._held[key][-1].location for key in wanted if key in self._held}
         missing = [key for key in wanted if key not in held]
         lease = ""
         if missing:  # loaded without a lookup through us (or after its unlock): locate and pin them now
@@ -249,7 +282,7 @@ class KvpoolL2Adapter(L2AdapterInterface):
             results = self.store.fetch_into(locations, outs) if locations else []
         finally:
             if lease:
-                self._pool.submit(self._release, lease)
+                self._release_soon(lease)
         good = []
         for i, res in zip(idx, results, strict=True):
             if isinstance(res, Exception):
@@ -264,36 +297,48 @@ class KvpoolL2Adapter(L2AdapterInterface):
         return loaded
 
     def query_load_result(self, task_id: int) -> Bitmap | None:
+        return self._collect(self._loaded, task_id)
+
+    def _collect(self, results: dict[int, tuple[float, Any]], task_id: int) -> Any:
         with self._lock:
-            return self._loaded.pop(task_id, None)
+            done = results.pop(task_id, None)
+        return None if done is None else done[1]
 
     # ------------------------------------------------------------------ tasks, counters, life
 
     def _run(
-        self, task: int, work: Callable[..., Any], args: tuple, results: dict, failed: Any, event: int
+        self, task: int, work: Callable[..., Any], args: tuple, results: str, failed: Any, event: int
     ) -> None:
-        """Run ``work(*args)`` on a worker; its result (``failed`` if it raised) goes to ``results[task]``
-        and the event fd is signalled, whatever happened: LMCache waits for it with no deadline."""
+        """Run ``work(*args)`` on a worker; its result (``failed`` if it raised) goes to the results table
+        named ``results`` and the event fd is signalled, whatever happened: LMCache waits for it with no
+        deadline."""
 
         def run() -> None:
             try:
                 result = work(*args)
             except Exception as exc:
                 self.tally.count("store_unavailable" if isinstance(exc, StoreError) else "call_errors")
-                self.tally.warn(
-                    work.__name__, f"kvpool LMCache {work.__name__[1:]} failed ({type(exc).__name__}: {exc})"
-                )
+                what = work.__name__[1:]
+                self.tally.warn(work.__name__, f"kvpool LMCache {what} failed ({type(exc).__name__}: {exc})")
                 result = failed
-            with self._lock:
-                results[task] = result
-            self._events[event].notify()
+            self._finish(task, results, result, event)
 
         try:
             self._pool.submit(run)
         except RuntimeError:  # closed: the task still ends, as a failure
-            with self._lock:
-                results[task] = failed
-            self._events[event].notify()
+            self._finish(task, results, failed, event)
+
+    def _finish(self, task: int, results: str, result: Any, event: int) -> None:
+        """Make the result visible in the table as it is now (``pop_completed_store_tasks`` swaps the store
+        table for a new one: a task in flight then must not write into the old one), then signal; results
+        nobody collected for RESULT_S (a prefetch LMCache aborted) are dropped."""
+        now = time.monotonic()
+        with self._lock:
+            table = getattr(self, results)
+            table[task] = (now, result)
+            for t in [t for t, (at, _) in table.items() if now - at > RESULT_S]:
+                del table[t]
+        self._events[event].notify()
 
     def counters(self) -> dict[str, float]:
         """What happened so far: chunks stored, found, loaded; misses and store errors by kind."""
@@ -306,11 +351,11 @@ class KvpoolL2Adapter(L2AdapterInterface):
                 "failures": failures, **counters}  # fmt: skip
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
         with self._lock:
-            leases, self._lease_keys, self._held = list(self._lease_keys), {}, {}
+            leases, self._lease_holds, self._held = list(self._lease_holds), {}, {}
         for lease in leases:
-            self._release(lease)
+            self._release_soon(lease)
+        self._pool.shutdown(wait=True)
         self.store.close()
         for event in self._events:
             event.close()

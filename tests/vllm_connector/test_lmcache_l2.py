@@ -186,3 +186,52 @@ def test_bad_adapter_params_name_the_field_through_lmcaches_loader(params: objec
         create_l2_adapter(config)
     assert caught.value.field == field
     assert f"field {field!r}" in str(caught.value)
+
+
+def test_two_locks_of_one_chunk_keep_it_pinned_until_both_are_unlocked(own_store) -> None:
+    """LMCache locks a chunk once per request that looked it up and unlocks it once per request: the
+    adapter's lease pins it until the last unlock, a load between them reads it, an unlock of nothing held
+    is harmless; every task's result arrives."""
+    from types import SimpleNamespace
+
+    from kvpool.integrations.lmcache.l2_adapter import KvpoolL2Adapter
+
+    master, _ = own_store
+    adapter = KvpoolL2Adapter({"master": master.address})
+    leases = adapter.store.stats  # the master's Stats: its active leases
+    try:
+        key = SimpleNamespace(chunk_hash=bytes(range(32)), model_name="m", kv_rank=1, object_group_id=0,
+                              cache_salt="")  # fmt: skip
+        data = bytes(range(256)) * 64
+        store_task = adapter.submit_store_task(
+            [key], [SimpleNamespace(byte_array=memoryview(bytearray(data)))]
+        )
+        stored = _result(lambda: adapter.pop_completed_store_tasks().get(store_task))
+        assert int(stored) == len(data), "stored whole"
+        for _ in range(2):
+            lookup_task = adapter.submit_lookup_and_lock_task([key], {})
+            found = _result(lambda t=lookup_task: adapter.query_lookup_and_lock_result(t))
+            assert found.test(0)
+        _result(lambda: leases().active_leases == 2 or None)
+        adapter.submit_unlock([key])
+        _result(lambda: leases().active_leases == 1 or None)  # the other lock still pins it
+        out = bytearray(len(data))
+        load_task = adapter.submit_load_task([key], [SimpleNamespace(byte_array=memoryview(out))])
+        loaded = _result(lambda: adapter.query_load_result(load_task))
+        assert loaded.test(0) and bytes(out) == data
+        adapter.submit_unlock([key])
+        _result(lambda: leases().active_leases == 0 or None)  # the last unlock released it
+        adapter.submit_unlock([key])  # nothing held any more
+        assert not any(k.endswith("errors") for k in adapter.counters()), adapter.counters()
+    finally:
+        adapter.close()
+
+
+def _result(poll: Callable[[], object], deadline_s: float = 10.0) -> object:
+    """``poll()`` until it returns something other than None."""
+    end = time.monotonic() + deadline_s
+    while (got := poll()) is None:
+        if time.monotonic() > end:
+            raise AssertionError("no result within the deadline")
+        time.sleep(0.02)
+    return got
