@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kvpool.kvstore.client.sync_client import StoreClient
 
 from tests.harness.kv_events import free_port
 from tests.harness.store_procs import start_master, start_node
@@ -127,6 +128,8 @@ def test_a_fresh_lmcache_server_and_engine_load_the_prompt_from_kvpool(
             assert o["cached"] >= 0.9 * full, (len(prompt), o["cached"])
         loaded = await_adapter(servers[1], lambda c: c.get("chunks_loaded", 0) > 0)
         assert loaded["chunks_loaded"] >= 0.9 * chunks and not loaded.get("failures"), loaded
+        with StoreClient(master.address) as probe:  # every lock LMCache took was given back
+            _result(lambda: probe.stats().active_leases == 0 or None)
         second.request_exit()
     finally:
         for server in servers:
