@@ -3,6 +3,8 @@ baseline answers of an engine without any connector (every test compares against
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,14 +30,24 @@ def model_dir(vllm_dir: Path) -> Path:
     return make_tiny_llama(vllm_dir / "tiny-llama")
 
 
+@contextlib.contextmanager
+def running_store(log_dir: Path, transports: str) -> Iterator[tuple]:
+    """A master and a 256 MiB node, their logs in ``log_dir``, stopped on the way out."""
+    log_dir.mkdir(exist_ok=True)
+    master = start_master(log_dir)
+    node = start_node(log_dir, master.address, "256MiB", transports, prefault=False)
+    try:
+        yield master, node
+    finally:
+        for p in (node, master):
+            if p.alive():
+                p.stop()
+
+
 @pytest.fixture(scope="session")
 def store(vllm_dir: Path):
-    master = start_master(vllm_dir)
-    node = start_node(vllm_dir, master.address, "256MiB", "tcp,shm,ucx", prefault=False)
-    yield master, node
-    for p in (node, master):
-        if p.alive():
-            p.stop()
+    with running_store(vllm_dir, "tcp,shm,ucx") as pair:
+        yield pair
 
 
 @pytest.fixture(scope="session")

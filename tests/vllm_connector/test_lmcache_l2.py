@@ -22,8 +22,8 @@ import pytest
 from kvpool.kvstore.client.sync_client import StoreClient
 
 from tests.harness.kv_events import free_port
-from tests.harness.store_procs import start_master, start_node
 from tests.vllm_connector.conftest import LMCACHE_PROMPTS as PROMPTS
+from tests.vllm_connector.conftest import running_store
 from tests.vllm_connector.engines import Engine
 
 CHUNK = 256  # LMCache's chunk (--chunk-size): only whole chunks are stored
@@ -86,14 +86,8 @@ class LMCacheServer:
 @pytest.fixture(scope="module")
 def own_store(vllm_dir: Path):
     """A master and a node of this module's own (the session's store is stopped by a dead-store test)."""
-    logs = vllm_dir / "lmcache-store"
-    logs.mkdir(exist_ok=True)
-    master = start_master(logs)
-    node = start_node(logs, master.address, "256MiB", "tcp,shm", prefault=False)
-    yield master, node
-    for p in (node, master):
-        if p.alive():
-            p.stop()
+    with running_store(vllm_dir / "lmcache-store", "tcp,shm") as pair:
+        yield pair
 
 
 def test_a_fresh_lmcache_server_and_engine_load_the_prompt_from_kvpool(
