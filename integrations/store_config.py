@@ -27,7 +27,8 @@ FIELDS = {
     "tenant": "the store tenant charged for the bytes (quotas); default: the store client's",
     "transport": "the data plane: auto | tcp | shm | ucx; default auto",
     "deadline_s": "the bound on every store call in seconds; default 5",
-    "connect_timeout_s": "how long the start-up probe waits for the master; default 5",
+    "connect_timeout_s": "how long the start-up probe waits for the master (each RPC within 0.8 x "
+    "deadline_s); default 5",
 }
 _HOST_PORT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:(\d{1,5})$")
 

@@ -289,6 +289,7 @@ def _points(
 ) -> dict[int, CurvePoint]:
     """Totals per capacity."""
     input_tokens = sum(r.input_length for r in reqs)
+    input_blocks = int(prep.prompts.sum())
     output_tokens = sum(r.output_length for r in reqs)
     duration = (reqs[-1].arrival_ms - reqs[0].arrival_ms) / 1000.0 if reqs else 0.0
     full_block = config.spec.mla_bytes_per_token * bs
@@ -296,7 +297,7 @@ def _points(
     for c, (cap, _) in enumerate(exact):
         total = Counters()
         total.requests, total.input_tokens, total.output_tokens = len(reqs), input_tokens, output_tokens
-        total.input_blocks = int(prep.prompts.sum())
+        total.input_blocks = input_blocks
         total.hit_blocks = int(tallies["hit_blocks"][c])
         total.usable_blocks = int(tallies["run_blocks"][c])
         total.mla_hit_tokens = int(tallies["hit_tokens"][c])
