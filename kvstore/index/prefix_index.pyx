@@ -250,6 +250,7 @@ cdef inline object _as_key(object key):
 
 
 INT64_MAX = 2**63 - 1
+UINT64_MAX = 2**64 - 1
 
 
 cdef inline bint _fits_int64(object n):
@@ -776,20 +777,26 @@ cdef class PrefixIndex:
         have arrived; it still refuses to overfill a pool. ``admit=False``: a client's retention hint covers
         the object, so admission control does not turn it away (the policy still ranks it).
         """
-        kind = check_object(key, kind, size, ttl_ms, checksum)
+        # a master's common put (a block with its tag, no TTL, a checksum in range) checked in C; anything
+        # else by ``check_object``, which words the error
+        cdef int kind_i = _block_kind(key, kind, size) if type(key) is bytes else -1
+        if kind_i < 0 or not (
+            type(ttl_ms) is int and ttl_ms == 0 and type(checksum) is int and 0 <= checksum <= UINT64_MAX
+        ):
+            kind_i = check_object(key, kind, size, ttl_ms, checksum)
         key = _put_key(key)
         cdef int32_t s = self._find(key)
         if s >= 0:
             raise DuplicateKeyError(key, bool(self._flags[s] & PENDING))
-        tier = Tier(tier)  # a plain int is a tier too
+        cdef int tier_i = tier if type(tier) in (int, Tier) and (tier == 1 or tier == 2) else Tier(tier)
         parent = self._parent_key(parent)
         self._check_size(size, tenant, evict)
         cdef Py_ssize_t slot = self._insert(
-            key, kind, size, node_id, int(tier), tenant, parent, checksum, ttl_ms, bool(pending), bool(evict),
+            key, kind_i, size, node_id, tier_i, tenant, parent, checksum, ttl_ms, bool(pending), bool(evict),
             avoid_node, bool(admit), -1,
         )
         if slot < 0:
-            raise NotAdmittedError(f"{kind.name} object {key[:9].hex()}… not admitted")
+            raise NotAdmittedError(f"{ObjectKind(kind_i).name} object {key[:9].hex()}… not admitted")
         return self._node_names[self._node[slot]]
 
     def insert_chain(self, hashes, sizes, admits, checkpoints=(), *, node_id, tenant=""):
