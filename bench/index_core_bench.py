@@ -11,7 +11,8 @@ own interpreter:
 - **index**: the index alone, no simulator around it: a 24-block ``match_prefix`` over 100k indexed objects
   (4,000 chains of 24 MLA blocks and a checkpoint), and ``insert_chain`` of such chains (µs per object).
 - **memory**: RSS growth per indexed object of a fresh child indexing ``--objects`` MLA blocks (chains of 24
-  with a checkpoint each), keys made inside the measured region as a master receiving them would hold them.
+  with a checkpoint each), keys made inside the measured region as a master receiving them would hold them,
+  glibc's mmap threshold pinned at 1 MiB as the master process pins it at start.
 - **churn** (``--churn N``): N such objects put through an object cap of N / 5 (lru): RSS when the index
   first holds the cap, and its peak after (sampled every 250k puts), as peak / steady.
 
@@ -128,6 +129,10 @@ elif what == "index":
     out["match24_us"] = round((time.process_time() - t) / reps * 1e6, 3)
     assert m.usable_blocks == 24
 elif what == "memory":
+    # the heap as the master process runs it (``kvpool store master`` pins glibc's mmap threshold at 1 MiB
+    # at start): outgrown columns go back to the OS instead of staying resident in the heap
+    from kvpool.kvstore.master.process_heap import fix_mmap_threshold
+    fix_mmap_threshold(1 << 20)
     proc = psutil.Process()
     gc.collect()
     rss0 = proc.memory_info().rss

@@ -78,7 +78,11 @@ def index_breakdown(idx: PrefixIndex) -> dict[str, float]:
 
 def _memory_child(n: int, chain: int, reps: int, queue: mp.Queue) -> None:
     """Fresh process: index n MLA blocks in chains of ``chain`` (+ a checkpoint every 32 blocks), report
-    RSS per object, then time match_prefix on the full index."""
+    RSS per object, then time match_prefix on the full index. The heap as the master process runs it (mmap
+    threshold pinned at start)."""
+    from kvpool.kvstore.master.process_heap import fix_mmap_threshold
+
+    fix_mmap_threshold(1 << 20)
     proc = psutil.Process()
     gc.collect()
     rss0 = proc.memory_info().rss

@@ -23,6 +23,7 @@ from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.eviction import POLICIES
 from kvpool.kvstore.master.core import MasterConfig
 from kvpool.kvstore.master.kv_events_config import KvEventsConfig, KvEventsConfigError
+from kvpool.kvstore.master.process_heap import MASTER_MMAP_THRESHOLD, fix_mmap_threshold
 from kvpool.kvstore.master.state import StateFileError
 from kvpool.kvstore.protocol.kv_events_wire import HashFormat
 from kvpool.kvstore.shards import ShardSet, ShardSetError, add_depth_flag
@@ -309,6 +310,7 @@ def _run_master(args: argparse.Namespace) -> int:
         # docs/measurements/master_front.md)
         import uvloop
 
+        fix_mmap_threshold(MASTER_MMAP_THRESHOLD)  # process-wide, for the master's life (process_heap)
         return uvloop.run(_serve(config, args.host, args.port, args.metrics_port, args))
     except (StateFileError, ShardSetError) as exc:
         print(f"kvpool store master: {exc}", file=sys.stderr)

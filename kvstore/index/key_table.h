@@ -2,7 +2,7 @@
 //
 // Why: the Python index kept three dicts of bytes objects (committed, pending, absent anchors with their
 // waiting dependents) and a list of key objects per slot: ~150 bytes and three Python objects per indexed
-// object. Here a key is an *entry* (40 bytes): its bytes inline (up to INLINE_BYTES; longer keys, which
+// object. Here a key is an *entry* (38 bytes, packed): its bytes inline (up to INLINE_BYTES; longer keys, which
 // only request tails and blobs may use, in a side map) and the slot of the object indexed under it (-1:
 // none); how many live objects wait for it as their anchor while it is absent is in a side map too (rare:
 // only explicit removal, expiry, node loss or an out-of-order put leave waiters). An entry lives while it
@@ -10,15 +10,22 @@
 // that anchors others leaves its entry behind as the waiters' "orphan" record, found again when the key
 // is put back.
 //
-// Layout: `buckets_` (power of two, load <= 3/4) holds {the high 32 bits of the key's hash, entry id}; a
-// key's home bucket is those bits modulo the table size, so growing and deleting never rehash a key.
-// Entries live in chunks of CHUNK (allocated as the table grows, never moved: no 2x growth slack, no
-// copy) and are reused through a free list. Lookup compares the stored hash bits first,
-// then the key. Deletion shifts the following run back (no tombstones: probe lengths never degrade).
+// Layout: `buckets_` (power of two, load <= 3/4) holds one 32-bit word per bucket: the entry id + 1 in
+// its low ENTRY_BITS (0: empty) and a 4-bit fingerprint of the key's hash above it. A key's home bucket
+// is the high 32 bits of its hash modulo the table size. Entries live in chunks of CHUNK (allocated as
+// the table grows, never moved: no 2x growth slack, no copy) and are reused through a free list. Lookup
+// compares the fingerprint first (15 of 16 other keys skipped without reading their entry), then the key.
+// Deletion shifts the following run back (no tombstones: probe lengths never degrade); growing re-places
+// every entry from its key, walking the chunks in order.
+//
+// Why 4-byte buckets: at 10 M keys the table has 2^24 buckets, 13.4 bytes per key at 8 bytes a bucket
+// (the hash's 32 bits kept to find a bucket's home without its entry); 6.7 at 4. The price is that a
+// delete and a growth hash the keys they move again (33 bytes: five multiply rounds), and that a table
+// holds at most MAX_ENTRIES keys (268 M: a master shard at ~100 bytes a key holds 27 GB before that).
 //
 // Errors: no function aborts or reads out of bounds on any input. An entry id from the caller is checked
-// (`valid`); a key longer than MAX_KEY_BYTES or a table past INT32 entries throws std::length_error, an
-// allocation failure std::bad_alloc (Cython turns both into Python exceptions, `except +`).
+// (`valid`); a key longer than MAX_KEY_BYTES or a table past MAX_ENTRIES keys throws std::length_error,
+// an allocation failure std::bad_alloc (Cython turns both into Python exceptions, `except +`).
 #pragma once
 
 #include <cstdint>
@@ -35,8 +42,11 @@ class KeyTable {
  public:
   static constexpr std::size_t INLINE_BYTES = 33;  // a block key: 1-byte tag + 32-byte hash
   static constexpr std::size_t MAX_KEY_BYTES = 1024;
+  static constexpr unsigned ENTRY_BITS = 28;
+  static constexpr std::uint32_t ENTRY_MASK = (std::uint32_t{1} << ENTRY_BITS) - 1;
+  static constexpr std::size_t MAX_ENTRIES = ENTRY_MASK;  // ids 0 .. ENTRY_MASK - 1, stored as id + 1
 
-  explicit KeyTable(std::uint64_t seed) : seed_(seed | 1) { buckets_.assign(16, Bucket{0, -1}); }
+  explicit KeyTable(std::uint64_t seed) : seed_(seed | 1) { buckets_.assign(16, EMPTY); }
 
   std::size_t size() const { return live_; }
 
@@ -47,13 +57,7 @@ class KeyTable {
   // The entry of `key`, or -1.
   std::int32_t find(const std::uint8_t* key, std::size_t len) const {
     if (len == 0 || len > MAX_KEY_BYTES) return -1;
-    const std::uint32_t tag = tag_of(key, len);
-    std::size_t mask = buckets_.size() - 1;
-    for (std::size_t i = tag & mask;; i = (i + 1) & mask) {
-      const Bucket& b = buckets_[i];
-      if (b.entry < 0) return -1;
-      if (b.tag == tag && same(b.entry, key, len)) return b.entry;
-    }
+    return probe(hash(key, len), key, len);
   }
 
   // The entries of `n` keys of `len` bytes each, laid end to end in `keys`, into `out` (-1: absent). Why:
@@ -65,38 +69,27 @@ class KeyTable {
       for (std::size_t k = 0; k < n; ++k) out[k] = -1;
       return;
     }
-    const std::size_t mask = buckets_.size() - 1;
-    std::vector<std::uint32_t> tags(n);
+    std::vector<std::uint64_t> hashes(n);
     for (std::size_t k = 0; k < n; ++k) {
-      tags[k] = tag_of(keys + k * len, len);
-      __builtin_prefetch(&buckets_[tags[k] & mask]);
+      hashes[k] = hash(keys + k * len, len);
+      __builtin_prefetch(&buckets_[home(hashes[k])]);
     }
     for (std::size_t k = 0; k < n; ++k) {
-      const Bucket& b = buckets_[tags[k] & mask];
-      if (b.entry >= 0) __builtin_prefetch(&at(b.entry));
+      const std::uint32_t b = buckets_[home(hashes[k])];
+      if (b != EMPTY) __builtin_prefetch(&at(entry_of(b)));
     }
-    for (std::size_t k = 0; k < n; ++k) {
-      const std::uint8_t* key = keys + k * len;
-      out[k] = -1;
-      for (std::size_t i = tags[k] & mask;; i = (i + 1) & mask) {
-        const Bucket& b = buckets_[i];
-        if (b.entry < 0) break;
-        if (b.tag == tags[k] && same(b.entry, key, len)) {
-          out[k] = b.entry;
-          break;
-        }
-      }
-    }
+    for (std::size_t k = 0; k < n; ++k) out[k] = probe(hashes[k], keys + k * len, len);
   }
 
   // The entry of `key`, added (slot -1, no waiters) if absent.
   std::int32_t intern(const std::uint8_t* key, std::size_t len) {
     if (len == 0 || len > MAX_KEY_BYTES) throw std::length_error("key length out of range");
-    std::int32_t e = find(key, len);
+    const std::uint64_t h = hash(key, len);
+    std::int32_t e = probe(h, key, len);
     if (e >= 0) return e;
     if ((live_ + 1) * 4 > buckets_.size() * 3) rehash(buckets_.size() * 2);
     e = new_entry(key, len);
-    place(Bucket{tag_of(key, len), e});
+    place(h, e);
     ++live_;
     return e;
   }
@@ -104,24 +97,28 @@ class KeyTable {
   // Forget an entry (its key leaves the table; the id is reused). A no-op for an invalid id.
   void erase(std::int32_t e) {
     if (!valid(e)) return;
-    std::size_t mask = buckets_.size() - 1;
-    std::size_t i = tag_of(key_data(e), key_len(e)) & mask;
-    while (buckets_[i].entry != e) {
-      if (buckets_[i].entry < 0) return;  // not reachable: every valid entry has its bucket
+    const std::size_t mask = buckets_.size() - 1;
+    std::size_t i = home(entry_hash(e));
+    while (buckets_[i] == EMPTY || entry_of(buckets_[i]) != e) {
+      if (buckets_[i] == EMPTY) return;  // not reachable: every valid entry has its bucket
       i = (i + 1) & mask;
+    }
+    // the run's entries are read for their homes below: fetch the first few together, not one by one
+    for (std::size_t j = (i + 1) & mask, k = 0; k < 16 && buckets_[j] != EMPTY; j = (j + 1) & mask, ++k) {
+      __builtin_prefetch(&at(entry_of(buckets_[j])));
     }
     // backward-shift deletion: move each following bucket of the run into the hole if its home allows
     for (std::size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
-      Bucket& b = buckets_[j];
-      if (b.entry < 0) break;
-      std::size_t home = b.tag & mask;
-      // b may move to i iff i lies cyclically in [home, j)
-      if (((j - home) & mask) >= ((j - i) & mask)) {
+      const std::uint32_t b = buckets_[j];
+      if (b == EMPTY) break;
+      const std::size_t h = home(entry_hash(entry_of(b)));
+      // b may move to i iff i lies cyclically in [h, j)
+      if (((j - h) & mask) >= ((j - i) & mask)) {
         buckets_[i] = b;
         i = j;
       }
     }
-    buckets_[i] = Bucket{0, -1};
+    buckets_[i] = EMPTY;
     Entry& en = at(e);
     if (en.len == LONG) long_keys_.erase(e);
     waiting_.erase(e);
@@ -165,7 +162,7 @@ class KeyTable {
 
   // Bytes held (the index's footprint report).
   std::size_t memory_bytes() const {
-    std::size_t n = buckets_.capacity() * sizeof(Bucket) + chunks_.size() * CHUNK * sizeof(Entry) +
+    std::size_t n = buckets_.capacity() * sizeof(std::uint32_t) + chunks_.size() * CHUNK * sizeof(Entry) +
                     chunks_.capacity() * sizeof(void*) + free_.capacity() * sizeof(std::int32_t) +
                     waiting_.size() * 32;
     for (const auto& kv : long_keys_) n += kv.second.capacity() + 64;
@@ -174,7 +171,7 @@ class KeyTable {
 
   // Drop everything and give the memory back (the index emptied).
   void clear() {
-    std::vector<Bucket>(16, Bucket{0, -1}).swap(buckets_);
+    std::vector<std::uint32_t>(16, EMPTY).swap(buckets_);
     std::vector<std::unique_ptr<Entry[]>>().swap(chunks_);
     n_entries_ = 0;
     std::vector<std::int32_t>().swap(free_);
@@ -187,14 +184,13 @@ class KeyTable {
   static constexpr std::uint8_t FREE = 0xFF;
   static constexpr std::uint8_t LONG = 0xFE;
 
-  struct Bucket {
-    std::uint32_t tag;
-    std::int32_t entry;  // -1: empty
-  };
-  struct Entry {
+  static constexpr std::uint32_t EMPTY = 0;  // a bucket: (entry id + 1) | fingerprint << ENTRY_BITS
+
+  // packed: 38 bytes, not 40 (the slot read unaligned, which x86-64 and AArch64 do in one load)
+  struct __attribute__((packed)) Entry {
+    std::int32_t slot;
     std::uint8_t len;  // INLINE bytes used, LONG (key in long_keys_) or FREE
     std::uint8_t bytes[INLINE_BYTES];
-    std::int32_t slot;
   };
   static constexpr std::size_t CHUNK_BITS = 12;
   static constexpr std::size_t CHUNK = std::size_t{1} << CHUNK_BITS;
@@ -204,30 +200,45 @@ class KeyTable {
     return chunks_[static_cast<std::size_t>(e) >> CHUNK_BITS][e & (CHUNK - 1)];
   }
 
-  static std::uint64_t mix(std::uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
+  // 64 x 64 -> 128-bit multiply, halves folded: one multiply mixes every input bit into both halves
+  static std::uint64_t fold(std::uint64_t a, std::uint64_t b) {
+    const unsigned __int128 r = static_cast<unsigned __int128>(a) * b;
+    return static_cast<std::uint64_t>(r) ^ static_cast<std::uint64_t>(r >> 64);
   }
 
-  std::uint32_t tag_of(const std::uint8_t* key, std::size_t len) const {
-    return static_cast<std::uint32_t>(hash(key, len) >> 32);
-  }
-
+  // Seeded (the seed is random per table: no one outside can aim keys at one bucket), one folded multiply
+  // per 8 bytes. Why not a multiply-xorshift finaliser per word, as before: a delete and a growth hash
+  // again the keys they move, and at two multiplies and three shifts per word a 33-byte key cost ~60
+  // cycles; here ~20.
   std::uint64_t hash(const std::uint8_t* key, std::size_t len) const {
     std::uint64_t h = seed_ ^ (len * 0x9e3779b97f4a7c15ULL);
     std::size_t i = 0;
     for (; i + 8 <= len; i += 8) {
       std::uint64_t w;
       std::memcpy(&w, key + i, 8);
-      h = mix(h ^ w) + 0x9e3779b97f4a7c15ULL;
+      h = fold(h ^ w, 0xa0761d6478bd642fULL);
     }
     std::uint64_t last = 0;
     std::memcpy(&last, key + i, len - i);
-    return mix(h ^ last ^ (static_cast<std::uint64_t>(len - i) << 56));
+    return fold(h ^ last ^ (static_cast<std::uint64_t>(len - i) << 56), 0xe7037ed1a0b428dbULL);
+  }
+
+  // a key's home bucket: the hash's high 32 bits modulo the table size (a power of two)
+  std::size_t home(std::uint64_t h) const { return static_cast<std::size_t>(h >> 32) & (buckets_.size() - 1); }
+  // 4 bits of the hash's low half, independent of the home bits
+  static std::uint32_t fingerprint(std::uint64_t h) { return static_cast<std::uint32_t>(h & 0xF) << ENTRY_BITS; }
+  static std::int32_t entry_of(std::uint32_t b) { return static_cast<std::int32_t>((b & ENTRY_MASK) - 1); }
+  std::uint64_t entry_hash(std::int32_t e) const { return hash(key_data(e), key_len(e)); }
+
+  // The entry of the key with hash `h`, or -1.
+  std::int32_t probe(std::uint64_t h, const std::uint8_t* key, std::size_t len) const {
+    const std::size_t mask = buckets_.size() - 1;
+    const std::uint32_t fp = fingerprint(h);
+    for (std::size_t i = home(h);; i = (i + 1) & mask) {
+      const std::uint32_t b = buckets_[i];
+      if (b == EMPTY) return -1;
+      if ((b & ~ENTRY_MASK) == fp && same(entry_of(b), key, len)) return entry_of(b);
+    }
   }
 
   bool same(std::int32_t e, const std::uint8_t* key, std::size_t len) const {
@@ -238,7 +249,7 @@ class KeyTable {
     std::string long_key;  // built before an id is taken: a failed allocation leaves the table as it was
     if (len > INLINE_BYTES) long_key.assign(reinterpret_cast<const char*>(key), len);
     if (free_.empty()) {
-      if (n_entries_ >= static_cast<std::size_t>(INT32_MAX)) throw std::length_error("key table full");
+      if (n_entries_ >= MAX_ENTRIES) throw std::length_error("key table full");
       if (n_entries_ == chunks_.size() * CHUNK) chunks_.emplace_back(new Entry[CHUNK]);
       free_.push_back(static_cast<std::int32_t>(n_entries_++));
       at(free_.back()).len = FREE;
@@ -257,23 +268,24 @@ class KeyTable {
     return e;
   }
 
-  void place(Bucket b) {
-    std::size_t mask = buckets_.size() - 1;
-    std::size_t i = b.tag & mask;
-    while (buckets_[i].entry >= 0) i = (i + 1) & mask;
-    buckets_[i] = b;
+  void place(std::uint64_t h, std::int32_t e) {
+    const std::size_t mask = buckets_.size() - 1;
+    std::size_t i = home(h);
+    while (buckets_[i] != EMPTY) i = (i + 1) & mask;
+    buckets_[i] = (static_cast<std::uint32_t>(e) + 1) | fingerprint(h);
   }
 
+  // Grow to `n` buckets: every live entry placed again from its key (chunks walked in order).
   void rehash(std::size_t n) {
-    std::vector<Bucket> old(n, Bucket{0, -1});
-    old.swap(buckets_);
-    for (const Bucket& b : old) {
-      if (b.entry >= 0) place(b);
+    std::vector<std::uint32_t>(n, EMPTY).swap(buckets_);
+    for (std::size_t e = 0; e < n_entries_; ++e) {
+      const auto id = static_cast<std::int32_t>(e);
+      if (at(id).len != FREE) place(entry_hash(id), id);
     }
   }
 
   std::uint64_t seed_;
-  std::vector<Bucket> buckets_;
+  std::vector<std::uint32_t> buckets_;
   std::vector<std::unique_ptr<Entry[]>> chunks_;
   std::size_t n_entries_ = 0;
   std::unordered_map<std::int32_t, std::uint32_t> waiting_;  // entry -> live dependents waiting for it

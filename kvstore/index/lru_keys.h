@@ -3,7 +3,7 @@
 //
 // Why: those memories see every put and every writer's lookup, block by block. As Python OrderedDicts they
 // cost a call chain and a dict operation per block, a fifth of a simulated point on the default policy;
-// here a key is an entry of a KeyTable (the index's own open-addressing table, 40 bytes inline) and the
+// here a key is an entry of a KeyTable (the index's own open-addressing table, 38 bytes inline) and the
 // order is a doubly linked list threaded through two int32 vectors indexed by entry id.
 //
 // Layout: `table_` maps a key to its entry id (ids are reused through the table's free list, so every

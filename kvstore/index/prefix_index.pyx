@@ -67,11 +67,11 @@ Rules:
   session pin past the budget pins nothing and is counted (``pins_refused``); ``end_session`` releases
   what a session holds.
 
-Memory (docs/design/index_core.md): keys in the C++ key table (one 40-byte entry and an 8-byte bucket per
+Memory (docs/design/index_core.md): keys in the C++ key table (one 38-byte entry and a 4-byte bucket per
 key, no Python object per indexed object), and per slot the numpy columns of ``records.Columns`` (the
 policies read them; the slot's key entry and anchor entry are two of them). Tenants and node ids are
-interned to 16-bit ids; children are counted, not listed. Pins, leases and TTLs (a few per request, not
-per block) stay in Python structures.
+interned to 16-bit ids; children are counted, not listed. Read-lease counts are a C++ map of the slots
+leased now; pins, leases and TTLs (a few per request, not per block) stay in Python structures.
 
 Errors cross the boundary as the typed exceptions of ``records`` (raised by this module's Python-level
 checks before any state changes); the C++ table throws only ``std::length_error``/``std::bad_alloc`` on
@@ -92,6 +92,7 @@ from libc.string cimport memcmp, memcpy
 from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
 from libcpp.set cimport set as cset
+from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 from libcpp.algorithm cimport pop_heap, push_heap
 from cpython.long cimport PyLong_AsLongLongAndOverflow
@@ -310,7 +311,10 @@ cdef class PrefixIndex:
     cdef public object _cols
     cdef uint8_t[::1] _kind, _tier, _flags
     cdef uint16_t[::1] _tenant, _node, _depth
-    cdef uint32_t[::1] _deps, _leases
+    cdef uint32_t[::1] _deps
+    # read leases per slot, only for the slots leased now (a few per fetch in flight): a column would cost
+    # every indexed object 4 bytes for what almost none of them has at any moment
+    cdef unordered_map[int32_t, uint32_t] _lease_count
     cdef float[::1] _freq
     cdef uint64_t[::1] _size, _checksum
     cdef double[::1] _last_use
@@ -489,7 +493,7 @@ cdef class PrefixIndex:
         self._cols = cols
         self._kind, self._tier, self._flags = cols.kind, cols.tier, cols.flags
         self._tenant, self._node, self._depth = cols.tenant, cols.node, cols.depth
-        self._deps, self._leases, self._freq = cols.deps, cols.leases, cols.freq
+        self._deps, self._freq = cols.deps, cols.freq
         self._size, self._checksum, self._last_use = cols.size, cols.checksum, cols.last_use
         self._entry, self._anchor = cols.entry, cols.anchor
 
@@ -537,7 +541,14 @@ cdef class PrefixIndex:
             self._table.erase(e)
 
     cdef inline bint _evictable_leaf(self, Py_ssize_t s):
-        return (self._flags[s] & MOVABLE) == LIVE and not self._leases[s] and not self._deps[s]
+        return (self._flags[s] & MOVABLE) == LIVE and not self._leased(s) and not self._deps[s]
+
+    cdef inline uint32_t _leased(self, Py_ssize_t s):
+        """The read leases slot ``s`` is under (0 for almost every slot, without a probe when none is)."""
+        if self._lease_count.empty():
+            return 0
+        it = self._lease_count.find(<int32_t>s)
+        return 0 if it == self._lease_count.end() else deref(it).second
 
     cdef void _reorder(self, Py_ssize_t s):
         """Put ``s`` in or take it out of its pool's LRU order as it is now an evictable leaf or not. Call
@@ -975,7 +986,6 @@ cdef class PrefixIndex:
         self._flags[slot] = LIVE | (PENDING if pending else 0)
         self._tenant[slot] = tid
         self._node[slot] = nid
-        self._leases[slot] = 0
         self._size[slot] = size
         self._checksum[slot] = checksum
         self._last_use[slot] = now
@@ -1360,8 +1370,8 @@ cdef class PrefixIndex:
             return None
         ms = lease_ms or self.lease_ms
         slots = np.unique(np.array([s for _, s in found], dtype=np.int64))
-        self._cols.leases[slots] += 1
         for s in slots.tolist():
+            self._lease_count[<int32_t>s] += 1
             self._reorder(s)
         lease_id = next(self._lease_ids)
         deadline = self._clock() + ms / 1000.0
@@ -1376,11 +1386,16 @@ cdef class PrefixIndex:
             return False
         cdef Py_ssize_t s
         for s in entry[1].tolist():
-            self._leases[s] -= 1
+            it = self._lease_count.find(<int32_t>s)
+            if it != self._lease_count.end():  # always found: a lease's slots are counted until it ends
+                if deref(it).second <= 1:
+                    self._lease_count.erase(it)
+                else:
+                    self._lease_count[<int32_t>s] = deref(it).second - 1
             if self._flags[s] & LIVE:
                 self._reorder(s)
             # a slot whose object was dropped while leased is reusable once the last lease lets go
-            if self._leases[s] == 0 and not self._flags[s] & LIVE:
+            elif not self._leased(s):
                 self._free.push_back(s)
         self._release_storage_if_empty()  # the index emptied while this lease held some of its slots
         return True
@@ -1620,7 +1635,7 @@ cdef class PrefixIndex:
             deadline, slot_i, gen = heapq.heappop(heap)
             if self._ttl.get(slot_i) != (deadline, gen):
                 continue  # stale entry: object gone, slot reused or TTL set again
-            if self._leases[slot_i]:
+            if self._leased(slot_i):
                 self._set_ttl(slot_i, now + 0.05)  # being read: expire after the fetch
                 continue
             self._expired += 1
@@ -1634,7 +1649,7 @@ cdef class PrefixIndex:
         cand_a = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] cand = cand_a
         for s in range(n):
-            if (self._flags[s] & MOVABLE) != LIVE or self._leases[s] or s == protect:
+            if (self._flags[s] & MOVABLE) != LIVE or self._leased(s) or s == protect:
                 continue
             if leaves and self._deps[s]:
                 continue
@@ -1891,7 +1906,7 @@ cdef class PrefixIndex:
         self._deps[slot] = 0
         self._entry[slot] = -1
         self._anchor[slot] = -1
-        if not self._leases[slot]:
+        if not self._leased(slot):
             self._free.push_back(slot)
         if not answer:
             return None
@@ -1920,7 +1935,7 @@ cdef class PrefixIndex:
             ttl_ms=remaining,
             committed=not self._flags[slot] & PENDING,
             pinned=slot in self._pins,
-            leases=self._leases[slot],
+            leases=self._leased(slot),
             depth=self._depth[slot],
             dependents=self._deps[slot],
             last_use=self._last_use[slot],

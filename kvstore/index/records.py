@@ -202,7 +202,6 @@ class Columns:
         ("node", np.uint16),
         ("depth", np.uint16),
         ("deps", np.uint32),
-        ("leases", np.uint32),
         ("freq", np.float32),
         ("size", np.uint64),
         ("checksum", np.uint64),
@@ -218,7 +217,6 @@ class Columns:
     node: np.ndarray
     depth: np.ndarray
     deps: np.ndarray
-    leases: np.ndarray
     freq: np.ndarray
     size: np.ndarray
     checksum: np.ndarray

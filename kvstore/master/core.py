@@ -56,7 +56,7 @@ from kvpool.kvstore.index.records import (
     UnknownKeyError,
     UnknownNodeError,
 )
-from kvpool.kvstore.master.process_heap import fix_mmap_threshold, process_rss_bytes, release_free_heap
+from kvpool.kvstore.master.process_heap import process_rss_bytes, release_free_heap
 from kvpool.kvstore.master.state import StateStore
 from kvpool.kvstore.shards import ShardSet
 from kvpool.proto import common_pb2, master_pb2
@@ -95,10 +95,6 @@ MAX_SESSION_CHARS = 256  # a client's prompt_cache_key (the gateway checks the s
 # An inventory this large is a bulk load: the index is sized for it up front and the freed request memory
 # is returned to the OS afterwards (smaller ones grow the index as puts do; their garbage is noise).
 BULK_ADOPTION_OBJECTS = 4096
-# From the first bulk load on, blocks this big are their own mappings (fix_mmap_threshold):
-# above every per-call message of the hot paths (a 2,000-block MatchPrefix reply is ~0.2 MB), below the
-# index's columns, slot lists and dict tables at scale and below a large inventory message.
-BULK_MMAP_THRESHOLD = 1 << 20
 # Sweeps that trim after a bulk load: the request is freed only after its reply went out, which a sweep
 # can precede; a trim with nothing to release is cheap.
 TRIM_SWEEPS_AFTER_BULK = 3
@@ -225,7 +221,6 @@ class MasterCore:
         self._last_sweep = clock()
         self.counters: dict[str, int] = {}
         self._trim_sweeps_left = 0  # after a bulk adoption: sweeps that return freed memory to the OS
-        self._mmap_threshold_fixed = False
         # StateFileError if unreadable: refuse to start. With HA the caller passes the state read from etcd.
         self.state = state if state is not None else StateStore(self.config.state_path)
         self.epoch = epoch  # HA leadership epoch (0 = no HA): on every put placement and node order
@@ -306,10 +301,8 @@ class MasterCore:
         return True
 
     def _prepare_bulk_adoption(self, objects: int) -> None:
-        """Before adopting a large inventory: size the index for it once, and (first time) pin the mmap
-        threshold so the big blocks of this and later loads go back to the OS when freed (overview §7)."""
-        if not self._mmap_threshold_fixed:
-            self._mmap_threshold_fixed = fix_mmap_threshold(BULK_MMAP_THRESHOLD)
+        """Before adopting a large inventory: size the index for it once (the master process pinned the
+        mmap threshold at start, so the request's big blocks go back to the OS when freed)."""
         self.index.reserve(objects)
 
     def _release_adoption_garbage(self) -> None:

@@ -28,6 +28,13 @@ import os
 # Each is a no-op returning False where the C library lacks it (musl, macOS).
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
 
+# The master process pins the threshold here at start (fix_mmap_threshold): above every per-call message of
+# the hot paths (a 2,000-block MatchPrefix reply is ~0.2 MB), below the index's columns and key-table
+# buckets at scale and below a large inventory message. From the start, not from the first bulk load: an
+# index grown by puts outgrows its columns too, and each outgrown column left in the heap kept ~12 B per
+# indexed object resident at 10 M objects (docs/measurements/index_core.md).
+MASTER_MMAP_THRESHOLD = 1 << 20
+
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:

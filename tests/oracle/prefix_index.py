@@ -152,6 +152,14 @@ _TIER_OF: dict[int, Tier] = {int(t): t for t in Tier}  # a tier column value -> 
 INITIAL_SLOTS = 1024
 
 
+class OracleColumns(Columns):
+    """The core's columns and a read-lease count per slot (the core keeps that count in a map of the slots
+    leased now: it would cost every indexed object 4 bytes there)."""
+
+    SPEC = (*Columns.SPEC, ("leases", np.uint32))
+    leases: np.ndarray
+
+
 class PrefixIndex:
     """Object index + prefix matcher + pins + eviction. See the module docstring for the rules."""
 
@@ -193,7 +201,7 @@ class PrefixIndex:
         self.pin_share = pin_share
         self._clock = clock
         self._keep_events = keep_events
-        self._cols = Columns(INITIAL_SLOTS)
+        self._cols = OracleColumns(INITIAL_SLOTS)
         self._n = 0  # slots ever used; [0, _n) are addressable
         self._free: list[int] = []
         self._keys: list[bytes | None] = []
@@ -268,7 +276,7 @@ class PrefixIndex:
         master's heap trim)."""
         if self._slot or self._pending or self._leases or self._n <= INITIAL_SLOTS:
             return
-        self._cols = Columns(INITIAL_SLOTS)
+        self._cols = OracleColumns(INITIAL_SLOTS)
         self._n = 0
         self._free, self._keys, self._anchors = [], [], []
         self._slot, self._pending, self._orphans = {}, {}, {}
@@ -958,7 +966,7 @@ class PrefixIndex:
             "slot_ints": sum(held(s) for s in self._slot.values() if s > 256),  # smaller ints are cached
             "dict": sys.getsizeof(self._slot),
             "slot_lists": sys.getsizeof(self._keys) + sys.getsizeof(self._anchors),
-            "columns": sum(getattr(self._cols, name).nbytes for name, _ in Columns.SPEC),
+            "columns": sum(getattr(self._cols, name).nbytes for name, _ in OracleColumns.SPEC),
         }
 
     def verify(self) -> list[str]:
