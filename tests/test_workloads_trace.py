@@ -149,3 +149,30 @@ def test_cli_bad_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert f"{bad}:2: missing Mooncake field" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "absent.jsonl"), "--json"]) == 2
     assert "trace file not found" in capsys.readouterr().err
+
+
+def test_a_pause_that_built_a_trace_ends_frozen_a_small_one_does_not() -> None:
+    """``collector_paused``: the collector is on again after either; what a large pause built is frozen (so
+    the first collection after it does not walk it all) and still freed by reference counting."""
+    import gc
+    import weakref
+
+    from kvpool.workloads.trace_record import FREEZE_AFTER_OBJECTS, collector_paused
+
+    class Record:
+        pass
+
+    gc.unfreeze()
+    with collector_paused():
+        small = [[i] for i in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and small
+    try:
+        with collector_paused():
+            built = [[i] for i in range(FREEZE_AFTER_OBJECTS + 1000)]
+            probe = Record()
+        assert gc.isenabled() and gc.get_freeze_count() >= len(built)
+        gone = weakref.ref(probe)
+        del probe
+        assert gone() is None  # frozen, yet freed when its last reference goes
+    finally:
+        gc.unfreeze()  # the rest of the suite collects as before

@@ -174,12 +174,21 @@ READ_BATCH_ROWS = 65_536
 
 def read_parquet(path: str | Path) -> list[Request]:
     """Every record of a Parquet trace, checked column-wise; errors name the file, row and field."""
-    return list(iter_parquet(path))
+    out: list[Request] = []
+    for batch in _batches(path):  # a list per batch, not a generator step per record
+        out.extend(batch)
+    return out
 
 
 def iter_parquet(path: str | Path) -> Iterator[Request]:
     """The records of a Parquet trace, read :data:`READ_BATCH_ROWS` rows at a time (a trace larger than
     memory streams, as a JSONL one does), each batch checked before any of its records is yielded."""
+    for batch in _batches(path):
+        yield from batch
+
+
+def _batches(path: str | Path) -> Iterator[list[Request]]:
+    """The records of a Parquet trace, :data:`READ_BATCH_ROWS` rows at a time, each batch checked."""
     pa, pq = _pa()
     where = str(path)
     try:
@@ -192,7 +201,7 @@ def iter_parquet(path: str | Path) -> Iterator[Request]:
             table = pa.Table.from_batches([batch])
             cols = _columns(table, where)
             _check(cols, table.num_rows, where, first)
-            yield from _build(cols, table.num_rows, where, first)
+            yield _build(cols, table.num_rows, where, first)
             first += table.num_rows
     except (pa.ArrowException, OSError) as exc:
         raise TraceFormatError(f"unreadable Parquet file ({exc})", where) from None
