@@ -130,9 +130,13 @@ elif what == "index":
     assert m.usable_blocks == 24
 elif what == "memory":
     # the heap as the master process runs it (``kvpool store master`` pins glibc's mmap threshold at 1 MiB
-    # at start): outgrown columns go back to the OS instead of staying resident in the heap
-    from kvpool.kvstore.master.process_heap import fix_mmap_threshold
-    fix_mmap_threshold(1 << 20)
+    # at start): outgrown columns go back to the OS instead of staying resident in the heap. Through ctypes,
+    # not the tree's own helper, so that every tree (one from before the helper too) gets the same heap
+    import ctypes
+    try:
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (glibc)
+    except (OSError, AttributeError):
+        pass
     proc = psutil.Process()
     gc.collect()
     rss0 = proc.memory_info().rss

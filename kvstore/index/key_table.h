@@ -31,12 +31,25 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace kvpool {
+
+// A seed no one outside the process knows (std::random_device), mixed into a caller's constant: keys come
+// from clients, and with a known seed a client could aim many keys at one bucket. Falls back to the
+// constant where the platform has no random device.
+inline std::uint64_t unpredictable_seed(std::uint64_t constant) {
+  try {
+    std::random_device rd;
+    return constant ^ (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+  } catch (...) {
+    return constant;
+  }
+}
 
 class KeyTable {
  public:
@@ -157,6 +170,11 @@ class KeyTable {
     return en.bytes;
   }
 
+  // Keys that can still be added (free ids and ids never handed out): an insert checks it before it changes
+  // anything, so a full table refuses an object instead of leaving it half indexed.
+  std::size_t room() const { return free_.size() + (MAX_ENTRIES - n_entries_); }
+  static std::size_t max_entries() { return MAX_ENTRIES; }
+
   // Entry ids ever handed out (valid or free): the bound of a scan over `valid` ids.
   std::size_t id_bound() const { return n_entries_; }
 
@@ -186,12 +204,15 @@ class KeyTable {
 
   static constexpr std::uint32_t EMPTY = 0;  // a bucket: (entry id + 1) | fingerprint << ENTRY_BITS
 
-  // packed: 38 bytes, not 40 (the slot read unaligned, which x86-64 and AArch64 do in one load)
-  struct __attribute__((packed)) Entry {
+  // packed: 38 bytes, not 40 (the slot read unaligned, which x86-64 and AArch64 do in one load; it is only
+  // ever read and written by value, never through a reference)
+#pragma pack(push, 1)
+  struct Entry {
     std::int32_t slot;
     std::uint8_t len;  // INLINE bytes used, LONG (key in long_keys_) or FREE
     std::uint8_t bytes[INLINE_BYTES];
   };
+#pragma pack(pop)
   static constexpr std::size_t CHUNK_BITS = 12;
   static constexpr std::size_t CHUNK = std::size_t{1} << CHUNK_BITS;
 
@@ -202,11 +223,21 @@ class KeyTable {
 
   // 64 x 64 -> 128-bit multiply, halves folded: one multiply mixes every input bit into both halves
   static std::uint64_t fold(std::uint64_t a, std::uint64_t b) {
+#if defined(__SIZEOF_INT128__)
     const unsigned __int128 r = static_cast<unsigned __int128>(a) * b;
     return static_cast<std::uint64_t>(r) ^ static_cast<std::uint64_t>(r >> 64);
+#else  // the same product from 32-bit halves (compilers without a 128-bit integer)
+    const std::uint64_t a0 = a & 0xFFFFFFFFu, a1 = a >> 32, b0 = b & 0xFFFFFFFFu, b1 = b >> 32;
+    const std::uint64_t p00 = a0 * b0, p01 = a0 * b1, p10 = a1 * b0, p11 = a1 * b1;
+    const std::uint64_t mid = (p00 >> 32) + (p01 & 0xFFFFFFFFu) + (p10 & 0xFFFFFFFFu);
+    const std::uint64_t lo = (p00 & 0xFFFFFFFFu) | (mid << 32);
+    const std::uint64_t hi = p11 + (p01 >> 32) + (p10 >> 32) + (mid >> 32);
+    return lo ^ hi;
+#endif
   }
 
-  // Seeded (the seed is random per table: no one outside can aim keys at one bucket), one folded multiply
+  // Seeded (the index seeds its table from os.urandom, the learners' tables with `unpredictable_seed`: no
+  // one outside can aim keys at one bucket), one folded multiply
   // per 8 bytes. Why not a multiply-xorshift finaliser per word, as before: a delete and a growth hash
   // again the keys they move, and at two multiplies and three shifts per word a 33-byte key cost ~60
   // cycles; here ~20.

@@ -24,7 +24,7 @@ namespace kvpool {
 
 class LruKeys {
  public:
-  explicit LruKeys(std::uint64_t seed) : table_(seed) {}
+  explicit LruKeys(std::uint64_t seed) : table_(unpredictable_seed(seed)) {}
 
   std::size_t size() const { return table_.size(); }
 

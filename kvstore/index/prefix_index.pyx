@@ -67,8 +67,8 @@ Rules:
   session pin past the budget pins nothing and is counted (``pins_refused``); ``end_session`` releases
   what a session holds.
 
-Memory (docs/design/index_core.md): keys in the C++ key table (one 38-byte entry and a 4-byte bucket per
-key, no Python object per indexed object), and per slot the numpy columns of ``records.Columns`` (the
+Memory (docs/design/index_core.md): keys in the C++ key table (one 38-byte entry and 5-11 bytes of 4-byte
+buckets per key, no Python object per indexed object), and per slot the numpy columns of ``records.Columns`` (the
 policies read them; the slot's key entry and anchor entry are two of them). Tenants and node ids are
 interned to 16-bit ids; children are counted, not listed. Read-lease counts are a C++ map of the slots
 leased now; pins, leases and TTLs (a few per request, not per block) stay in Python structures.
@@ -78,6 +78,7 @@ checks before any state changes); the C++ table throws only ``std::length_error`
 impossible sizes, which Cython turns into ``RuntimeError``/``MemoryError``.
 """
 
+import collections
 import heapq
 import itertools
 import operator
@@ -150,6 +151,8 @@ cdef extern from "key_table.h" namespace "kvpool":
         size_t key_len(int32_t e)
         const uint8_t* key_data(int32_t e)
         size_t id_bound()
+        size_t room()
+        size_t max_entries()
         size_t memory_bytes()
         void clear() except +
 
@@ -177,6 +180,7 @@ cdef enum:
     CKPT = 8
     ORDERED = 16  # the slot is in its pool's LRU order (``_order``); never seen outside this module
     TOUCHED = 32  # counted by the touch in progress (``_touch``); clear outside it
+    LEASED = 64  # the slot has read leases, counted in ``_lease_count``; never seen outside this module
     MOVABLE = LIVE | PENDING | PINNED
     K_MLA = 1
     K_KDA = 2
@@ -224,9 +228,10 @@ def check_object(key, kind, size, ttl_ms, checksum):
 
 
 cdef inline int _block_kind(bytes key, kind, size) except -2:
-    """The kind of a plain block object (an MLA block or checkpoint with its key's tag, a positive int size,
-    no TTL or checksum asked) without the Python checks, or -1: then ``check_object`` decides (and words
-    the error). The simulator puts hundreds of thousands of these per trace."""
+    """The kind of a plain block object (an MLA block or checkpoint with its key's tag, a positive int size)
+    without the Python checks, or -1: then ``check_object`` decides (and words the error). TTL and checksum
+    are not looked at: a caller that takes them checks them itself (``insert``). The simulator puts
+    hundreds of thousands of these per trace."""
     if type(size) is not int or size <= 0 or len(key) != 33:
         return -1
     cdef int k
@@ -541,11 +546,12 @@ cdef class PrefixIndex:
             self._table.erase(e)
 
     cdef inline bint _evictable_leaf(self, Py_ssize_t s):
-        return (self._flags[s] & MOVABLE) == LIVE and not self._leased(s) and not self._deps[s]
+        return (self._flags[s] & (MOVABLE | LEASED)) == LIVE and not self._deps[s]
 
     cdef inline uint32_t _leased(self, Py_ssize_t s):
-        """The read leases slot ``s`` is under (0 for almost every slot, without a probe when none is)."""
-        if self._lease_count.empty():
+        """The read leases slot ``s`` is under (the ``LEASED`` bit says whether there are any: no probe of
+        the map for the slots that have none, which is almost all of them)."""
+        if not self._flags[s] & LEASED:
             return 0
         it = self._lease_count.find(<int32_t>s)
         return 0 if it == self._lease_count.end() else deref(it).second
@@ -637,6 +643,7 @@ cdef class PrefixIndex:
         self._n_orphans = 0
         for i in range(self._order.size()):
             self._order[i].clear()
+        self._lease_count.clear()  # (empty already: no lease is open)
         self._pins, self._ttl, self._ttl_heap = PinTable(), {}, []
 
     @property
@@ -979,6 +986,8 @@ cdef class PrefixIndex:
                 f"node {node_id!r} {Tier(tier).name}: {self._used[nid, tier]} of {self._cap[nid, tier]} "
                 f"bytes held by pinned/leased/pending objects; cannot fit {size}"
             )
+        if self._table.room() < 2:  # the key and its anchor's key, before any of the slot's state is set
+            raise CapacityError(f"the index's key table holds its maximum of {self._table.max_entries()} keys")
         cdef Py_ssize_t slot = self._alloc_slot()
         cdef int32_t e = self._table.intern(<const uint8_t*><const char*>key, len(key))
         self._kind[slot] = kind_i
@@ -1372,6 +1381,7 @@ cdef class PrefixIndex:
         slots = np.unique(np.array([s for _, s in found], dtype=np.int64))
         for s in slots.tolist():
             self._lease_count[<int32_t>s] += 1
+            self._flags[s] |= LEASED
             self._reorder(s)
         lease_id = next(self._lease_ids)
         deadline = self._clock() + ms / 1000.0
@@ -1390,6 +1400,7 @@ cdef class PrefixIndex:
             if it != self._lease_count.end():  # always found: a lease's slots are counted until it ends
                 if deref(it).second <= 1:
                     self._lease_count.erase(it)
+                    self._flags[s] &= ~LEASED
                 else:
                     self._lease_count[<int32_t>s] = deref(it).second - 1
             if self._flags[s] & LIVE:
@@ -1584,6 +1595,11 @@ cdef class PrefixIndex:
         held = {int(s) for _, slots in self._leases_by_id.values() for s in slots}
         if set(free) & (set(live) | held):
             out.append("a live or leased slot is on the free list")
+        counts = collections.Counter(int(s) for _, slots in self._leases_by_id.values() for s in slots)
+        if dict(counts) != {int(kv.first): int(kv.second) for kv in self._lease_count}:
+            out.append("the read-lease counts drifted from the open leases")
+        if any(bool(self._flags[s] & LEASED) != (s in counts) for s in range(n)):
+            out.append("a LEASED bit disagrees with the lease counts")
         return out
 
     # -------------------------------------------------------------------------------- expiry, eviction
@@ -1649,7 +1665,7 @@ cdef class PrefixIndex:
         cand_a = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] cand = cand_a
         for s in range(n):
-            if (self._flags[s] & MOVABLE) != LIVE or self._leased(s) or s == protect:
+            if (self._flags[s] & (MOVABLE | LEASED)) != LIVE or s == protect:
                 continue
             if leaves and self._deps[s]:
                 continue
@@ -1902,7 +1918,7 @@ cdef class PrefixIndex:
         if self._ttl:
             self._ttl.pop(slot, None)
         self._unorder(slot)  # after the unpin, which may have ordered it (it was live until now)
-        self._flags[slot] = 0
+        self._flags[slot] &= LEASED  # a leased slot is recycled when its last lease ends (``release``)
         self._deps[slot] = 0
         self._entry[slot] = -1
         self._anchor[slot] = -1

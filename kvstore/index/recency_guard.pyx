@@ -17,7 +17,7 @@ each put (``PrefixIndex`` takes its address from ``_address``); the policy calls
 writer's lookup. The plain-Python original is the oracle (tests/oracle/recency_guard.py).
 
 Cost: the shadow holds the keys an LRU cache of this capacity would hold (about as many as the index
-itself), a 38-byte key-table entry, a 4-byte bucket and 16 bytes of order and size each.
+itself), a 38-byte key-table entry, 5-11 bytes of 4-byte buckets and 16 bytes of order and size each.
 """
 
 from cpython.pycapsule cimport PyCapsule_New

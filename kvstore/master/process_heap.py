@@ -1,7 +1,7 @@
-"""The master process's C heap and resident memory: keep a bulk load's freed memory from staying resident
-(glibc ``mallopt`` / ``malloc_trim``), and read the resident set the master exports. Process-wide, and
-apart from ``MasterCore`` (which calls them around a bulk adoption), because they act on the whole process,
-not on the master's state.
+"""The master process's C heap and resident memory: keep freed memory from staying resident (glibc
+``mallopt`` / ``malloc_trim``), and read the resident set the master exports. Process-wide, and apart from
+``MasterCore``, because they act on the whole process, not on the master's state: the master's command
+pins the threshold when it starts, the core trims after a bulk adoption.
 """
 
 from __future__ import annotations
