@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import socket
 import statistics
 import subprocess
@@ -111,6 +112,10 @@ def overheads(ray: Any, requests: list) -> dict[str, float]:
     t0 = time.perf_counter()
     ref = ray.put(shared)
     put_s = time.perf_counter() - t0
+    blob = pickle.dumps(shared, protocol=5)
+    t0 = time.perf_counter()
+    pickle.loads(blob)  # of the fetch: what each node spends turning the bytes back into records
+    load_s = time.perf_counter() - t0
     here = ray.get_runtime_context().get_node_id()
     other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
 
@@ -134,7 +139,10 @@ def overheads(ray: Any, requests: list) -> dict[str, float]:
         t0 = time.perf_counter()
         ray.get(noop.remote())
         rounds.append(time.perf_counter() - t0)
-    return {"put_s": put_s, "fetch_s": fetch_s, "task_s": statistics.median(rounds)}
+    return {
+        "put_s": put_s, "fetch_s": fetch_s, "unpickle_s": load_s, "shared_mb": len(blob) / 1e6,
+        "task_s": statistics.median(rounds),
+    }  # fmt: skip
 
 
 def model(points: int, nodes: int, point_s: float, o: dict[str, float]) -> float:
@@ -192,6 +200,8 @@ def main() -> None:
         ("efficiency, local pool of 2, same reference", f"{local:.3f}"),
         ("put of the shared data s", f"{o['put_s']:.3f}"),
         ("fetch on the second node s", f"{o['fetch_s']:.3f}"),
+        ("  of which unpickling (each node, in parallel) s", f"{o['unpickle_s']:.3f}"),
+        ("shared data MB", f"{o['shared_mb']:.1f}"),
         ("no-op task round trip s", f"{o['task_s']:.4f}"),
         ("model at N = 2 (these points)", f"{model(args.points, 2, point_s, o):.3f}"),
     ]
