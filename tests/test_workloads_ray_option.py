@@ -1,6 +1,7 @@
 """``--ray`` (the optional extra ``kvpool[ray]``): without Ray installed (as ``make test`` leaves it) the
 flag is one clear error naming it and the install; a local stand-in for Ray gives the local pool's rows
-(task order, the shared data handed once). The real cluster check is scripts/ray_check.sh."""
+(task order, the shared data put once and unpickled once per worker). The real cluster check is
+scripts/ray_check.sh."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ class _Ref:
     def __init__(self, value: Any) -> None:
         self.value = value
 
+    def hex(self) -> str:
+        return f"{id(self):x}"
+
 
 class _FakeRay(types.ModuleType):
     """Just enough of Ray's API, run in this process: put once, remote, wait, get."""
@@ -42,17 +46,22 @@ class _FakeRay(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("ray")
         self.puts = 0
+        self.shared_gets = 0  # gets of what was put (a task's result is got too)
+        self.shared: set[int] = set()
 
     def is_initialized(self) -> bool:
         return True
 
     def put(self, value: Any) -> Any:
         self.puts += 1
-        return _Ref(value)
+        ref = _Ref(value)
+        self.shared.add(id(ref))
+        return ref
 
     def remote(self, **_: Any) -> Any:
         def wrap(fn: Any) -> Any:
-            return types.SimpleNamespace(remote=lambda f, ref, t: _Ref(fn(f, ref.value, t)))
+            # arguments pass as Ray passes them: a top-level ref would be resolved, one in a list is not
+            return types.SimpleNamespace(remote=lambda f, box, t: _Ref(fn(f, box, t)))
 
         return wrap
 
@@ -60,6 +69,7 @@ class _FakeRay(types.ModuleType):
         return refs[-num_returns:], refs[:-num_returns]  # finish out of order on purpose
 
     def get(self, ref: Any) -> Any:
+        self.shared_gets += id(ref) in self.shared
         return ref.value
 
 
@@ -72,6 +82,7 @@ def test_ray_tasks_give_the_local_rows_with_the_trace_put_once(monkeypatch: pyte
     local = capacity_sweep(*args, jobs=1)
     remote = capacity_sweep(*args, ray="auto")
     assert remote == local and fake.puts == 1
+    assert fake.shared_gets == 1  # the worker (this process) unpickled the shared data once for all tasks
 
 
 def test_an_address_that_does_not_answer_is_an_error_within_the_deadline(

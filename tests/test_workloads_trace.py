@@ -151,9 +151,10 @@ def test_cli_bad_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "trace file not found" in capsys.readouterr().err
 
 
-def test_a_pause_that_built_a_trace_ends_frozen_a_small_one_does_not() -> None:
-    """``collector_paused``: the collector is on again after either; what a large pause built is frozen (so
-    the first collection after it does not walk it all) and still freed by reference counting."""
+def test_a_pause_that_loaded_a_trace_ends_frozen_a_small_or_streamed_one_does_not() -> None:
+    """``collector_paused``: the collector is on again after every pause; what a large ``freeze`` pause built
+    is frozen (so the first collection after it does not walk it all) and still freed by reference counting;
+    a small one, or one without ``freeze`` (a streamed batch), freezes nothing."""
     import gc
     import weakref
 
@@ -163,11 +164,13 @@ def test_a_pause_that_built_a_trace_ends_frozen_a_small_one_does_not() -> None:
         pass
 
     gc.unfreeze()
-    with collector_paused():
+    with collector_paused(freeze=True):
         small = [[i] for i in range(1000)]
-    assert gc.isenabled() and gc.get_freeze_count() == 0 and small
+    with collector_paused():
+        streamed = [[i] for i in range(FREEZE_AFTER_OBJECTS + 1000)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and small and streamed
     try:
-        with collector_paused():
+        with collector_paused(freeze=True):
             built = [[i] for i in range(FREEZE_AFTER_OBJECTS + 1000)]
             probe = Record()
         assert gc.isenabled() and gc.get_freeze_count() >= len(built)

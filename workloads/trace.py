@@ -170,7 +170,7 @@ def read_trace(path: str | Path, workload: str | None = None) -> list[Request]:
     ``timestamp`` and no ``arrival_ms`` is Mooncake."""
     from kvpool.workloads.trace_columnar import is_parquet, read_parquet
 
-    with collector_paused():
+    with collector_paused(freeze=True):
         if is_parquet(path):
             return read_parquet(path)
         return list(iter_trace(path, workload))

@@ -171,23 +171,24 @@ FREEZE_AFTER_OBJECTS = 200_000
 
 
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(freeze: bool = False) -> Iterator[None]:
     """Python's cyclic collector off while a whole trace is built. Why: a trace is millions of new records
     and lists, none in a cycle, and every few hundred allocations the collector walks everything built so
     far: 45 % of a 1 M-request JSONL load (14.5 s against 8.0 s) and a third of a Parquet one.
 
-    When the pause built more than :data:`FREEZE_AFTER_OBJECTS` tracked objects, it ends with
-    ``gc.freeze()``: all of them are still in the youngest generation, so the first allocation after
-    ``gc.enable()`` would walk them all (0.67 s after a 1 M-request trace), and later collections again as
-    they age. Frozen objects are still freed by reference counting when dropped (records and lists hold
-    no cycles); only a cycle among objects alive at that moment would never be collected, which a
-    command that loads a trace once can afford."""
+    ``freeze`` (a whole trace loaded at once, ``read_trace``): when the pause built more than
+    :data:`FREEZE_AFTER_OBJECTS` tracked objects, it ends with ``gc.freeze()``. All of them are still in
+    the youngest generation, so the first allocation after ``gc.enable()`` would walk them all (0.67 s
+    after a 1 M-request trace), and later collections again as they age. Frozen objects are still freed by
+    reference counting when dropped (records and lists hold no cycles); a cycle among the objects alive at
+    that moment would never be collected, which a command that loads a trace or two can afford. Never
+    while streaming (each batch would freeze what the consumer holds, again and again)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
-            if gc.get_count()[0] > FREEZE_AFTER_OBJECTS:
+            if freeze and gc.get_count()[0] > FREEZE_AFTER_OBJECTS:
                 gc.freeze()
             gc.enable()
