@@ -170,8 +170,10 @@ class KeyTable {
     return en.bytes;
   }
 
-  // Keys that can still be added (free ids and ids never handed out): an insert checks it before it changes
-  // anything, so a full table refuses an object instead of leaving it half indexed.
+  // Keys that can still be added (free ids and ids never handed out): an insert checks it before it sets
+  // any of the new object's state, so a full table refuses the object instead of leaving it half indexed
+  // (what ran before the check, the learners' hearing of the put and evictions, stands, as for any insert
+  // refused for room).
   std::size_t room() const { return free_.size() + (MAX_ENTRIES - n_entries_); }
   static std::size_t max_entries() { return MAX_ENTRIES; }
 
@@ -204,8 +206,9 @@ class KeyTable {
 
   static constexpr std::uint32_t EMPTY = 0;  // a bucket: (entry id + 1) | fingerprint << ENTRY_BITS
 
-  // packed: 38 bytes, not 40 (the slot read unaligned, which x86-64 and AArch64 do in one load; it is only
-  // ever read and written by value, never through a reference)
+  // packed: 38 bytes, not 40 (the slot read unaligned, which x86-64 and AArch64 do in one load). Entries are
+  // reached through `Entry&` (the packed struct's alignment is 1, so that is sound); their fields are only
+  // read and written by value, never bound to a reference of their own.
 #pragma pack(push, 1)
   struct Entry {
     std::int32_t slot;

@@ -1600,6 +1600,8 @@ cdef class PrefixIndex:
             out.append("the read-lease counts drifted from the open leases")
         if any(bool(self._flags[s] & LEASED) != (s in counts) for s in range(n)):
             out.append("a LEASED bit disagrees with the lease counts")
+        if set(range(n)) - set(live) - set(free) - set(counts):
+            out.append("a slot is neither live, free nor leased (leaked)")
         return out
 
     # -------------------------------------------------------------------------------- expiry, eviction
