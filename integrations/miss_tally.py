@@ -10,6 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
+
+from kvpool.kvstore.errors import ObjectNotAdmittedError
 
 
 class MissTally:
@@ -30,6 +33,17 @@ class MissTally:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._counters)
+
+    def put_errors(self, errors: Sequence[BaseException | None], kind: str, what: str) -> None:
+        """A ``batch_put``'s per-item errors: an object admission turned away counts as ``not_admitted``
+        (the store chose not to keep it, nothing failed), any other failure as ``<kind>_errors`` with a
+        rate-limited warning ``<what> failed: <error>``."""
+        for err in errors:
+            if isinstance(err, ObjectNotAdmittedError):
+                self.count("not_admitted")
+            elif err is not None:
+                self.count(f"{kind}_errors")
+                self.warn(kind, f"{what} failed: {err}")
 
     def warn(self, kind: str, message: str) -> None:
         now = time.monotonic()

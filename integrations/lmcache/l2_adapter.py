@@ -43,7 +43,7 @@ from kvpool.integrations.miss_tally import MissTally
 from kvpool.integrations.store_config import FIELDS as STORE_FIELDS
 from kvpool.integrations.store_config import StoreConfig, connect, parse_store_config
 from kvpool.kvstore.client.async_client import PutItem
-from kvpool.kvstore.errors import ObjectNotAdmittedError, StoreError
+from kvpool.kvstore.errors import StoreError
 from kvpool.proto import common_pb2
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
@@ -142,12 +142,7 @@ class KvpoolL2Adapter(L2AdapterInterface):
         ]
         errors = self.store.batch_put(items)
         stored = [(k, item.nbytes) for k, item, err in zip(keys, items, errors, strict=True) if err is None]
-        for err in errors:
-            if isinstance(err, ObjectNotAdmittedError):
-                self.tally.count("not_admitted")
-            elif err is not None:
-                self.tally.count("store_errors")
-                self.tally.warn("store", f"kvpool LMCache store failed: {err}")
+        self.tally.put_errors(errors, "store", "kvpool LMCache store")
         if stored:
             self._notify_keys_stored([k for k, _ in stored], [n for _, n in stored])
         nbytes = sum(n for _, n in stored)

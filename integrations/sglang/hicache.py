@@ -47,7 +47,7 @@ from kvpool.integrations.sglang.config import HiCacheConfigError, parse_config
 from kvpool.integrations.sglang.keys import KV_POOL, Identity, KeySpace
 from kvpool.integrations.store_config import connect
 from kvpool.kvstore.client.async_client import PutItem
-from kvpool.kvstore.errors import ObjectNotAdmittedError, StoreError
+from kvpool.kvstore.errors import StoreError
 from kvpool.kvstore.transport.base import COPY_HASH_CHUNK, Payload, as_bytes_view
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -389,12 +389,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         except Exception as exc:
             return self._failed("put", exc, [False] * len(pages))
         ok = [err is None for err in errors]
-        for err in errors:
-            if isinstance(err, ObjectNotAdmittedError):
-                self.tally.count("not_admitted")
-            elif err is not None:
-                self.tally.count("write_errors")
-                self.tally.warn("write", f"kvpool HiCache write failed: {err}")
+        self.tally.put_errors(errors, "write", "kvpool HiCache write")
         self.tally.count("pages_written", sum(ok))
         self._record(op, sum(ok), time.perf_counter() - t0)
         return ok
