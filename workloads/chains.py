@@ -118,10 +118,7 @@ class ChainBuilder:
         # a request re-sends a known prefix, then new blocks: the known part in one pass of C (memo.get),
         # then SHA-256 from the first new id on
         hashes: list = list(map(memo.get, req.hash_ids))
-        try:
-            start = hashes.index(None)
-        except ValueError:
-            start = len(hashes)
+        start = hashes.index(None) if None in hashes else len(hashes)  # (no exception: all known is common)
         parent = hashes[start - 1] if start else root
         ids = req.hash_ids
         for i in range(start, len(hashes)):

@@ -177,6 +177,8 @@ class _Replay:
         columns = "workload arrival_ms input cached output dram_bytes ssd_bytes"
         columns += " write_tier prefix_tokens prefix_tier"  # the tiers the bill prices written tokens at
         self.per_req: dict[str, list[Any]] = {k: [] for k in columns.split()}
+        self.per_req_columns = [self.per_req[k] for k in columns.split()]  # what ``lookup`` appends to
+        self.shards, self.sharded = shards, shards.count > 1
 
     def _owner(self, req: Request) -> int:
         pair = (req.workload, req.tenant)
@@ -197,7 +199,7 @@ class _Replay:
         chain = self.builder.chain(req, with_output=self.config.store_output)
         prompt = chain.hashes[: chain.prompt_blocks]
         # the whole prompt's chain names the shard (the lookup below sees fewer blocks): its push goes there
-        shard = self.config.shards.shard_of_chain(prompt)
+        shard = self.shards.shard_of_chain(prompt) if self.sharded else 0
         idx = self.shard_indexes[shard]
         self.shard_lookups[shard] += 1
         # prefill looks up only blocks ending before the last prompt token (it must compute at least one
@@ -223,20 +225,25 @@ class _Replay:
         loaded = usable_tokens * self.spec.mla_bytes_per_token
         if usable and self.spec.hybrid:
             loaded += self.spec.kda_bytes_per_checkpoint
-        for key, value in (
-            ("workload", req.workload),
-            ("arrival_ms", req.arrival_ms),
-            ("input", req.input_length),
-            ("cached", usable_tokens),
-            ("output", req.output_length),
-            ("dram_bytes", loaded - ssd_bytes),
-            ("ssd_bytes", ssd_bytes),
-            # what the bill prices the written tokens at: the request's own tiers, when they are honoured
-            ("write_tier", req.retention_tier if self.config.hints else None),
-            ("prefix_tokens", req.retained_prefix_tokens if self.config.hints else 0),
-            ("prefix_tier", req.prefix_retention_tier if self.config.hints else None),
+        hinted = self.config.hints
+        for column, value in zip(
+            self.per_req_columns,
+            (
+                req.workload,
+                req.arrival_ms,
+                req.input_length,
+                usable_tokens,
+                req.output_length,
+                loaded - ssd_bytes,  # dram_bytes
+                ssd_bytes,
+                # what the bill prices the written tokens at: the request's own tiers, when they are honoured
+                req.retention_tier if hinted else None,  # write_tier
+                req.retained_prefix_tokens if hinted else 0,  # prefix_tokens
+                req.prefix_retention_tier if hinted else None,  # prefix_tier
+            ),
+            strict=True,
         ):
-            self.per_req[key].append(value)
+            column.append(value)
         return _Store(req, chain, run, usable, m.checkpoint_blocks, owner, shard)
 
     def _read_tiers(self, shard: int, m: Any, sizes: list[int]) -> tuple[int, int]:

@@ -811,7 +811,7 @@ cdef class PrefixIndex:
         self._check_size(size, tenant, evict)
         cdef Py_ssize_t slot = self._insert(
             key, kind_i, size, node_id, tier_i, tenant, parent, checksum, ttl_ms, bool(pending), bool(evict),
-            avoid_node, bool(admit), -1,
+            avoid_node, bool(admit), -1, self._clock(),
         )
         if slot < 0:
             raise NotAdmittedError(f"{ObjectKind(kind_i).name} object {key[:9].hex()}… not admitted")
@@ -832,6 +832,8 @@ cdef class PrefixIndex:
         anything is put; a pending key, a quota or an unknown node raise as ``insert`` does, with the
         objects before it put.
 
+        The whole chain is put at one instant: the clock is read once per call.
+
         Why columns: the simulator stores a whole request per call (tens of millions of puts per
         production trace); a slot per put lets it keep its own per-object tallies in arrays."""
         cdef Py_ssize_t n = len(hashes), i, c, j
@@ -839,11 +841,11 @@ cdef class PrefixIndex:
             raise BadObjectError(
                 f"{n} hashes, {len(sizes)} sizes and {len(admits)} admits: one of each per block"
             )
-        hs = [_as_key(h) for h in hashes]
+        hs = [h if type(h) is bytes else _as_key(h) for h in hashes]
         for h in hs:
             if h is None or len(h) != HASH_BYTES:
                 raise BadObjectError(f"a block hash must be {HASH_BYTES} bytes")
-        size_list = [_positive_size(x) for x in sizes]
+        size_list = [x if type(x) is int and x > 0 else _positive_size(x) for x in sizes]
         cks = []
         for item in checkpoints:
             at, size, admit = item
@@ -851,38 +853,51 @@ cdef class PrefixIndex:
         out = []
         cdef bytes key, prev = b""
         cdef int32_t answer, prev_entry = -1
+        cdef double now = self._clock()
+        cdef int ids[2]  # the node's and the tenant's ids, once a put of this call has looked them up
+        ids[0] = ids[1] = -1
         for i in range(n):
             key = MLA_TAG + hs[i]
             if prev == key:
                 prev, prev_entry = b"", -1
-            answer = self._put_of_chain(key, K_MLA, size_list[i], node_id, tenant, prev, prev_entry, admits[i])
+            answer = self._put_of_chain(
+                key, K_MLA, size_list[i], node_id, tenant, prev, prev_entry, admits[i], now, ids
+            )
             out.append(answer)
             prev = key
             # the block's entry, the next block's anchor (checked again there: an eviction may drop it)
             prev_entry = self._entry[answer] if answer >= 0 else -1
         for c, size, admit in cks:
-            out.append(self._put_of_chain(KDA_TAG + hs[c - 1], K_KDA, size, node_id, tenant, b"", -1, admit))
+            out.append(
+                self._put_of_chain(KDA_TAG + hs[c - 1], K_KDA, size, node_id, tenant, b"", -1, admit, now, ids)
+            )
         return out
 
     cdef int32_t _put_of_chain(
-        self, bytes key, int kind, size, node_id, tenant, bytes parent, int32_t parent_entry, admit
+        self, bytes key, int kind, size, node_id, tenant, bytes parent, int32_t parent_entry, admit, double now,
+        int* ids,
     ) except? -9:
-        """One put of ``insert_chain``: its answer (a slot, or minus an outcome)."""
+        """One put of ``insert_chain``: its answer (a slot, or minus an outcome). ``ids``: the node's and
+        the tenant's ids (-1 until a put has looked them up; set from the first object put)."""
         cdef int32_t s = self._find(key)
         if s >= 0:
             if not self._flags[s] & PENDING:
-                self._put_again(s, key)
+                self._put_again(s, key, now)
                 return -PUT_EXISTS
             raise DuplicateKeyError(key, True)
         cdef Py_ssize_t slot
         try:
             self._check_size(size, tenant, True)
             slot = self._insert(
-                key, kind, size, node_id, T_DRAM, tenant, parent, 0, 0, False, True, None, bool(admit), parent_entry
+                key, kind, size, node_id, T_DRAM, tenant, parent, 0, 0, False, True, None, bool(admit), parent_entry,
+                now, ids[0], ids[1],
             )
         except CapacityError:
             return -PUT_NO_ROOM
-        return slot if slot >= 0 else -PUT_NOT_ADMITTED
+        if slot < 0:
+            return -PUT_NOT_ADMITTED
+        ids[0], ids[1] = self._node[slot], self._tenant[slot]
+        return slot
 
     def put_again(self, key):
         """A writer put ``key`` again and the store answers EXISTS: refresh it as :meth:`insert_chain` does.
@@ -891,10 +906,10 @@ cdef class PrefixIndex:
         cdef int32_t s = self._committed(key) if key is not None else -1
         if s < 0:
             return False
-        self._put_again(s, key)
+        self._put_again(s, key, self._clock())
         return True
 
-    cdef void _put_again(self, int32_t s, bytes key) except *:
+    cdef void _put_again(self, int32_t s, bytes key, double now) except *:
         """A writer put committed slot ``s`` again: it used it (prefill re-sends the chain it computed), so
         its recency is refreshed, the rule under which the store's LRU is one recency order for every
         capacity (docs/design/workloads.md §3b). Not its use count: a put is no read, and admission learns
@@ -907,7 +922,7 @@ cdef class PrefixIndex:
             elif self._learner is not None:
                 self._learner.on_put(key, self._size[s], self._capacity_of(T_DRAM))
         self._unorder(s)
-        self._last_use[s] = self._clock()
+        self._last_use[s] = now
         self._reorder(s)
 
     cdef bytes _parent_key(self, parent):
@@ -932,12 +947,14 @@ cdef class PrefixIndex:
 
     cdef Py_ssize_t _insert(
         self, bytes key, int kind_i, int64_t size, node_id, int tier, tenant, bytes parent, uint64_t checksum,
-        ttl_ms, bint pending, bint evict, avoid_node, bint admit, int32_t parent_entry,
+        ttl_ms, bint pending, bint evict, avoid_node, bint admit, int32_t parent_entry, double now,
+        int nid_known=-1, int tid_known=-1,
     ) except -2:
-        """``insert`` of a checked object whose key is not indexed: its slot, or -1 when admission turns it
-        away (before anything is reserved). ``parent_entry``: the parent's key entry if the caller knows it
-        (-1: look it up)."""
-        cdef double now = self._clock()
+        """``insert`` of a checked object whose key is not indexed, at time ``now``: its slot, or -1 when
+        admission turns it away (before anything is reserved). ``parent_entry``: the parent's key entry if
+        the caller knows it (-1: look it up). ``nid_known`` / ``tid_known``: ``node_id``'s and ``tenant``'s
+        ids when the caller has them from an earlier put of the same call (-1: look them up; a tenant is
+        interned by its first put, never before)."""
         if self._lease_heap or self._ttl_heap or self._pins.deadlines:  # else nothing can be due
             self._retire_due(now)
         learner = self._learner
@@ -948,8 +965,10 @@ cdef class PrefixIndex:
                 learner.on_put(key, size, self._capacity_of(T_DRAM))
             if admit and self._adm != NULL and not self._admit(key, kind_i, size, parent, now):
                 return -1
-        tid_o = self._tenant_ids.get(tenant)
-        cdef int tid = self._tenant_id(tenant) if tid_o is None else tid_o
+        cdef int tid = tid_known
+        if tid < 0:
+            tid_o = self._tenant_ids.get(tenant)
+            tid = self._tenant_id(tenant) if tid_o is None else tid_o
         cdef int64_t quota = self._quota[tid] if evict else 0
         if quota:
             if size > quota:
@@ -961,11 +980,13 @@ cdef class PrefixIndex:
                         f"tenant {tenant!r} holds {self._tenant_used[tid]} of {quota} bytes, "
                         f"all pinned or in use; cannot fit {size}"
                     )
-        if node_id is None:
-            node_id = self._place(size, tier, avoid_node)
-        cdef int nid = self._nid(node_id)
+        cdef int nid = nid_known
         if nid < 0:
-            raise UnknownNodeError(f"unknown node {node_id!r}")
+            if node_id is None:
+                node_id = self._place(size, tier, avoid_node)
+            nid = self._nid(node_id)
+            if nid < 0:
+                raise UnknownNodeError(f"unknown node {node_id!r}")
         tier_name = Tier(tier).name if size > self._cap[nid, tier] else ""
         if size > self._cap[nid, tier]:
             raise CapacityError(f"object of {size} bytes exceeds {tier_name} capacity of node {node_id!r}")
