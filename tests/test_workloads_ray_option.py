@@ -65,10 +65,11 @@ class _FakeRay(types.ModuleType):
 
         return wrap
 
-    def wait(self, refs: list[Any], num_returns: int = 1) -> tuple[list[Any], list[Any]]:
+    def wait(self, refs: list[Any], num_returns: int = 1, timeout: float | None = None) -> Any:
+        assert timeout is not None and timeout > 0  # the sweep never waits without a deadline
         return refs[-num_returns:], refs[:-num_returns]  # finish out of order on purpose
 
-    def get(self, ref: Any) -> Any:
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
         self.shared_gets += id(ref) in self.shared
         return ref.value
 
@@ -94,3 +95,33 @@ def test_an_address_that_does_not_answer_is_an_error_within_the_deadline(
     monkeypatch.setitem(sys.modules, "ray", hang)
     with pytest.raises(ReplayError, match=r"--ray 10\.0\.0\.1:6379: no Ray cluster answered within 0\.3 s"):
         parallel_ray.connect("10.0.0.1:6379", timeout_s=0.3)
+
+
+class _FrozenRay(_FakeRay):
+    """A cluster whose every node froze: tasks are submitted, none ever finishes or fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: list[float] = []
+        self.cancelled: list[Any] = []
+
+    def remote(self, **_: Any) -> Any:
+        return lambda fn: types.SimpleNamespace(remote=lambda f, box, t: _Ref(None))
+
+    def wait(self, refs: list[Any], num_returns: int = 1, timeout: float | None = None) -> Any:
+        assert timeout is not None
+        self.waited.append(timeout)
+        return [], refs
+
+    def cancel(self, ref: Any, force: bool = False) -> None:
+        self.cancelled.append(ref)
+
+
+def test_a_sweep_whose_points_never_finish_is_cancelled_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    frozen = _FrozenRay()
+    monkeypatch.setitem(sys.modules, "ray", frozen)
+    with pytest.raises(ReplayError, match=r"no sweep point finished within 0\.5 s; 3 of 3 still out"):
+        parallel_ray.run_points_ray(lambda shared, t: t, None, [1, 2, 3], "auto", stall_floor_s=0.5)
+    assert frozen.waited == [0.5] and len(frozen.cancelled) == 3

@@ -6,6 +6,9 @@ pay); the shared data (the trace, the spec, the offline plan) is put in Ray's ob
 every task receives it by reference, unpickled once per worker process (``_shared``); results come back in
 task order, so the rows equal the local pool's.
 Connecting has a deadline: an address that does not answer is one ReplayError naming ``--ray``, not a hang.
+So does the sweep: when no point finishes for ``max(STALL_FLOOR_S, STALL_FACTOR x the slowest point so
+far)`` (a frozen node keeps its task neither done nor failed; Ray fails the task of a dead one itself), the
+points still out are cancelled and the sweep is one ReplayError.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 CONNECT_TIMEOUT_S = 30.0
+# A sweep is stuck, not slow, when no point has finished for the longer of these: a floor for the first
+# points (a 1 M-request point takes minutes), then a multiple of the slowest point seen
+STALL_FLOOR_S = 1800.0
+STALL_FACTOR = 4.0
 
 
 def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Any:
@@ -80,19 +87,41 @@ def run_points_ray(
     address: str,
     done: Callable[[int, R, float], None] | None = None,
     timeout_s: float = CONNECT_TIMEOUT_S,
+    stall_floor_s: float = STALL_FLOOR_S,
 ) -> list[R]:
     """``[fn(shared, t) for t in tasks]`` as Ray tasks (one CPU each), ``shared`` put once in the object
-    store; ``done(i, result, seconds)`` here as each finishes. ``fn`` must be importable by the workers."""
+    store; ``done(i, result, seconds)`` here as each finishes. ``fn`` must be importable by the workers.
+    A sweep where no point finishes for ``max(stall_floor_s, STALL_FACTOR x the slowest so far)`` seconds
+    is cancelled: a ReplayError, never a wait without end."""
     ray = connect(address, timeout_s)
     ref = ray.put(shared)
     remote = ray.remote(num_cpus=1)(_call)
     pending = {remote.remote(fn, [ref], t): i for i, t in enumerate(tasks)}
     results: list[Any] = [None] * len(tasks)
+    slowest = 0.0
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
+        stall_s = max(stall_floor_s, STALL_FACTOR * slowest)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s)
+        if not ready:
+            _cancel(ray, list(pending))
+            raise ReplayError(
+                f"--ray: no sweep point finished within {stall_s:g} s; {len(pending)} of {len(tasks)} still "
+                "out were cancelled (a node that stopped answering?)"
+            )
         for r in ready:
             i = pending.pop(r)
-            results[i], seconds = ray.get(r)
+            results[i], seconds = ray.get(r, timeout=stall_s)  # done: only its transfer is left
+            slowest = max(slowest, seconds)
             if done is not None:
                 done(i, results[i], seconds)
     return results
+
+
+def _cancel(ray: Any, refs: list[Any]) -> None:
+    """Cancel the tasks still out, each on its own: one that cannot be cancelled (its node is gone) does
+    not keep the others running."""
+    for r in refs:
+        try:
+            ray.cancel(r, force=True)
+        except Exception:  # best effort: the sweep has failed either way
+            continue
