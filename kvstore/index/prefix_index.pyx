@@ -1293,7 +1293,7 @@ cdef class PrefixIndex:
             ck = KDA_TAG + hashes[usable - 1] if usable else None
         else:
             usable, ck = run, None
-        used = tuple([MLA_TAG + h for h in hashes[:usable]])
+        used = tuple(hashes[:usable])  # their keys only when asked for (``PrefixMatch.mla_keys``)
         slots = found[:usable]
         if ck is not None:
             slots.append(self._committed(ck))

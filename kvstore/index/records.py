@@ -13,16 +13,11 @@ from typing import NamedTuple
 
 import numpy as np
 from kvpool.kvstore.errors import StoreError
+from kvpool.kvstore.keys import MLA_TAG
 
 MAX_KEY_BYTES = 1024
 MAX_INTERNED = 0xFFFF
 DEPTH_MAX = 0xFFFF
-
-# flags column
-SLOT_LIVE = 1
-SLOT_PENDING = 2
-SLOT_PINNED = 4
-SLOT_CKPT = 8  # on a committed slot keyed MLA_TAG + h: the key KDA_TAG + h is committed too (match_prefix)
 
 # what PrefixIndex.insert_chain answers, negated, for an object it did not index (else the object's slot)
 PUT_EXISTS = 1  # already committed: touched (the writer used it), not written again
@@ -91,11 +86,18 @@ class PrefixMatch:
     usable_blocks: int  # p under the rule asked for
     mla_run_blocks: int  # longest run of committed MLA blocks from h_0
     checkpoint_blocks: tuple[int, ...]  # every c <= mla_run_blocks with a checkpoint keyed by h_{c-1}
-    mla_keys: tuple[bytes, ...]  # MLA keys of blocks [0, usable_blocks)
+    # the block hashes of blocks [0, usable_blocks), untagged: their keys are built only when asked for
+    # (``mla_keys``), since most lookups (probes, the simulator's) need the counts alone
+    usable_hashes: tuple[bytes, ...]
     checkpoint_key: bytes | None  # checkpoint closing block usable_blocks-1 (None if p = 0 or not required)
     # the index slots of mla_keys, then of checkpoint_key (for PrefixIndex.columns): where the index keeps
     # them, not what matched, so two equal matches may differ here
     slots: tuple[int, ...] = field(default=(), compare=False)
+
+    @property
+    def mla_keys(self) -> tuple[bytes, ...]:
+        """MLA keys of blocks [0, usable_blocks)."""
+        return tuple([MLA_TAG + h for h in self.usable_hashes])
 
     @property
     def blocks_lost_to_checkpoint(self) -> int:
@@ -181,13 +183,6 @@ class IndexStats:
     bytes_per_tenant: dict[str, int]
     policy: str
     orphans: int  # live objects whose parent (or a checkpoint's MLA block) is not indexed
-
-
-@dataclass(slots=True)
-class NodeUsage:
-    node_id: str
-    capacity: dict[Tier, int]
-    used: dict[Tier, int] = field(default_factory=lambda: {Tier.DRAM: 0, Tier.SSD: 0})
 
 
 class Columns:

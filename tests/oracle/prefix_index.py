@@ -86,6 +86,7 @@ import operator
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 from kvpool.kvstore.index.admission import AdmissionConfig
@@ -99,10 +100,6 @@ from kvpool.kvstore.index.records import (
     PUT_EXISTS,
     PUT_NO_ROOM,
     PUT_NOT_ADMITTED,
-    SLOT_CKPT,
-    SLOT_LIVE,
-    SLOT_PENDING,
-    SLOT_PINNED,
     BadObjectError,
     CapacityError,
     Columns,
@@ -110,7 +107,6 @@ from kvpool.kvstore.index.records import (
     IndexStats,
     Lease,
     LocationRow,
-    NodeUsage,
     NotAdmittedError,
     ObjectInfo,
     ObjectKind,
@@ -126,6 +122,19 @@ from kvpool.kvstore.keys import HASH_BYTES, KDA_TAG, MLA_TAG, block_tag
 from tests.oracle.admission import Admission
 
 _TAG_OF_KIND = {ObjectKind.MLA: MLA_TAG, ObjectKind.KDA: KDA_TAG}
+
+# the flags column (the compiled index keeps the same bits as C constants)
+SLOT_LIVE = 1
+SLOT_PENDING = 2
+SLOT_PINNED = 4
+SLOT_CKPT = 8  # on a committed slot keyed MLA_TAG + h: the key KDA_TAG + h is committed too (match_prefix)
+
+
+@dataclass(slots=True)
+class NodeUsage:
+    node_id: str
+    capacity: dict[Tier, int]
+    used: dict[Tier, int] = field(default_factory=lambda: {Tier.DRAM: 0, Tier.SSD: 0})
 
 
 def _positive_size(size: object) -> int:
@@ -729,7 +738,7 @@ class PrefixIndex:
             ck = KDA_TAG + keys[usable - 1][1:] if usable else None
         else:
             usable, ck = run, None
-        used = tuple(keys[:usable])
+        used = tuple(k[1:] for k in keys[:usable])  # the usable blocks' hashes (their keys less the tag)
         slots = found[:usable]
         if ck is not None:
             slots.append(self._slot[ck])
