@@ -48,6 +48,7 @@ from kvpool.kvstore.client.kv_events import KvEventSubscriber  # noqa: E402
 from kvpool.kvstore.keys import kda_key, mla_key  # noqa: E402
 from kvpool.kvstore.master.core import MasterConfig, MasterCore  # noqa: E402
 from kvpool.kvstore.master.kv_event_publisher import KvEventPublisher  # noqa: E402
+from kvpool.kvstore.master.kv_event_recorder import snapshot_order  # noqa: E402
 from kvpool.kvstore.master.kv_events_config import KvEventsConfig  # noqa: E402
 from kvpool.kvstore.protocol.master_wire import call_blocking, put_start_batch_request  # noqa: E402
 from kvpool.proto import common_pb2, master_pb2  # noqa: E402
@@ -296,7 +297,7 @@ def bench_recover(buffer_batches: int, preload_chains: int, missed: int) -> dict
         recorder = p.core.events
         assert recorder is not None
         t = time.perf_counter()
-        n = len(recorder.dump())
+        n = len(snapshot_order(recorder.dump_items(recorder.snapshot_keys())))
         return time.perf_counter() - t, n
 
     dump_s, dumped = p.call(timed_dump)  # what a snapshot holds the master's loop for

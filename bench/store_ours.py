@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,9 @@ async def _map_pools(client: Any) -> None:
     if shm is None:
         return
     await client.put(b"bench/map-warmup", b"x" * 64)
-    await asyncio.to_thread(shm.wait_mapped, 60.0)
+    # the threads ReaderMapping maps attached segments in (one per segment)
+    mappers = [t for t in threading.enumerate() if t.name == "kvpool-shm-mapper"]
+    await asyncio.to_thread(lambda: [t.join(60.0) for t in mappers])
     await client.remove([b"bench/map-warmup"])
 
 

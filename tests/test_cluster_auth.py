@@ -117,12 +117,13 @@ def test_a_node_refuses_puts_of_a_leader_older_than_the_newest_it_has_heard() ->
             return common_pb2.ObjectMeta(key=b"M" + os.urandom(8), kind=1, size=16, checksum=1, epoch=epoch)
 
         assert store.begin_put("a", meta(0)) is not None  # no HA: never fenced
-        store.fence.observe(8)  # a leader with epoch 8 answered this node
+        store.fence_of(0).observe(8)  # a leader with epoch 8 answered this node
         with pytest.raises(StaleEpochError):
             store.begin_put("b", meta(2))
         assert store.counters["stale_epoch_refused"] == 1 and "b" not in store.pending
         assert store.begin_put("c", meta(8)) is not None
-        assert store.begin_put("d", meta(9)) is not None and store.fence.epoch == 9  # a newer one moves it on
+        fence = store.fence_of(0)
+        assert store.begin_put("d", meta(9)) is not None and fence.epoch == 9  # a newer one moves it on
         with pytest.raises(StaleEpochError):
             store.fenced(8, "Delete")
     finally:

@@ -23,9 +23,10 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from kvpool.kvstore.index.admission import AdmissionConfig
 from kvpool.kvstore.index.prefix_index import PrefixIndex
-from kvpool.kvstore.index.records import SLOT_LIVE, ObjectKind
+from kvpool.kvstore.index.records import ObjectKind
 from kvpool.kvstore.keys import KDA_TAG, MLA_TAG, TAIL_TAG
 
+from tests.oracle.prefix_index import SLOT_LIVE
 from tests.oracle.prefix_index import PrefixIndex as OraclePrefixIndex
 
 HASHES = [hashlib.sha256(bytes([i])).digest() for i in range(10)]

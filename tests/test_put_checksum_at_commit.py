@@ -14,7 +14,7 @@ from kvpool.kvstore.master.core import MasterConfig, MasterCore
 from kvpool.kvstore.node.object_store import ObjectStore
 from kvpool.kvstore.node.pool import SharedPool
 from kvpool.kvstore.protocol.master_wire import put_start_batch_request
-from kvpool.kvstore.transport.base import copy_hashing
+from kvpool.kvstore.transport.base import Payload
 from kvpool.proto import common_pb2, master_pb2
 
 
@@ -61,10 +61,10 @@ def test_a_batch_commit_carries_one_checksum_per_put() -> None:
     assert sorted(f.meta.checksum for f in found) == [11, 12, 13]
 
 
-def test_copy_hashing_copies_and_hashes_what_landed_in_one_pass() -> None:
+def test_copy_hashing_into_copies_and_hashes_what_landed_in_one_pass() -> None:
     src = memoryview(os.urandom(3 << 20 | 123))
     dst = memoryview(bytearray(len(src)))
-    assert copy_hashing(dst, src) == xxhash.xxh3_64_intdigest(src) and dst == src
+    assert Payload([src]).copy_hashing_into(dst) == xxhash.xxh3_64_intdigest(src) and dst == src
 
 
 def test_a_node_reservation_without_checksum_takes_the_one_seal_declares() -> None:

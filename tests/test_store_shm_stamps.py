@@ -91,9 +91,8 @@ def test_stamp_table_hands_out_unique_generations_and_bounded_slots():
         assert pool.stamps.stamp(999, 1, 1) == (0, 0) and pool.stamps.exhausted == 1  # full: no fast path
         assert [reader.generation(s) for s, _g in got] == [g for _s, g in got]
         assert reader.fields(got[1][0]) == (64, 10, 99)
-        assert pool.stamps.in_use == 3
         pool.stamps.clear(*got[1])
-        assert reader.generation(got[1][0]) == 0 and pool.stamps.in_use == 2
+        assert reader.generation(got[1][0]) == 0
         slot, gen = pool.stamps.stamp(128, 10, 98)
         assert slot == got[1][0] and gen > max(g for _s, g in got)  # slot reused, generation never
         assert reader.generation(3) == 0  # unknown slot reads as empty

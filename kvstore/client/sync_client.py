@@ -75,11 +75,6 @@ class StoreClient:
             raise StoreUnavailableError("client is closed")
         return asyncio.run_coroutine_threadsafe(self._bounded(coro) if bounded else coro, self._loop).result()
 
-    @property
-    def transport(self) -> str:
-        """The transport choice (``auto`` | ``tcp`` | ``shm`` | ``ucx``)."""
-        return self._async.transports.choice
-
     def put(
         self,
         key: bytes,

@@ -34,7 +34,7 @@ from kvpool.kvstore.index.recency_guard import RecencyGuard
 from kvpool.kvstore.index.return_time import HINT, READ, ReturnTimeModel, hinted_class, request_class
 
 KIND_MLA = 1
-SLOT_LIVE = 1  # mirrors records.SLOT_LIVE (this module stays free of the index's imports)
+SLOT_LIVE = 1  # mirrors the LIVE flag of prefix_index.pyx (this module stays free of the index's imports)
 KIND_KDA = 2  # mirrors kvpool.v1.ObjectKind.KDA_CHECKPOINT (kept numeric: this module has no proto import)
 
 

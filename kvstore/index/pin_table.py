@@ -6,7 +6,7 @@ its own deadline; an object stays pinned while any holder's deadline is ahead. A
 objects it pins, so ``end_session`` releases them at once when the client says the conversation is over.
 
 Why a concept of its own: the index (``prefix_index``) decides *whether* a pin is granted (the pin budget,
-quotas) and keeps the ``SLOT_PINNED`` bit its eviction reads; this table only keeps the holders, their
+quotas) and keeps the ``PINNED`` flag bit its eviction reads; this table only keeps the holders, their
 deadlines (a heap whose stale entries are skipped, not searched for) and the bytes per tenant that the
 budget is checked against. Slots are the index's; the table never reads its columns (sizes and tenants are
 passed in). Pure: no clock, the caller passes ``now`` and deadlines.

@@ -139,11 +139,6 @@ class KvEventRecorder:
                 self._moving = False
             self._add(item)
 
-    def dump(self) -> list[Item]:
-        """Everything committed, as stored items, in one go (tests, benchmarks). The publisher dumps in
-        slices between calls: :meth:`snapshot_keys`, :meth:`dump_items`, :func:`snapshot_order`."""
-        return snapshot_order(self.dump_items(self.snapshot_keys()))
-
     def snapshot_keys(self) -> list[bytes]:
         """The committed block keys now (the publisher's snapshot walks them a slice at a time)."""
         return [k for k in self.index if block_tag(k) is not None]

@@ -122,11 +122,6 @@ class ObjectStore:
             self._load_ssd()
 
     # --- bookkeeping -------------------------------------------------------------------------------------
-    @property
-    def fence(self) -> EpochFence:
-        """The fence of master shard 0 (the only one without shards)."""
-        return self.fences[0]
-
     def fence_of(self, shard: int) -> EpochFence:
         fence = self.fences.get(shard)
         if fence is None:
@@ -158,10 +153,6 @@ class ObjectStore:
         if obj.generation:
             self.pool.stamps.clear(obj.slot, obj.generation)
             obj.generation = 0
-
-    @property
-    def dram_used(self) -> int:
-        return self.pool.allocator.used_bytes
 
     def inventory(self, shard: int | None = None) -> list[common_pb2.ObjectMeta]:
         """What this node holds; with ``shard``, only what that master shard owns (what it may adopt)."""
@@ -491,8 +482,9 @@ class ObjectStore:
 
     def seal(self, put_id: str, abort: bool, checksum: int = 0) -> None:
         """Publish (or abort) a reservation. A reservation made without a checksum takes the one SEAL
-        declares: the same-host writer hashed the bytes in this pool as it wrote them (``copy_hashing``), so
-        hashing them again here would be a second pass that proves nothing more; every reader verifies it.
+        declares: the same-host writer hashed the bytes in this pool as it wrote them
+        (``Payload.copy_hashing_into``), so hashing them again here would be a second pass that proves
+        nothing more; every reader verifies it.
         A reservation that declared one is verified against the bytes as before."""
         pending = self.pending.get(put_id)
         if pending is None:

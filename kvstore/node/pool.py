@@ -124,10 +124,6 @@ class ExtentAllocator:
         return max(self._free_len.values(), default=0)
 
     @property
-    def free_extents(self) -> int:
-        return len(self._free_off)
-
-    @property
     def fragmentation(self) -> float:
         free = self.free_bytes
         return 0.0 if free == 0 else 1.0 - self.largest_free / free

@@ -96,11 +96,6 @@ class MasterLink:
         """The master calls go to now (with HA: the leader, as far as this link knows)."""
         return self.masters.current
 
-    @property
-    def silent(self) -> bool:
-        """Whether the breaker is open (calls fail fast)."""
-        return self._probe is not None
-
     async def call(self, name: str, request: Message, timeout_s: float | None = None) -> Any:
         """The master's reply to ``name`` (a method of master.proto's table); typed ``StoreError`` on
         failure (``MasterSilentError`` at once while the breaker is open)."""

@@ -399,11 +399,6 @@ class MasterWireClient:
         self._connecting: asyncio.Future[_ClientConnection] | None = None
         self._generation = 0  # bumped by close(): a connect that finishes later is dropped
 
-    @property
-    def in_flight(self) -> int:
-        """Calls sent and not answered yet."""
-        return len(self._conn.pending) if self._conn is not None else 0
-
     async def call(self, name: str, request: Message, timeout_s: float) -> Any:
         method = METHODS[name]
         body = request_body(method, request)

@@ -112,10 +112,6 @@ class StampTable:
         self._next_generation = 1
         self.exhausted = 0  # objects that found no free slot (read via LOCATE)
 
-    @property
-    def in_use(self) -> int:
-        return self._fresh - len(self._free)
-
     def stamp(self, offset: int, size: int, checksum: int) -> tuple[int, int]:
         """A slot and a fresh generation for an object that just became readable; ``(0, 0)`` when full."""
         if self._free:
@@ -279,14 +275,6 @@ class ReaderMapping:
 
         self._mapper = threading.Thread(target=run, name="kvpool-shm-mapper", daemon=True)
         self._mapper.start()
-
-    def wait_mapped(self, timeout_s: float) -> bool:
-        """Wait for the background mapper to finish; True when the whole segment is mapped (or no mapper
-        runs). For benchmarks and warm-ups: the mapping is a once-per-process cost, not a per-put one."""
-        if self._mapper is not None:
-            self._mapper.join(timeout_s)
-            return not self._mapper.is_alive()
-        return True
 
     def prepare(self, offset: int, size: int) -> None:
         if not self.populate_supported or size <= 0:

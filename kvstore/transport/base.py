@@ -29,8 +29,8 @@ from kvpool.proto import common_pb2
 Buffer = bytes | bytearray | memoryview
 # ``read_in_place``'s callback: (item index, the object's bytes, valid only during the call)
 Visit = Callable[[int, memoryview], None]
-# copy_hashing's step: 6.8 GB/s fused copy+hash of 64 MB at 128-256 KB against 6.2 at 512 KB and 5.9 at
-# 1 MB on this box (plain copy 8.7): the chunk must still be in L2 when it is hashed
+# Payload.copy_hashing_into's step: 6.8 GB/s fused copy+hash of 64 MB at 128-256 KB against 6.2 at 512 KB
+# and 5.9 at 1 MB on this box (plain copy 8.7): the chunk must still be in L2 when it is hashed
 COPY_HASH_CHUNK = 256 << 10
 
 
@@ -51,15 +51,6 @@ def as_bytes_view(buf: object) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("buffer must be C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def copy_hashing(dst: memoryview, src: memoryview) -> int:
-    """Copy ``src`` into ``dst`` and return the xxh3-64 of what landed, in one pass: each chunk is hashed
-    from ``dst`` right after it was written, while it is still in cache (vs hashing ``src`` first: a second
-    pass over memory). Hashing the destination also makes the digest describe the bytes as stored."""
-    hasher = xxhash.xxh3_64()
-    _copy_hashing_into(hasher, dst, src)
-    return hasher.intdigest()
 
 
 def _copy_hashing_into(hasher: xxhash.xxh3_64, dst: memoryview, src: memoryview) -> None:
@@ -97,7 +88,10 @@ class Payload:
             at += len(part)
 
     def copy_hashing_into(self, dst: memoryview) -> int:
-        """``copy_hashing`` over every part: the xxh3-64 of the concatenation as it landed in ``dst``."""
+        """Copy the parts into ``dst`` and return the xxh3-64 of the concatenation as it landed, in one pass:
+        each chunk is hashed from ``dst`` right after it was written, while it is still in cache (vs hashing
+        the parts first: a second pass over memory). Hashing the destination also makes the digest describe
+        the bytes as stored."""
         hasher = xxhash.xxh3_64()
         at = 0
         for part in self.parts:

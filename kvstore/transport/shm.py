@@ -124,10 +124,6 @@ class ShmTransport(Transport):
             self._segments[name] = mapping
         return mapping
 
-    def wait_mapped(self, timeout_s: float) -> bool:
-        """Block until every segment this transport attached is fully mapped (see ``ReaderMapping``)."""
-        return all(m.wait_mapped(timeout_s) for m in list(self._segments.values()))
-
     @staticmethod
     def _parse(reply: Frame) -> ShmExtent:
         try:

@@ -410,11 +410,6 @@ class TcpTransport(Transport):
                 with contextlib.suppress(BaseException):
                     await send_task
 
-    def idle_sockets(self) -> list[socket.socket]:
-        """The pooled connections waiting for their next request (a connection an error left out of frame
-        sync is closed instead of pooled)."""
-        return [sock for idle in self._idle.values() for sock in idle]
-
     async def close(self) -> None:
         for idle in self._idle.values():
             for sock in idle:
