@@ -43,7 +43,7 @@ Rules:
 - **One kind field.** A block key (``kvstore.keys``: a tag + a 32-byte hash) and its kind agree both ways:
   an MLA or KDA object has its tag, and nothing else may use a block key (``BadObjectError``). So a
   committed ``KDA_TAG + h`` is always a checkpoint that depends on ``MLA_TAG + h``, which is what lets
-  ``match_prefix`` read "h has a checkpoint" as one bit of the MLA slot (``SLOT_CKPT``).
+  ``match_prefix`` read "h has a checkpoint" as one bit of the MLA slot (``CKPT``).
 - **Dependencies.** An MLA block depends on its ``parent`` (previous MLA block); a KDA checkpoint keyed by
   h_i depends on the MLA block h_i; a tail/blob depends on its ``parent`` if given. ``deps[slot]`` counts
   live dependents; nothing with dependents is ever *evicted* (dropped by pressure), so the cache is always
@@ -172,7 +172,7 @@ cdef extern from "admission.h" namespace "kvpool":
         cbool admit(const uint8_t* h, int64_t size, double now, const uint8_t* hangs_on, cbool hangs_on_cached) except +
         double floor
 
-# the flags column (records.SLOT_*), kinds and tiers as C constants for the per-block code
+# the flags column's bits (eviction.SLOT_LIVE mirrors LIVE), kinds and tiers: C constants for per-block code
 cdef enum:
     LIVE = 1
     PENDING = 2
@@ -1123,7 +1123,7 @@ cdef class PrefixIndex:
         return a
 
     cdef void _mark_checkpoint(self, Py_ssize_t slot, bytes key, int kind, uint32_t deps):
-        """Keep the SLOT_CKPT bit true as ``key`` (of ``kind``) becomes committed (``deps``: its dependents
+        """Keep the CKPT bit true as ``key`` (of ``kind``) becomes committed (``deps``: its dependents
         now): set on an MLA block whose checkpoint is committed, or on the committed MLA block of a
         checkpoint. A block without dependents has no checkpoint (a checkpoint depends on its block), so
         the common insert (a new leaf block) looks nothing up."""
@@ -1251,7 +1251,7 @@ cdef class PrefixIndex:
         written a moment ago is none of those, and would credit every fresh pin with a read.
         """
         # One probe per block, all of the chain's at once (``find_many``); whether KDA_TAG + h is committed
-        # too is the SLOT_CKPT bit of the MLA slot
+        # too is the CKPT bit of the MLA slot
         cdef vector[uint8_t] keys
         cdef vector[int32_t] entries
         cdef int32_t s
