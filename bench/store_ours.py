@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvpool.kvstore.protocol.shm_segment import MAPPER_THREAD
 from kvpool.runtime.spawn import spawn
 from store_common import (
     HOST,
@@ -118,7 +119,7 @@ async def _map_pools(client: Any) -> None:
         return
     await client.put(b"bench/map-warmup", b"x" * 64)
     # the threads ReaderMapping maps attached segments in (one per segment)
-    mappers = [t for t in threading.enumerate() if t.name == "kvpool-shm-mapper"]
+    mappers = [t for t in threading.enumerate() if t.name == MAPPER_THREAD]
     await asyncio.to_thread(lambda: [t.join(60.0) for t in mappers])
     await client.remove([b"bench/map-warmup"])
 

@@ -76,7 +76,7 @@ ops = st.one_of(
     st.tuples(
         st.just("chain"),
         st.lists(st.tuples(st.integers(0, 9), st.booleans(), sizes, st.booleans()), min_size=1, max_size=6),
-        st.sampled_from(["a", "a", "b", "c"]),
+        st.sampled_from(["a", "a", "b", "c", None]),  # None: each object placed by free space
         st.sampled_from(TENANTS),
         st.sampled_from([None] * 10 + ["short", "not-bytes", "size-0", "lengths", "checkpoint-0", "past"]),
     ),

@@ -1,5 +1,5 @@
-"""match_prefix's checkpoint bit (SLOT_CKPT on the MLA slot) agrees with a reference built from lookup/get,
-and a block key's tag is its kind (one kind field): nothing else may use a block key."""
+"""match_prefix's checkpoint bit (the CKPT flag of the MLA slot) agrees with a reference built from
+lookup/get, and a block key's tag is its kind (one kind field): nothing else may use a block key."""
 
 from __future__ import annotations
 

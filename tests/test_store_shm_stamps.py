@@ -95,6 +95,7 @@ def test_stamp_table_hands_out_unique_generations_and_bounded_slots():
         assert reader.generation(got[1][0]) == 0
         slot, gen = pool.stamps.stamp(128, 10, 98)
         assert slot == got[1][0] and gen > max(g for _s, g in got)  # slot reused, generation never
+        assert pool.stamps.stamp(256, 1, 1) == (0, 0) and pool.stamps.exhausted == 2  # the one freed is taken
         assert reader.generation(3) == 0  # unknown slot reads as empty
         reader.close()
     finally:

@@ -45,6 +45,7 @@ class _FakeRay(types.ModuleType):
 
     def __init__(self) -> None:
         super().__init__("ray")
+        self.exceptions = types.SimpleNamespace(GetTimeoutError=TimeoutError)  # Ray's is a TimeoutError too
         self.puts = 0
         self.shared_gets = 0  # gets of what was put (a task's result is got too)
         self.shared: set[int] = set()
@@ -97,31 +98,72 @@ def test_an_address_that_does_not_answer_is_an_error_within_the_deadline(
         parallel_ray.connect("10.0.0.1:6379", timeout_s=0.3)
 
 
-class _FrozenRay(_FakeRay):
-    """A cluster whose every node froze: tasks are submitted, none ever finishes or fails."""
+class _StallingRay(_FakeRay):
+    """A cluster where the first ``finish`` tasks finish (each having taken ``seconds``) and every other one
+    stays out for ever (its node froze): neither done nor failed."""
 
-    def __init__(self) -> None:
+    def __init__(self, finish: int = 0, seconds: float = 1.0, get_error: BaseException | None = None) -> None:
         super().__init__()
+        self.finish, self.seconds, self.get_error = finish, seconds, get_error
         self.waited: list[float] = []
-        self.cancelled: list[Any] = []
+        self.cancelled: list[tuple[Any, bool]] = []
 
     def remote(self, **_: Any) -> Any:
-        return lambda fn: types.SimpleNamespace(remote=lambda f, box, t: _Ref(None))
+        return lambda fn: types.SimpleNamespace(remote=lambda f, box, t: _Ref((t, self.seconds)))
 
     def wait(self, refs: list[Any], num_returns: int = 1, timeout: float | None = None) -> Any:
         assert timeout is not None
         self.waited.append(timeout)
+        if self.finish:
+            self.finish -= 1
+            return refs[:1], refs[1:]
         return [], refs
 
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        if self.get_error is not None:
+            raise self.get_error
+        return ref.value
+
     def cancel(self, ref: Any, force: bool = False) -> None:
-        self.cancelled.append(ref)
+        self.cancelled.append((ref, force))
 
 
 def test_a_sweep_whose_points_never_finish_is_cancelled_at_its_deadline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    frozen = _FrozenRay()
+    frozen = _StallingRay()
     monkeypatch.setitem(sys.modules, "ray", frozen)
     with pytest.raises(ReplayError, match=r"no sweep point finished within 0\.5 s; 3 of 3 still out"):
         parallel_ray.run_points_ray(lambda shared, t: t, None, [1, 2, 3], "auto", stall_floor_s=0.5)
-    assert frozen.waited == [0.5] and len(frozen.cancelled) == 3
+    assert frozen.waited == [0.5]
+    assert len(frozen.cancelled) == 3 and all(force for _, force in frozen.cancelled)
+
+
+def test_the_deadline_grows_with_the_slowest_point_finished(monkeypatch: pytest.MonkeyPatch) -> None:
+    stalls = _StallingRay(finish=1, seconds=2.0)  # one point of 2 s finishes, the others never do
+    monkeypatch.setitem(sys.modules, "ray", stalls)
+    finished: list[int] = []
+    with pytest.raises(ReplayError, match=r"within 8 s; 2 of 3 still out"):
+        parallel_ray.run_points_ray(
+            lambda shared, t: t,
+            None,
+            [1, 2, 3],
+            "auto",
+            lambda i, row, s: finished.append(row),
+            stall_floor_s=0.5,
+        )
+    assert finished == [1] and stalls.waited == [0.5, 8.0]  # max(floor, 4 x the slowest so far)
+    assert len(stalls.cancelled) == 2
+
+
+@pytest.mark.parametrize("error", ["timeout", "failed point"])
+def test_a_point_that_cannot_be_got_cancels_the_rest(monkeypatch: pytest.MonkeyPatch, error: str) -> None:
+    get_error = TimeoutError("took too long") if error == "timeout" else RuntimeError("the point raised")
+    broken = _StallingRay(finish=1, get_error=get_error)
+    monkeypatch.setitem(sys.modules, "ray", broken)
+    expected = (
+        (ReplayError, r"did not arrive within 0\.5 s") if error == "timeout" else (RuntimeError, "raised")
+    )
+    with pytest.raises(expected[0], match=expected[1]):
+        parallel_ray.run_points_ray(lambda shared, t: t, None, [1, 2, 3], "auto", stall_floor_s=0.5)
+    assert len(broken.cancelled) == 2  # what was still out

@@ -6,9 +6,10 @@ pay); the shared data (the trace, the spec, the offline plan) is put in Ray's ob
 every task receives it by reference, unpickled once per worker process (``_shared``); results come back in
 task order, so the rows equal the local pool's.
 Connecting has a deadline: an address that does not answer is one ReplayError naming ``--ray``, not a hang.
-So does the sweep: when no point finishes for ``max(STALL_FLOOR_S, STALL_FACTOR x the slowest point so
+So does the sweep: when no point finishes for ``max(--ray-stall-s, STALL_FACTOR x the slowest point so
 far)`` (a frozen node keeps its task neither done nor failed; Ray fails the task of a dead one itself), the
-points still out are cancelled and the sweep is one ReplayError.
+sweep is one ReplayError; whatever ends it early (that, a failed point, an interrupt) cancels the points
+still out.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 CONNECT_TIMEOUT_S = 30.0
-# A sweep is stuck, not slow, when no point has finished for the longer of these: a floor for the first
-# points (a 1 M-request point takes minutes), then a multiple of the slowest point seen
-STALL_FLOOR_S = 1800.0
+# A sweep is stuck, not slow, when no point has finished for the longer of these: a floor (``--ray-stall-s``;
+# a 1 M-request point takes minutes, a 10 M one tens of them), then a multiple of the slowest point seen
+STALL_FLOOR_S = 3600.0
 STALL_FACTOR = 4.0
 
 
@@ -99,21 +100,29 @@ def run_points_ray(
     pending = {remote.remote(fn, [ref], t): i for i, t in enumerate(tasks)}
     results: list[Any] = [None] * len(tasks)
     slowest = 0.0
-    while pending:
-        stall_s = max(stall_floor_s, STALL_FACTOR * slowest)
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s)
-        if not ready:
-            _cancel(ray, list(pending))
-            raise ReplayError(
-                f"--ray: no sweep point finished within {stall_s:g} s; {len(pending)} of {len(tasks)} still "
-                "out were cancelled (a node that stopped answering?)"
-            )
-        for r in ready:
-            i = pending.pop(r)
-            results[i], seconds = ray.get(r, timeout=stall_s)  # done: only its transfer is left
-            slowest = max(slowest, seconds)
-            if done is not None:
-                done(i, results[i], seconds)
+    try:
+        while pending:
+            stall_s = max(stall_floor_s, STALL_FACTOR * slowest)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s)
+            if not ready:
+                raise ReplayError(
+                    f"--ray: no sweep point finished within {stall_s:g} s; {len(pending)} of {len(tasks)} "
+                    "still out were cancelled (a node that stopped answering? --ray-stall-s sets the wait)"
+                )
+            for r in ready:
+                i = pending.pop(r)
+                try:
+                    results[i], seconds = ray.get(r, timeout=stall_s)  # done: only its transfer is left
+                except ray.exceptions.GetTimeoutError:
+                    raise ReplayError(
+                        f"--ray: the result of a finished sweep point did not arrive within {stall_s:g} s"
+                    ) from None
+                slowest = max(slowest, seconds)
+                if done is not None:
+                    done(i, results[i], seconds)
+    except BaseException:  # a stall, a failed point, an interrupt: what is still out is cancelled
+        _cancel(ray, list(pending))
+        raise
     return results
 
 

@@ -178,7 +178,7 @@ class _Replay:
         columns += " write_tier prefix_tokens prefix_tier"  # the tiers the bill prices written tokens at
         self.per_req: dict[str, list[Any]] = {k: [] for k in columns.split()}
         self.per_req_columns = [self.per_req[k] for k in columns.split()]  # what ``lookup`` appends to
-        self.shards, self.sharded = shards, shards.count > 1
+        self.shards, self.sharded = shards, shards.sharded
 
     def _owner(self, req: Request) -> int:
         pair = (req.workload, req.tenant)
@@ -257,7 +257,7 @@ class _Replay:
             if info is None or info.tier != Tier.SSD:
                 continue
             read += real[slot]
-            if j < len(m.mla_keys):
+            if j < m.usable_blocks:  # an MLA block (the checkpoint comes last)
                 tokens += sizes[j]
             idx.promote(key)
         return tokens, read

@@ -107,6 +107,7 @@ def capacity_sweep(
     jobs: int | None = 1,
     watermarks: tuple[float, float] = (0.95, 0.85),
     ray: str | None = None,
+    ray_stall_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (policy, capacity); ``reference`` and ``bound`` run the offline schedules of
     ``kvpool.workloads.offline`` (real bytes), ``optimum`` the MLA-only MIN (unit blocks, checkpoints
@@ -114,9 +115,12 @@ def capacity_sweep(
     none: they know the future). ``watermarks``: (high, low) of the online policies' index. ``jobs``:
     points at once in a process pool (None: the machine's cores); LRU points that the one-pass curve
     (``lru_curve``) computes exactly are not simulated at all. ``ray``: a Ray address (or ``auto``) runs the
-    points as Ray tasks instead (``workloads/parallel_ray.py``), same rows."""
+    points as Ray tasks instead (``workloads/parallel_ray.py``), same rows; ``ray_stall_s``: how long no
+    point may finish before the sweep is called stuck (None: ``parallel_ray.STALL_FLOOR_S``)."""
     tasks = [(p, checkpoints, cap) for p in policies for cap in capacities]
-    return _sweep(requests, spec, unit, tasks, block_size, progress, points, hints, jobs, watermarks, ray)
+    return _sweep(
+        requests, spec, unit, tasks, block_size, progress, points, hints, jobs, watermarks, ray, ray_stall_s
+    )
 
 
 def _sweep(
@@ -131,6 +135,7 @@ def _sweep(
     jobs: int | None,
     watermarks: tuple[float, float],
     ray: str | None = None,
+    ray_stall_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of (policy, checkpoint policy, capacity) tasks, in their order: the one-pass LRU curve where
     it is exact, then every other point, in a pool when ``jobs`` != 1."""
@@ -169,10 +174,11 @@ def _sweep(
             shown[0] += 1
 
     if ray is not None:
-        from kvpool.workloads.parallel_ray import run_points_ray
+        from kvpool.workloads.parallel_ray import STALL_FLOOR_S, run_points_ray
 
         if specs:
-            run_points_ray(_task, (requests, spec, plan, chains), specs, ray, done)
+            stall_s = STALL_FLOOR_S if ray_stall_s is None else ray_stall_s
+            run_points_ray(_task, (requests, spec, plan, chains), specs, ray, done, stall_floor_s=stall_s)
     elif jobs == 1:  # here, with the per-request progress bars
         for k, (policy, ck, cap, *_) in enumerate(specs):
             prog = progress(f"{policy} @ {cap} {unit}") if progress else None

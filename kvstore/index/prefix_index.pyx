@@ -878,7 +878,8 @@ cdef class PrefixIndex:
         int* ids,
     ) except? -9:
         """One put of ``insert_chain``: its answer (a slot, or minus an outcome). ``ids``: the node's and
-        the tenant's ids (-1 until a put has looked them up; set from the first object put)."""
+        the tenant's ids (-1 until a put has looked them up; set from the first object put). A chain put
+        with ``node_id=None`` places each object by free space, as ``insert`` does: no node id is kept."""
         cdef int32_t s = self._find(key)
         if s >= 0:
             if not self._flags[s] & PENDING:
@@ -896,7 +897,9 @@ cdef class PrefixIndex:
             return -PUT_NO_ROOM
         if slot < 0:
             return -PUT_NOT_ADMITTED
-        ids[0], ids[1] = self._node[slot], self._tenant[slot]
+        if node_id is not None:
+            ids[0] = self._node[slot]
+        ids[1] = self._tenant[slot]
         return slot
 
     def put_again(self, key):

@@ -73,6 +73,7 @@ SLOT_SIZE = SLOT_WORDS * 8
 TRAILER = struct.Struct("<8sQQQ32x")  # magic, table offset, slots, slot size
 TRAILER_SIZE = TRAILER.size  # 64
 MAGIC = b"KVPSTMP1"
+MAPPER_THREAD = "kvpool-shm-mapper"  # the thread a ReaderMapping maps an attached segment in
 PAGE = 4096
 BYTES_PER_SLOT = 4096  # default: one slot per 4 KiB of pool ...
 EXTRA_SLOTS = 1024  # ... plus this many, so a pool of small objects still gets stamps
@@ -273,7 +274,7 @@ class ReaderMapping:
                     return  # kernel without MADV_POPULATE: prepare() falls back to faulting
                 self.mapped[first:last] = b"\x01" * (last - first)
 
-        self._mapper = threading.Thread(target=run, name="kvpool-shm-mapper", daemon=True)
+        self._mapper = threading.Thread(target=run, name=MAPPER_THREAD, daemon=True)
         self._mapper.start()
 
     def prepare(self, offset: int, size: int) -> None:

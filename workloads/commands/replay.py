@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,17 @@ def _capacities(text: str | None, unit: str, reqs: list, spec: Any, block_size: 
     if not out:
         raise ReplayError("empty capacity list")
     return out
+
+
+def _positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (argparse's type for ``--ray-stall-s``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 @guard
@@ -233,7 +245,8 @@ def _replay_sim(args: argparse.Namespace, reqs: list) -> int:
         else:
             points = PointProgress(len(policies) * len(caps), args.progress is not False)
             rows = capacity_sweep(reqs, spec, caps, unit, policies, ck, bs, progress, points, args.hints,
-                                  args.jobs, (args.high_watermark, args.low_watermark), args.ray)  # fmt: skip
+                                  args.jobs, (args.high_watermark, args.low_watermark), args.ray,
+                                  args.ray_stall_s)  # fmt: skip
             group, name = "policy", "policy_sweep"
         write_csv(rows, out_dir / f"{name}.csv")
         metric = "token_hit_rate"
@@ -432,6 +445,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--ray",
         metavar="auto|ADDRESS",
         help="run the sweep's points as Ray tasks on this cluster (needs kvpool[ray]); same rows as --jobs",
+    )
+    r.add_argument(
+        "--ray-stall-s",
+        type=_positive_seconds,
+        metavar="S",
+        help="--ray: cancel the sweep when no point has finished for max(S, 4 x the slowest point so far) "
+        "seconds (default 3600: a frozen node's task neither finishes nor fails)",
     )
     add_tier_flags(r, with_compute=True)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
