@@ -33,6 +33,10 @@ from kvpool.gateway.workers import WorkerPool
 from kvpool.worker.sampling import SamplingParams
 
 access = logging.getLogger("kvpool.access")  # one line per finished request (gateway/cli.py routes it)
+log = logging.getLogger(__name__)
+# How long past its request's deadline a stream may still take to send its end (the error event decode's
+# own deadline turns into): a client that is still not reading by then is given up
+STREAM_GRACE_S = 10.0
 
 
 class Gateway:
@@ -180,6 +184,7 @@ class Gateway:
             return GuardedStream(
                 self._sse(gen, fmt, include_usage, slot),
                 cleanup,
+                gen.deadline + STREAM_GRACE_S,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -257,15 +262,27 @@ class Slot:
 
 
 class GuardedStream(StreamingResponse):
-    """A StreamingResponse that always runs ``cleanup``: Starlette may cancel the response before the body
-    generator ever starts (client gone), and a never-started generator's ``finally`` never runs."""
+    """A StreamingResponse that always runs ``cleanup`` and never outlives ``deadline`` (``time.monotonic``).
 
-    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], None], **kw: Any) -> None:
+    Why ``cleanup``: Starlette may cancel the response before the body generator ever starts (client gone),
+    and a never-started generator's ``finally`` never runs. Why the deadline: a client that stops reading
+    without leaving (a frozen process, a zero receive window) blocks the server's ``send`` for as long as
+    its connection lives, and with it the request's concurrency slot and its decode worker's load count;
+    Starlette ends a stream only on a disconnect. Past the deadline the response is abandoned (the server
+    closes the connection) and the slot freed."""
+
+    def __init__(
+        self, content: AsyncIterator[str], cleanup: Callable[[], None], deadline: float, **kw: Any
+    ) -> None:
         super().__init__(content, **kw)
         self._cleanup = cleanup
+        self._deadline = deadline
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with asyncio.timeout(max(0.0, self._deadline - time.monotonic())):
+                await super().__call__(scope, receive, send)
+        except TimeoutError:
+            log.warning("a streaming client did not take its response by the request's deadline: given up")
         finally:
             self._cleanup()

@@ -243,3 +243,43 @@ def test_concurrency_limit_answers_429_and_slots_release_once(codec: TextCodec) 
     assert gw.inflight == 0
     gw.acquire()
     assert gw.inflight == 1
+
+
+def test_a_stream_whose_client_stops_reading_is_given_up_at_its_deadline(codec: TextCodec) -> None:
+    """A client that stays connected but stops reading blocks the server's send for ever (Starlette ends a
+    stream only on a disconnect): the ASGI ``send`` below never returns after the first body chunk, and
+    ``receive`` never reports a disconnect. The slot must come back by the deadline."""
+    from kvpool.gateway.gateway import Gateway, GuardedStream
+    from kvpool.gateway.model_info import ModelInfo
+    from kvpool.gateway.settings import GatewaySettings
+
+    gw = Gateway(GatewaySettings(prefill=[], decode=[], max_concurrent=1), ModelInfo(codec, b"\0" * 32, None))  # type: ignore[arg-type]
+    slot = gw.acquire()
+    produced: list[int] = []
+
+    async def body():  # type: ignore[no-untyped-def]
+        for i in range(1000):
+            produced.append(i)
+            yield f"data: {i}\n\n"
+
+    async def go() -> float:
+        stuck = asyncio.Event()  # never set: the client's window stays shut
+        sent: list[str] = []
+
+        async def send(message: dict) -> None:  # type: ignore[type-arg]
+            sent.append(message["type"])
+            if sent.count("http.response.body") > 1:
+                await stuck.wait()
+
+        async def receive() -> dict:  # type: ignore[type-arg]
+            await stuck.wait()  # connected, silent
+            return {"type": "http.disconnect"}
+
+        response = GuardedStream(body(), slot.release, time.monotonic() + 0.3, media_type="text/event-stream")
+        t0 = time.monotonic()
+        await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send), 10)
+        return time.monotonic() - t0
+
+    took = asyncio.run(go())
+    assert 0.25 <= took < 3.0 and gw.inflight == 0  # given up at its 0.3 s deadline, the slot back
+    assert len(produced) < 10  # the body stopped with the client, it was not drained into the void
