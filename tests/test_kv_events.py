@@ -10,6 +10,7 @@ The same stream decoded with vLLM's own classes: tests/vllm_connector/test_kv_ev
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,3 +305,52 @@ def test_a_new_ha_leader_core_is_a_new_incarnation() -> None:
     first, second, batch = asyncio.run(run())
     assert first != second and second.endswith(".7")
     assert batch == (second.encode(), 0, ["AllBlocksCleared"])  # the new life's first batch
+
+
+def test_a_late_replay_answer_is_never_taken_for_the_next_replays() -> None:
+    """A replay that timed out must not leave its answer to be read by the next one: the publisher here (a
+    plain ROUTER socket, so that it can answer late on purpose) answers the first request only after the
+    subscriber gave up on it, then answers the second; the mirror must hold the second answer alone."""
+    from kvpool.kvstore.client.kv_events import KvEventsReplayTimeoutError, KvEventSubscriber
+    from kvpool.kvstore.protocol.kv_events_wire import END_SEQ, encode_batch
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{port}")
+    try:
+        sub.topic = b"kvpool"
+
+        def answer(identity: bytes, block_hash: bytes) -> None:
+            stored = {
+                "type": "BlockStored", "block_hashes": [block_hash], "medium": "GPU", "group_idx": GROUP_MLA,
+                "block_index": None, "token_ids": [], "block_size": 16,
+            }  # fmt: skip
+            router.send_multipart(
+                [identity, b"", b"kvpool", encode_seq(0), encode_batch(time.time(), [stored], 0)]
+            )
+            router.send_multipart([identity, b"", b"kvpool", encode_seq(END_SEQ), b""])
+
+        with pytest.raises(KvEventsReplayTimeoutError, match="no complete answer"):
+            sub.replay(0, timeout_s=0.3)
+        assert router.poll(5000)
+        first, _, _ = router.recv_multipart()
+        answer(first, b"late")  # the answer to the replay the subscriber gave up on
+
+        def serve_next() -> None:  # the next request, answered at once (the router is this thread's now)
+            if router.poll(5000):
+                identity, _, _ = router.recv_multipart()
+                answer(identity, b"fresh")
+
+        server = threading.Thread(target=serve_next)
+        server.start()
+        try:
+            sub.replay(0, timeout_s=5.0)
+        finally:
+            server.join(10)
+        assert set(sub.blocks[GROUP_MLA]) == {b"fresh"} and sub.last_seq == 0
+    finally:
+        sub.close()
+        router.close(0)
+        ctx.term()

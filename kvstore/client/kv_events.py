@@ -64,11 +64,8 @@ class KvEventSubscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic_prefix.encode())
         self._sub.connect(endpoint)
-        self._replay: zmq.Socket[Any] | None = None
-        if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.DEALER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.connect(replay_endpoint)
+        self._replay_endpoint = replay_endpoint
+        self._replay = self._replay_socket() if replay_endpoint is not None else None
         self.record_lag = record_lag
         self.topic: bytes | None = None
         self.last_seq = -1
@@ -76,6 +73,20 @@ class KvEventSubscriber:
         self.block_index: dict[bytes | int, int] = {}  # MLA hash -> its logical block index, when published
         self.token_ids: dict[bytes | int, list[int]] = {}  # MLA hash -> its tokens, when published
         self.stats = SubscriberStats()
+
+    def _replay_socket(self) -> zmq.Socket[Any]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._replay_endpoint)
+        return sock
+
+    def _give_up_replay(self, why: str) -> KvEventsReplayTimeoutError:
+        """A replay that got no complete answer: its socket is replaced, so that a late answer (or a
+        request still queued to a peer that is not reading) is never taken for the next replay's."""
+        assert self._replay is not None
+        self._replay.close(0)
+        self._replay = self._replay_socket()
+        return KvEventsReplayTimeoutError(why)
 
     def close(self) -> None:
         self._sub.close(0)
@@ -143,13 +154,16 @@ class KvEventSubscriber:
         if self._replay is None:
             return
         self.stats.replays += 1
-        self._replay.send_multipart((b"", encode_seq(start)))
+        try:
+            self._replay.send_multipart((b"", encode_seq(start)), zmq.NOBLOCK)
+        except zmq.Again:  # its queue to the publisher is full: the publisher is not reading
+            raise self._give_up_replay(f"replay from {start}: the publisher takes no requests") from None
         deadline = time.monotonic() + timeout_s
         in_snapshot = False
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._replay.poll(max(1, int(left * 1000))):
-                raise KvEventsReplayTimeoutError(f"replay from {start}: no complete answer in {timeout_s}s")
+                raise self._give_up_replay(f"replay from {start}: no complete answer in {timeout_s}s")
             frames = self._replay.recv_multipart()
             _, tpc, seq_frame, payload = frames
             seq = decode_seq(seq_frame)
