@@ -77,7 +77,12 @@ def create_app(settings: GatewaySettings, info: ModelInfo | None = None) -> Fast
         description="OpenAI-compatible API over disaggregated prefill/decode with a shared KV store",
     )
     app.state.gateway = gw
-    app.add_middleware(Guard, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        Guard,
+        api_keys=settings.api_keys,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.request_timeout_s,
+    )
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:

@@ -66,6 +66,14 @@ class BodyTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class BodyTimeout(GatewayError):
+    """The client did not send its whole request body in time (a stalled or deliberately slow upload)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class Overloaded(GatewayError):
     """Too many requests in flight, or the estimated TTFT is past the SLO (admission control)."""
 

@@ -1,17 +1,20 @@
-"""ASGI middleware in front of the routes: API-key check and request-body size limit.
+"""ASGI middleware in front of the routes: API-key check, request-body size limit and body deadline.
 
-Why middleware and not FastAPI dependencies: both checks must run *before* the body is parsed — a wrong key
+Why middleware and not FastAPI dependencies: these checks must run *before* the body is parsed — a wrong key
 is a 401 even when the body is also malformed, and an oversized body must be refused without being
-materialised by the JSON parser. Bodies without Content-Length (chunked) are buffered up to the limit only.
+materialised by the JSON parser. A body is read here, up to the limit, within ``body_timeout_s``: the server
+sets no deadline on reading a body, so a client that stops sending mid-body (stalled, or slow on purpose)
+would hold its connection and coroutine for as long as it liked; it gets a 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from kvpool.gateway.errors import BodyTooLarge, GatewayError, Unauthorized
+from kvpool.gateway.errors import BodyTimeout, BodyTooLarge, GatewayError, Unauthorized
 from kvpool.gateway.tenants import parse_key
 
 Scope = MutableMapping[str, Any]
@@ -22,10 +25,13 @@ PROTECTED_PREFIX = "/v1/"
 
 
 class Guard:
-    def __init__(self, app: Callable, api_keys: list[str], max_body_bytes: int) -> None:
+    def __init__(
+        self, app: Callable, api_keys: list[str], max_body_bytes: int, body_timeout_s: float
+    ) -> None:
         self.app = app
         self.api_keys = [(k.encode(), tenant) for k, tenant in map(parse_key, api_keys) if k]
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     def _authorized(self, headers: dict[bytes, bytes]) -> tuple[bool, str | None]:
         """(the request carries a configured key, the tenant that key is bound to or None)."""
@@ -63,12 +69,17 @@ class Guard:
                 if n > self.max_body_bytes:
                     await _reply(too_big, scope, receive, send)
                     return
-            else:
-                body, over = await _buffer(receive, self.max_body_bytes)
-                if over:
-                    await _reply(too_big, scope, receive, send)
-                    return
-                receive = _replay(body)
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    body, over = await _buffer(receive, self.max_body_bytes)
+            except TimeoutError:
+                late = BodyTimeout(f"the request body was not received within {self.body_timeout_s:g} s")
+                await _reply(late, scope, _replay(b"", receive), send)
+                return
+            if over:
+                await _reply(too_big, scope, receive, send)
+                return
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
 
@@ -88,7 +99,9 @@ async def _buffer(receive: Receive, limit: int) -> tuple[bytes, bool]:
             return b"".join(parts), False
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, then: Receive) -> Receive:
+    """The body read here, as one message; after it, what the server says (``then``): a streaming response
+    waits on it for the client's disconnect, so an invented one would end every stream at once."""
     sent = False
 
     async def receive() -> Message:
@@ -96,7 +109,7 @@ def _replay(body: bytes) -> Receive:
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return {"type": "http.disconnect"}
+        return await then()
 
     return receive
 

@@ -143,7 +143,7 @@ def test_guard_checks_key_before_body_and_limits_size() -> None:
     async def echo(body: dict) -> dict:
         return body
 
-    guarded = Guard(app, api_keys=["k1"], max_body_bytes=100)
+    guarded = Guard(app, api_keys=["k1"], max_body_bytes=100, body_timeout_s=0.3)
 
     async def go() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(guarded), base_url="http://t") as c:
@@ -161,6 +161,63 @@ def test_guard_checks_key_before_body_and_limits_size() -> None:
     assert ok.status_code == 200 and ok.json() == {"a": 1}
     assert bad_key.status_code == 401 and bad_key.json()["error"]["code"] == "invalid_api_key"
     assert big.status_code == 413 and chunked.status_code == 413
+
+
+def test_guard_answers_408_to_a_body_that_stalls_and_keeps_streams_listening() -> None:
+    """A client that stops sending mid-body gets a 408 within the guard's deadline (the server sets none on a
+    body); a body the guard read is handed on, and after it the server's own messages (a streaming response
+    listens for the client's disconnect there: an invented one would end every stream at once)."""
+    seen: list[object] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        seen.append(await receive())  # type: ignore[operator]
+        seen.append(await receive())  # type: ignore[operator]
+
+    guarded = Guard(app, api_keys=[], max_body_bytes=100, body_timeout_s=0.3)
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-length", b"50")]}  # fmt: skip
+
+    async def stalled() -> tuple[list[dict], float]:  # type: ignore[type-arg]
+        sent: list[dict] = []  # type: ignore[type-arg]
+        stuck = asyncio.Event()
+        first = True
+
+        async def receive() -> dict:  # type: ignore[type-arg]
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": b'{"model": ', "more_body": True}
+            await stuck.wait()  # the rest never comes
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:  # type: ignore[type-arg]
+            sent.append(message)
+
+        t0 = time.monotonic()
+        await asyncio.wait_for(guarded(dict(scope), receive, send), 10)
+        return sent, time.monotonic() - t0
+
+    sent, took = asyncio.run(stalled())
+    assert sent[0]["status"] == 408 and b"request_timeout" in sent[1]["body"] and took < 3.0
+    assert seen == []  # the app never saw the request
+
+    async def whole() -> None:
+        server_says = {"type": "http.disconnect", "from": "the server"}
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}, server_says]
+
+        async def receive() -> dict:  # type: ignore[type-arg]
+            return messages.pop(0)
+
+        async def send(message: dict) -> None:  # type: ignore[type-arg]
+            pass
+
+        await guarded(dict(scope), receive, send)
+
+    asyncio.run(whole())
+    assert seen == [
+        {"type": "http.request", "body": b"{}", "more_body": False},
+        {"type": "http.disconnect", "from": "the server"},  # the server's message, not one made up
+    ]
 
 
 def test_metric_labels_are_capped_and_salts_hashed() -> None:
@@ -277,7 +334,8 @@ def test_a_stream_whose_client_stops_reading_is_given_up_at_its_deadline(codec: 
 
         response = GuardedStream(body(), slot.release, time.monotonic() + 0.3, media_type="text/event-stream")
         t0 = time.monotonic()
-        await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send), 10)
+        # (spec 2.3, as uvicorn says: the response also listens for a disconnect on ``receive``)
+        await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send), 10)
         return time.monotonic() - t0
 
     took = asyncio.run(go())
