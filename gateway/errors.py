@@ -29,8 +29,10 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.status in (408, 413):  # the body was not read to its end: the connection cannot be reused
+            headers["Connection"] = "close"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 class InvalidRequest(GatewayError):

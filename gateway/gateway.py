@@ -268,8 +268,9 @@ class GuardedStream(StreamingResponse):
     and a never-started generator's ``finally`` never runs. Why the deadline: a client that stops reading
     without leaving (a frozen process, a zero receive window) blocks the server's ``send`` for as long as
     its connection lives, and with it the request's concurrency slot and its decode worker's load count;
-    Starlette ends a stream only on a disconnect. Past the deadline the response is abandoned (the server
-    closes the connection) and the slot freed."""
+    Starlette ends a stream only on a disconnect. Past the deadline the response is abandoned and the slot
+    freed: uvicorn logs "ASGI callable returned without completing response" and closes its side (the
+    socket itself lasts until the kernel gives up on the bytes the client never read)."""
 
     def __init__(
         self, content: AsyncIterator[str], cleanup: Callable[[], None], deadline: float, **kw: Any
@@ -279,10 +280,13 @@ class GuardedStream(StreamingResponse):
         self._deadline = deadline
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        deadline = asyncio.timeout(max(0.0, self._deadline - time.monotonic()))
         try:
-            async with asyncio.timeout(max(0.0, self._deadline - time.monotonic())):
+            async with deadline:
                 await super().__call__(scope, receive, send)
         except TimeoutError:
+            if not deadline.expired():  # another timeout, from inside the stream: not this one's to hide
+                raise
             log.warning("a streaming client did not take its response by the request's deadline: given up")
         finally:
             self._cleanup()

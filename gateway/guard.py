@@ -74,7 +74,9 @@ class Guard:
                     body, over = await _buffer(receive, self.max_body_bytes)
             except TimeoutError:
                 late = BodyTimeout(f"the request body was not received within {self.body_timeout_s:g} s")
-                await _reply(late, scope, _replay(b"", receive), send)
+                await _reply(late, scope, receive, send)
+                return
+            except _ClientGone:  # it left mid-body: nobody to run the request for, nobody to answer
                 return
             if over:
                 await _reply(too_big, scope, receive, send)
@@ -83,13 +85,19 @@ class Guard:
         await self.app(scope, receive, send)
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its body was complete."""
+
+
 async def _buffer(receive: Receive, limit: int) -> tuple[bytes, bool]:
+    """The whole body and False, or b"" and True once it passes ``limit``; ``_ClientGone`` when the client
+    leaves first (a partial body is never handed on as if it were complete)."""
     parts: list[bytes] = []
     size = 0
     while True:
         msg = await receive()
         if msg["type"] != "http.request":
-            return b"".join(parts), False
+            raise _ClientGone
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -199,7 +199,26 @@ def test_guard_answers_408_to_a_body_that_stalls_and_keeps_streams_listening() -
 
     sent, took = asyncio.run(stalled())
     assert sent[0]["status"] == 408 and b"request_timeout" in sent[1]["body"] and took < 3.0
+    assert (b"connection", b"close") in sent[0]["headers"]  # the body was not read to its end
     assert seen == []  # the app never saw the request
+
+    async def gone() -> list[dict]:  # type: ignore[type-arg]
+        messages = [
+            {"type": "http.request", "body": b'{"a": 1}', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+        sent: list[dict] = []  # type: ignore[type-arg]
+
+        async def receive() -> dict:  # type: ignore[type-arg]
+            return messages.pop(0)
+
+        async def send(message: dict) -> None:  # type: ignore[type-arg]
+            sent.append(message)
+
+        await guarded(dict(scope), receive, send)
+        return sent
+
+    assert asyncio.run(gone()) == [] and seen == []  # a client that left mid-body: its part is never run
 
     async def whole() -> None:
         server_says = {"type": "http.disconnect", "from": "the server"}

@@ -350,6 +350,28 @@ def test_a_late_replay_answer_is_never_taken_for_the_next_replays() -> None:
         finally:
             server.join(10)
         assert set(sub.blocks[GROUP_MLA]) == {b"fresh"} and sub.last_seq == 0
+
+        # an answer that breaks off with a malformed frame: the rest of it must not reach the next replay
+        sub.blocks[GROUP_MLA].clear()
+        sub.last_seq = -1
+
+        def serve_broken_then_next() -> None:
+            if router.poll(5000):
+                identity, _, _ = router.recv_multipart()
+                router.send_multipart([identity, b"", b"kvpool"])  # three frames where four belong
+                answer(identity, b"stale")
+            serve_next()
+
+        server = threading.Thread(target=serve_broken_then_next)
+        server.start()
+        try:
+            with pytest.raises(ValueError):
+                sub.replay(0, timeout_s=5.0)
+            time.sleep(0.2)  # (the stale rest would be in the subscriber's queue by now)
+            sub.replay(0, timeout_s=5.0)
+        finally:
+            server.join(10)
+        assert set(sub.blocks[GROUP_MLA]) == {b"fresh"}
     finally:
         sub.close()
         router.close(0)

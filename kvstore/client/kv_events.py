@@ -80,13 +80,14 @@ class KvEventSubscriber:
         sock.connect(self._replay_endpoint)
         return sock
 
-    def _give_up_replay(self, why: str) -> KvEventsReplayTimeoutError:
-        """A replay that got no complete answer: its socket is replaced, so that a late answer (or a
-        request still queued to a peer that is not reading) is never taken for the next replay's."""
+    def _renew_replay_socket(self) -> None:
+        """A replay that did not read its whole answer (given up, or ended by an error) loses its socket, so
+        that the rest of that answer (or a request still queued to a peer that is not reading) is never
+        taken for the next replay's. The new socket is made before the old one goes."""
+        fresh = self._replay_socket()
         assert self._replay is not None
         self._replay.close(0)
-        self._replay = self._replay_socket()
-        return KvEventsReplayTimeoutError(why)
+        self._replay = fresh
 
     def close(self) -> None:
         self._sub.close(0)
@@ -155,15 +156,25 @@ class KvEventSubscriber:
             return
         self.stats.replays += 1
         try:
+            self._replay_answer(start, timeout_s)
+        except BaseException:  # a timeout, a malformed answer, an interrupt: the rest must not linger
+            self._renew_replay_socket()
+            raise
+
+    def _replay_answer(self, start: int, timeout_s: float) -> None:
+        """One replay's request and its whole answer, applied as it arrives."""
+        assert self._replay is not None
+        try:
             self._replay.send_multipart((b"", encode_seq(start)), zmq.NOBLOCK)
         except zmq.Again:  # its queue to the publisher is full: the publisher is not reading
-            raise self._give_up_replay(f"replay from {start}: the publisher takes no requests") from None
+            why = f"replay from {start}: the publisher takes no requests"
+            raise KvEventsReplayTimeoutError(why) from None
         deadline = time.monotonic() + timeout_s
         in_snapshot = False
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._replay.poll(max(1, int(left * 1000))):
-                raise self._give_up_replay(f"replay from {start}: no complete answer in {timeout_s}s")
+                raise KvEventsReplayTimeoutError(f"replay from {start}: no complete answer in {timeout_s}s")
             frames = self._replay.recv_multipart()
             _, tpc, seq_frame, payload = frames
             seq = decode_seq(seq_frame)
