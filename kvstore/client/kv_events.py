@@ -164,11 +164,9 @@ class KvEventSubscriber:
     def _replay_answer(self, start: int, timeout_s: float) -> None:
         """One replay's request and its whole answer, applied as it arrives."""
         assert self._replay is not None
-        try:
-            self._replay.send_multipart((b"", encode_seq(start)), zmq.NOBLOCK)
-        except zmq.Again:  # its queue to the publisher is full: the publisher is not reading
-            why = f"replay from {start}: the publisher takes no requests"
-            raise KvEventsReplayTimeoutError(why) from None
+        # never blocks: a socket carries at most this one request, since one whose answer was not read
+        # whole is replaced (``replay``)
+        self._replay.send_multipart((b"", encode_seq(start)))
         deadline = time.monotonic() + timeout_s
         in_snapshot = False
         while True:

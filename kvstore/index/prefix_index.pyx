@@ -277,8 +277,10 @@ cdef Py_ssize_t _checkpoint_at(object at, Py_ssize_t n) except -1:
     return c
 
 
-cdef object _positive_size(object size):
+cdef inline object _positive_size(object size):
     """A chain put's size as a Python int > 0 (an integer of any type), or ``BadObjectError``."""
+    if type(size) is int and size > 0:  # the simulator's every put: no operator.index call
+        return size
     try:
         n = operator.index(size)
     except TypeError:
@@ -841,11 +843,11 @@ cdef class PrefixIndex:
             raise BadObjectError(
                 f"{n} hashes, {len(sizes)} sizes and {len(admits)} admits: one of each per block"
             )
-        hs = [h if type(h) is bytes else _as_key(h) for h in hashes]
+        hs = [_as_key(h) for h in hashes]
         for h in hs:
             if h is None or len(h) != HASH_BYTES:
                 raise BadObjectError(f"a block hash must be {HASH_BYTES} bytes")
-        size_list = [x if type(x) is int and x > 0 else _positive_size(x) for x in sizes]
+        size_list = [_positive_size(x) for x in sizes]
         cks = []
         for item in checkpoints:
             at, size, admit = item
@@ -1663,12 +1665,6 @@ cdef class PrefixIndex:
         """Removals/demotions since the last drain that the owning nodes must carry out."""
         out, self._events = self._events, []
         return out
-
-    @property
-    def has_events(self):
-        """Whether :meth:`drain_events` has anything to give. Why: the master drains after every put of a
-        batch, and most puts remove nothing; asking costs a tenth of a drain's call."""
-        return bool(self._events)
 
     cdef list _retire_due(self, double now):
         while self._lease_heap and self._lease_heap[0][0] <= now:

@@ -465,8 +465,7 @@ class MasterCore:
                     self.count("puts_refused")
                     raise CapacityExceededError(str(exc)) from None
                 finally:
-                    if index.has_events:  # (most puts evict nothing: no drain call for them)
-                        absorb()
+                    absorb()
             except StoreError as exc:
                 failed.append((i, exc))
                 continue
@@ -519,8 +518,7 @@ class MasterCore:
         or ignored); the one path of PutCommit and PutCommitBatch. Returns the puts that failed, by index,
         with the typed error each failed with; the others are committed."""
         failed: list[tuple[int, StoreError]] = []
-        index = self.index
-        puts, take, commit = self._puts, self._take_put, index.commit
+        puts, take, commit = self._puts, self._take_put, self.index.commit
         absorb, events = self._absorb_index_events, self.events
         restore_pins = self.state.has_pins()
         for i, (put_id, checksum) in enumerate(zip(put_ids, checksums, strict=True)):
@@ -538,8 +536,7 @@ class MasterCore:
                     self._restore_pin(put.key)
                 if events is not None:
                     events.stored(put.key, put.token_ids)
-                if index.has_events:
-                    absorb()
+                absorb()
             except StoreError as exc:
                 failed.append((i, exc))
         self.count("puts_committed", len(put_ids) - len(failed))

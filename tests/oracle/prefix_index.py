@@ -1070,11 +1070,6 @@ class PrefixIndex:
         out, self._events = self._events, []
         return out
 
-    @property
-    def has_events(self) -> bool:
-        """Whether :meth:`drain_events` has anything to give."""
-        return bool(self._events)
-
     def _retire_due(self, now: float) -> list[Removal]:
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lease_id = heapq.heappop(self._lease_heap)
