@@ -223,11 +223,17 @@ class ReturnTimeModel:
         """Rebuild the table; ``live_*``: the cached checkpoints, unread for their ages so far. They and
         the ghosts not yet returned count as censored at their current ages (still at risk: Kaplan-Meier
         needs them, or every long wait would look like a sure return)."""
-        ends = self._ends.copy()
         live = self._g_live
         ghost_ages = now - self._g_t[live]
-        np.add.at(ends, (self._g_cls[live], age_bins(np.maximum(ghost_ages, 0.0))), 1.0)
-        np.add.at(ends, (live_classes.astype(np.int64), age_bins(np.maximum(live_ages, 0.0))), 1.0)
+        # each at-risk object adds 1 to its (class, bin): counted in one pass (integer counts, so the sums
+        # are exact in any order)
+        cells = np.concatenate(
+            (
+                self._g_cls[live] * BINS + age_bins(np.maximum(ghost_ages, 0.0)),
+                live_classes.astype(np.int64) * BINS + age_bins(np.maximum(live_ages, 0.0)),
+            )
+        )
+        ends = self._ends + np.bincount(cells, minlength=CLASSES * BINS).reshape(CLASSES, BINS)
         self._table = self._build(ends, self._events)
         self._fresh = 0
         self._built_at = now
@@ -237,13 +243,27 @@ class ReturnTimeModel:
         return self._table[classes, age_bins(ages)]
 
     def _build(self, ends: np.ndarray, events: np.ndarray) -> np.ndarray:
+        """The table from the counts. Every step is per class (row) but the pooled hazard, and a class
+        with no observation gets the pooled rates: such rows are computed once and copied, since most of
+        the classes are empty in any one run (the same floats as row by row: the counts are integers)."""
+        observed = (ends.sum(axis=1) + events.sum(axis=1)) > 0  # (counts are >= 0)
+        seen = np.flatnonzero(observed)
+        rows = seen if len(seen) == CLASSES else np.append(seen, np.argmin(observed))  # and one empty class
+        rates = self._rates(ends[rows], events[rows])
+        table = np.empty((CLASSES, BINS))
+        table[:] = rates[-1]  # an empty class's row (or the last class's, overwritten below)
+        table[seen] = rates[: len(seen)]
+        return table
+
+    def _rates(self, ends: np.ndarray, events: np.ndarray) -> np.ndarray:
+        """log2 read rates per row of ``ends`` / ``events`` (classes) and age bin."""
         # at risk entering bin b = observations ending in b or later
         at_risk = np.cumsum(ends[:, ::-1], axis=1)[:, ::-1]
         pool_risk, pool_ev = at_risk.sum(axis=0), events.sum(axis=0)
         pool_h = np.divide(pool_ev, pool_risk, out=np.zeros(BINS), where=pool_risk > 0)
         hazard = (events + self.prior * pool_h) / (at_risk + self.prior)
         hazard[:, HORIZON_BIN:] = 0.0
-        surv = np.cumprod(np.concatenate((np.ones((CLASSES, 1)), 1.0 - hazard[:, :-1]), axis=1), axis=1)
+        surv = np.cumprod(np.concatenate((np.ones((len(ends), 1)), 1.0 - hazard[:, :-1]), axis=1), axis=1)
         mass = surv * hazard  # P(read in bin b)
         # for an object entering bin b: P(read before the horizon) and E[wait | read]
         tail_mass = np.cumsum(mass[:, ::-1], axis=1)[:, ::-1]
