@@ -9,7 +9,16 @@ from kvpool.kvstore.index.eviction import HybridPolicy
 from kvpool.kvstore.index.prefix_index import PrefixIndex
 from kvpool.kvstore.index.recency_guard import RecencyGuard
 from kvpool.kvstore.index.records import ObjectKind
-from kvpool.kvstore.index.return_time import BEYOND, HINT, READ, ReturnTimeModel, hinted_class, request_class
+from kvpool.kvstore.index.return_time import (
+    BEYOND,
+    BINS,
+    CLASSES,
+    HINT,
+    READ,
+    ReturnTimeModel,
+    hinted_class,
+    request_class,
+)
 from kvpool.kvstore.keys import kda_key, mla_key
 
 from tests.harness.chains import chain
@@ -245,3 +254,16 @@ def test_a_clients_hint_classes_its_checkpoint_granted_or_refused_and_holds_thro
     assert granted.pin(keys, 300_000, session="s") == 5, "within the budget: granted"
     granted_slot = granted.match_prefix(hs[:4]).slots[-1]
     assert int(granting._klass[granted_slot]) == before + HINT, "a granted pin's hint is evidence too"
+
+
+@pytest.mark.parametrize("seen", [0, 1, 7, 60, CLASSES - 1, CLASSES])
+def test_the_table_built_from_the_seen_classes_equals_every_class_computed_row_by_row(seen: int) -> None:
+    """The rebuild computes the classes with observations and one empty class (copied to the others): the
+    same floats, bit for bit, as the rates of every class computed in full."""
+    rng = np.random.default_rng(seen)
+    ends, events = np.zeros((CLASSES, BINS)), np.zeros((CLASSES, BINS))
+    rows = rng.choice(CLASSES, size=seen, replace=False)
+    ends[rows] = rng.integers(0, 30, size=(seen, BINS))
+    events[rows] = np.minimum(ends[rows], rng.integers(0, 4, size=(seen, BINS)))
+    m = ReturnTimeModel()
+    assert m._build(ends, events).tobytes() == m._rates(ends, events).tobytes()
