@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The compiled code under AddressSanitizer: builds kvstore/index/*.pyx (the core, the recency guard,
-# admission, the LRU map) and workloads/lru_stack.pyx (the one-pass LRU curve) with -fsanitize=address
+# admission, the LRU map), workloads/lru_stack.pyx (the one-pass LRU curve) and workloads/id_chains.pyx (hash-id
+# chains and their SHA-256) with -fsanitize=address
 # into a scratch copy of the tree (laid out as
 # kvpool/<package>/, the import paths), then runs the index's tests there (differential against the oracle,
 # trace equality, the index and master-core suites) with libasan preloaded. Run once per change to the
@@ -37,9 +38,10 @@ exts = [
     for m in ("prefix_index", "recency_guard", "admission", "lru_map")
 ] + [
     Extension(
-        "kvpool.workloads.lru_stack", ["kvpool/workloads/lru_stack.pyx"], language="c++",
-        extra_compile_args=flags, extra_link_args=["-fsanitize=address"],
+        f"kvpool.workloads.{m}", [f"kvpool/workloads/{m}.pyx"], include_dirs=["kvpool/workloads"],
+        language="c++", extra_compile_args=flags, extra_link_args=["-fsanitize=address"],
     )
+    for m in ("lru_stack", "id_chains")
 ]
 setup(
     ext_modules=cythonize(exts, include_path=["kvpool/kvstore/index"], quiet=True),
@@ -56,10 +58,11 @@ import kvpool.kvstore.index.admission as admission
 import kvpool.kvstore.index.lru_map as lru_map
 import kvpool.kvstore.index.prefix_index as core
 import kvpool.kvstore.index.recency_guard as guard
+import kvpool.workloads.id_chains as id_chains
 import kvpool.workloads.lru_stack as lru_stack
 import pytest
 
-for module in (core, guard, admission, lru_map, lru_stack):
+for module in (core, guard, admission, lru_map, lru_stack, id_chains):
     assert module.__file__.startswith(sys.argv[1]), f"not the ASan build: {module.__file__}"
     print("ASan build:", module.__file__)
 sys.exit(pytest.main([
@@ -69,6 +72,6 @@ sys.exit(pytest.main([
     "tests/test_store_index.py",
     "tests/test_store_index_ckpt.py", "tests/test_store_index_policies.py", "tests/test_store_index_admission.py",
     "tests/test_store_index_return_time.py", "tests/test_store_master_core.py",
-    "tests/test_workloads_lru_stack.py", "tests/test_workloads_lru_curve.py",
+    "tests/test_workloads_lru_stack.py", "tests/test_workloads_lru_curve.py", "tests/test_workloads_id_chains.py",
 ]))
 PY

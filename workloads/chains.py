@@ -7,8 +7,9 @@ Two sources, one shape (a list of 32-byte hashes h_0..h_{n-1} plus tokens per bl
   key the gateway would compute. Only full blocks are hashed; the partial tail is request-scoped.
 - **Hash-id records** (Mooncake traces, no tokens): block i of a request is the trace's ``hash_ids[i]``
   (512 tokens, the last one possibly partial, exactly as the published hit-rate numbers count it), and
-  ``h_i = SHA-256(h_{i-1} || tenant-root || le64(hash_ids[i]))``. Trace ids are already chained (equal id
-  => equal prefix), so h_i depends only on (tenant, id) and is memoised per id.
+  ``h_i = SHA-256(h_{i-1} || TRACE_ROOT || le64(hash_ids[i]))`` from the tenant's root (h_{-1}). Trace ids are
+  already chained (equal id => equal prefix), so h_i depends only on (tenant, id) and is memoised per id
+  (compiled: ``workloads/id_chains.pyx``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from dataclasses import dataclass
 
 from kvpool.cache.hashing import canonical_tokens, check_block_size, hash_block, root_hash
 from kvpool.workloads.errors import ReplayError
+from kvpool.workloads.id_chains import TenantIds
 from kvpool.workloads.trace import Request
-
-_TRACE_ROOT = b"kvpool-sim-trace-ids/1|"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,7 @@ class ChainBuilder:
         self.fingerprint = model_fingerprint(spec_name)
         self.block_size = block_size
         self._roots: dict[str, bytes] = {}
-        self._id_hash: dict[str, dict[int, bytes]] = {}  # tenant -> trace id -> h (no tuple key per block)
+        self._id_hashes: dict[str, TenantIds] = {}  # tenant -> its trace id -> h memo (compiled)
         # (parent h, SHA-256 of the block's tokens as 64-bit words) -> h: turns re-send their history
         self._block_hash: dict[tuple[bytes, bytes], bytes] = {}
 
@@ -111,25 +111,10 @@ class ChainBuilder:
 
     def _id_chain(self, req: Request) -> Chain:
         assert req.hash_ids is not None
-        root = self._root(req.tenant)
-        memo = self._id_hash.get(req.tenant)
-        if memo is None:
-            memo = self._id_hash[req.tenant] = {}
-        # a request re-sends a known prefix, then new blocks: the known part in one pass of C (memo.get),
-        # then SHA-256 from the first new id on
-        hashes: list = list(map(memo.get, req.hash_ids))
-        start = hashes.index(None) if None in hashes else len(hashes)  # (no exception: all known is common)
-        parent = hashes[start - 1] if start else root
-        ids = req.hash_ids
-        for i in range(start, len(hashes)):
-            h = hashes[i]
-            if h is None:
-                hid = ids[i]
-                h = memo.get(hid)  # an id may repeat within the request
-                if h is None:
-                    h = memo[hid] = hashlib.sha256(parent + _TRACE_ROOT + hid.to_bytes(8, "little")).digest()
-                hashes[i] = h
-            parent = h
+        ids = self._id_hashes.get(req.tenant)
+        if ids is None:
+            ids = self._id_hashes[req.tenant] = TenantIds(self._root(req.tenant))
+        hashes = ids.chain(req.hash_ids)
         n = len(hashes)
         bs = req.block_size
         sizes = [bs] * n
