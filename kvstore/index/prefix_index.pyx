@@ -575,13 +575,19 @@ cdef class PrefixIndex:
                 self._order[pool].insert(self._order[pool].end(), OrderKey(self._last_use[s], s))
                 self._flags[s] |= ORDERED
         elif self._flags[s] & ORDERED:
-            self._order[pool].erase(OrderKey(self._last_use[s], s))
-            self._flags[s] &= ~ORDERED
+            self._erase_order(pool, s)
 
     cdef void _unorder(self, Py_ssize_t s):
         if self._flags[s] & ORDERED:
-            self._order[self._node[s] * N_TIERS + self._tier[s]].erase(OrderKey(self._last_use[s], s))
-            self._flags[s] &= ~ORDERED
+            self._erase_order(self._node[s] * N_TIERS + self._tier[s], s)
+
+    cdef inline void _erase_order(self, int pool, Py_ssize_t s):
+        """Take ordered slot ``s`` out of its pool's order: found once (erasing by value would descend the
+        tree twice, for the range of equal keys)."""
+        cdef cset[OrderKey].iterator it = self._order[pool].find(OrderKey(self._last_use[s], s))
+        if it != self._order[pool].end():
+            self._order[pool].erase(it)
+        self._flags[s] &= ~ORDERED
 
     cdef void _touch(self, list slots, bint in_c=False) except *:
         """The policy's touch of really used objects (their order moves with their last use). With ``in_c``
@@ -1778,8 +1784,7 @@ cdef class PrefixIndex:
             order, scores = cand_a, scores_a
             n = order.shape[0]
         cdef double score
-        policy = self.policy
-        one = getattr(policy, "score_one", None)  # the exposed anchor's score, as ``scores`` gives it alone
+        policy = one = None  # (a pass over the LRU order scores nothing: looked up at the first anchor)
         # the anchors exposed so far, a heap of (-score, -slot): its front is the least (score, slot), the
         # order a heap of (score, slot) tuples would pop them in
         cdef vector[OrderKey] exposed
@@ -1824,10 +1829,14 @@ cdef class PrefixIndex:
                         score = self._last_use[a]
                     elif self._dead_scores and self._kind[a] == K_MLA and self._deps[a] == 0:
                         score = self._dead_score(a, now)
-                    elif one is not None:
-                        score = one(self._cols, a, now)
                     else:
-                        score = float(policy.scores(self._cols, np.array([a]), now)[0])
+                        if policy is None:
+                            policy = self._policy
+                            one = getattr(policy, "score_one", None)  # its score alone, as ``scores`` gives it
+                        if one is not None:
+                            score = one(self._cols, a, now)
+                        else:
+                            score = float(policy.scores(self._cols, np.array([a]), now)[0])
                     exposed.push_back(OrderKey(-score, -a))
                     push_heap(exposed.begin(), exposed.end())
         finally:
@@ -1936,7 +1945,7 @@ cdef class PrefixIndex:
             self._table.set_waiting(e, deps)
         self._forget_if_unused(e)
         cdef int64_t size = self._size[slot]
-        tier = _TIERS[self._tier[slot]]
+        cdef int tier_i = self._tier[slot]
         cdef int nid = self._node[slot]
         if self._node_present[nid]:
             self._used[nid, self._tier[slot]] -= size
@@ -1954,7 +1963,7 @@ cdef class PrefixIndex:
             self._free.push_back(slot)
         if not answer:
             return None
-        event = tuple.__new__(Removal, (key, self._node_names[nid], tier, size, reason, demoted))
+        event = tuple.__new__(Removal, (key, self._node_names[nid], _TIERS[tier_i], size, reason, demoted))
         if emit and self._keep_events:
             self._events.append(event)
         return event
