@@ -12,7 +12,7 @@ PIP_PROGRESS := { grep --line-buffered -E '^(Collecting|Successfully installed)'
 
 # kvpool goes in without build isolation: its build requirements are the venv's own (step 2), not a
 # throwaway copy of them made for every install
-$(STAMP): pyproject.toml setup.py $(wildcard kvstore/index/*.pyx kvstore/index/*.h workloads/*.pyx)
+$(STAMP): pyproject.toml setup.py $(wildcard kvstore/index/*.pyx kvstore/index/*.h workloads/*.pyx workloads/*.h)
 	@echo "[1/4] system packages (scripts/sysdeps.sh)"
 	bash scripts/sysdeps.sh
 	@echo "[2/4] virtual environment $(VENV) with current pip, setuptools and Cython (kvpool's build requirements)"
@@ -51,7 +51,7 @@ $(VLLM_DEPS): pyproject.toml Makefile $(STAMP)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_DEPS)
 
-$(VLLM_STAMP): $(VLLM_DEPS) setup.py $(wildcard kvstore/index/*.pyx kvstore/index/*.h workloads/*.pyx)
+$(VLLM_STAMP): $(VLLM_DEPS) setup.py $(wildcard kvstore/index/*.pyx kvstore/index/*.h workloads/*.pyx workloads/*.h)
 	@echo "[vllm 3/3] kvpool, editable, into $(VLLM_VENV)"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(VLLM_STAMP)
