@@ -28,5 +28,6 @@ def test_the_wheel_builds_without_warnings_and_ships_its_data(tmp_path: Path) ->
     for data in ("pricing.toml", "conversation_trace.jsonl.gz", "synthetic_trace.jsonl.gz", "NOTICE"):
         assert f"kvpool/workloads/data/{data}" in names
     # the index core is compiled from its source, and the wheel ships the module, not the build's by-products
-    assert any(n.startswith("kvpool/kvstore/index/prefix_index.") and n.endswith(".so") for n in names), names
+    for module in ("kvstore/index/prefix_index", "workloads/lru_stack", "workloads/id_chains"):
+        assert any(n.startswith(f"kvpool/{module}.") and n.endswith(".so") for n in names), (module, names)
     assert "kvpool/kvstore/index/prefix_index.cpp" not in names
