@@ -17,6 +17,7 @@
 #include <cstring>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define KVPOOL_SHA_X86 1
 #endif
@@ -59,7 +60,8 @@ inline void compress_portable(std::uint32_t state[8], const std::uint8_t* block)
   std::uint32_t a = state[0], b = state[1], c = state[2], d = state[3];
   std::uint32_t e = state[4], f = state[5], g = state[6], h = state[7];
   for (int t = 0; t < 64; ++t) {
-    const std::uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + K[t] + w[t];
+    const std::uint32_t s1 = rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25);
+    const std::uint32_t t1 = h + s1 + ((e & f) ^ (~e & g)) + K[t] + w[t];
     const std::uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
     h = g;
     g = f;
@@ -83,7 +85,8 @@ inline void compress_portable(std::uint32_t state[8], const std::uint8_t* block)
 #ifdef KVPOOL_SHA_X86
 // The same block with the SHA extensions: the state held as the instructions take it (ABEF and CDGH), four
 // rounds per pair of `sha256rnds2`, the message schedule by `sha256msg1` / `sha256msg2` four words at a time.
-__attribute__((target("sha,sse4.1"))) inline void compress_x86(std::uint32_t state[8], const std::uint8_t* block) {
+__attribute__((target("sha,sse4.1"))) inline void compress_x86(std::uint32_t state[8],
+                                                               const std::uint8_t* block) {
   const __m128i big_endian = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
   __m128i dcba = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&state[0]));
   __m128i hgfe = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&state[4]));
@@ -118,9 +121,13 @@ __attribute__((target("sha,sse4.1"))) inline void compress_x86(std::uint32_t sta
   _mm_storeu_si128(reinterpret_cast<__m128i*>(&state[4]), hgfe);
 }
 
+// CPUID, not `__builtin_cpu_supports("sha")`: GCC before 11 and clang before 18 refuse that name at compile
+// time. SSE4.1 is leaf 1's ECX bit 19 (the blend and 8-byte align), SHA leaf 7's EBX bit 29.
 inline bool cpu_has_sha() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1");
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 19))) return false;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (b & (1u << 29)) != 0;
 }
 #endif
 
