@@ -96,6 +96,7 @@ from libcpp.set cimport set as cset
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 from libcpp.algorithm cimport pop_heap, push_heap
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.operator cimport dereference as deref, preincrement as inc
@@ -277,6 +278,16 @@ cdef Py_ssize_t _checkpoint_at(object at, Py_ssize_t n) except -1:
     return c
 
 
+cdef inline bytes _tagged(unsigned char tag, bytes block_hash):
+    """``tag + block_hash`` (a checked 32-byte hash): made in place, not by bytes' concatenation, which
+    asks both operands for their buffers."""
+    cdef bytes key = PyBytes_FromStringAndSize(NULL, 33)
+    cdef char* p = PyBytes_AS_STRING(key)
+    p[0] = <char>tag
+    memcpy(p + 1, <const char*>block_hash, 32)
+    return key
+
+
 cdef inline object _positive_size(object size):
     """A chain put's size as a Python int > 0 (an integer of any type), or ``BadObjectError``."""
     if type(size) is int and size > 0:  # the simulator's every put: no operator.index call
@@ -334,6 +345,7 @@ cdef class PrefixIndex:
     cdef dict _node_ids
     cdef dict _capacity_memo
     cdef Py_ssize_t _n
+    cdef Py_ssize_t _capacity  # the columns' (``Columns.capacity``, read per insert without Python)
     cdef Py_ssize_t _n_committed, _n_pending, _n_orphans
     cdef list _tenants
     cdef dict _tenant_ids
@@ -503,6 +515,7 @@ cdef class PrefixIndex:
         self._deps, self._freq = cols.deps, cols.freq
         self._size, self._checksum, self._last_use = cols.size, cols.checksum, cols.last_use
         self._entry, self._anchor = cols.entry, cols.anchor
+        self._capacity = cols.capacity
 
     cdef inline bytes _key_of_entry(self, int32_t e):
         cdef const uint8_t* p = self._table.key_data(e)
@@ -620,7 +633,7 @@ cdef class PrefixIndex:
             s = self._free.back()
             self._free.pop_back()
             return s
-        if self._n == self._cols.capacity:
+        if self._n == self._capacity:
             self._cols.grow()
             self._set_columns(self._cols)
         self._n += 1
@@ -865,8 +878,8 @@ cdef class PrefixIndex:
         cdef int ids[2]  # the node's and the tenant's ids, once a put of this call has looked them up
         ids[0] = ids[1] = -1
         for i in range(n):
-            key = MLA_TAG + hs[i]
-            if prev == key:
+            key = _tagged(C_MLA_TAG, hs[i])
+            if len(prev) == 33 and memcmp(<const char*>prev, <const char*>key, 33) == 0:  # a block repeated
                 prev, prev_entry = b"", -1
             answer = self._put_of_chain(
                 key, K_MLA, size_list[i], node_id, tenant, prev, prev_entry, admits[i], now, ids
@@ -876,9 +889,8 @@ cdef class PrefixIndex:
             # the block's entry, the next block's anchor (checked again there: an eviction may drop it)
             prev_entry = self._entry[answer] if answer >= 0 else -1
         for c, size, admit in cks:
-            out.append(
-                self._put_of_chain(KDA_TAG + hs[c - 1], K_KDA, size, node_id, tenant, b"", -1, admit, now, ids)
-            )
+            key = _tagged(C_KDA_TAG, hs[c - 1])
+            out.append(self._put_of_chain(key, K_KDA, size, node_id, tenant, b"", -1, admit, now, ids))
         return out
 
     cdef int32_t _put_of_chain(
