@@ -96,7 +96,7 @@ from libcpp.set cimport set as cset
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 from libcpp.algorithm cimport pop_heap, push_heap
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.operator cimport dereference as deref, preincrement as inc
@@ -326,7 +326,7 @@ cdef class PrefixIndex:
     cdef vector[int32_t] _held_back
     cdef vector[int32_t] _free
     # columns (numpy, read by the policies) and their typed views (rebound whenever the columns grow)
-    cdef public object _cols
+    cdef readonly object _cols
     cdef uint8_t[::1] _kind, _tier, _flags
     cdef uint16_t[::1] _tenant, _node, _depth
     cdef uint32_t[::1] _deps
@@ -863,8 +863,10 @@ cdef class PrefixIndex:
                 f"{n} hashes, {len(sizes)} sizes and {len(admits)} admits: one of each per block"
             )
         hs = [_as_key(h) for h in hashes]
-        for h in hs:
-            if h is None or len(h) != HASH_BYTES:
+        if len(hs) != n:  # (a hash whose __bytes__ changed the list)
+            raise BadObjectError(f"{len(hs)} hashes where there were {n}: the list changed while it was read")
+        for h in hs:  # exactly bytes of 32 (``_tagged`` copies 32 of them; a bytes subclass may lie about its size)
+            if type(h) is not bytes or PyBytes_GET_SIZE(h) != HASH_BYTES:
                 raise BadObjectError(f"a block hash must be {HASH_BYTES} bytes")
         size_list = [_positive_size(x) for x in sizes]
         cks = []
