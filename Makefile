@@ -35,8 +35,9 @@ venv: $(STAMP)
 # transformers then fails); text models need none of them, so they are removed. Two steps: the third-party
 # packages (kvpool's own dependencies included, read from pyproject.toml), which never touch the source
 # tree, so `make test` installs them in the background while the main suite runs; then kvpool itself,
-# editable and without build isolation, which builds the compiled index in place (next to the source the
-# main suite imports it from), so `make test` runs it only once no test is running.
+# editable and without build isolation, which writes the compiled modules in place (next to the source the
+# main suite imports them from), so `make test` runs it only once no test is running; it copies the modules
+# the main venv built there when they are up to date (setup.py's BuildExt) instead of compiling them again.
 VLLM_VENV ?= .venv-vllm
 VLLM_DEPS := $(VLLM_VENV)/.deps-installed
 VLLM_STAMP := $(VLLM_VENV)/.kvpool-installed
