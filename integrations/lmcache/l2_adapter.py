@@ -319,9 +319,12 @@ class KvpoolL2Adapter(L2AdapterInterface):
             self._finish(task, results, result, event)
 
         try:
-            self._pool.submit(run)
+            future = self._pool.submit(run)
         except RuntimeError:  # closed: the task still ends, as a failure
             self._finish(task, results, failed, event)
+            return
+        # one that ``close`` cancels before it ran ends too, as a failure
+        future.add_done_callback(lambda f: f.cancelled() and self._finish(task, results, failed, event))
 
     def _finish(self, task: int, results: str, result: Any, event: int) -> None:
         """Make the result visible in the table as it is now (``pop_completed_store_tasks`` swaps the store
@@ -346,11 +349,14 @@ class KvpoolL2Adapter(L2AdapterInterface):
                 "failures": failures, **counters}  # fmt: skip
 
     def close(self) -> None:
+        """Stop: the tasks running finish (each store call within ``deadline_s``), the ones still queued
+        end at once as failures, so a close against a dead store takes one deadline, not one per queued
+        task. The leases held are released if a worker gets to it, else they run to their deadline."""
         with self._lock:
             leases, self._lease_holds, self._held = list(self._lease_holds), {}, {}
         for lease in leases:
             self._release_soon(lease)
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         for event in self._events:
             event.close()

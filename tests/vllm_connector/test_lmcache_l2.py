@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -222,6 +223,32 @@ def test_two_locks_of_one_chunk_keep_it_pinned_until_both_are_unlocked(own_store
         assert not any(k.endswith("errors") for k in adapter.counters()), adapter.counters()
     finally:
         adapter.close()
+
+
+def test_a_close_against_a_frozen_store_takes_one_deadline_and_ends_every_task(own_store) -> None:
+    """A store that stops answering (its node frozen) with store tasks queued behind the one running: the
+    close waits for that one (its call's deadline, 1 s) and ends the queued ones at once, as failures,
+    instead of running each to its own deadline (5 s here before); every task's result arrives."""
+    from types import SimpleNamespace
+
+    from kvpool.integrations.lmcache.l2_adapter import KvpoolL2Adapter
+
+    master, node = own_store
+    adapter = KvpoolL2Adapter({"master": master.address, "deadline_s": 1, "workers": 1})
+    data = SimpleNamespace(byte_array=memoryview(bytearray(4096)))
+    fields = {"model_name": "m", "kv_rank": 1, "object_group_id": 0, "cache_salt": ""}
+    keys = [SimpleNamespace(chunk_hash=bytes([i]) * 32, **fields) for i in range(8)]
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        tasks = [adapter.submit_store_task([k], [data]) for k in keys]
+        started = time.monotonic()
+        adapter.close()
+        took = time.monotonic() - started
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+    results = adapter.pop_completed_store_tasks()
+    assert sorted(results) == tasks and not any(r.is_successful() for r in results.values()), results
+    assert took < 3.0, f"close took {took:.1f} s: it ran the queued tasks to their deadlines"
 
 
 def _result(poll: Callable[[], object], deadline_s: float = 10.0) -> object:
