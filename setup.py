@@ -42,15 +42,15 @@ class BuildExt(build_ext):
     """An editable install compiles in a temporary directory, so it never sees the modules an earlier
     editable install built next to their sources: the vLLM test venv's install (same interpreter, whose ABI
     tag the file name carries) compiled them all again, on ``make test``'s critical path. There, a module
-    newer than its generated C++ and its headers is copied instead. A wheel (``pip wheel .``, ``pip install
-    .``) always compiles."""
+    newer than its generated C++, its headers and this file (its flags) is copied instead. A wheel (``pip
+    wheel .``, ``pip install .``) always compiles."""
 
     def build_extension(self, ext: Extension) -> None:
         target = Path(self.get_ext_fullpath(ext.name))
         beside = Path(ext.sources[0]).with_name(target.name)  # where an editable install put it
         if self.editable_mode and beside.is_file():
             built = beside.stat().st_mtime
-            if all(Path(f).stat().st_mtime < built for f in [*ext.sources, *ext.depends]):
+            if all(Path(f).stat().st_mtime < built for f in [*ext.sources, *ext.depends, __file__]):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(beside, target)
                 return
